@@ -1,0 +1,270 @@
+"""Merged view W0 + ΔW of a PEFT model, computed into new buffers.
+
+GRPO with LoRA often syncs *merged* weights to the rollout engine (the engine then needs no LoRA support, and
+MoE LoRA needs Triton kernels the CPU/NPU builds lack). PEFT's ``merge_adapter()``/``unmerge_adapter()`` rewrites
+the trainer's base weights twice per step: lossy in bf16 (W + ΔW - ΔW != W), impossible for 4-bit QLoRA bases, and
+racy if anything reads the weights in between. :func:`merged_named_weights` instead yields, lazily and one
+parameter at a time, ``W0 + ΔW`` in a fresh buffer (computed in fp32, one rounding to the output dtype) and never
+writes to the model. Parameters without LoRA pass through as they are (``detach()``-ed, no copy).
+
+Names are the trainer's runtime names without PEFT's wrappers (``base_model.model.``, ``.base_layer``,
+``modules_to_save.<adapter>.``, ``.original_module``, ``_checkpoint_wrapped_module.``, ``_fsdp_wrapped_module.``,
+``_orig_mod.``), e.g. ``model.layers.0.mlp.experts.gate_up_proj``. Buffers are not yielded (the trainer does not
+train them). Sharded parameters (FSDP / ZeRO-3) must be gathered by the caller.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from hwsync.errors import AdapterFormatError
+
+__all__ = ["merged_named_weights", "delta_weight", "strip_peft_name"]
+
+_WRAPPER_SEGMENTS = re.compile(
+    r"(?:(?<=\.)|^)(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod|base_layer|original_module)\."
+    r"|\.(?:base_layer|original_module)$"
+)
+_MODULES_TO_SAVE = re.compile(r"(?:(?<=\.)|^)modules_to_save\.[^.]+\.")
+
+# Chunk the fp32 temporaries of stacked experts to about this many bytes.
+_CHUNK_BYTES = 256 << 20
+
+
+def strip_peft_name(name: str) -> str:
+    """Trainer runtime name of a PEFT-wrapped parameter or module name."""
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model.") :]
+    name = _MODULES_TO_SAVE.sub("", name)
+    prev = None
+    while prev != name:
+        prev, name = name, _WRAPPER_SEGMENTS.sub("", name)
+    return name
+
+
+@dataclass(frozen=True)
+class _Contribution:
+    layer: nn.Module  # a peft LoraLayer
+    adapter: str
+    sign: float  # +1 add, -1 remove a delta that is merged into the stored weight but disabled
+    part: str  # "weight" or "bias"
+
+
+def _refuse_non_lora(model: nn.Module) -> None:
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return
+    active = getattr(model, "active_adapters", None)
+    active = [active] if isinstance(active, str) else list(active or configs)
+    for name in active:
+        cfg = configs.get(name)
+        ptype = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", "")))
+        if cfg is not None and ptype.upper() != "LORA":
+            raise AdapterFormatError(
+                f"adapter {name!r} is {ptype}, not LoRA: it has no W0+ΔW form. Merge it on a copy with PEFT "
+                "(merge_and_unload) and sync that model's weights instead"
+            )
+
+
+def _active_lora_adapters(layer: nn.Module) -> tuple[list[str], list[str]]:
+    """(adapters to add, adapters to subtract), mirroring what the layer's forward uses."""
+    merged = [a for a in getattr(layer, "merged_adapters", []) if a in _adapter_keys(layer)]
+    if getattr(layer, "disable_adapters", False):
+        return [], merged  # forward unmerges and runs the base weight alone
+    if merged:
+        return [], []  # forward runs the stored (already merged) weight
+    return [a for a in layer.active_adapters if a in _adapter_keys(layer)], []
+
+
+def _adapter_keys(layer: nn.Module) -> set[str]:
+    keys = set(getattr(layer, "lora_A", {}).keys())
+    keys |= set(getattr(layer, "lora_embedding_A", {}).keys())
+    return keys
+
+
+def _collect(model: nn.Module) -> tuple[dict[int, list[_Contribution]], set[int], set[int]]:
+    """id(param) -> contributions; ids of adapter params; ids of inactive modules_to_save copies / originals."""
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    try:
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:  # pragma: no cover - older peft
+        ModulesToSaveWrapper = ()  # type: ignore[assignment]
+
+    contrib: dict[int, list[_Contribution]] = {}
+    adapter_params: set[int] = set()
+    hidden: set[int] = set()
+    for mod_name, module in model.named_modules():
+        if ModulesToSaveWrapper and isinstance(module, ModulesToSaveWrapper):
+            act = module.active_adapters
+            use = None if module.disable_adapters or not act or act[0] not in module.modules_to_save else act[0]
+            for name, copy in module.modules_to_save.items():
+                if name != use:
+                    hidden.update(id(p) for p in copy.parameters())
+            if use is not None:
+                hidden.update(id(p) for p in module.original_module.parameters())
+            continue
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for attr in module.adapter_layer_names:
+            holder = getattr(module, attr, None)
+            if isinstance(holder, nn.Module):
+                adapter_params.update(id(p) for p in holder.parameters())
+        if not isinstance(module, LoraLayer):
+            raise AdapterFormatError(
+                f"{mod_name} is a {type(module).__name__} ({type(module).__module__}), not a LoRA layer: the merged "
+                "view covers LoRA only. Merge this adapter on a copy with PEFT and sync full weights"
+            )
+        add, sub = _active_lora_adapters(module)
+        if not add and not sub:
+            continue
+        if isinstance(module, ParamWrapper):
+            target = module.get_param()
+        else:
+            target = module.get_base_layer().weight
+        for adapter, sign in [(a, 1.0) for a in add] + [(a, -1.0) for a in sub]:
+            contrib.setdefault(id(target), []).append(_Contribution(module, adapter, sign, "weight"))
+            if getattr(module, "lora_bias", {}).get(adapter, False):
+                bias = getattr(module.get_base_layer(), "bias", None)
+                if bias is None:
+                    raise AdapterFormatError(f"{mod_name}: lora_bias=True but the base layer has no bias")
+                contrib.setdefault(id(bias), []).append(_Contribution(module, adapter, sign, "bias"))
+    return contrib, adapter_params, hidden
+
+
+def delta_weight(layer: nn.Module, adapter: str = "default", *, experts: slice | None = None) -> Tensor:
+    """ΔW of one PEFT LoRA layer for ``adapter`` in fp32, in the layout of the parameter it adapts.
+
+    Same formula as PEFT's ``get_delta_weight`` (``B @ A * scaling``; for a 3-D ``ParamWrapper``
+    ``einsum("o r e, e r i -> e o i")``), but always in fp32 and never cast down. ``experts`` limits a stacked
+    expert delta to a slice of experts (to bound memory). DoRA and other LoRA variants have no additive ΔW: use
+    :func:`merged_named_weights`, which applies them through PEFT's ``merge_safe``.
+    """
+    from peft.tuners.lora.layer import Embedding, ParamWrapper
+
+    if adapter in getattr(layer, "lora_variant", {}):
+        raise AdapterFormatError(
+            f"adapter {adapter!r} on {type(layer).__name__} is a LoRA variant "
+            f"({type(layer.lora_variant[adapter]).__name__}) with no additive ΔW"
+        )
+    s = float(layer.scaling[adapter])
+    if isinstance(layer, ParamWrapper) and layer.num_experts > 1:
+        e = layer.num_experts
+        a = layer.lora_A[adapter].weight
+        b = layer.lora_B[adapter].weight
+        a = a.reshape(e, -1, a.shape[-1])
+        b = b.reshape(b.shape[0], -1, e)
+        if experts is not None:
+            a, b = a[experts], b[..., experts]
+        spec = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
+        return torch.einsum(spec, b.float(), a.float()) * s
+    if isinstance(layer, Embedding) and adapter in layer.lora_embedding_A:
+        a, b = layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter]
+        return (b.float() @ a.float()).T * s
+    holder = getattr(layer, "lora_A", None)
+    lin_a = holder[adapter] if holder is not None and adapter in holder else None
+    if isinstance(lin_a, nn.Linear):  # lora.Linear, quantized Linear variants, 2-D ParamWrapper
+        w = layer.lora_B[adapter].weight.float() @ lin_a.weight.float()
+        return (w.T if getattr(layer, "fan_in_fan_out", False) else w) * s
+    # Conv and other LoRA layer types: PEFT's own math, lifted to fp32.
+    return layer.get_delta_weight(adapter).float()
+
+
+def _base_weight(layer: nn.Module, param: Tensor) -> Tensor:
+    """The base weight as a floating tensor (dequantized for bnb / HQQ / torchao QLoRA bases)."""
+    if param.is_floating_point() and type(param).__name__ not in ("Params4bit", "Int8Params"):
+        return param.detach()
+    from peft.utils.integrations import dequantize_module_weight
+
+    return dequantize_module_weight(layer.get_base_layer()).detach()
+
+
+def _lora_dtype(layer: nn.Module, adapter: str) -> torch.dtype:
+    holder = layer.lora_B[adapter] if adapter in getattr(layer, "lora_B", {}) else layer.lora_embedding_B[adapter]
+    return holder.weight.dtype if isinstance(holder, nn.Module) else holder.dtype
+
+
+def _merge(param: Tensor, contribs: list[_Contribution], dtype: torch.dtype | None) -> Tensor:
+    from peft.tuners.lora.layer import ParamWrapper
+
+    first = contribs[0]
+    part = first.part
+    if part == "bias":
+        out = param.detach().float()
+        for c in contribs:
+            out = out + c.sign * c.layer.lora_B[c.adapter].bias.float() * float(c.layer.scaling[c.adapter])
+        return out.to(dtype or param.dtype)
+
+    base = _base_weight(first.layer, param)
+    out_dtype = dtype or (base.dtype if param.is_floating_point() else _lora_dtype(first.layer, first.adapter))
+    variants = [c for c in contribs if c.adapter in getattr(c.layer, "lora_variant", {})]
+    if variants:
+        return _merge_variants(base, contribs, out_dtype)
+
+    layer = first.layer
+    stacked = isinstance(layer, ParamWrapper) and layer.num_experts > 1 and base.dim() == 3
+    out = torch.empty(base.shape, dtype=out_dtype, device=base.device)
+    if not stacked:
+        merged = base.float() + sum(c.sign * delta_weight(c.layer, c.adapter) for c in contribs)
+        out.copy_(merged)
+        return out
+    per_expert = max(1, base[0].numel() * 4)
+    step = max(1, _CHUNK_BYTES // per_expert)
+    for lo in range(0, base.shape[0], step):
+        sl = slice(lo, min(lo + step, base.shape[0]))
+        merged = base[sl].float() + sum(c.sign * delta_weight(c.layer, c.adapter, experts=sl) for c in contribs)
+        out[sl].copy_(merged)
+    return out
+
+
+def _merge_variants(base: Tensor, contribs: list[_Contribution], out_dtype: torch.dtype) -> Tensor:
+    """DoRA & co: PEFT's own ``merge_safe`` on a copy (it returns a new tensor and leaves the layer's weight alone)."""
+    w = base.clone()
+    for c in contribs:
+        if c.sign < 0:
+            raise AdapterFormatError(
+                f"{type(c.layer).__name__}: adapter {c.adapter!r} is a merged-then-disabled LoRA variant; "
+                "unmerge it (model.unmerge_adapter()) before taking the merged view"
+            )
+        variant = c.layer.lora_variant.get(c.adapter)
+        cache_before = set(getattr(c.layer, "_caches", {}))
+        if variant is None:
+            w = w + delta_weight(c.layer, c.adapter).to(w.dtype)
+        else:
+            w = variant.merge_safe(c.layer, c.adapter, w)
+        caches = getattr(c.layer, "_caches", None)
+        if isinstance(caches, dict):  # merge_safe caches DoRA norms for a later unmerge that never comes
+            for key in set(caches) - cache_before:
+                caches.pop(key, None)
+    return w.to(out_dtype)
+
+
+def merged_named_weights(
+    model: nn.Module,
+    *,
+    include: Callable[[str], bool] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(trainer_name, tensor)`` with LoRA deltas applied into new buffers; the model is never written.
+
+    ``include(name)`` filters on the stripped name before any work is done. ``dtype`` casts merged tensors (default:
+    the base parameter's dtype, or the LoRA dtype for quantized bases). Follows PEFT's forward semantics per layer:
+    active adapters are summed, already-merged adapters are not added twice, disabled adapters are left out.
+    """
+    _refuse_non_lora(model)
+    contrib, adapter_params, hidden = _collect(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            pid = id(param)
+            if pid in adapter_params or pid in hidden:
+                continue
+            clean = strip_peft_name(name)
+            if include is not None and not include(clean):
+                continue
+            parts = contrib.get(pid)
+            yield clean, (param.detach() if not parts else _merge(param, parts, dtype))
