@@ -29,7 +29,10 @@ _LAZY: dict[str, str] = {
     "get_backend": "hwsync.backend",
     "register_backend": "hwsync.backend",
     "available_backends": "hwsync.backend",
+    "known_backends": "hwsync.backend",
+    "backend_for_device": "hwsync.backend",
     "broadcast": "hwsync.comm",
+    "broadcast_coalesced": "hwsync.comm",
     "sync": "hwsync.sync",
     "verify": "hwsync.sync",
     "SyncReport": "hwsync.sync",
@@ -69,7 +72,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
-    from hwsync.backend import Backend, available_backends, get_backend, register_backend
-    from hwsync.comm import broadcast
+    from hwsync.backend import (
+        Backend,
+        available_backends,
+        backend_for_device,
+        get_backend,
+        known_backends,
+        register_backend,
+    )
+    from hwsync.comm import broadcast, broadcast_coalesced
     from hwsync.layouts import ExpertLayout, ExpertSharding
     from hwsync.sync import SyncReport, connect, sync, verify

