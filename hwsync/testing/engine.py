@@ -54,13 +54,17 @@ def vllm_missing_reason() -> str | None:
 
 
 def require_vllm() -> None:
-    """Skip the calling test when vLLM cannot run, naming why; fail instead when ``CI=true``."""
+    """Skip the calling test when vLLM cannot run, naming why; fail instead when ``CI=true``.
+
+    ``HWSYNC_NO_VLLM_EXPECTED=1`` marks a job that leaves vLLM out on purpose (the old-transformers job):
+    there the tests skip even under ``CI=true``.
+    """
     import pytest
 
     reason = vllm_missing_reason()
     if reason is None:
         return
-    if os.environ.get("CI", "").lower() == "true":
+    if os.environ.get("CI", "").lower() == "true" and os.environ.get("HWSYNC_NO_VLLM_EXPECTED") != "1":
         pytest.fail(f"CI=true but the vLLM tests cannot run: {reason}", pytrace=False)
     pytest.skip(reason)
 

@@ -1,0 +1,324 @@
+"""The patch mechanism (scopes, installs, probes, composition, registry) and the ledger.
+
+Targets are small modules built here: the mechanism patches attributes of any module, so these tests exercise
+exactly the code real patches use, without importing transformers / PEFT / vLLM.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+
+import hwsync.patches as patches
+from hwsync.errors import HwsyncError, PatchError
+from hwsync.patches import APPLIES, NOT_NEEDED, TARGET_MISSING, Patch, PatchWarning, ProbeResult
+
+README = Path(patches.__file__).with_name("README.md")
+
+
+@pytest.fixture
+def target_module():
+    """A throwaway importable module with a function, a class with an inherited method and a classmethod."""
+    mod = types.ModuleType("hwsync_patch_target")
+
+    def double(x):
+        return 2 * x
+
+    class Base:
+        def greet(self):
+            return "base"
+
+        @classmethod
+        def make(cls):
+            return cls.__name__
+
+        @staticmethod
+        def static():
+            return "static"
+
+    class Child(Base):
+        pass
+
+    mod.double, mod.Base, mod.Child = double, Base, Child
+    sys.modules[mod.__name__] = mod
+    yield mod
+    del sys.modules[mod.__name__]
+
+
+def make_patch(state=APPLIES, targets=("hwsync_patch_target:double",), factory=None):
+    calls = {"probe": 0, "built": 0}
+
+    class _P(Patch):
+        name = "test_patch"
+        upstream = "https://example.invalid/issue"
+
+        def check(self):
+            calls["probe"] += 1
+            return ProbeResult(state, "test")
+
+        def replacement(self, original, target):
+            calls["built"] += 1
+            if factory is not None:
+                return factory(original, target)
+
+            @functools.wraps(original)
+            def wrapper(*a, **k):
+                return ("patched", original(*a, **k))
+
+            return wrapper
+
+    _P.targets = targets
+    return _P(), calls
+
+
+def test_scope_patches_and_restores_the_exact_object(target_module):
+    p, _ = make_patch()
+    original = target_module.double
+    with p:
+        assert target_module.double(3) == ("patched", 6)
+        assert p.active and not p.installed
+    assert target_module.double is original
+    assert not p.active
+
+
+def test_scope_restores_when_the_body_raises(target_module):
+    p, _ = make_patch()
+    original = target_module.double
+    with pytest.raises(ZeroDivisionError):
+        with p:
+            assert target_module.double(1) == ("patched", 2)
+            1 / 0
+    assert target_module.double is original and not p.active
+
+
+def test_double_install_patches_once_and_nested_scopes_count(target_module):
+    p, calls = make_patch()
+    original = target_module.double
+    assert p.install() and p.install()
+    assert calls["built"] == 1 and target_module.double(1) == ("patched", 2)  # not ("patched", ("patched", 2))
+    with p:
+        with p.scoped():
+            assert calls["built"] == 1
+        assert target_module.double is not original  # still held by install() and the outer scope
+    assert p.uninstall() and not p.uninstall()
+    assert target_module.double is original and calls["built"] == 1
+
+
+def test_install_outlives_scopes_and_scope_outlives_uninstall(target_module):
+    p, _ = make_patch()
+    original = target_module.double
+    with p:
+        p.install()
+    assert target_module.double is not original
+    with p:
+        p.uninstall()
+        assert target_module.double is not original
+    assert target_module.double is original
+
+
+def test_inherited_method_is_unshadowed_not_copied(target_module):
+    Child, Base = target_module.Child, target_module.Base
+    p, _ = make_patch(targets=("hwsync_patch_target:Child.greet",))
+    with p:
+        assert "greet" in Child.__dict__ and Child().greet() == ("patched", "base")
+        assert Base().greet() == "base"
+    assert "greet" not in Child.__dict__ and Child.greet is Base.greet
+
+
+def test_classmethod_and_staticmethod_are_restored_raw(target_module):
+    Base = target_module.Base
+    raw_cm, raw_sm = Base.__dict__["make"], Base.__dict__["static"]
+
+    def factory(original, target):
+        func = original.__func__
+        if isinstance(original, classmethod):
+            return classmethod(lambda cls: ("patched", func(cls)))
+        return staticmethod(lambda: ("patched", func()))
+
+    p, _ = make_patch(targets=("hwsync_patch_target:Base.make", "hwsync_patch_target:Base.static"),
+                      factory=factory)
+    with p:
+        assert Base.make() == ("patched", "Base") and Base.static() == ("patched", "static")
+    assert Base.__dict__["make"] is raw_cm and Base.__dict__["static"] is raw_sm
+
+
+def test_not_needed_and_missing_targets_patch_nothing(target_module):
+    original = target_module.double
+    p, calls = make_patch(state=NOT_NEEDED)
+    with p:
+        assert target_module.double is original and not p.active
+    assert not p.install() and not p.installed and calls["built"] == 0
+
+    missing, calls = make_patch(targets=("hwsync_patch_target:nope",))
+    assert missing.probe().state == TARGET_MISSING and "nope" in missing.probe().reason
+    assert calls["probe"] == 0  # the probe proper never runs on a missing target
+    assert not missing.install()
+    with pytest.raises(PatchError, match="nope"):
+        missing.install(force=True)
+
+    nomodule, _ = make_patch(targets=("hwsync_no_such_module_xyz:f",))
+    assert nomodule.probe().state == TARGET_MISSING and nomodule.probe().reason == "hwsync_no_such_module_xyz is not installed"
+
+
+def test_force_applies_against_the_probe_and_probe_is_cached(target_module):
+    p, calls = make_patch(state=NOT_NEEDED)
+    with p.scoped(force=True):
+        assert target_module.double(2) == ("patched", 4)
+    p.probe(), p.probe()
+    assert calls["probe"] == 1
+    p.probe(refresh=True)
+    assert calls["probe"] == 2
+
+
+def test_probe_reads_the_original_while_installed(target_module):
+    seen = []
+
+    class _P(Patch):
+        name = "reads_original"
+        targets = ("hwsync_patch_target:double",)
+
+        def check(self):
+            seen.append(self.original()(1))
+            return ProbeResult(APPLIES, "")
+
+        def replacement(self, original, target):
+            return lambda x: -1
+
+    p = _P()
+    with p.scoped(force=True):
+        p.probe(refresh=True)
+    assert seen == [2]
+
+
+def test_someone_patching_on_top_is_left_in_place_with_a_warning(target_module):
+    p, _ = make_patch()
+    original = target_module.double
+    p.install()
+
+    def theirs(x):
+        return "theirs"
+
+    target_module.double = theirs
+    with pytest.warns(PatchWarning, match="replaced after hwsync patched it"):
+        p.uninstall()
+    assert target_module.double is theirs and p.shadowed == ["hwsync_patch_target:double"]
+    target_module.double = original
+
+
+def test_someone_patching_before_us_is_wrapped_and_restored(target_module):
+    def theirs(x):
+        return "theirs"
+
+    target_module.double = theirs
+    p, _ = make_patch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with p:
+            assert target_module.double(1) == ("patched", "theirs")
+    assert target_module.double is theirs
+
+
+def test_multi_target_apply_is_atomic(target_module):
+    original = target_module.double
+
+    def factory(original, target):
+        if target.endswith("greet"):
+            raise RuntimeError("cannot build this one")
+        return lambda *a: "patched"
+
+    p, _ = make_patch(targets=("hwsync_patch_target:double", "hwsync_patch_target:Base.greet"), factory=factory)
+    with pytest.raises(PatchError, match="nothing was left patched"):
+        p.install(force=True)
+    assert target_module.double is original and not p.active and "greet" in target_module.Base.__dict__
+
+
+def test_alternative_targets_take_the_first_that_exists(target_module):
+    p, _ = make_patch(targets=(("hwsync_patch_target:moved_here", "hwsync_patch_target:double"),))
+    assert p.probe().state == APPLIES
+    with p:
+        assert target_module.double(1) == ("patched", 2)
+    assert "moved_here | hwsync_patch_target:double" in p.target
+
+
+def test_a_raising_probe_patches_nothing(target_module):
+    class _P(Patch):
+        name = "raising_probe"
+        targets = ("hwsync_patch_target:double",)
+
+        def check(self):
+            raise RuntimeError("boom")
+
+    p = _P()
+    assert p.probe().state == NOT_NEEDED and "probe error" in p.probe().reason
+    assert not p.install()
+
+
+def test_registry_api():
+    assert set(patches.names()) == {"rope_config", "peft_moe_regex", "mtp_config", "vllm_cpu_moe_lora",
+                                    "vllm_cpu_moe_prepack", "vllm_ascend"}
+    assert patches.get("mtp_config").name == "mtp_config"
+    with pytest.raises(PatchError, match="known:"):
+        patches.get("nope")
+    with pytest.raises(HwsyncError):
+        patches.apply(["rope_config", "nope"])
+    assert not any(p.active for p in map(patches.get, patches.names()))  # nothing applied by the failed call
+
+
+def test_disable_env_keeps_apply_from_installing(monkeypatch):
+    monkeypatch.setenv(patches.DISABLE_ENV, "all")
+    assert patches.apply() == []
+    assert not any(patches.get(n).installed for n in patches.names())
+
+
+def test_importing_patches_imports_no_target():
+    code = ("import sys, hwsync.patches as p; p.names(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'vllm', 'vllm_ascend', 'swift') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _ledger_rows() -> dict[str, dict[str, str]]:
+    lines = [ln.strip() for ln in README.read_text().splitlines() if ln.strip().startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        row = dict(zip(header, cells))
+        rows[row["Name"].strip("`")] = row
+    return rows
+
+
+def test_ledger_has_one_complete_row_per_registered_patch():
+    rows = _ledger_rows()
+    assert set(rows) == set(patches.names()), "patches/README.md and the registry disagree"
+    assert list(rows) == patches.names(), "keep the ledger in registration order (hwsync doctor's order)"
+    for name, row in rows.items():
+        p = patches.get(name)
+        for column in ("Target", "Why", "How", "Upstream", "Remove when"):
+            assert row.get(column), f"ledger row {name!r} has an empty {column!r}"
+        for entry in p.targets:
+            for spec in (entry,) if isinstance(entry, str) else entry:
+                assert spec.split(":")[1] in row["Target"], f"ledger row {name!r} does not name {spec}"
+        assert p.upstream in row["Upstream"]
+        assert re.search(r"https://", row["Upstream"])
+
+
+def test_a_second_copy_of_the_same_patch_does_not_wrap_twice(target_module):
+    """hwsync imported twice (two registries) must still patch once, and each copy undoes only its own."""
+    first, _ = make_patch()
+    second = type(first)()
+    original = target_module.double
+    assert first.install() and second.install()
+    assert target_module.double(1) == ("patched", 2)
+    assert second.original()(1) == ("patched", 2)  # what it found there: the first copy's wrapper
+    second.uninstall()
+    assert target_module.double(1) == ("patched", 2)
+    first.uninstall()
+    assert target_module.double is original
