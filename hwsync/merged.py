@@ -258,13 +258,19 @@ def merged_named_weights(
     """
     _refuse_non_lora(model)
     contrib, adapter_params, hidden = _collect(model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            pid = id(param)
-            if pid in adapter_params or pid in hidden:
-                continue
-            clean = strip_peft_name(name)
-            if include is not None and not include(clean):
-                continue
-            parts = contrib.get(pid)
-            yield clean, (param.detach() if not parts else _merge(param, parts, dtype))
+    # no_grad is entered per tensor, never across a ``yield``: a generator suspended inside ``no_grad`` would leave
+    # autograd disabled in the trainer for as long as the consumer holds it.
+    for name, param in model.named_parameters():
+        pid = id(param)
+        if pid in adapter_params or pid in hidden:
+            continue
+        clean = strip_peft_name(name)
+        if include is not None and not include(clean):
+            continue
+        parts = contrib.get(pid)
+        if not parts:
+            yield clean, param.detach()
+            continue
+        with torch.no_grad():
+            merged = _merge(param, parts, dtype)
+        yield clean, merged

@@ -41,6 +41,7 @@ from . import mtp_config  # noqa: E402,F401  isort: skip
 from . import vllm_cpu_moe_lora  # noqa: E402,F401  isort: skip
 from . import vllm_cpu_moe_prepack  # noqa: E402,F401  isort: skip
 from . import vllm_ascend  # noqa: E402,F401  isort: skip
+from . import swift_rollout  # noqa: E402,F401  isort: skip  (opt_in: applied by hwsync.swift only)
 
 __all__ = [
     "APPLIES",
@@ -83,7 +84,8 @@ def disabled() -> set[str]:
 def apply(names: Sequence[str] | None = None, *, force: bool = False) -> list[str]:
     """Install process-wide every selected patch whose probe says it applies; return the active names.
 
-    ``names=None`` selects all registered patches; unknown names raise before anything is installed. Patches
+    ``names=None`` selects all registered patches except the opt-in ones of one integration (ms-swift's rollout
+    server patches, applied by :mod:`hwsync.swift` by name); unknown names raise before anything is installed. Patches
     named in ``HWSYNC_DISABLE_PATCHES`` are skipped. ``force=True`` installs regardless of the probe (tests).
     """
     chosen = select(names)

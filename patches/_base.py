@@ -194,6 +194,9 @@ class Patch:
     upstream: ClassVar[str] = ""
     seen_in: ClassVar[tuple[str, ...]] = ()
     remove_when: ClassVar[str] = ""
+    # opt_in patches are left out of ``apply()`` with no names (e.g. the one every vLLM process runs through
+    # ``hwsync.vllm_plugin``): they belong to one integration, which applies them by name.
+    opt_in: ClassVar[bool] = False
 
     def __init__(self) -> None:
         if not self.name or not self.targets:
@@ -417,7 +420,7 @@ def lookup(name: str) -> Patch:
 
 def select(names: Sequence[str] | None) -> list[Patch]:
     if names is None:
-        return list(_REGISTRY.values())
+        return [p for p in _REGISTRY.values() if not p.opt_in]
     if isinstance(names, str):
         names = [names]
     return [lookup(n) for n in names]

@@ -147,3 +147,14 @@ def test_env_override_shows_in_doctor(monkeypatch: pytest.MonkeyPatch, capsys: p
     assert cli.main(["doctor", "--no-vllm"]) == 0  # doctor reports a bad override, it does not crash
     assert "selected  none: unknown hwsync backend 'nope'" in capsys.readouterr().out
 
+
+
+def test_plugin_path_points_at_the_swift_plugin_without_importing_it() -> None:
+    code = ("import sys; from hwsync.cli import main; rc = main(['plugin-path']); "
+            "assert 'swift' not in sys.modules and 'hwsync.swift' not in sys.modules, 'plugin-path imported ms-swift'; "
+            "sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    path = Path(proc.stdout.strip())
+    assert path.name == "plugin.py" and path.parent.name == "swift" and path.is_file()
+    assert "hwsync.swift" in path.read_text()  # the file ms-swift imports installs hwsync's plugin

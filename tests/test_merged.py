@@ -169,3 +169,14 @@ def test_strip_peft_name() -> None:
         "model.my_base_layer_x.weight": "model.my_base_layer_x.weight",
     }
     assert {k: strip_peft_name(k) for k in cases} == cases
+
+
+def test_suspended_generator_leaves_autograd_enabled() -> None:
+    """A consumer that stops mid-way (bucketing, an exception) must not leave the trainer under no_grad."""
+    pm = get_peft_model(tiny_model(), lora(target_modules=["q_proj", "v_proj"]))
+    it = merged_named_weights(pm)
+    for _ in range(3):
+        next(it)
+        assert torch.is_grad_enabled()
+    del it
+    assert torch.is_grad_enabled()

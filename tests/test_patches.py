@@ -261,7 +261,8 @@ def test_a_raising_probe_patches_nothing(target_module):
 
 def test_registry_api():
     assert set(patches.names()) == {"rope_config", "peft_moe_regex", "mtp_config", "vllm_cpu_moe_lora",
-                                    "vllm_cpu_moe_prepack", "vllm_ascend"}
+                                    "vllm_cpu_moe_prepack", "vllm_ascend", "swift_rollout_cpu",
+                                    "swift_rollout_serve"}
     assert patches.get("mtp_config").name == "mtp_config"
     with pytest.raises(PatchError, match="known:"):
         patches.get("nope")
@@ -322,3 +323,12 @@ def test_a_second_copy_of_the_same_patch_does_not_wrap_twice(target_module):
     assert target_module.double(1) == ("patched", 2)
     first.uninstall()
     assert target_module.double is original
+
+
+def test_opt_in_patches_are_left_out_of_a_plain_apply(monkeypatch):
+    """apply() with no names (what every vLLM process runs via hwsync.vllm_plugin) must not touch ms-swift."""
+    opt_in = {p.name for p in patches.registered() if p.opt_in}
+    assert {"swift_rollout_cpu", "swift_rollout_serve"} <= opt_in
+    chosen = {p.name for p in patches.select(None)}
+    assert not chosen & opt_in
+    assert {p.name for p in patches.select(sorted(opt_in))} == opt_in  # by name they are selectable
