@@ -1,0 +1,388 @@
+"""GRPO (or GSPO) with ms-swift + vLLM on a tiny Qwen3-MoE, weight sync by hwsync: the README's main job.
+
+    python examples/grpo_tiny_moe.py                 # GRPO, vLLM colocated, HWSYNC_STRATEGY=auto
+    python examples/grpo_tiny_moe.py --gspo          # GSPO: --importance_sampling_level sequence
+    python examples/grpo_tiny_moe.py --server        # vLLM in a `swift rollout` process, trainer in another
+    python examples/grpo_tiny_moe.py --steps 8 -- --learning_rate 5e-3   # anything after -- goes to swift
+
+Everything is made on the spot in ``--workdir``: a random tiny Qwen3-MoE checkpoint with a Qwen-style chat template
+(:func:`hwsync.testing.make_tiny_moe`), a JSONL dataset of arithmetic questions with their answers, and the reward
+plugin next to this file (``arith_reward.py``). Then one real ``swift rlhf --rlhf_type grpo`` runs with LoRA on
+attention (``--target_modules``) and on the MoE experts (``--target_parameters``), vLLM rollouts in the trainer's
+process (``--server``: in a separate ``swift rollout`` process, synced through hwsync's server over gloo), and
+``--external_plugins <hwsync plugin>``, which routes every trainer -> vLLM weight sync through ``hwsync.sync`` and
+checks each one with ``hwsync.verify``. At the end it prints, per step, the reward, the sync
+strategy ``auto`` chose, MB sent, sync time and the largest |Δ logprob| between the engine and the trainer, and
+exits non-zero if any check failed. On a CPU machine it sets the vLLM CPU environment it needs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REWARD_PLUGIN = HERE / "arith_reward.py"
+ATOL = 1e-4
+GSPO_STEPS_PER_GENERATION = 2
+
+# vLLM on CPU, in the trainer's process (colocate): one engine core in-process, a small KV cache, no thread pinning
+# (other jobs share the cores), only hwsync's vLLM plugin.
+CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_PLUGINS": "hwsync",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def plugin_path() -> Path:
+    """hwsync's ms-swift plugin file (``hwsync plugin-path`` prints the same), found without importing it."""
+    spec = importlib.util.find_spec("hwsync.swift")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("hwsync is not installed in this Python: run `bash ci/install.sh` first")
+    return Path(list(spec.submodule_search_locations)[0]) / "plugin.py"
+
+
+def write_dataset(path: Path, n: int = 64, seed: int = 0) -> Path:
+    """``n`` questions like "What is 7+12?" with the answer in a ``solution`` column (passed to the reward)."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            a, b, op = rng.randint(0, 20), rng.randint(0, 20), rng.choice("+-*")
+            answer = a + b if op == "+" else a - b if op == "-" else a * b
+            question = f"What is {a}{op}{b}? Answer with a single number."
+            f.write(json.dumps({"messages": [{"role": "user", "content": question}], "solution": str(answer)}) + "\n")
+    return path
+
+
+def prepare(workdir: Path, seed: int = 0) -> tuple[Path, Path]:
+    """The tiny model and the dataset, in ``workdir`` (reused when already there)."""
+    from hwsync.testing import make_tiny_moe
+
+    model = workdir / "tiny-qwen3-moe"
+    if not (model / "config.json").exists():
+        make_tiny_moe(model, "qwen3_moe", seed=seed)
+    data = workdir / "arith.jsonl"
+    if not data.exists():
+        write_dataset(data, seed=seed)
+    return model, data
+
+
+# the vLLM engine, as `swift rlhf` (colocate) and `swift rollout` (server) both take it
+ENGINE_ARGS = [
+    "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256", "--vllm_gpu_memory_utilization", "0.5",
+    "--vllm_engine_kwargs", json.dumps({"num_gpu_blocks_override": 64}),
+]
+ROLLOUT_MODEL_ARGS = ["--model_type", "qwen3_moe", "--template", "qwen3", "--torch_dtype", "float32"]
+MODEL_ARGS = [*ROLLOUT_MODEL_ARGS, "--check_model", "false"]  # (swift rollout has no --check_model)
+
+
+def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: bool = False,
+               plugin: bool = True, server_port: int | None = None, extra: list[str] | None = None) -> list[str]:
+    """The ``swift rlhf`` command line of the main job (``plugin=False``: the same run without hwsync;
+    ``server_port``: rollouts from the ``swift rollout`` server on that port instead of a colocated engine)."""
+    plugins = [str(REWARD_PLUGIN)] + ([str(plugin_path())] if plugin else [])
+    if server_port is None:
+        vllm = ["--vllm_mode", "colocate", "--vllm_enable_lora", "true", *ENGINE_ARGS]
+    else:
+        vllm = ["--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server_port),
+                "--vllm_server_group_port", str(free_port())]
+    args = [
+        "swift", "rlhf", "--rlhf_type", "grpo",
+        "--model", str(model), *MODEL_ARGS,
+        "--dataset", str(data), "--external_plugins", *plugins, "--reward_funcs", "arith",
+        # LoRA on attention and on the fused MoE experts (PEFT target_parameters); PEFT refuses dropout there
+        "--tuner_type", "lora", "--lora_rank", "8", "--lora_alpha", "16", "--lora_dropout", "0",
+        "--target_modules", "q_proj", "k_proj", "v_proj", "o_proj",
+        "--target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+        # rollouts by vLLM; an engine with LoRA lets `auto` pick hybrid
+        "--use_vllm", "true", *vllm,
+        "--num_generations", "4", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
+        "--max_completion_length", "16", "--max_length", "128", "--temperature", "1.0",
+        "--max_steps", str(steps), "--learning_rate", "1e-2", "--beta", "0.0", "--seed", "42",
+        "--logging_steps", "1", "--report_to", "none", "--dataloader_num_workers", "0",
+        "--save_strategy", "steps", "--save_steps", str(steps), "--save_only_model", "true",
+        "--output_dir", str(output_dir),
+    ]
+    if gspo:  # GSPO: sequence-level importance ratio, the paper's (much tighter) clipping range, and two optimizer
+        # steps per rollout batch, so the second step is off-policy and the sequence-level ratio/clipping matter
+        args += ["--importance_sampling_level", "sequence", "--epsilon", "3e-4", "--epsilon_high", "4e-4",
+                 "--steps_per_generation", str(GSPO_STEPS_PER_GENERATION)]
+    return args + list(extra or [])
+
+
+def rollout_args(model: Path, port: int) -> list[str]:
+    """``swift rollout`` for server mode: the same engine, LoRA enabled, with the hwsync plugin."""
+    return ["swift", "rollout", "--model", str(model), *ROLLOUT_MODEL_ARGS, "--vllm_enable_lora", "true",
+            "--vllm_max_lora_rank", "8", *ENGINE_ARGS, "--external_plugins", str(plugin_path()),
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_env() -> dict[str, str]:
+    """What both server-mode processes need: where hwsync's sync server listens, and the shared secret."""
+    import secrets
+
+    return {"HWSYNC_SERVER": f"127.0.0.1:{free_port()}", "HWSYNC_TOKEN": secrets.token_hex(16)}
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    wall_s: float
+    peak_rss_gb: float
+    log: Path
+    output_dir: Path
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def syncs(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("event") == "sync"]
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("event") == "step"]
+
+    def adapter(self, step: int) -> dict[str, Any]:
+        """The LoRA tensors ms-swift saved at ``checkpoint-<step>`` (the main job saves at its last step)."""
+        from safetensors.torch import load_file
+
+        files = sorted(self.output_dir.glob(f"v*/checkpoint-{step}/adapter_model.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no checkpoint-{step}/adapter_model.safetensors under {self.output_dir}")
+        return load_file(str(files[-1]))
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    @property
+    def summary(self) -> str:
+        return next((r["text"] for r in self.records if r.get("event") == "summary"), "(no hwsync summary)")
+
+    def checks(self, steps: int, steps_per_generation: int = 1) -> dict[str, bool]:
+        """What the job promises, each as one boolean."""
+        verified = [s.get("verify_max_abs_dlogp") for s in self.syncs]
+        rollout = [s.get("rollout_max_abs_dlogp") for s in self.steps]
+        generations = -(-steps // steps_per_generation)
+        return {
+            "swift exited 0": self.returncode == 0,
+            f"{steps} steps trained, each rollout batch ({generations}) generated after an hwsync sync":
+                len(self.steps) == steps and len(self.syncs) == generations,
+            f"engine == trainer after every sync (max |Δ logprob| <= {ATOL:g})":
+                bool(verified) and all(v is not None and v <= ATOL for v in verified),
+            f"rollouts sampled from the trained policy (max |Δ logprob| <= {ATOL:g})":
+                bool(rollout) and all(v is not None and v <= ATOL for v in rollout),
+            "the policy moved (the engine followed a changed model)":
+                any((s.get("policy_shift") or 0.0) > 100 * ATOL for s in self.syncs),
+        }
+
+
+def run_job(args: list[str], output_dir: Path, *, env: dict[str, str] | None = None,
+            timeout_s: float | None = None, rollout: list[str] | None = None) -> JobResult:
+    """Run a ``swift`` command line, logging to ``output_dir/swift.log``; measure wall time and peak RSS.
+
+    ``rollout``: a ``swift rollout`` command line started first (log ``rollout.log``), waited for until it serves,
+    and stopped afterwards; its port must be the one ``args`` names. RSS then sums both processes' trees.
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    metrics = output_dir / "hwsync_metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    full_env = job_env({**(env or {}), "HWSYNC_METRICS": str(metrics)})
+    log = output_dir / "swift.log"
+    start = time.perf_counter()
+    deadline = None if timeout_s is None else start + timeout_s
+    peak = _PeakRss()
+    rc = -1
+    with contextlib.ExitStack() as stack:
+        stack.callback(peak.stop)
+        if rollout is not None:
+            server = stack.enter_context(rollout_server(rollout, output_dir / "rollout.log", full_env, deadline))
+            peak.watch(server.pid)
+        with log.open("w") as out:
+            proc = subprocess.Popen([swift_exe(full_env), *args[1:]], stdout=out, stderr=subprocess.STDOUT,
+                                    env=full_env)
+            peak.watch(proc.pid)
+            try:
+                rc = proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+    records = []
+    if metrics.exists():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return JobResult(rc, time.perf_counter() - start, peak.gb, log, output_dir, records)
+
+
+def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment plus ``extra``, with the vLLM CPU settings when there is no GPU."""
+    env = {**os.environ, **(extra or {})}
+    return env if _has_gpu() else {**CPU_ENV, "CUDA_VISIBLE_DEVICES": "", **env}
+
+
+def swift_exe(env: dict[str, str]) -> str:
+    exe = shutil.which("swift", path=str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", ""))
+    if exe is None:
+        raise SystemExit("ms-swift's `swift` command is not installed: run `bash ci/install.sh` first")
+    return exe
+
+
+@contextlib.contextmanager
+def rollout_server(args: list[str], log: Path, env: dict[str, str],
+                   deadline: float | None = None) -> Iterator[subprocess.Popen]:
+    """``swift rollout`` running and answering ``/health/`` for the duration of the block (then stopped)."""
+    with log.open("w") as out:
+        server = subprocess.Popen([swift_exe(env), *args[1:]], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+    try:
+        _wait_until_serving(server, int(args[args.index("--port") + 1]), deadline, log)
+        yield server
+    finally:
+        _stop(server)
+
+
+def _wait_until_serving(server: subprocess.Popen, port: int, deadline: float | None, log: Path) -> None:
+    import urllib.error
+    import urllib.request
+
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"swift rollout exited ({server.returncode}) before serving; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if deadline is not None and time.perf_counter() > deadline:
+            raise TimeoutError(f"swift rollout did not serve on port {port} in time; see {log}")
+        time.sleep(2)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    """Stop ``swift rollout`` and the engine worker it spawned (its own process group)."""
+    import signal
+
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+class _PeakRss:
+    """Largest summed RSS of the watched process trees, sampled twice a second."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def watch(self, pid: int) -> None:
+        self.pids.append(pid)
+
+    def _poll(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            total = 0
+            for pid in list(self.pids):
+                try:
+                    root = psutil.Process(pid)
+                    procs = [root, *root.children(recursive=True)]
+                except psutil.Error:
+                    continue
+                for p in procs:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def gb(self) -> float:
+        return self.peak / 1e9
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
+    parser.add_argument("--gspo", action="store_true", help="GSPO: --importance_sampling_level sequence")
+    parser.add_argument("--server", action="store_true", help="vLLM in a `swift rollout` process (server mode)")
+    parser.add_argument("--workdir", type=Path, default=None, help="where model, data and outputs go (default: tmp)")
+    opts = parser.parse_args(argv)
+
+    workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="hwsync-grpo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model, data = prepare(workdir)
+    prep_s = time.perf_counter() - t0
+    algo = "GSPO" if opts.gspo else "GRPO"
+    out = workdir / (("gspo" if opts.gspo else "grpo") + ("-server" if opts.server else ""))
+    where = "in a `swift rollout` server" if opts.server else "colocated"
+    print(f"hwsync x ms-swift {algo}: tiny Qwen3-MoE, LoRA on attention + experts, vLLM {where}, "
+          f"HWSYNC_STRATEGY={os.environ.get('HWSYNC_STRATEGY', 'auto')}, {opts.steps} steps "
+          f"(log: {out / 'swift.log'})",
+          flush=True)
+    port = free_port() if opts.server else None
+    result = run_job(swift_args(model, data, out, steps=opts.steps, gspo=opts.gspo, server_port=port, extra=extra),
+                     out, env=server_env() if opts.server else None,
+                     rollout=rollout_args(model, port) if opts.server else None)
+
+    print()
+    print(result.summary)
+    print()
+    print(f"time: {result.wall_s + prep_s:.0f} s (fixture + dataset {prep_s:.0f} s, swift rlhf {result.wall_s:.0f} s); "
+          f"peak RSS {result.peak_rss_gb:.2f} GB")
+    checks = result.checks(opts.steps, GSPO_STEPS_PER_GENERATION if opts.gspo else 1)
+    for name, ok in checks.items():
+        print(f"  [{'ok' if ok else 'FAILED'}] {name}")
+    if result.returncode != 0:
+        print(f"swift failed (exit {result.returncode}); last lines of {result.log}:")
+        print(result.log_tail(25))
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""hwsync options for ms-swift runs, read from environment variables.
+
+ms-swift parses its own command line into dataclasses and rejects unknown flags, so the plugin cannot add
+``--hwsync_*`` arguments without patching swift's argument classes. Environment variables reach every process
+ms-swift starts (trainer ranks, ``swift rollout`` workers) and are validated once, when the trainer is built,
+so a typo fails before the first rollout rather than at the first sync.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from hwsync.swift._errors import OptionError
+
+__all__ = ["ENV", "OptionError", "SwiftOptions", "STRATEGIES"]
+
+STRATEGIES = ("auto", "full", "adapter", "hybrid")
+
+ENV: dict[str, str] = {
+    "strategy": "HWSYNC_STRATEGY",
+    "bucket_mb": "HWSYNC_BUCKET_MB",
+    "verify_every": "HWSYNC_VERIFY_EVERY",
+    "verify_atol": "HWSYNC_VERIFY_ATOL",
+    "verify_prompts": "HWSYNC_VERIFY_PROMPTS",
+    "metrics_path": "HWSYNC_METRICS",
+    "server": "HWSYNC_SERVER",
+    "token": "HWSYNC_TOKEN",
+}
+
+
+@dataclass(frozen=True)
+class SwiftOptions:
+    """What the plugin does at each ms-swift weight sync."""
+
+    strategy: str = "auto"
+    """``auto`` | ``full`` | ``adapter`` | ``hybrid`` (see :func:`hwsync.sync`)."""
+    bucket_mb: float | None = None
+    """Transfer bucket size; ``None`` = hwsync's measured default for the device."""
+    verify_every: int = 1
+    """Run :func:`hwsync.verify` after every N-th sync (0 = never). A failed check stops training."""
+    verify_atol: float = 1e-4
+    """Largest tolerated |Δ logprob| between the engine and the trainer."""
+    verify_prompts: int = 2
+    """How many of the first rollout batch's prompts the check uses (the same ones at every sync)."""
+    metrics_path: str | None = None
+    """JSONL file for per-sync / per-step records; ``None`` = ``<output_dir>/hwsync_metrics.jsonl``."""
+    server: str | None = None
+    """Server mode: ``host:port`` of hwsync's sync server in ``swift rollout`` (it listens, the trainer connects)."""
+    token: str | None = field(default=None, repr=False)
+    """Server mode: the shared secret both sides read; requests signed with another token are refused."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> SwiftOptions:
+        """Options from ``HWSYNC_*`` variables (unset = default); :class:`OptionError` names the bad one."""
+        env = os.environ if environ is None else environ
+
+        def raw(field: str) -> str | None:
+            value = env.get(ENV[field], "").strip()
+            return value or None
+
+        strategy = (raw("strategy") or "auto").lower()
+        if strategy not in STRATEGIES:
+            raise OptionError(f"{ENV['strategy']}={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        return cls(
+            strategy=strategy,
+            bucket_mb=_number(raw("bucket_mb"), ENV["bucket_mb"], float, minimum=0.0, exclusive=True),
+            verify_every=_number(raw("verify_every"), ENV["verify_every"], int, minimum=0, default=1),
+            verify_atol=_number(raw("verify_atol"), ENV["verify_atol"], float, minimum=0.0, default=1e-4),
+            verify_prompts=_number(raw("verify_prompts"), ENV["verify_prompts"], int, minimum=1, default=2,
+                                   exclusive=False),
+            metrics_path=raw("metrics_path"),
+            server=_address(raw("server")),
+            token=raw("token"),
+        )
+
+    def server_credentials(self) -> tuple[str, str]:
+        """``(address, token)`` for server mode; :class:`OptionError` saying what to set when either is missing."""
+        if not self.server or not self.token:
+            missing = [ENV[k] for k in ("server", "token") if not getattr(self, k)]
+            raise OptionError(
+                f"--vllm_mode server with hwsync needs {' and '.join(missing)} in the environment of both "
+                f"`swift rollout` and `swift rlhf`: {ENV['server']}=host:port (a free port for hwsync's sync server, "
+                f"not swift's --port) and {ENV['token']}=<shared secret>, e.g. $(python -c 'import secrets; "
+                "print(secrets.token_hex(16))')")
+        return self.server, self.token
+
+
+def _address(text: str | None) -> str | None:
+    if text is None:
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise OptionError(f"{ENV['server']}={text!r}: write it as host:port, e.g. 127.0.0.1:29555")
+    return text
+
+
+def _number(text: str | None, var: str, kind: type, *, minimum: float, default: float | None = None,
+            exclusive: bool = False) -> float | int | None:
+    if text is None:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        raise OptionError(f"{var}={text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not math.isfinite(value) or value < minimum or (exclusive and value == minimum):
+        bound = f"> {minimum}" if exclusive else f">= {minimum}"
+        raise OptionError(f"{var}={text!r}: must be a finite number {bound}")
+    return value

@@ -1,0 +1,60 @@
+"""Server mode: hwsync's sync server inside ``swift rollout``, the GRPO trainer connects to it.
+
+``swift rollout`` keeps its HTTP routes for generation; weights no longer travel through them (they broadcast with
+PyNccl, which vLLM's CPU build silently disables). Instead, once ``swift rollout`` has built its engine, hwsync
+serves syncs into it (:func:`hwsync.sync.serve`: a signed control channel on a TCPStore, tensors over a gloo / NCCL
+group, manifest validated before any write) on ``HWSYNC_SERVER``, and the trainer reaches it with
+:func:`hwsync.sync.connect` and the shared ``HWSYNC_TOKEN``. ms-swift hands plugins no reference to the engine it
+builds, so the patch ``swift_rollout_serve`` (``patches/swift_rollout.py``) calls :func:`serve_rollout_engine` right
+after ``SwiftRolloutDeploy.get_infer_engine``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from swift.utils import get_logger
+
+from hwsync.swift._engine_view import LLMEngineView, use_swift_lora_identity
+from hwsync.swift._errors import UnsupportedSetupError
+from hwsync.swift._options import ENV, SwiftOptions
+
+__all__ = ["serve_rollout_engine", "connect_to_rollout_engine"]
+
+logger = get_logger()
+
+_servers: list[Any] = []  # the sync servers of this process (kept alive with it)
+
+
+def serve_rollout_engine(engine: Any) -> Any:
+    """Serve hwsync syncs into ``swift rollout``'s engine when ``HWSYNC_SERVER`` is set; returns the server or None."""
+    opts = SwiftOptions.from_env()
+    if opts.server is None:
+        return None
+    address, token = opts.server_credentials()
+    llm_engine = getattr(engine, "engine", None)
+    if not hasattr(llm_engine, "model_executor"):
+        raise UnsupportedSetupError(
+            f"hwsync serves syncs into swift rollout's in-process LLMEngine, but this one is a "
+            f"{type(llm_engine).__name__}: drop --vllm_use_async_engine, and run the engine in the rollout worker "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0 on CPU)")
+    dp_rank = int(os.environ.get("SWIFT_ROLLOUT_DP_RANK", "0") or 0)
+    if dp_rank > 0:
+        raise UnsupportedSetupError(
+            f"{ENV['server']} names one sync server, but swift rollout started data-parallel engine #{dp_rank}: "
+            "use --vllm_data_parallel_size 1")
+    from hwsync.sync import serve
+
+    use_swift_lora_identity()  # swift rollout's GRPOVllmEngine only ever attaches its own adapter id
+    server = serve(LLMEngineView(llm_engine), address, token)
+    _servers.append(server)
+    logger.info(f"hwsync: serving weight syncs into swift rollout's engine on {server.address}")
+    return server
+
+
+def connect_to_rollout_engine(opts: SwiftOptions) -> Any:
+    """The trainer's handle on the engine served by :func:`serve_rollout_engine` (``HWSYNC_SERVER`` / ``_TOKEN``)."""
+    address, token = opts.server_credentials()
+    from hwsync.sync import connect
+
+    return connect(address, token)

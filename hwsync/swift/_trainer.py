@@ -1,0 +1,261 @@
+"""ms-swift's ``GRPOTrainer`` with the trainer -> vLLM weight sync done by :func:`hwsync.sync`.
+
+ms-swift picks its trainer class from ``TrainerFactory.TRAINER_MAPPING`` (see :mod:`hwsync.swift`), so hwsync
+plugs in as an ordinary subclass: one method of ms-swift's rollout mixin is overridden
+(``_move_model_to_vllm``, the single entry point of its full / adapter sync paths) and two are extended to
+observe the run (``_fast_infer`` to pick the verification prompts, ``_compute_rollout_offpolicy_metrics`` to
+measure the engine against the trainer on the tokens it really sampled). Everything else — rollouts, rewards,
+the GRPO/GSPO loss, sleep/wake, async generation — is ms-swift's own code.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+import torch
+
+from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
+from swift.rlhf_trainers.utils import profiling_context
+from swift.utils import get_logger
+
+import hwsync
+from hwsync.sync import sync as hwsync_sync
+from hwsync.sync import agreement
+from hwsync.errors import VerifyError
+from hwsync.swift._errors import OptionError, UnsupportedSetupError
+from hwsync.swift._metrics import MetricsLog, format_summary, read_metrics
+from hwsync.swift._options import ENV, SwiftOptions
+
+__all__ = ["HwsyncGRPOTrainer"]
+
+logger = get_logger()
+
+
+class HwsyncGRPOTrainer(GRPOTrainer):
+    """``swift rlhf --rlhf_type grpo`` (GRPO, GSPO, ...) whose vLLM weight sync goes through hwsync."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.hwsync_options = SwiftOptions.from_env()
+        super().__init__(*args, **kwargs)
+        self._hwsync_target: Any = None
+        self._hwsync_syncs = 0
+        self._hwsync_probe: list[list[int]] | None = None
+        self._hwsync_probe_ref: list[torch.Tensor] | None = None
+        self._hwsync_rollout: tuple[float, int] | None = None
+        self._hwsync_log: MetricsLog | None = None
+        if self.args.use_vllm:
+            self._hwsync_check_setup()
+            if self.accelerator.is_main_process:
+                path = self.hwsync_options.metrics_path or os.path.join(self.args.output_dir, "hwsync_metrics.jsonl")
+                self._hwsync_log = MetricsLog(path)
+            # ms-swift only compares its rollout logprobs with the trainer's when asked; hwsync always wants to know
+            self.log_rollout_offpolicy_metrics = True
+            logger.info(f"hwsync: weight sync by hwsync {hwsync.__version__} ({self.hwsync_options}); "
+                        f"metrics -> {self._hwsync_log.path if self._hwsync_log else '(rank 0)'}")
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def _hwsync_check_setup(self) -> None:
+        """Refuse, before the first rollout, the setups whose weights hwsync would read or write wrongly."""
+        args = self.args
+        if self._is_fsdp2 or self.is_fsdp_enabled or (self.is_deepspeed_enabled and _zero3()):
+            raise UnsupportedSetupError(
+                "hwsync syncs from the trainer's full (unsharded) parameters, but FSDP / DeepSpeed ZeRO-3 shard "
+                "them: train with DDP or ZeRO-1/2, or remove hwsync's --external_plugins to use ms-swift's gather path")
+        if args.sleep_level == 2:
+            raise UnsupportedSetupError(
+                "--sleep_level 2 makes vLLM discard its weights behind hwsync's back (hwsync sends base weights once "
+                "and then only what changes): use --sleep_level 1 or 0")
+        if self.hwsync_options.strategy in ("adapter", "hybrid") and not self.rollout_enable_lora:
+            raise OptionError(
+                f"{ENV['strategy']}={self.hwsync_options.strategy} needs an engine that serves LoRA: add "
+                "--vllm_enable_lora true (and --tuner_type lora), or use HWSYNC_STRATEGY=auto/full")
+        if self.vllm_mode == "server":
+            self.hwsync_options.server_credentials()  # both HWSYNC_SERVER and HWSYNC_TOKEN, or a clear error
+        elif self.vllm_tensor_parallel_size > 1:
+            raise UnsupportedSetupError(
+                "colocated engines sharded across ranks (--vllm_tensor_parallel_size > 1) are not wired to hwsync "
+                "yet (its check would send different prompts to the ranks of one engine): use "
+                "--vllm_tensor_parallel_size 1 (one engine per rank) or server mode (swift rollout with TP)")
+
+    def _hwsync_engine(self) -> Any:
+        """The sync target: ms-swift's in-process vLLM engine (colocate) or hwsync's server in ``swift rollout``."""
+        if self._hwsync_target is None and self.vllm_mode == "server":
+            from hwsync.swift._server import connect_to_rollout_engine
+
+            self._hwsync_target = connect_to_rollout_engine(self.hwsync_options)
+        elif self._hwsync_target is None:
+            from hwsync.sync.engine import LocalEngine
+            from hwsync.swift._engine_view import LLMEngineView, use_swift_lora_identity
+
+            use_swift_lora_identity()  # ms-swift's rollouts only ever attach its own adapter id
+            self._hwsync_target = LocalEngine(LLMEngineView(self.engine.engine))
+        return self._hwsync_target
+
+    # ------------------------------------------------------------------------------------------------ sync
+    def _move_model_to_vllm(self, skip_async_check: bool = False) -> None:
+        """Make the rollout engine serve the current policy (replaces ms-swift's full/adapter sync paths)."""
+        if self.args.async_generate and not skip_async_check:
+            self._wait_queue()
+        # server mode: one engine, fed by rank 0 (DDP ranks hold the same weights); the other ranks wait for it in
+        # ms-swift's rollout gather. Colocate: every rank feeds its own engine.
+        if self.vllm_mode == "colocate" or self.accelerator.is_main_process:
+            with profiling_context(self, "hwsync_sync"):
+                self._hwsync_sync()
+        self._reset_vllm_cache()
+
+    def _hwsync_sync(self) -> None:
+        opts = self.hwsync_options
+        model = self.accelerator.unwrap_model(self.model)
+        target = self._hwsync_engine()
+        grad_mode = torch.is_grad_enabled()
+        try:
+            report = hwsync_sync(target, model, strategy=opts.strategy, bucket_mb=opts.bucket_mb)
+        finally:
+            torch.set_grad_enabled(grad_mode)  # the next backward needs autograd exactly as the trainer left it
+        self._hwsync_syncs += 1
+        delta = shift = None
+        tokens, mismatches = 0, []
+        if opts.verify_every and self._hwsync_syncs % opts.verify_every == 0 and self._hwsync_probe:
+            t0 = time.perf_counter()
+            # hwsync.verify's measurement, one prompt per call: with enable_lora, vLLM 0.32 computes prompt logprobs
+            # through the LoRA logits processor with one LoRA index per *request*, which only broadcasts over a
+            # single request's tokens
+            checks = [agreement(target, model, [ids], tie=2 * opts.verify_atol) for ids in self._hwsync_probe]
+            delta = max(c.max_abs_diff for c in checks)
+            if any(math.isnan(c.max_abs_diff) for c in checks):
+                delta = math.nan
+            tokens = sum(c.tokens for c in checks)
+            mismatches = [m for c in checks for m in c.greedy_mismatches]
+            shift = self._hwsync_policy_shift(model)
+            logger.info(f"hwsync: verify after sync v{report.version}: max |Δ logprob| = {delta:.2e} over {tokens} "
+                        f"tokens (atol {opts.verify_atol:g}, {time.perf_counter() - t0:.2f}s)")
+        record = dict(step=self.state.global_step, strategy=report.strategy, reason=report.reason, mode=report.mode,
+                      version=report.version, tensors=report.tensors, base_tensors=report.base_tensors,
+                      lora_tensors=report.lora_tensors, bytes=report.bytes, mb=report.bytes / 1e6,
+                      seconds=report.seconds, buckets=report.buckets, verify_max_abs_dlogp=delta,
+                      verify_tokens=tokens, greedy_mismatches=len(mismatches), policy_shift=shift)
+        if self._hwsync_log is not None:
+            self._hwsync_log.write("sync", **record)
+        logger.info(report.line())
+        metrics = self._metrics["train"]
+        metrics["hwsync/sync_mb"].append(record["mb"])
+        metrics["hwsync/sync_ms"].append(1000 * report.seconds)
+        if delta is not None:
+            metrics["hwsync/verify_max_abs_dlogp"].append(delta)
+            where = f"after sync v{report.version} (step {self.state.global_step}, strategy {report.strategy})"
+            hint = ("rollouts would not come from the policy being trained. Run `hwsync doctor` (patches, "
+                    "capabilities) and try HWSYNC_STRATEGY=full")
+            if not delta <= opts.verify_atol:  # NaN included
+                raise VerifyError(f"{where} the engine's logprobs differ from the trainer's by {delta:.3g} > "
+                                  f"{ENV['verify_atol']}={opts.verify_atol:g}: {hint}")
+            if mismatches:
+                raise VerifyError(f"{where} the engine's greedy tokens differ from the trainer's at "
+                                  f"{len(mismatches)} position(s), e.g. {mismatches[0]}: {hint}")
+
+    def _hwsync_policy_shift(self, model: torch.nn.Module) -> float:
+        """Max |Δ logprob| of the trainer on the check prompts since the first sync (how far the policy moved)."""
+        now = [_token_logprobs(model, ids) for ids in self._hwsync_probe or []]
+        if self._hwsync_probe_ref is None:
+            self._hwsync_probe_ref = now
+        return max((float((a - b).abs().max()) for a, b in zip(now, self._hwsync_probe_ref) if a.numel()),
+                   default=0.0)
+
+    # ------------------------------------------------------------------------------------------------ observe
+    def _fast_infer(self, samples: list[Any]) -> list[Any]:
+        if self._hwsync_probe is None:
+            self._hwsync_probe = self._hwsync_prompt_ids(samples)
+        return super()._fast_infer(samples)
+
+    def _hwsync_prompt_ids(self, samples: list[Any]) -> list[list[int]]:
+        """Token ids of the first distinct prompts, as the chat template renders them for generation."""
+        tokenizer = self.template.tokenizer
+        probe: list[list[int]] = []
+        for sample in samples:
+            messages = [m for m in getattr(sample, "messages", []) if m.get("role") != "assistant"]
+            if not messages:
+                continue
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 - a tokenizer without a chat template: score the raw text
+                text = "\n".join(str(m.get("content", "")) for m in messages)
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if len(ids) > 1 and ids not in probe:
+                probe.append(ids)
+            if len(probe) >= self.hwsync_options.verify_prompts:
+                break
+        return probe
+
+    def _compute_rollout_offpolicy_metrics(self, old_per_token_logps: torch.Tensor,
+                                           rollout_per_token_logps: torch.Tensor,
+                                           completion_mask: torch.Tensor) -> dict[str, Any]:
+        """Also: the largest |Δ logprob| between what the engine sampled with and what the trainer computes."""
+        mask = completion_mask.bool()
+        if mask.any():
+            diff = float((old_per_token_logps.detach() - rollout_per_token_logps).abs()[mask].max())
+            worst, count = self._hwsync_rollout or (0.0, 0)
+            self._hwsync_rollout = (max(worst, diff), count + int(mask.sum()))
+            opts = self.hwsync_options
+            if opts.verify_every and not diff <= opts.verify_atol and self._hwsync_sampling_is_exact():
+                message = (
+                    f"step {self.state.global_step + 1}: the engine sampled this step's rollouts with logprobs "
+                    f"{diff:.3g} away from the trainer's (> {ENV['verify_atol']}={opts.verify_atol:g}) although "
+                    "hwsync.verify passed after the sync: ms-swift did not generate with the weights/adapter hwsync "
+                    "delivered. Run `hwsync doctor`; HWSYNC_STRATEGY=full does not depend on adapter routing")
+                if self._hwsync_log is not None:
+                    self._hwsync_log.write("error", step=self.state.global_step + 1, message=message)
+                raise VerifyError(message)
+        return super()._compute_rollout_offpolicy_metrics(old_per_token_logps, rollout_per_token_logps,
+                                                          completion_mask)
+
+    def _hwsync_sampling_is_exact(self) -> bool:
+        """Whether vLLM's sampled-token logprobs are the plain (temperature-scaled) distribution the trainer
+        computes; top-k / top-p / min-p / repetition penalties renormalize them, so a gap there is expected."""
+        args = self.args
+        return (args.top_k in (None, -1, 0) and args.top_p in (None, 1.0) and not args.min_p
+                and args.repetition_penalty in (None, 1.0))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._hwsync_rollout is not None:
+            self._metrics["train"]["hwsync/rollout_max_abs_dlogp"].append(self._hwsync_rollout[0])
+        super().log(logs, start_time)
+        if "loss" not in logs:  # not a training-step log (evaluation, the end-of-training summary)
+            return
+        if self._hwsync_log is not None:
+            worst, count = self._hwsync_rollout or (None, 0)
+            # reward is logged on steps that generated (with --steps_per_generation N, every N-th step)
+            self._hwsync_log.write("step", step=self.state.global_step, reward=logs.get("reward"),
+                                   reward_std=logs.get("reward_std"), loss=logs.get("loss"),
+                                   rollout_max_abs_dlogp=worst, rollout_tokens=count)
+        self._hwsync_rollout = None
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._hwsync_log is not None and self._hwsync_log.path.exists():
+                text = format_summary(read_metrics(self._hwsync_log.path))
+                self._hwsync_log.write("summary", text=text)
+                logger.info("hwsync summary\n" + text)
+
+
+@torch.no_grad()
+def _token_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """fp32 logprob of each ``ids[t]`` (t >= 1) given ``ids[:t]`` under ``model``, in eval mode."""
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
+    finally:
+        model.train(was_training)
+    return torch.log_softmax(logits, -1).gather(1, x[0, 1:, None])[:, 0].cpu()
+
+
+def _zero3() -> bool:
+    try:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover - transformers without DeepSpeed integration
+        return False
+    return bool(is_deepspeed_zero3_enabled())

@@ -1,0 +1,63 @@
+"""Trainer -> engine weight sync: strategies, manifest, buckets, receivers (see :func:`sync`).
+
+Colocate (engine in the trainer's process)::
+
+    report = hwsync.sync(llm, model)                 # strategy="auto": full / adapter / hybrid, reason in report
+    hwsync.verify(llm, model, [[1, 2, 3, 4]])        # max |Δ logprob|, raises VerifyError above atol
+
+Server mode (engine in another process)::
+
+    # engine process                                 # trainer process
+    hwsync.sync.serve(llm, "0.0.0.0:29555", token)   engine = hwsync.connect("host:29555", token)
+                                                     hwsync.sync(engine, model)
+"""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from hwsync.sync.api import Agreement, agreement, default_bucket_mb, sync, verify
+from hwsync.sync.engine import Engine, LocalEngine, as_engine
+from hwsync.sync.manifest import Bucket, Manifest, TensorSpec, plan_buckets
+from hwsync.sync.payload import EngineInfo
+from hwsync.sync.remote import RemoteEngine, SyncServer, connect, serve
+from hwsync.sync.report import SyncReport
+
+__all__ = [
+    "Agreement",
+    "Bucket",
+    "Engine",
+    "EngineInfo",
+    "LocalEngine",
+    "Manifest",
+    "RemoteEngine",
+    "SyncReport",
+    "SyncServer",
+    "TensorSpec",
+    "agreement",
+    "as_engine",
+    "connect",
+    "default_bucket_mb",
+    "generate",
+    "plan_buckets",
+    "serve",
+    "sync",
+    "verify",
+]
+
+
+def generate(target, prompts, sampling_params=None, **kwargs):  # type: ignore[no-untyped-def]
+    """``LLM.generate`` through hwsync: refuses on a stale engine, uses the synced adapter when one is served."""
+    return as_engine(target).generate(prompts, sampling_params, **kwargs)
+
+
+class _SyncModule(types.ModuleType):
+    """``hwsync.sync`` is both this package and the function: importing a submodule (``hwsync.sync.remote``) makes
+    Python bind the *package* to ``hwsync.sync``, so the package itself is callable and forwards to :func:`sync`."""
+
+    def __call__(self, target: Any, model: Any, **kwargs: Any) -> SyncReport:
+        return sync(target, model, **kwargs)
+
+
+sys.modules[__name__].__class__ = _SyncModule

@@ -1,0 +1,36 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins: hwsync``): loaded by vLLM in every process it starts.
+
+It installs, process-wide, the hwsync patches whose probes find their upstream bug on this vLLM and that must be in
+place before an engine is built (e.g. ``vllm_cpu_moe_lora``: MoE + ``enable_lora`` on the CPU build). Patches the
+sync receiver holds only around its own reloads (``vllm_cpu_moe_prepack``) are left to it, so
+``HWSYNC_DISABLE_PATCHES`` keeps working per sync. Nothing else happens at import: the worker extension is opt-in
+(``worker_extension_cls="hwsync.vllm_ext.HwsyncWorkerExtension"``), and ``hwsync.sync`` works without it in-process.
+Select plugins with ``VLLM_PLUGINS`` (e.g. ``VLLM_PLUGINS=hwsync``); set ``HWSYNC_DISABLE_PATCHES=name,...`` to skip
+some.
+"""
+from __future__ import annotations
+
+import logging
+
+__all__ = ["register", "RECEIVER_SCOPED"]
+
+logger = logging.getLogger("hwsync")
+
+RECEIVER_SCOPED = frozenset({"vllm_cpu_moe_prepack"})
+"""Patches :mod:`hwsync.vllm_ext` holds for the duration of each reload instead of process-wide."""
+
+_done = False
+
+
+def register() -> None:
+    """Install the engine-side hwsync patches (idempotent)."""
+    global _done
+    if _done:
+        return
+    _done = True
+    import hwsync.patches as patches
+
+    names = [n for n in patches.names() if n not in RECEIVER_SCOPED]
+    active = patches.apply(names)
+    if active:
+        logger.info("hwsync vLLM plugin: patches active: %s", ", ".join(active))

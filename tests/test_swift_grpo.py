@@ -1,0 +1,65 @@
+"""End to end: ``swift rlhf --rlhf_type grpo`` with the hwsync plugin, vLLM colocated on CPU (the README main job).
+
+A real ms-swift 4.6 run on the tiny Qwen3-MoE: LoRA on attention and experts, ``HWSYNC_STRATEGY=auto`` (hybrid on
+vLLM's CPU build: attention LoRA served by vLLM, experts merged), hwsync.verify after every sync. Asserts what the
+job promises: exit 0; every sync went through hwsync; engine == trainer after every sync and on the tokens the
+engine sampled; the expert LoRA weights trained; the engine followed the policy as it moved.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import grpo_tiny_moe as job  # noqa: E402
+
+pytestmark = [pytest.mark.swift, pytest.mark.vllm, pytest.mark.slow]
+
+STEPS = 3
+
+
+def run_main_job(tmp_path: Path, model: Path, *, gspo: bool = False, server: bool = False) -> job.JobResult:
+    """The README job (``server``: ``swift rollout`` + ``swift rlhf --vllm_mode server``, two processes)."""
+    data = job.write_dataset(tmp_path / "arith.jsonl")
+    out = tmp_path / ("gspo" if gspo else "grpo")
+    env = {"HWSYNC_STRATEGY": "auto"}
+    port = job.free_port() if server else None
+    if server:
+        env.update(job.server_env())
+    result = job.run_job(job.swift_args(model, data, out, steps=STEPS, gspo=gspo, server_port=port), out, env=env,
+                         rollout=job.rollout_args(model, port) if server else None, timeout_s=1200)
+    if result.returncode != 0:
+        rollout_log = out / "rollout.log"
+        extra = f"\nrollout log tail:\n{rollout_log.read_text()[-3000:]}" if rollout_log.exists() else ""
+        pytest.fail(f"swift exited {result.returncode}; log tail:\n{result.log_tail()}{extra}", pytrace=False)
+    return result
+
+
+def check_main_job(result: job.JobResult, mode: str = "colocate", steps_per_generation: int = 1) -> None:
+    syncs, steps = result.syncs, result.steps
+    # one sync before each rollout batch
+    assert len(steps) == STEPS and len(syncs) == -(-STEPS // steps_per_generation), (len(steps), len(syncs))
+    assert {s["mode"] for s in syncs} == {mode}, syncs
+    # auto -> hybrid on the CPU build, and it says why
+    assert {s["strategy"] for s in syncs} == {"hybrid"}, syncs
+    assert "experts" in syncs[0]["reason"]
+    # after the first sync only LoRA + merged experts travel, not the whole model
+    assert all(s["bytes"] < syncs[0]["bytes"] for s in syncs[1:])
+    # the guard ran after every sync, and the engine sampled every step from the policy the trainer scores
+    assert all(s["verify_max_abs_dlogp"] is not None and s["verify_max_abs_dlogp"] <= job.ATOL for s in syncs), syncs
+    assert all(s["rollout_max_abs_dlogp"] is not None and s["rollout_max_abs_dlogp"] <= job.ATOL for s in steps), steps
+    # ... while that policy moved far more than the tolerance: the engine served the changed policy
+    assert max(s["policy_shift"] for s in syncs[1:]) > 1e-2, syncs
+    # the expert LoRA weights (PEFT target_parameters) and the attention LoRA weights were trained
+    adapter = result.adapter(STEPS)
+    expert_b = [v for k, v in adapter.items() if ".mlp.experts" in k and "lora_B" in k]
+    attn_b = [v for k, v in adapter.items() if "self_attn" in k and "lora_B" in k]
+    assert len(expert_b) == 4 and attn_b, sorted(adapter)  # gate_up + down, 2 layers
+    assert all(float(b.abs().max()) > 0 for b in expert_b + attn_b), "a LoRA B stayed at its zero init"
+    assert "strategy" in result.summary
+
+
+def test_grpo_colocate_hybrid(tmp_path, tiny_qwen3_moe_dir):
+    check_main_job(run_main_job(tmp_path, tiny_qwen3_moe_dir))

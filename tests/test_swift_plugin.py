@@ -1,0 +1,197 @@
+"""hwsync's ms-swift plugin without a training run: options, install / uninstall, refusals, summary table.
+
+Importing :mod:`hwsync.swift` installs the plugin process-wide, so the module fixture uninstalls it again at the
+end; the test that ms-swift is untouched without the plugin runs in a fresh interpreter.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.swift
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    import hwsync.swift as plugin
+
+    yield plugin
+    plugin.uninstall()
+
+
+# ------------------------------------------------------------------------------------------------------ options
+def test_options_defaults_and_values(plugin):
+    assert plugin.SwiftOptions.from_env({}) == plugin.SwiftOptions()
+    opts = plugin.SwiftOptions.from_env({
+        "HWSYNC_STRATEGY": "Hybrid", "HWSYNC_BUCKET_MB": "16", "HWSYNC_VERIFY_EVERY": "0",
+        "HWSYNC_VERIFY_ATOL": "1e-3", "HWSYNC_VERIFY_PROMPTS": "3", "HWSYNC_METRICS": "/tmp/m.jsonl"})
+    assert opts == plugin.SwiftOptions("hybrid", 16.0, 0, 1e-3, 3, "/tmp/m.jsonl")
+
+
+@pytest.mark.parametrize("var,value", [
+    ("HWSYNC_STRATEGY", "fastest"), ("HWSYNC_BUCKET_MB", "0"), ("HWSYNC_BUCKET_MB", "lots"),
+    ("HWSYNC_VERIFY_EVERY", "-1"), ("HWSYNC_VERIFY_EVERY", "1.5"), ("HWSYNC_VERIFY_ATOL", "nan"),
+    ("HWSYNC_VERIFY_PROMPTS", "0"),
+])
+def test_options_refuse_bad_values_naming_the_variable(plugin, var, value):
+    from hwsync.errors import HwsyncError
+
+    with pytest.raises(plugin.OptionError, match=var) as err:
+        plugin.SwiftOptions.from_env({var: value})
+    assert isinstance(err.value, HwsyncError)
+
+
+# ------------------------------------------------------------------------------------------------------ install
+def test_install_routes_grpo_through_hwsync_and_uninstall_restores(plugin):
+    from swift.rlhf_trainers import GRPOTrainer
+    from swift.trainers import TrainerFactory
+
+    import hwsync.patches as patches
+
+    grpo = SimpleNamespace(rlhf_type="grpo")
+    plugin.install()
+    plugin.install()  # idempotent
+    assert plugin.installed()
+    cls = TrainerFactory.get_trainer_cls(grpo)
+    assert cls.__name__ == "HwsyncGRPOTrainer" and issubclass(cls, GRPOTrainer)
+    assert TrainerFactory.get_trainer_cls(SimpleNamespace(rlhf_type="dpo")).__name__ == "DPOTrainer"
+    active = {p.name for p in patches.registered() if p.installed}
+
+    plugin.uninstall()
+    assert not plugin.installed()
+    assert TrainerFactory.get_trainer_cls(grpo) is GRPOTrainer
+    assert not active & {p.name for p in patches.registered() if p.installed}, "uninstall left hwsync patches on"
+
+    # an entry someone else put there after us is theirs: uninstall must not clobber it
+    plugin.install()
+    TrainerFactory.TRAINER_MAPPING["grpo"] = "somewhere.else.Trainer"
+    try:
+        plugin.uninstall()
+        assert TrainerFactory.TRAINER_MAPPING["grpo"] == "somewhere.else.Trainer"
+    finally:
+        TrainerFactory.TRAINER_MAPPING["grpo"] = "swift.rlhf_trainers.GRPOTrainer"
+
+
+def test_ms_swift_untouched_without_the_plugin():
+    """A fresh interpreter that never imports hwsync.swift builds ms-swift's own trainer, unpatched."""
+    code = (
+        "import json, sys; from swift.trainers import TrainerFactory; import hwsync.patches as p; "
+        "print(json.dumps([TrainerFactory.TRAINER_MAPPING['grpo'], any(x.installed for x in p.registered()), "
+        "any(m.startswith('hwsync.swift') for m in sys.modules)]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == ["swift.rlhf_trainers.GRPOTrainer", False, False]
+
+
+def test_plugin_file_is_what_swift_imports(plugin):
+    """``--external_plugins`` gets a file path; importing it must install hwsync and leave sys.path clean."""
+    from pathlib import Path
+
+    from swift.utils import import_external_file
+
+    path = Path(plugin.__file__).parent / "plugin.py"
+    plugin.uninstall()
+    import_external_file(str(path))
+    try:
+        assert plugin.installed()
+        assert str(path.parent) not in sys.path
+    finally:
+        plugin.uninstall()
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+def _setup(**over):
+    args = SimpleNamespace(sleep_level=0, use_vllm=True)
+    base = dict(args=args, _is_fsdp2=False, is_fsdp_enabled=False, is_deepspeed_enabled=False,
+                rollout_enable_lora=True, vllm_mode="colocate", vllm_tensor_parallel_size=1)
+    for key, value in over.items():
+        if key in ("sleep_level",):
+            setattr(args, key, value)
+        else:
+            base[key] = value
+    return base
+
+
+@pytest.mark.parametrize("over,strategy,match", [
+    ({"_is_fsdp2": True}, "auto", "FSDP"),
+    ({"sleep_level": 2}, "auto", "sleep_level 2"),
+    ({"rollout_enable_lora": False}, "hybrid", "--vllm_enable_lora true"),
+    ({"rollout_enable_lora": False}, "adapter", "--vllm_enable_lora true"),
+    ({"vllm_tensor_parallel_size": 2}, "auto", "--vllm_tensor_parallel_size 1"),
+])
+def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
+    from hwsync.errors import HwsyncError
+    from hwsync.swift._trainer import HwsyncGRPOTrainer
+
+    fake = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy=strategy))
+    with pytest.raises(HwsyncError, match=match):
+        HwsyncGRPOTrainer._hwsync_check_setup(fake)
+    ok = SimpleNamespace(**_setup(), hwsync_options=plugin.SwiftOptions(strategy=strategy))
+    HwsyncGRPOTrainer._hwsync_check_setup(ok)
+
+
+# ------------------------------------------------------------------------------------------------------ summary
+def test_summary_pairs_each_step_with_the_sync_that_served_it(plugin):
+    records = [
+        {"event": "sync", "step": 0, "strategy": "hybrid", "reason": "why", "mb": 0.9, "seconds": 0.3,
+         "verify_max_abs_dlogp": 3e-6, "policy_shift": 0.0},
+        {"event": "step", "step": 1, "reward": -0.25, "rollout_max_abs_dlogp": 4e-6},
+        {"event": "sync", "step": 1, "strategy": "hybrid", "mb": 0.43, "seconds": 0.08,
+         "verify_max_abs_dlogp": None, "policy_shift": None},
+        {"event": "step", "step": 2, "reward": 0.5, "rollout_max_abs_dlogp": None},
+    ]
+    lines = plugin.format_summary(records).splitlines()
+    assert lines[0].split()[:3] == ["step", "reward", "strategy"]
+    assert lines[2].split() == ["1", "-0.250", "hybrid", "0.900", "300", "3.0e-06", "4.0e-06", "0.0e+00"]
+    assert lines[3].split() == ["2", "0.500", "hybrid", "0.430", "80", "-", "-", "-"]
+    assert lines[-1] == "strategy: hybrid (why)"
+
+
+# ------------------------------------------------------------------------------------------------------ patches
+@pytest.mark.vllm
+def test_swift_rollout_cpu_patch_lets_swift_rollout_start_on_cpu(plugin):
+    """Without the patch ms-swift refuses one CPU engine (it counts CUDA/NPU/MUSA devices only); with it, it
+    accepts dp = tp = 1 and still refuses what vLLM's CPU build cannot run in-process."""
+    import hwsync.patches as patches
+    import hwsync.patches.swift_rollout  # noqa: F401
+    from swift.arguments.deploy_args import RolloutArguments
+
+    one = SimpleNamespace(vllm_data_parallel_size=1, vllm_tensor_parallel_size=1)
+    two = SimpleNamespace(vllm_data_parallel_size=2, vllm_tensor_parallel_size=1)
+    patch = patches.get("swift_rollout_cpu")
+    assert patch.probe(refresh=True).state == patches.APPLIES, patch.probe().reason
+    with pytest.raises(ValueError, match="local_device_count"):
+        RolloutArguments._check_device_count(one)
+    with patch:
+        RolloutArguments._check_device_count(one)
+        with pytest.raises(ValueError, match="local_device_count"):
+            RolloutArguments._check_device_count(two)
+    with pytest.raises(ValueError, match="local_device_count"):  # undone on exit
+        RolloutArguments._check_device_count(one)
+
+
+def test_swift_rollout_serve_patch_only_when_server_mode_is_asked(plugin, monkeypatch):
+    import hwsync.patches as patches
+    import hwsync.patches.swift_rollout  # noqa: F401
+    from swift.pipelines.infer.rollout import SwiftRolloutDeploy
+
+    patch = patches.get("swift_rollout_serve")
+    original = SwiftRolloutDeploy.__dict__["get_infer_engine"]
+    try:
+        with monkeypatch.context() as env:
+            env.delenv("HWSYNC_SERVER", raising=False)
+            assert patch.probe(refresh=True).state == patches.NOT_NEEDED
+            with patch:  # not needed -> nothing patched
+                assert SwiftRolloutDeploy.__dict__["get_infer_engine"] is original
+            env.setenv("HWSYNC_SERVER", "127.0.0.1:29555")
+            assert patch.probe(refresh=True).state == patches.APPLIES
+            with patch:
+                wrapper = SwiftRolloutDeploy.__dict__["get_infer_engine"]
+                assert wrapper is not original and isinstance(wrapper, staticmethod)
+        assert SwiftRolloutDeploy.__dict__["get_infer_engine"] is original
+    finally:
+        patch.probe(refresh=True)  # the cached probe must reflect this process's real environment again

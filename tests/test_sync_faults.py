@@ -1,0 +1,181 @@
+"""Consistency under faults, monotonic versions, and bad input refused before anything is written.
+
+One real vLLM engine (CPU build, tiny Qwen3-MoE, fp32, LoRA on attention), started *without* the worker extension:
+hwsync then calls the same receiver through ``collective_rpc`` with a callable.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hwsync
+import hwsync.sync as hs
+from hwsync.errors import AdapterFormatError, ResolutionError, StaleEngineError, SyncError, VersionError
+from hwsync.testing import make_llm, make_tiny_moe, require_vllm
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
+ATOL = 1e-4
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
+    require_vllm()
+    import hwsync.patches as patches
+    from hwsync import vllm_plugin
+
+    vllm_plugin.register()
+    yield make_llm(tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8, max_loras=1,
+                   lora_target_modules=["qkv_proj", "o_proj"])
+    patches.remove_all()
+
+
+def _trainer(path: Path, targets: list[str] | None = None, parameters: list[str] | None = None, **lora: Any) -> Any:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if targets is None and parameters is None:
+        return model
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets or [], target_parameters=parameters, **lora)
+    return get_peft_model(model, cfg).eval()
+
+
+def _perturb(model: Any, seed: int, *, base: bool = False) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            elif base:
+                p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def _fail_at(k: int) -> Any:
+    def progress(index: int, total: int) -> None:
+        if index == k:
+            raise RuntimeError(f"trainer crashed at bucket {index} of {total}")
+
+    return progress
+
+
+def _state(llm: Any) -> dict[str, Any]:
+    return hs.as_engine(llm).state()
+
+
+def test_adapter_sync_interrupted_keeps_the_previous_adapter(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    model = _trainer(tiny_qwen3_moe_dir, ATTN)
+    _perturb(model, 1)
+    hwsync.sync(llm, model, strategy="adapter")
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    served = _state(llm)
+    _perturb(model, 2)
+    with pytest.raises(SyncError, match=r"aborted after bucket 3 of \d+ .*nothing was applied; the engine still serves"):
+        hwsync.sync(llm, model, strategy="adapter", bucket_mb=0.002, progress=_fail_at(3))
+    after = _state(llm)
+    assert after["version"] == served["version"] and not after["stale"]
+    # the engine still computes the previous adapter, exactly
+    with torch.no_grad():
+        current = {n: p.detach().clone() for n, p in model.named_parameters() if n in before}
+        for n, p in model.named_parameters():
+            if n in before:
+                p.copy_(before[n])
+    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in current:
+                p.copy_(current[n])
+    r = hwsync.sync(llm, model, strategy="adapter", bucket_mb=0.002)
+    assert r.buckets > 3 and r.base_tensors == 0
+    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+
+
+@pytest.mark.parametrize("strategy", ["full", "hybrid"])
+def test_interrupted_base_sync_marks_stale_until_a_complete_sync(llm: Any, tiny_qwen3_moe_dir: Path,
+                                                                 strategy: str) -> None:
+    from vllm import SamplingParams
+
+    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    _perturb(model, 3, base=strategy == "full")
+    hwsync.sync(llm, model, strategy=strategy)
+    _perturb(model, 4, base=strategy == "full")
+    with pytest.raises(SyncError, match=r"aborted after bucket 2 of \d+ .*engine is stale"):
+        hwsync.sync(llm, model, strategy=strategy, bucket_mb=0.2, progress=_fail_at(2))
+    assert _state(llm)["stale"]
+    with pytest.raises(StaleEngineError, match="complete hwsync.sync"):
+        hs.generate(llm, [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2))
+    with pytest.raises(StaleEngineError):
+        hwsync.verify(llm, model, PROMPTS)
+    r = hwsync.sync(llm, model, strategy=strategy, bucket_mb=0.2)
+    if strategy == "hybrid":
+        assert "base weights sent (engine is stale)" in r.reason  # the whole base comes back, not just experts
+    assert not _state(llm)["stale"]
+    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+
+
+def test_versions_only_increase(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    model = _trainer(tiny_qwen3_moe_dir)
+    current = _state(llm)["version"]
+    r = hwsync.sync(llm, model, version=current + 100)
+    assert r.version == current + 100
+    _perturb(model, 5, base=True)
+    for older in (current + 100, current + 7):
+        with pytest.raises(VersionError, match="not newer"):
+            hwsync.sync(llm, model, version=older)
+    assert _state(llm)["version"] == current + 100
+    with torch.no_grad():  # the refused syncs wrote nothing: the engine still serves the unperturbed weights
+        model.load_state_dict(_trainer(tiny_qwen3_moe_dir).state_dict())
+    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+    assert hwsync.sync(llm, model).version == current + 101  # default: the engine's version + 1
+
+
+def _unknown_name(path: Path, tmp: Path) -> Any:
+    model = _trainer(path)
+    model.model.extra_scale = torch.nn.Parameter(torch.ones(3))
+    return model
+
+
+def _wrong_shape(path: Path, tmp: Path) -> Any:
+    other = make_tiny_moe(tmp / "wider", moe_intermediate_size=64)
+    return _trainer(other)
+
+
+def _dora(path: Path, tmp: Path) -> Any:
+    return _trainer(path, ATTN, use_dora=True)
+
+
+def _dropout_on_experts(path: Path, tmp: Path) -> Any:
+    model = _trainer(path, ATTN, EXPERTS)
+    model.peft_config["default"].lora_dropout = 0.1  # what an ms-swift default (0.05..0.1) config says
+    return model
+
+
+@pytest.mark.parametrize(
+    ("make", "strategy", "error", "match"),
+    [
+        (_unknown_name, "full", ResolutionError, "model.extra_scale.*no receiver parameter"),
+        (_wrong_shape, "full", ResolutionError, "model.layers.0.mlp.experts"),
+        (_dora, "adapter", AdapterFormatError, "DoRA.*full"),
+        (_dropout_on_experts, "adapter", AdapterFormatError, "lora_dropout=0.1.*experts"),
+    ],
+    ids=["unknown-name", "wrong-shape", "dora-adapter", "dropout-experts"],
+)
+def test_bad_input_one_clear_error_engine_untouched(llm: Any, tiny_qwen3_moe_dir: Path, tmp_path: Path,
+                                                    make: Any, strategy: str, error: type, match: str) -> None:
+    good = _trainer(tiny_qwen3_moe_dir, ATTN)
+    _perturb(good, 6)
+    hwsync.sync(llm, good)
+    served = _state(llm)
+    bad = make(tiny_qwen3_moe_dir, tmp_path)
+    with pytest.raises(error, match=match) as err:
+        hwsync.sync(llm, bad, strategy=strategy)
+    assert "\n" not in str(err.value).strip() or isinstance(err.value, ResolutionError)  # one error, one story
+    assert _state(llm) == served  # same version, not stale, same adapter
+    assert hwsync.verify(llm, good, PROMPTS, atol=ATOL) <= ATOL

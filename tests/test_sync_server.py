@@ -1,0 +1,168 @@
+"""Server mode: the engine in its own process (``hwsync.sync.serve``), the trainer here (``hwsync.connect``).
+
+Control over a token-authenticated ``TCPStore``, tensors over a gloo group. The engine process loads hwsync through
+vLLM's plugin entry point (``VLLM_PLUGINS=hwsync``), as a ``vllm serve`` deployment would.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hwsync
+import hwsync.sync as hs
+from hwsync.errors import StaleEngineError, SyncError
+from hwsync.testing import require_vllm, vllm_cpu_env
+
+pytestmark = pytest.mark.vllm
+
+TOKEN = "correct horse battery staple"
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
+ATOL = 1e-4
+
+ENGINE = textwrap.dedent("""
+    import sys
+    import hwsync.sync as hs
+    from hwsync.testing import make_llm
+    llm = make_llm(sys.argv[1], enable_lora=True, max_lora_rank=8, max_loras=1,
+                   lora_target_modules=["qkv_proj", "o_proj"],
+                   worker_extension_cls="hwsync.vllm_ext.HwsyncWorkerExtension")
+    with hs.serve(llm, "127.0.0.1:0", sys.argv[2], timeout_s=120) as server:
+        print("HWSYNC_ADDRESS", server.address, flush=True)
+        server.wait(timeout=float(sys.argv[3]))
+    print("HWSYNC_BYE", flush=True)
+""")
+
+DYING_TRAINER = textwrap.dedent("""
+    import os, sys, torch
+    import hwsync
+    from transformers import AutoModelForCausalLM
+    engine = hwsync.connect(sys.argv[1], sys.argv[2], timeout_s=20)
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[3], dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    def die(index, total):
+        if index == 2:
+            os._exit(17)  # killed mid-sync: no abort header, no reply
+    hwsync.sync(engine, model, strategy="full", bucket_mb=0.2, progress=die)
+""")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_moe_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    require_vllm()
+    env = {**os.environ, **vllm_cpu_env(plugins=("hwsync",))}
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(tiny_qwen3_moe_dir), TOKEN, "600"], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    address = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("HWSYNC_ADDRESS"):
+            address = line.split()[1]
+            break
+    if address is None:
+        proc.kill()
+        pytest.fail(f"engine process exited ({proc.wait()}) before serving")
+    try:
+        yield address, proc
+    finally:
+        if proc.poll() is None:
+            try:
+                hwsync.connect(address, TOKEN, timeout_s=30).shutdown()
+                proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+                proc.wait()
+
+
+def _trainer(path: Path, lora: bool) -> Any:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if not lora:
+        return model
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    return get_peft_model(model, cfg).eval()
+
+
+def _perturb(model: Any, gen: torch.Generator, base: bool) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            elif base:
+                p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def test_wrong_token_is_rejected(server: tuple[str, Any]) -> None:
+    address, _ = server
+    with pytest.raises(SyncError, match="refused the token"):
+        hwsync.connect(address, "not the token", timeout_s=30)
+
+
+def test_syncs_across_processes_verify_each(server: tuple[str, Any], tiny_qwen3_moe_dir: Path) -> None:
+    address, _ = server
+    engine = hwsync.connect(address, TOKEN, timeout_s=60)
+    gen = torch.Generator().manual_seed(0)
+    model = _trainer(tiny_qwen3_moe_dir, lora=True)
+    reports = []
+    for step in range(6):
+        _perturb(model, gen, base=False)
+        r = hwsync.sync(engine, model, bucket_mb=0.25)  # auto: hybrid on vLLM's CPU build
+        reports.append(r)
+        assert r.mode == "server" and r.buckets >= 2
+        assert hwsync.verify(engine, model, PROMPTS, atol=ATOL) <= ATOL
+    assert reports[0].base_tensors > reports[1].base_tensors  # W0 once, then only what changes
+    full = _trainer(tiny_qwen3_moe_dir, lora=False)
+    for _ in range(2):
+        _perturb(full, gen, base=True)
+        r = hwsync.sync(engine, full, strategy="full", bucket_mb=0.25)
+        assert r.strategy == "full"
+        assert hwsync.verify(engine, full, PROMPTS, atol=ATOL) <= ATOL
+    print("server:", "; ".join(r.line() for r in reports[:2]))
+
+
+def test_sender_exception_and_killed_sender_leave_engine_stale_then_recover(
+        server: tuple[str, Any], tiny_qwen3_moe_dir: Path) -> None:
+    address, _ = server
+    engine = hwsync.connect(address, TOKEN, timeout_s=60)
+    model = _trainer(tiny_qwen3_moe_dir, lora=False)
+
+    def boom(index: int, total: int) -> None:
+        if index == 1:
+            raise RuntimeError("optimizer blew up")
+
+    with pytest.raises(SyncError, match="optimizer blew up.*engine is stale"):
+        hwsync.sync(engine, model, strategy="full", bucket_mb=0.25, progress=boom)
+    with pytest.raises(StaleEngineError):
+        hwsync.verify(engine, model, PROMPTS)
+    hwsync.sync(engine, model, strategy="full", bucket_mb=0.25)
+    assert hwsync.verify(engine, model, PROMPTS, atol=ATOL) <= ATOL
+
+    # a trainer process killed in the middle of a sync: the engine notices, turns stale, and a new trainer recovers
+    dying = subprocess.run([sys.executable, "-c", DYING_TRAINER, address, TOKEN, str(tiny_qwen3_moe_dir)],
+                           capture_output=True, text=True, timeout=300)
+    assert dying.returncode == 17, dying.stderr[-2000:]
+    state = engine.state()
+    for _ in range(60):
+        if state["stale"]:
+            break
+        import time
+
+        time.sleep(0.5)
+        state = engine.state()
+    assert state["stale"], state
+    with pytest.raises(StaleEngineError):
+        hwsync.verify(engine, model, PROMPTS)
+    hwsync.sync(engine, model, strategy="full")
+    assert hwsync.verify(engine, model, PROMPTS, atol=ATOL) <= ATOL

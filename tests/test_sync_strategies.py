@@ -1,0 +1,193 @@
+"""Every strategy, 20 consecutive syncs into one real vLLM engine (CPU build, tiny Qwen3-MoE, fp32).
+
+After each sync the engine must compute what the trainer computes: ``hwsync.verify`` <= 1e-4 over prompt and
+generated tokens, and the greedy tokens are the trainer's argmax. The schedule includes a sync of unchanged weights
+and a switch back to an older weight set. Without hwsync's reload fix the same check fails (the test proves it
+detects vLLM's skipped CPU MoE prepack).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hwsync
+import hwsync.sync as hs
+from hwsync.errors import AdapterFormatError, VerifyError
+from hwsync.testing import make_llm, require_vllm
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99], [11, 400, 23]]
+ATOL = 1e-4
+STEPS = 20
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+PREPACK_FIX = "vllm_cpu_moe_prepack"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
+    """One LoRA-enabled engine for the whole module, LoRA on attention (what vLLM's CPU build can serve)."""
+    require_vllm()
+    import hwsync.patches as patches
+    from hwsync import vllm_plugin
+
+    vllm_plugin.register()  # what VLLM_PLUGINS=hwsync does in a vLLM process: MoE + enable_lora on CPU
+    engine = make_llm(
+        tiny_qwen3_moe_dir,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=1,
+        # vLLM 0.32 CPU: a LoRA-wrapped lm_head breaks prompt_logprobs (punica_cpu.add_lora_logits), which
+        # verify needs; attention LoRA is what the CPU build serves for a MoE model anyway
+        lora_target_modules=["qkv_proj", "o_proj"],
+        worker_extension_cls="hwsync.vllm_ext.HwsyncWorkerExtension",
+    )
+    yield engine
+    patches.remove_all()
+
+
+def _trainer(path: Path, targets: list[str] | None, parameters: list[str] | None = None, **lora: Any) -> Any:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if targets is None and parameters is None:
+        return model.eval()
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets or [], target_parameters=parameters, **lora)
+    return get_peft_model(model, cfg).eval()
+
+
+def _perturb(model: Any, gen: torch.Generator, *, base: bool) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            elif base:
+                p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def _snapshot(model: Any, *, base: bool) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if base or "lora_" in n}
+
+
+def _restore(model: Any, snap: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in snap:
+                p.copy_(snap[n])
+
+
+def _run_schedule(llm: Any, model: Any, strategy: str, *, base: bool, expect_lora: bool) -> list[Any]:
+    """20 syncs: changing weights, one repeat of unchanged weights, one switch back to an older set."""
+    gen = torch.Generator().manual_seed(1234)
+    reports = []
+    worst = 0.0
+    snap: dict[str, torch.Tensor] | None = None
+    for step in range(STEPS):
+        if step == 13:
+            assert snap is not None
+            _restore(model, snap)  # switch back to the weights of step 4
+        elif step != 8:  # step 8 syncs the same weights as step 7
+            _perturb(model, gen, base=base)
+        report = hwsync.sync(llm, model, strategy=strategy)
+        reports.append(report)
+        assert report.strategy == strategy
+        assert (report.lora_request is not None) == expect_lora
+        # logprobs of prompt + 4 greedy tokens within ATOL, and every greedy token is the trainer's argmax
+        worst = max(worst, hwsync.verify(llm, model, PROMPTS, atol=ATOL, max_tokens=4))
+        if step == 4:
+            snap = _snapshot(model, base=base)
+    versions = [r.version for r in reports]
+    assert versions == list(range(versions[0], versions[0] + STEPS))
+    print(f"{strategy}: max |Δ logprob| over {STEPS} syncs = {worst:.2e}; bytes/sync first={reports[0].bytes} "
+          f"steady={reports[-1].bytes}; seconds/sync median={sorted(r.seconds for r in reports)[STEPS // 2]:.3f}")
+    return reports
+
+
+def test_full_20_syncs_lora_and_base_changes(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    reports = _run_schedule(llm, model, "full", base=True, expect_lora=False)
+    n_params = len(list(hwsync.merged.merged_named_weights(model)))
+    assert all(r.tensors == n_params and r.lora_tensors == 0 for r in reports)
+
+
+def test_hybrid_20_syncs_sends_only_merged_experts_after_the_first(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    reports = _run_schedule(llm, model, "hybrid", base=False, expect_lora=True)
+    first, rest = reports[0], reports[1:]
+    assert "base weights sent" in first.reason
+    steady = {r.bytes for r in rest}
+    assert len(steady) == 1 and steady.pop() < first.bytes
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n)
+    lora = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n and ".experts" not in n)
+    assert rest[0].bytes == experts + lora, "hybrid steady state = merged experts + attention LoRA, nothing else"
+    # a base weight changed in place (e.g. a user edit): the next sync resends the base, and stays correct
+    with torch.no_grad():
+        model.base_model.model.model.norm.weight.mul_(1.5)
+    r = hwsync.sync(llm, model, strategy="hybrid")
+    assert "base weights sent (trainer base changed)" in r.reason and r.bytes == first.bytes
+    hwsync.verify(llm, model, PROMPTS, atol=ATOL)
+
+
+def test_adapter_20_syncs(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    info = hs.as_engine(llm).describe()
+    # experts get LoRA too where the engine has MoE-LoRA kernels (GPU); vLLM's CPU build has none
+    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if info.moe_lora else None)
+    reports = _run_schedule(llm, model, "adapter", base=False, expect_lora=True)
+    assert reports[0].base_tensors > 0 and all(r.base_tensors == 0 for r in reports[1:])
+    lora_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n)
+    assert all(r.bytes == lora_bytes for r in reports[1:]), "adapter steady state = the LoRA tensors only"
+
+
+def test_auto_asks_the_engine_and_says_why(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    info = hs.as_engine(llm).describe()
+    plain = _trainer(tiny_qwen3_moe_dir, None)
+    r = hwsync.sync(llm, plain)
+    assert (r.strategy, r.reason) == ("full", "model has no LoRA adapter")
+    attn_only = _trainer(tiny_qwen3_moe_dir, ATTN)
+    r = hwsync.sync(llm, attn_only)
+    assert r.strategy == "adapter" and "serves LoRA on every adapted module" in r.reason
+    hwsync.verify(llm, attn_only, PROMPTS, atol=ATOL)
+    with_experts = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    r = hwsync.sync(llm, with_experts)
+    if info.moe_lora:
+        assert r.strategy == "adapter"
+    else:
+        assert r.strategy == "hybrid" and "no MoE-LoRA kernels" in r.reason and "experts" in r.reason
+        with pytest.raises(AdapterFormatError, match='strategy="hybrid"'):
+            hwsync.sync(llm, with_experts, strategy="adapter")
+    hwsync.verify(llm, with_experts, PROMPTS, atol=ATOL)
+
+
+@pytest.mark.parametrize("strategy", ["full", "hybrid", "adapter"])
+def test_without_the_reload_fix_the_check_fails(llm: Any, tiny_qwen3_moe_dir: Path, strategy: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sync + verify, with hwsync's prepack fix switched off, must detect vLLM's stale CPU prepack."""
+    from vllm.platforms import current_platform
+
+    import hwsync.patches as patches
+    from hwsync.patches import vllm_cpu_moe_prepack  # noqa: F401 - registers the patch
+
+    if patches.get(PREPACK_FIX).probe().state != patches.APPLIES:
+        pytest.skip(f"{PREPACK_FIX} does not apply on {type(current_platform).__name__}: nothing to prove here")
+    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if strategy != "adapter" else None)
+    gen = torch.Generator().manual_seed(7)
+    _perturb(model, gen, base=strategy == "full")
+    monkeypatch.setenv("HWSYNC_DISABLE_PATCHES", PREPACK_FIX)
+    r = hwsync.sync(llm, model, strategy=strategy)
+    assert r.base_tensors > 0  # the adapter's first sync carries W0 through the same reload
+    with pytest.raises(VerifyError) as err:
+        hwsync.verify(llm, model, PROMPTS, atol=ATOL)
+    worst = float(str(err.value).split("= ")[1].split(" ")[0])
+    assert worst > 1e-3 and math.isfinite(worst)
+    monkeypatch.delenv("HWSYNC_DISABLE_PATCHES")
+    model2 = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if strategy != "adapter" else None)  # new base identity
+    _perturb(model2, gen, base=strategy == "full")
+    hwsync.sync(llm, model2, strategy=strategy)
+    assert hwsync.verify(llm, model2, PROMPTS, atol=ATOL) <= ATOL

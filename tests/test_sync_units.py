@@ -1,0 +1,233 @@
+"""Sync engine pieces that need no engine: manifest, bucket plan, pack/unpack, strategy choice, gloo transport."""
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hwsync.errors import AdapterFormatError, SyncError
+from hwsync.sync.engine import bucket_lists
+from hwsync.sync.manifest import ALIGN, Manifest, TensorSpec, plan_buckets
+from hwsync.sync.payload import EngineInfo, _companions, choose
+from hwsync.sync.remote import GlooLink, pack, receive_buckets, send_buckets, unpack
+from hwsync.sync.report import SyncReport
+
+
+def _specs() -> list[TensorSpec]:
+    return [
+        TensorSpec("a", (3, 5), torch.float32),
+        TensorSpec("b", (7,), torch.bfloat16),
+        TensorSpec("c", (40, 10), torch.float32),  # 1600 B: larger than the 1 KiB buckets below
+        TensorSpec("d", (2,), torch.float32),
+        TensorSpec("e", (0, 4), torch.float32),
+        TensorSpec("f", (3,), torch.int64),
+        TensorSpec("g", (9,), torch.bfloat16, "lora"),
+    ]
+
+
+def _tensors(specs: list[TensorSpec]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(s.shape, generator=g) * 10).to(s.dtype) for s in specs]
+
+
+def test_bucket_plan_keeps_order_limits_size_and_isolates_oversize() -> None:
+    specs = _specs()
+    buckets = plan_buckets(specs, 1024)
+    flat = [i for b in buckets for i in sorted(b.entries)]
+    assert flat == list(range(len(specs)))  # every spec once, order kept across buckets
+    assert [b.is_last for b in buckets] == [False] * (len(buckets) - 1) + [True]
+    oversize = [b for b in buckets if 2 in b.entries]
+    assert len(oversize) == 1 and oversize[0].entries == (2,) and oversize[0].nbytes == 1600
+    for b in buckets:
+        if b.entries != (2,):
+            assert b.nbytes <= 1024
+        for i, off in zip(b.entries, b.offsets):
+            assert off % specs[i].dtype.itemsize == 0
+        for _, off, _ in b.runs(specs):
+            assert off % ALIGN == 0
+
+
+def test_pack_unpack_roundtrip_mixed_dtypes_one_cat_per_run() -> None:
+    specs = _specs()
+    tensors = _tensors(specs)
+    m = Manifest(1, "full", tuple(specs), plan_buckets(specs, 1024))
+    buf = torch.empty(4096, dtype=torch.uint8)
+    for b in m.buckets:
+        data = pack(m, b.index, [tensors[i] for i in b.entries], buf)
+        assert data.numel() == b.nbytes
+        for i, view in zip(b.entries, unpack(m, b.index, buf)):
+            assert view.dtype == specs[i].dtype and tuple(view.shape) == specs[i].shape
+            assert torch.equal(view, tensors[i])
+            assert view.numel() == 0 or view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+
+
+def test_pack_casts_to_wire_dtype() -> None:
+    spec = TensorSpec("w", (4, 4), torch.bfloat16)
+    m = Manifest(1, "full", (spec,), plan_buckets([spec], 1 << 20))
+    src = torch.randn(4, 4, dtype=torch.float32)
+    buf = torch.empty(64, dtype=torch.uint8)
+    pack(m, 0, [src], buf)
+    assert torch.equal(unpack(m, 0, buf)[0], src.to(torch.bfloat16))
+
+
+def test_manifest_json_roundtrip_and_malformed() -> None:
+    specs = _specs()
+    m = Manifest(7, "hybrid", tuple(specs), plan_buckets(specs, 512), {"r": 8, "lora_alpha": 8},
+                 lora_base_names={"x.weight": (4, 2)}, base_key="k")
+    assert Manifest.from_json(m.to_json()) == m
+    with pytest.raises(SyncError, match="malformed"):
+        Manifest.from_json('{"version": 1}')
+    with pytest.raises(SyncError, match="unknown dtype"):
+        TensorSpec.from_json(["x", [1], "float99", "base"])
+
+
+def test_bucket_lists_checks_producer_shapes_and_calls_progress() -> None:
+    specs = _specs()
+    tensors = _tensors(specs)
+    m = Manifest(1, "full", tuple(specs), plan_buckets(specs, 1024))
+    seen: list[tuple[int, int]] = []
+    got = list(bucket_lists(m, lambda: iter(tensors), lambda i, n: seen.append((i, n))))
+    assert [len(x) for x in got] == [len(b.entries) for b in m.buckets]
+    assert seen == [(i, len(m.buckets)) for i in range(len(m.buckets))]
+    bad = list(tensors)
+    bad[3] = torch.zeros(5)
+    with pytest.raises(SyncError, match="produced shape"):
+        list(bucket_lists(m, lambda: iter(bad), None))
+
+
+def _info(**kw: object) -> EngineInfo:
+    base = dict(engine="vllm", dtype="float32", lora_enabled=True, max_lora_rank=16)
+    base.update(kw)
+    return EngineInfo.from_dict(base)
+
+
+class _Lora:  # the shape of hwsync.sync.payload._Lora that choose() reads
+    def __init__(self, by_module: dict[str, list[str]], rank: int = 4) -> None:
+        self.by_module = by_module
+        self.adapter = type("A", (), {"max_rank": rank})()
+
+
+_ATTN = "model.layers.0.self_attn.q_proj.weight"
+_EXP = "model.layers.0.mlp.experts.gate_up_proj"
+_BY_MODULE = {_ATTN: ["base_model.model.model.layers.0.self_attn.q_proj"],
+              _EXP: ["base_model.model.model.layers.0.mlp.experts.0.gate_proj"]}
+
+
+def test_auto_choice_follows_what_the_engine_serves() -> None:
+    lora = _Lora(_BY_MODULE)
+    assert choose("auto", None, _info())[0] == "full"
+    assert choose("auto", lora, _info(lora_enabled=False))[:2] == ("full", "the engine was started without enable_lora")
+    assert choose("auto", lora, _info())[0] == "adapter"
+    no_moe = _info(unservable={_BY_MODULE[_EXP][0]: "no MoE-LoRA kernels on this platform: X"})
+    strategy, reason, unservable = choose("auto", lora, no_moe)
+    assert strategy == "hybrid" and unservable == [_EXP] and "MoE-LoRA" in reason and "experts" in reason
+    assert choose("auto", _Lora(_BY_MODULE, rank=64), _info())[0] == "full"
+    both = _info(unservable={p[0]: "x" for p in _BY_MODULE.values()})
+    assert choose("auto", lora, both)[0] == "full"
+    assert choose("auto", AdapterFormatError("DoRA"), _info())[0] == "full"
+
+
+def test_explicit_strategies_refuse_what_cannot_work() -> None:
+    lora = _Lora(_BY_MODULE)
+    no_moe = _info(unservable={_BY_MODULE[_EXP][0]: "no MoE-LoRA kernels"})
+    with pytest.raises(AdapterFormatError, match='strategy="hybrid"'):
+        choose("adapter", lora, no_moe)
+    with pytest.raises(AdapterFormatError, match="DoRA"):
+        choose("adapter", AdapterFormatError("DoRA"), _info())
+    with pytest.raises(AdapterFormatError, match="enable_lora"):
+        choose("hybrid", lora, _info(lora_enabled=False))
+    with pytest.raises(AdapterFormatError, match="no adapter"):
+        choose("adapter", None, _info())
+    with pytest.raises(SyncError, match="unknown strategy"):
+        choose("merged", lora, _info())
+    assert choose("full", lora, no_moe)[0] == "full"
+
+
+def test_hybrid_companions_complete_engine_layers() -> None:
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+             "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+             "model.layers.0.mlp.gate.weight"]
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert _companions(["model.layers.0.mlp.experts.gate_up_proj"], names, packed) == {
+        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+    assert _companions(["model.layers.0.self_attn.k_proj.weight"], names, packed) == set(names[:3])
+    assert _companions(["model.layers.0.self_attn.o_proj.weight"], names, packed) == {names[3]}
+
+
+def test_report_line_has_the_metrics() -> None:
+    r = SyncReport("hybrid", 20, 2_000_000, 0.5, 3, 4, "why")
+    line = r.line()
+    for part in ("v4", "strategy=hybrid", "tensors=20", "MB=2.000", "seconds=0.500", "GB/s=0.004", "buckets=3",
+                 "(why)"):
+        assert part in line
+    assert r.gbps == pytest.approx(0.004)
+
+
+def test_gloo_transport_roundtrip_and_abort() -> None:
+    specs = _specs()
+    tensors = _tensors(specs)
+    m = Manifest(1, "full", tuple(specs), plan_buckets(specs, 1024))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    links: dict[int, GlooLink] = {}
+
+    def make(rank: int) -> None:  # one store client per rank, as across processes
+        client = store if rank == 0 else dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                                       timeout=datetime.timedelta(seconds=30))
+        links[rank] = GlooLink(client, "t/", rank, 2, 30)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    received: list[list[torch.Tensor]] = []
+    errors: list[BaseException] = []
+
+    def recv(manifest: Manifest) -> None:
+        try:
+            for views in receive_buckets(manifest, links[1], 0, abort_reason=lambda: "why"):
+                received.append([v.clone() for v in views])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=recv, args=(m,))
+    t.start()
+    send_buckets(m, lambda: iter(tensors), links[0], {}, None, lambda e: None)
+    t.join()
+    assert not errors
+    out = {i: v for b, views in zip(m.buckets, received) for i, v in zip(b.entries, views)}
+    assert all(torch.equal(out[i], tensors[i]) for i in range(len(specs)))
+
+    # the sender fails while producing bucket 1: the receiver learns it at once, with the reason
+    received.clear()
+    t = threading.Thread(target=recv, args=(m,))
+    t.start()
+
+    def boom(i: int, n: int) -> None:
+        if i == 1:
+            raise RuntimeError("trainer died")
+
+    with pytest.raises(RuntimeError, match="trainer died"):
+        send_buckets(m, lambda: iter(tensors), links[0], {}, boom, lambda e: None)
+    t.join()
+    assert len(received) == 1 and len(errors) == 1
+    assert isinstance(errors[0], SyncError) and "sender aborted before bucket 1: why" in str(errors[0])
+
+
+def test_receive_buffer_is_never_overwritten_while_viewed() -> None:
+    from hwsync.sync.remote import _buffer
+
+    owner: dict[str, object] = {}
+    a = _buffer(owner, 64, torch.device("cpu"))
+    held = a[:16].view(torch.float32)  # e.g. vLLM holding a layer's tensor until the layer is complete
+    b = _buffer(owner, 64, torch.device("cpu"))
+    assert b.data_ptr() != a.data_ptr()
+    del held
+    assert _buffer(owner, 64, torch.device("cpu")).data_ptr() == a.data_ptr()  # free again: reused
+    assert _buffer(owner, 128, torch.device("cpu")).numel() >= 128
