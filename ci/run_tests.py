@@ -1,0 +1,55 @@
+"""Run the test suite one module per process, then print one combined summary line.
+
+Why: vLLM keeps process-global state (its environment cache, plugins loaded once per process, the distributed
+groups an in-process engine creates and tears down) and hwsync's patches are process-wide while an engine is built.
+Modules that each build and destroy engines therefore interfere when they share one interpreter: run in a single
+pytest process, later modules see "pipeline model parallel group is not initialized" or an engine built without the
+patch an earlier module removed. One interpreter per module is what a user's program (one trainer, one engine) is.
+
+    python ci/run_tests.py [pytest args...]        # e.g. -k sync, -m "not slow", -x
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
+
+
+def main(argv: list[str]) -> int:
+    modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
+    totals: dict[str, int] = {}
+    failed_modules: list[str] = []
+    start = time.monotonic()
+    for module in modules:
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", module, *argv],
+            cwd=ROOT, capture_output=True, text=True,
+        )
+        out = proc.stdout + proc.stderr
+        tail = [ln for ln in out.splitlines() if COUNTS.search(ln)]
+        summary = tail[-1].strip("= ") if tail else "no summary"
+        for n, kind in COUNTS.findall(tail[-1] if tail else ""):
+            kind = "errors" if kind.startswith("error") else kind
+            totals[kind] = totals.get(kind, 0) + int(n)
+        ok = proc.returncode == 0 or (proc.returncode == 5 and "deselected" in summary)
+        print(f"{'ok  ' if ok else 'FAIL'} {module:<48} {time.monotonic() - t0:6.1f}s  {summary}", flush=True)
+        if not ok:
+            failed_modules.append(module)
+            print(out[-6000:], flush=True)
+    print(f"\nmodules: {len(modules)}, failed: {failed_modules or 'none'}; {time.monotonic() - start:.0f}s")
+    passed, failed = totals.get("passed", 0), totals.get("failed", 0) + totals.get("errors", 0)
+    extra = f", {totals['skipped']} skipped" if totals.get("skipped") else ""
+    print(f"{passed} passed, {failed} failed{extra}")
+    if failed_modules:
+        return 1
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
