@@ -363,6 +363,9 @@ class VllmApplier:
             raise AdapterFormatError('the engine was started without enable_lora: use strategy="full" or restart '
                                      "vLLM with enable_lora=True")
         self._peft_helper(manifest.lora_config or {})
+        if manifest.lora_int_id is not None and int(manifest.lora_int_id) <= 0:
+            raise AdapterFormatError(f"lora_int_id must be positive (vLLM reserves 0 for 'no adapter'), got "
+                                     f"{manifest.lora_int_id}")
         paths = sorted({s.name.rsplit(".", 2)[0] for s in manifest.lora_specs})
         for s in manifest.lora_specs:
             if not re.search(r"\.lora_[AB]\.weight$", s.name):
@@ -399,16 +402,21 @@ class VllmApplier:
         with contextlib.suppress(Exception):
             self.worker.model_runner.reset_lora_state()
 
-    def load_lora(self, tensors: Mapping[str, Tensor], config: Mapping[str, Any]) -> tuple[str, int]:
+    def load_lora(self, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None = None,
+                  lora_int_id: int | None = None, replaces: int | None = None) -> tuple[str, int]:
         from vllm.lora.lora_model import LoRAModel
 
+        name = LORA_NAME if name is None else name
+        lid = LORA_INT_ID if lora_int_id is None else int(lora_int_id)
+        if lid <= 0:
+            raise AdapterFormatError(f"LoRA int id must be positive (vLLM reserves 0 for no adapter), got {lid}")
         wm = self.worker.model_runner.lora_manager
         manager = wm._adapter_manager
         helper = self._peft_helper(config)
         model = manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora = LoRAModel.from_lora_tensors(
-            lora_model_id=LORA_INT_ID,
+            lora_model_id=lid,
             tensors=dict(tensors),
             peft_helper=helper,
             device="cpu",
@@ -424,16 +432,24 @@ class VllmApplier:
             manager._validate_token_classification_lora(lora)
         except ValueError as e:
             raise AdapterFormatError(f"vLLM refuses this adapter: {e}") from e
-        manager.remove_adapter(LORA_INT_ID)  # in-place replacement under one id (load_inplace semantics)
+        # validated: now replace in place under one id (load_inplace semantics), and drop a previous identity first
+        # so an LRU cache of capacity max_cpu_loras never has to evict a pinned adapter
+        if replaces is not None and replaces != lid:
+            manager.remove_adapter(replaces)
+        manager.remove_adapter(lid)
         manager.add_adapter(lora)
         with contextlib.suppress(NotImplementedError, AttributeError):
-            manager.pin_adapter(LORA_INT_ID)
-        return LORA_NAME, LORA_INT_ID
+            manager.pin_adapter(lid)
+        return name, lid
 
-    def drop_lora(self) -> None:
+    def drop_lora(self, lora_int_id: int) -> None:
         manager = _lora_manager(self.worker)
         if manager is not None:
-            manager.remove_adapter(LORA_INT_ID)
+            manager.remove_adapter(lora_int_id)
+
+    def has_lora(self, lora_int_id: int) -> bool:
+        manager = _lora_manager(self.worker)
+        return manager is not None and lora_int_id in set(manager.list_adapters())
 
     def after_sync(self) -> None:
         # reload_weights already reset LoRA/encoder/mm caches; the prefix cache lives in the scheduler and is
@@ -465,7 +481,7 @@ class HwsyncWorkerExtension:
 
     def hwsync_state(self) -> dict[str, Any]:
         """Version, staleness, served adapter."""
-        return _receiver(self).state.to_dict()
+        return _receiver(self).refresh().to_dict()
 
     def hwsync_prepare(self, manifest: Manifest | str) -> dict[str, Any]:
         """Validate a manifest completely (nothing is written); raises the error a sync would."""

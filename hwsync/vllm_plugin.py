@@ -12,25 +12,26 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["register", "RECEIVER_SCOPED"]
+__all__ = ["register", "engine_patches", "RECEIVER_SCOPED"]
 
 logger = logging.getLogger("hwsync")
 
 RECEIVER_SCOPED = frozenset({"vllm_cpu_moe_prepack"})
 """Patches :mod:`hwsync.vllm_ext` holds for the duration of each reload instead of process-wide."""
 
-_done = False
-
-
-def register() -> None:
-    """Install the engine-side hwsync patches (idempotent)."""
-    global _done
-    if _done:
-        return
-    _done = True
+def engine_patches() -> list[str]:
+    """Names of the patches the plugin installs: what ``hwsync.patches.apply()`` selects by default (opt-in
+    integration patches, e.g. ms-swift's rollout server, stay with their integration) minus :data:`RECEIVER_SCOPED`."""
     import hwsync.patches as patches
 
-    names = [n for n in patches.names() if n not in RECEIVER_SCOPED]
-    active = patches.apply(names)
+    return [n for n in patches.names() if not getattr(patches.get(n), "opt_in", False) and n not in RECEIVER_SCOPED]
+
+
+def register() -> list[str]:
+    """Install the engine-side hwsync patches whose probes apply (idempotent); return the active names."""
+    import hwsync.patches as patches
+
+    active = patches.apply(engine_patches())
     if active:
         logger.info("hwsync vLLM plugin: patches active: %s", ", ".join(active))
+    return active

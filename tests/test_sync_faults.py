@@ -31,10 +31,15 @@ def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
     import hwsync.patches as patches
     from hwsync import vllm_plugin
 
-    vllm_plugin.register()
+    before = {n for n in patches.names() if patches.get(n).installed}
+    active = set(vllm_plugin.register()) - before
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: multi-threaded weight copies spin (30x slower reloads here)
     yield make_llm(tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8, max_loras=1,
                    lora_target_modules=["qkv_proj", "o_proj"])
-    patches.remove_all()
+    torch.set_num_threads(threads)
+    for name in active:
+        patches.get(name).uninstall()
 
 
 def _trainer(path: Path, targets: list[str] | None = None, parameters: list[str] | None = None, **lora: Any) -> Any:
@@ -179,3 +184,19 @@ def test_bad_input_one_clear_error_engine_untouched(llm: Any, tiny_qwen3_moe_dir
     assert "\n" not in str(err.value).strip() or isinstance(err.value, ResolutionError)  # one error, one story
     assert _state(llm) == served  # same version, not stale, same adapter
     assert hwsync.verify(llm, good, PROMPTS, atol=ATOL) <= ATOL
+
+
+def test_adapter_identity_per_call(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    """Frameworks attach their own LoRARequest to rollouts (ms-swift: swift_lora / 111): install under theirs."""
+    model = _trainer(tiny_qwen3_moe_dir, ATTN)
+    _perturb(model, 8)
+    r = hwsync.sync(llm, model, strategy="adapter", lora_name="swift_lora", lora_int_id=111)
+    assert (r.lora_request.lora_name, r.lora_request.lora_int_id) == ("swift_lora", 111)
+    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+    with pytest.raises(AdapterFormatError, match="positive"):
+        hwsync.sync(llm, model, strategy="adapter", lora_int_id=0)
+    r = hwsync.sync(llm, model, strategy="adapter")  # back to hwsync's identity: the old one is dropped
+    assert r.lora_request.lora_int_id != 111
+    worker = llm.llm_engine.model_executor.driver_worker
+    assert 111 not in worker.model_runner.lora_manager.list_adapters()
+    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ DYING_TRAINER = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def server(tiny_qwen3_moe_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     require_vllm()
-    env = {**os.environ, **vllm_cpu_env(plugins=("hwsync",))}
+    env = {**os.environ, **vllm_cpu_env(plugins=("hwsync",)), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(tiny_qwen3_moe_dir), TOKEN, "600"], env=env,
                             stdout=subprocess.PIPE, text=True)
     address = None
@@ -71,6 +72,8 @@ def server(tiny_qwen3_moe_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str
     if address is None:
         proc.kill()
         pytest.fail(f"engine process exited ({proc.wait()}) before serving")
+    # keep draining the engine's stdout (vLLM logs there): a full pipe would block the engine mid-sync
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
     try:
         yield address, proc
     finally:

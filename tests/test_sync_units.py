@@ -231,3 +231,15 @@ def test_receive_buffer_is_never_overwritten_while_viewed() -> None:
     del held
     assert _buffer(owner, 64, torch.device("cpu")).data_ptr() == a.data_ptr()  # free again: reused
     assert _buffer(owner, 128, torch.device("cpu")).numel() >= 128
+
+
+def test_vllm_plugin_entry_point_and_patch_selection() -> None:
+    from importlib.metadata import entry_points
+
+    from hwsync import vllm_plugin
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "hwsync"]
+    assert ep.value == "hwsync.vllm_plugin:register" and ep.load() is vllm_plugin.register
+    names = vllm_plugin.engine_patches()
+    assert "vllm_cpu_moe_lora" in names  # needed before an engine is built
+    assert "vllm_cpu_moe_prepack" not in names  # held by the receiver around its own reloads only

@@ -53,11 +53,15 @@ def generate(target, prompts, sampling_params=None, **kwargs):  # type: ignore[n
 
 
 class _SyncModule(types.ModuleType):
-    """``hwsync.sync`` is both this package and the function: importing a submodule (``hwsync.sync.remote``) makes
-    Python bind the *package* to ``hwsync.sync``, so the package itself is callable and forwards to :func:`sync`."""
+    """``hwsync.sync`` is both this package and the function. Python binds ``hwsync.sync`` to the *package* as soon
+    as any submodule is imported, so the package itself is callable (forwarding to :func:`hwsync.sync.api.sync`)
+    and ``hwsync.sync.sync`` is the package too: ``hwsync.sync(llm, model)`` and ``hwsync.sync.verify(...)`` work
+    whatever was imported first."""
 
     def __call__(self, target: Any, model: Any, **kwargs: Any) -> SyncReport:
-        return sync(target, model, **kwargs)
+        return _sync_function(target, model, **kwargs)
 
 
+_sync_function = sync
 sys.modules[__name__].__class__ = _SyncModule
+sync = sys.modules[__name__]  # type: ignore[assignment]  # `from hwsync.sync import sync` -> the callable package

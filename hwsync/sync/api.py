@@ -19,9 +19,11 @@ from hwsync.sync.report import SyncReport
 __all__ = ["sync", "verify", "agreement", "Agreement", "default_bucket_mb", "BUCKET_ENV"]
 
 BUCKET_ENV = "HWSYNC_BUCKET_MB"
-# Chosen by benchmarks/bench_sync.py (see its docstring for the numbers): on the CPU (gloo) transport throughput is
-# flat from 16 MB up, and larger buckets only cost memory; on GPUs (NCCL) 512 MB-1 GB buckets reach link speed
-# (verl: 2048 MB, ms-swift: 512 MB, vLLM's native transfer: 1 GB x 2).
+# Measured with benchmarks/bench_sync.py (vLLM CPU build, 105 MB fp32 MoE, server mode over gloo/loopback, 2 shared
+# cores, two runs): a full sync takes 0.40-0.52 s for any bucket size from 1 to 256 MB -- flat within noise, because
+# vLLM's reload, not the transfer, dominates on CPU. 64 MB keeps per-bucket overhead negligible with two receive
+# buffers in flight. On GPUs (NCCL) buckets of 512 MB-1 GB reach link speed (verl: 2048 MB, ms-swift: 512 MB, vLLM's
+# native transfer: 1 GB x 2): 512 MB, to be re-measured with bench_sync.py on the target cluster.
 _DEFAULT_MB = {"cpu": 64, "cuda": 512, "npu": 512}
 
 
@@ -44,6 +46,8 @@ def sync(
     bucket_mb: float | None = None,
     version: int | None = None,
     progress: ProgressFn | None = None,
+    lora_name: str | None = None,
+    lora_int_id: int | None = None,
 ) -> SyncReport:
     """Make ``target`` serve ``model``'s current weights; return what was sent.
 
@@ -52,6 +56,9 @@ def sync(
     or ``"hybrid"`` (see :mod:`hwsync.sync.payload`); auto asks the engine what it can serve and the report says
     why. ``version`` must increase strictly (default: the engine's version + 1). The engine validates the whole
     manifest before writing anything; see :mod:`hwsync.sync.receiver` for what an interrupted sync leaves behind.
+    ``progress(bucket, num_buckets)`` is called before each bucket is handed over (raising aborts the sync).
+    ``lora_name``/``lora_int_id`` install the adapter under a framework's own identity (ms-swift: ``swift_lora``/111)
+    instead of hwsync's default; the report's ``lora_request`` carries it.
     """
     engine = as_engine(target)
     t0 = time.perf_counter()
@@ -73,8 +80,10 @@ def sync(
         lora_config=payload.lora_config,
         lora_base_names=dict(payload.lora_base_names),
         base_key=payload.base_key,
+        lora_name=lora_name,
+        lora_int_id=lora_int_id,
     )
-    result = engine.apply(manifest, payload.produce, progress)
+    engine.apply(manifest, payload.produce, progress)
     report = SyncReport(
         strategy=chosen,
         tensors=len(manifest.specs),
@@ -88,7 +97,6 @@ def sync(
         lora_tensors=len(manifest.lora_specs),
         lora_request=engine.lora_request if manifest.lora_specs or chosen != "full" else None,
     )
-    del result
     report.log()
     return report
 

@@ -60,7 +60,10 @@ class Engine(abc.ABC):
         st = self.state()
         if st.get("lora_int_id") is None:
             return None
-        from vllm.lora.request import LoRARequest
+        try:
+            from vllm.lora.request import LoRARequest
+        except ImportError:  # a trainer process without vLLM (server mode): nothing to generate with here
+            return None
 
         return LoRARequest(st["lora_name"], st["lora_int_id"], f"hwsync-in-memory://{st['lora_name']}")
 

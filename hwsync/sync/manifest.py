@@ -147,6 +147,10 @@ class Manifest:
     """Identity of the base weights this sync leaves on the engine (adapter/hybrid: trainer's W0 set)."""
     layout: str = "checkpoint"
     """Base tensors are in checkpoint (trainer) layout; the receiver's load path converts them."""
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+    """Identity to install the adapter under (``None``: the receiver's default, ``hwsync.vllm_ext.LORA_INT_ID``).
+    Frameworks that attach their own ``LoRARequest`` to rollouts (ms-swift: ``swift_lora``/111) pass theirs."""
 
     @property
     def base_specs(self) -> list[TensorSpec]:
@@ -170,6 +174,8 @@ class Manifest:
             "lora_base_names": {k: list(v) for k, v in self.lora_base_names.items()},
             "base_key": self.base_key,
             "layout": self.layout,
+            "lora_name": self.lora_name,
+            "lora_int_id": self.lora_int_id,
         })
 
     @classmethod
@@ -185,6 +191,8 @@ class Manifest:
                 lora_base_names={k: tuple(int(x) for x in v) for k, v in (d.get("lora_base_names") or {}).items()},
                 base_key=d.get("base_key"),
                 layout=str(d.get("layout", "checkpoint")),
+                lora_name=d.get("lora_name"),
+                lora_int_id=None if d.get("lora_int_id") is None else int(d["lora_int_id"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SyncError(f"malformed sync manifest ({type(e).__name__}: {e}); sender and receiver hwsync differ?") from e

@@ -43,11 +43,17 @@ class Applier(Protocol):
         """Load base tensors (checkpoint layout) through the engine's reload path, post-processing each touched
         layer exactly once. On error, leave the engine structurally usable (values may be partial)."""
 
-    def load_lora(self, tensors: Mapping[str, Tensor], config: Mapping[str, Any]) -> tuple[str, int]:
-        """Install (or replace in place) the adapter from memory; return its (name, int id)."""
+    def load_lora(self, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None,
+                  lora_int_id: int | None, replaces: int | None) -> tuple[str, int]:
+        """Install (or replace in place) the adapter from memory under ``name``/``lora_int_id`` (``None``: the
+        engine's default identity), removing the adapter ``replaces`` once the new one is validated; return the
+        identity used."""
 
-    def drop_lora(self) -> None:
+    def drop_lora(self, lora_int_id: int) -> None:
         """Forget the adapter (the engine now serves merged weights)."""
+
+    def has_lora(self, lora_int_id: int) -> bool:
+        """Whether the engine still holds the adapter (someone else may have reloaded weights meanwhile)."""
 
     def after_sync(self) -> None:
         """Invalidate caches derived from old weights (prefix cache, ...)."""
@@ -76,8 +82,19 @@ class Receiver:
         self.lock = threading.RLock()
 
     # -- queries --------------------------------------------------------------------------------------------------
+    def refresh(self) -> ReceiverState:
+        """The state, corrected for changes made behind hwsync's back: a ``reload_weights`` by someone else drops
+        the adapter (vLLM resets LoRA state) and replaces the base, so neither may be assumed any more."""
+        with self.lock:
+            lid = self.state.lora_int_id
+            if lid is not None and not self.applier.has_lora(lid):
+                self.state.lora_name = self.state.lora_int_id = None
+                self.state.base_key = None
+            return self.state
+
     def describe(self, lora_paths: Sequence[str] = ()) -> dict[str, Any]:
         with self.lock:
+            self.refresh()
             info = dict(self.applier.describe(lora_paths))
             info.update(version=self.state.version, stale=self.state.stale, base_key=self.state.base_key,
                         lora_int_id=self.state.lora_int_id, lora_name=self.state.lora_name)
@@ -151,11 +168,13 @@ class Receiver:
                 else:
                     for _ in stream():
                         raise SyncError("internal: base tensor in a LoRA-only sync")
+                old = self.state.lora_int_id
                 if lora:
-                    name, lid = self.applier.load_lora(lora, manifest.lora_config or {})
+                    name, lid = self.applier.load_lora(lora, manifest.lora_config or {}, manifest.lora_name,
+                                                       manifest.lora_int_id, old)
                     self.state.lora_name, self.state.lora_int_id = name, lid
-                elif base_idx and self.state.lora_int_id is not None:
-                    self.applier.drop_lora()  # the base was replaced; an old adapter on it would be wrong
+                elif base_idx and old is not None:
+                    self.applier.drop_lora(old)  # the base was replaced; an old adapter on it would be wrong
                     self.state.lora_name = self.state.lora_int_id = None
                 self.applier.after_sync()
             except BaseException as e:

@@ -244,6 +244,10 @@ class SyncServer:
         self._thread.start()
 
     @property
+    def _connect_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
@@ -261,7 +265,10 @@ class SyncServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        self.store.queue_push(_QUEUE, _STOP)
+        # the listener thread blocks inside queue_pop on self.store: wake it through a second client (one store
+        # client cannot serve two threads at once)
+        waker = dist.TCPStore(self._connect_host, self.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        waker.queue_push(_QUEUE, _STOP)
         self._thread.join(timeout=30)
 
     def __enter__(self) -> SyncServer:
@@ -342,7 +349,7 @@ class SyncServer:
         engine = self.engine
         with engine.lock:
             engine.rpc("hwsync_prepare", manifest)  # raises -> error reply, nothing written
-            link = {"host": "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host, "port": self.port,
+            link = {"host": self._connect_host, "port": self.port,
                     "prefix": self._group_prefix(args["session"]), "world": 1 + len(engine.llm.collective_rpc(_rank)),
                     "abort_key": f"{_PREFIX}abort/{n}",
                     "timeout": float(args.get("timeout", self.timeout_s))}
