@@ -45,20 +45,8 @@ no_vllm() {
 }
 no_vllm  # before touching anything: never downgrade transformers under an existing vLLM venv
 
-satisfied() {  # satisfied name==version... (local labels ignored: 2.13.0+cpu satisfies 2.13.0)
-    "$PY" - "$@" <<'PYEOF'
-import sys
-from importlib import metadata
-for req in sys.argv[1:]:
-    name, _, want = req.partition("==")
-    try:
-        have = metadata.version(name)
-    except metadata.PackageNotFoundError:
-        sys.exit(1)
-    if want and have.split("+")[0] != want:
-        sys.exit(1)
-PYEOF
-}
+# shellcheck source=ci/pins.sh
+source "$REPO/ci/pins.sh"  # satisfied()
 
 if satisfied "$TORCH_PIN"; then step "$TORCH_PIN: already installed"; else
     step "installing $TORCH_PIN"; "${PIP[@]}" "$TORCH_PIN"; fi

@@ -39,22 +39,8 @@ PY="$VENV/bin/python"
 # --no-compile: byte-compiling vLLM + ms-swift at install costs minutes on 2 cores; imports compile lazily.
 PIP=("$PY" -m pip install --progress-bar off --no-compile)
 
-# satisfied REQ... -> exit 0 when every `name==version` (or bare `name`) is installed at that version.
-# Local version labels are ignored (torch 2.13.0+cpu satisfies torch==2.13.0).
-satisfied() {
-    "$PY" - "$@" <<'PYEOF'
-import sys
-from importlib import metadata
-for req in sys.argv[1:]:
-    name, _, want = req.partition("==")
-    try:
-        have = metadata.version(name)
-    except metadata.PackageNotFoundError:
-        sys.exit(1)
-    if want and have.split("+")[0] != want:
-        sys.exit(1)
-PYEOF
-}
+# shellcheck source=ci/pins.sh
+source "$REPO/ci/pins.sh"  # satisfied()
 
 if satisfied "$TORCH_PIN"; then step "$TORCH_PIN: already installed"; else
     step "installing $TORCH_PIN"; "${PIP[@]}" "$TORCH_PIN"; fi
