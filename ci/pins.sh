@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the ci/install*.sh scripts (after they set PY): one definition of "is this pin already installed".
 
 # satisfied REQ... -> exit 0 when every `name==version` (or bare `name`) is installed in $PY at that version.

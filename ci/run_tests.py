@@ -6,11 +6,16 @@ Modules that each build and destroy engines therefore interfere when they share 
 pytest process, later modules see "pipeline model parallel group is not initialized" or an engine built without the
 patch an earlier module removed. One interpreter per module is what a user's program (one trainer, one engine) is.
 
-    python ci/run_tests.py [pytest args...]        # e.g. -k sync, -m "not slow", -x
+    python ci/run_tests.py [--modules=tests/a.py,tests/b.py] [pytest args...]   # e.g. -k sync, -m "not slow", -x
+
+``--modules`` runs only those modules (in that order). ``HWSYNC_PYTEST`` replaces the pytest command
+(default ``<this python> -m pytest``; the GPU job uses ``pytest``, see ci/gpu.sh).
 """
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -22,13 +27,18 @@ COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|desel
 
 def main(argv: list[str]) -> int:
     modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
+    only = [a for a in argv if a.startswith("--modules=")]
+    if only:
+        argv = [a for a in argv if not a.startswith("--modules=")]
+        modules = [m for a in only for m in a.split("=", 1)[1].split(",") if m]
+    pytest_cmd = shlex.split(os.environ.get("HWSYNC_PYTEST", "")) or [sys.executable, "-m", "pytest"]
     totals: dict[str, int] = {}
     failed_modules: list[str] = []
     start = time.monotonic()
     for module in modules:
         t0 = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", module, *argv],
+            [*pytest_cmd, "-q", "-p", "no:cacheprovider", "-rfE", module, *argv],
             cwd=ROOT, capture_output=True, text=True,
         )
         out = proc.stdout + proc.stderr

@@ -13,7 +13,8 @@ process (``--server``: in a separate ``swift rollout`` process, synced through h
 ``--external_plugins <hwsync plugin>``, which routes every trainer -> vLLM weight sync through ``hwsync.sync`` and
 checks each one with ``hwsync.verify``. At the end it prints, per step, the reward, the sync
 strategy ``auto`` chose, MB sent, sync time and the largest |Δ logprob| between the engine and the trainer, and
-exits non-zero if any check failed. On a CPU machine it sets the vLLM CPU environment it needs.
+exits non-zero if any check failed. On a CPU machine it sets the vLLM CPU environment it needs; on a GPU the model
+and engine run in bf16.
 """
 from __future__ import annotations
 
@@ -88,8 +89,15 @@ ENGINE_ARGS = [
     "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256", "--vllm_gpu_memory_utilization", "0.5",
     "--vllm_engine_kwargs", json.dumps({"num_gpu_blocks_override": 64}),
 ]
-ROLLOUT_MODEL_ARGS = ["--model_type", "qwen3_moe", "--template", "qwen3", "--torch_dtype", "float32"]
-MODEL_ARGS = [*ROLLOUT_MODEL_ARGS, "--check_model", "false"]  # (swift rollout has no --check_model)
+def rollout_model_args() -> list[str]:
+    # fp32 on vLLM's CPU build; bf16 on GPUs, whose vLLM LoRA kernels take only fp16/bf16 (ms-swift starts the engine
+    # in the model's dtype)
+    dtype = "bfloat16" if _has_gpu() else "float32"
+    return ["--model_type", "qwen3_moe", "--template", "qwen3", "--torch_dtype", dtype]
+
+
+def model_args() -> list[str]:
+    return [*rollout_model_args(), "--check_model", "false"]  # (swift rollout has no --check_model)
 
 
 def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: bool = False,
@@ -104,7 +112,7 @@ def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: b
                 "--vllm_server_group_port", str(free_port())]
     args = [
         "swift", "rlhf", "--rlhf_type", "grpo",
-        "--model", str(model), *MODEL_ARGS,
+        "--model", str(model), *model_args(),
         "--dataset", str(data), "--external_plugins", *plugins, "--reward_funcs", "arith",
         # LoRA on attention and on the fused MoE experts (PEFT target_parameters); PEFT refuses dropout there
         "--tuner_type", "lora", "--lora_rank", "8", "--lora_alpha", "16", "--lora_dropout", "0",
@@ -128,7 +136,7 @@ def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: b
 
 def rollout_args(model: Path, port: int) -> list[str]:
     """``swift rollout`` for server mode: the same engine, LoRA enabled, with the hwsync plugin."""
-    return ["swift", "rollout", "--model", str(model), *ROLLOUT_MODEL_ARGS, "--vllm_enable_lora", "true",
+    return ["swift", "rollout", "--model", str(model), *rollout_model_args(), "--vllm_enable_lora", "true",
             "--vllm_max_lora_rank", "8", *ENGINE_ARGS, "--external_plugins", str(plugin_path()),
             "--host", "127.0.0.1", "--port", str(port)]
 

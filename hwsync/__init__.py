@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from hwsync.errors import (
     AdapterFormatError,
+    OptionError,
+    PlanChangedError,
+    UnsupportedSetupError,
     BackendUnavailableError,
     BroadcastError,
     HwsyncError,
@@ -24,6 +27,37 @@ from hwsync.errors import (
 
 __version__ = "0.1.0"
 
+
+def _map_source_checkout_patches() -> None:
+    """Make ``hwsync.patches`` importable from a source checkout (``PYTHONPATH=.``, ``python -m pytest``).
+
+    The wheel installs ``patches/`` as ``hwsync.patches``; in a checkout that folder sits beside ``hwsync/``. When
+    this package was imported from a checkout, ``hwsync.patches`` must come from the *same* checkout (not from
+    another tree an editable install points at), so its folder is added to this package's search path under its
+    own name only: nothing else beside ``hwsync/`` becomes importable.
+    """
+    import importlib.abc
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    source = here.parent / "patches"
+    if (here / "patches").is_dir() or not (source / "_base.py").is_file():
+        return
+
+    class _SourcePatches(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+            if fullname != "hwsync.patches":
+                return None
+            return importlib.util.spec_from_file_location(fullname, source / "__init__.py",
+                                                          submodule_search_locations=[str(source)])
+
+    sys.meta_path.insert(0, _SourcePatches())
+
+
+_map_source_checkout_patches()
+
 _LAZY: dict[str, str] = {
     "Backend": "hwsync.backend",
     "get_backend": "hwsync.backend",
@@ -33,10 +67,15 @@ _LAZY: dict[str, str] = {
     "backend_for_device": "hwsync.backend",
     "broadcast": "hwsync.comm",
     "broadcast_coalesced": "hwsync.comm",
-    "sync": "hwsync.sync",
-    "verify": "hwsync.sync",
-    "SyncReport": "hwsync.sync",
-    "connect": "hwsync.sync",
+    "sync": "hwsync.api",
+    "generate": "hwsync.api",
+    "verify": "hwsync.verify",
+    "agreement": "hwsync.verify",
+    "SyncReport": "hwsync.report",
+    "Strategy": "hwsync.wire",
+    "as_engine": "hwsync.api",
+    "connect": "hwsync.server",
+    "serve": "hwsync.server",
     "ExpertLayout": "hwsync.layouts",
     "ExpertSharding": "hwsync.layouts",
 }
@@ -45,6 +84,9 @@ __all__ = [
     "__version__",
     *sorted(_LAZY),
     "AdapterFormatError",
+    "OptionError",
+    "PlanChangedError",
+    "UnsupportedSetupError",
     "BackendUnavailableError",
     "BroadcastError",
     "HwsyncError",
@@ -82,4 +124,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     )
     from hwsync.comm import broadcast, broadcast_coalesced
     from hwsync.layouts import ExpertLayout, ExpertSharding
-    from hwsync.sync import SyncReport, connect, sync, verify
+    from hwsync.api import as_engine, generate, sync
+    from hwsync.report import SyncReport
+    from hwsync.server import connect, serve
+    from hwsync.verify import agreement, verify
+    from hwsync.wire import Strategy

@@ -16,11 +16,14 @@ import threading
 from collections.abc import Iterator
 from importlib import metadata
 from types import ModuleType
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from hwsync.errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from hwsync.transport.base import Link, LinkSpec
 
 __all__ = [
     "Backend",
@@ -93,6 +96,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def synchronize(self, device: DeviceLike = None) -> None:
         """Block the host until all work queued on ``device`` has finished."""
+
+    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+        """This device kind's data plane (:class:`hwsync.transport.Link`): rank ``rank`` of the group ``spec``
+        describes, rendezvous through ``store`` (a ``torch.distributed.Store``) under ``spec.prefix``."""
+        raise BackendUnavailableError(f"the {self.name} backend has no data plane for server mode")
 
     def owns(self, device: DeviceLike) -> bool:
         """True when ``device`` is of this backend's kind."""

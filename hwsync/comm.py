@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from hwsync.backend import Backend, backend_for_device, known_backends
 from hwsync.errors import BackendUnavailableError, BroadcastError
+from hwsync.transport.pack import as_bytes, copy_all, pack, views
 
 __all__ = ["Communicator", "broadcast", "broadcast_coalesced", "DEFAULT_BUCKET_BYTES"]
 
@@ -96,8 +97,8 @@ def broadcast_coalesced(
     """Broadcast many tensors with one collective per ``bucket_bytes`` bucket instead of one each.
 
     Tensors (any mix of dtypes, shapes and devices) are packed back to back as bytes into one
-    buffer on the communicator's device — one ``torch.cat`` on the source, one ``_foreach_copy_``
-    on receivers, so a bucket of thousands of LoRA tensors costs a handful of kernel launches, not
+    buffer on the communicator's device with :mod:`hwsync.transport.pack` (one ``_foreach_copy_`` on
+    each side), so a bucket of thousands of LoRA tensors costs a handful of kernel launches, not
     one per tensor. A tensor larger than a bucket is sent alone. Same semantics as
     :func:`broadcast`: every rank passes the same shapes/dtypes in the same order and receivers are
     filled in place. Returns ``list(tensors)``.
@@ -120,15 +121,17 @@ def broadcast_coalesced(
     def flush(batch: list[torch.Tensor], sizes: list[int]) -> None:
         used = sum(sizes)
         buffer = pool[:used]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        byte_views = [_as_bytes(t) if t.is_contiguous() else _as_bytes(t.contiguous()) for t in batch]
         if is_src is not False:
-            torch.cat([_as_bytes(t if t.device == device else t.to(device)) for t in batch], out=buffer)
+            pack(buffer, offsets, byte_views, [torch.uint8] * len(batch))
         transport.send(buffer, src, backend.current_stream(device))
         if is_src is True:
             return
-        slots = buffer.split(sizes)
+        slots = views(buffer, offsets, [(n,) for n in sizes], [torch.uint8] * len(batch))
         direct = [i for i, t in enumerate(batch) if t.device == device and t.is_contiguous()]
         if direct:
-            _copy_all([_as_bytes(batch[i]) for i in direct], [slots[i] for i in direct])
+            copy_all([_as_bytes(batch[i]) for i in direct], [slots[i] for i in direct])
         for i in sorted(set(range(len(batch))) - set(direct)):
             t = batch[i]  # staged: off-device or non-contiguous receiver
             staged = torch.empty(t.shape, dtype=t.dtype, device=device)
@@ -159,15 +162,6 @@ def broadcast_coalesced(
     return tensors
 
 
-def _copy_all(dst: list[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    foreach_copy = getattr(torch, "_foreach_copy_", None)  # multi-tensor kernel where torch has it
-    if foreach_copy is not None:
-        foreach_copy(dst, list(src))
-    else:
-        for d, s in zip(dst, src):
-            d.copy_(s)
-
-
 # ------------------------------------------------------------------------------------ internals
 
 
@@ -175,8 +169,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
+_as_bytes = as_bytes
 
 
 _SENDABLE_DTYPES: set[torch.dtype] = set()  # dtypes seen to pass the full check

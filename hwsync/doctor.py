@@ -69,8 +69,17 @@ def format_report(report: dict[str, Any]) -> str:
     out.append("")
 
     out.append("Versions")
-    out += _table([[k, v or "not installed"] for k, v in report["versions"].items()])
+    rows = [[k, v or "not installed"] for k, v in report["versions"].items()]
+    support = report.get("vllm_support")
+    if support is not None:
+        state = "supported" if support["supported"] else (
+            "not installed" if support["version"] is None else
+            f"NOT SUPPORTED: pip install 'vllm{support['range']}'")
+        rows.append(["vllm range", f"{support['range']} ({state})"])
+    out += _table(rows)
     out.append("")
+
+    out += _ascend_lines(report.get("ascend"))
 
     out.append("Sync strategies")
     caps, strat = report["vllm"], report["strategies"]
@@ -109,6 +118,19 @@ def format_report(report: dict[str, Any]) -> str:
             for target in p["target"].split(", "):
                 out.append(f"  {'':{width}}  {'':{states}}  target: {target}")
     return "\n".join(out)
+
+
+def _ascend_lines(ascend: dict[str, Any] | None) -> list[str]:
+    if not ascend:
+        return []
+    cann, nz = ascend["cann"], ascend["nz_mode"]
+    if not (cann["version"] or ascend["torch_npu"] or ascend["vllm_ascend"]):
+        return ["Ascend", "  not installed (no CANN toolkit, torch-npu or vllm-ascend)", ""]
+    rows = [["CANN", f"{cann['version']} ({cann['source']})" if cann["version"] else cann["reason"]],
+            ["torch-npu", ascend["torch_npu"] or "not installed"],
+            ["vllm-ascend", ascend["vllm_ascend"] or "not installed"],
+            ["NZ mode", f"{nz['value']} ({nz['source']}): {nz['meaning']}"]]
+    return ["Ascend", *_table(rows), ""]
 
 
 @command("doctor", help="show backend, devices, versions, supported sync strategies and patches")

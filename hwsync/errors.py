@@ -1,10 +1,17 @@
 """One exception family, so callers can catch everything hwsync refuses with a single ``except``.
 
-Every error says what is wrong *and* how to fix it; nothing is half-applied when one is raised.
+Every error says what is wrong *and* how to fix it; nothing is half-applied when one is raised. This module is the
+one registry of hwsync's errors: an error raised in the engine process reaches the trainer as the same class
+(:func:`to_wire` / :func:`from_wire`).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 __all__ = [
+    "to_wire",
+    "from_wire",
     "HwsyncError",
     "BackendUnavailableError",
     "BroadcastError",
@@ -16,6 +23,12 @@ __all__ = [
     "VersionError",
     "VerifyError",
     "PatchError",
+    "PlanChangedError",
+    "OptionError",
+    "PluginError",
+    "UnsupportedSetupError",
+    "FixtureConfigError",
+    "UnsupportedVersionError",
 ]
 
 
@@ -61,3 +74,40 @@ class VerifyError(HwsyncError):
 
 class PatchError(HwsyncError):
     """A patch could not be applied or removed cleanly."""
+
+
+class PlanChangedError(SyncError):
+    """The engine no longer matches the sync plan the trainer cached (another sync, a restart, a failure):
+    :func:`hwsync.sync` re-plans once and retries; nothing was written."""
+
+
+class OptionError(HwsyncError, ValueError):
+    """An ``HWSYNC_*`` environment variable holds a value hwsync cannot use, or one it needs is missing."""
+
+
+class PluginError(HwsyncError):
+    """hwsync cannot be installed into this ms-swift (missing, or a version without the hooks it uses)."""
+
+
+class UnsupportedSetupError(HwsyncError):
+    """A training setup hwsync cannot sync correctly (the message names what is missing)."""
+
+
+class FixtureConfigError(HwsyncError, ValueError):
+    """A tiny-model request that vLLM's CPU build or transformers cannot serve; nothing was written."""
+
+
+def to_wire(error: BaseException) -> dict[str, str]:
+    """An error as plain data for the other process (class name + message)."""
+    return {"type": type(error).__name__, "message": str(error)}
+
+
+def from_wire(data: Mapping[str, Any]) -> HwsyncError:
+    """The hwsync error :func:`to_wire` described; anything that is not one of ours becomes a :class:`SyncError`."""
+    cls = globals().get(str(data.get("type", "")))
+    message = str(data.get("message", "remote error"))
+    if isinstance(cls, type) and issubclass(cls, HwsyncError):
+        return cls(message)
+    return SyncError(f"{data.get('type', 'Error')}: {message}")
+class UnsupportedVersionError(HwsyncError):
+    """An installed library (vLLM) is outside the version range hwsync supports."""

@@ -1,7 +1,7 @@
 """PEFT LoRA adapters <-> the tensors + ``adapter_config`` vLLM's LoRA manager loads.
 
 One in-memory form, :class:`LoraAdapter`, sits between the formats. Each :class:`LoraModule` holds the LoRA of one
-trainer parameter (named like :func:`hwsync.merged.strip_peft_name` names it) with the scaling PEFT applies::
+trainer parameter (named like :func:`hwsync.names.strip_peft_name` names it) with the scaling PEFT applies::
 
     linear            A [r, in]      B [out, r]      ΔW = scaling · B @ A               (param ``<module>.weight``)
     experts_gate_up   A [E, r, H]    B [E, 2I, r]    ΔW[e] = scaling · B[e] @ A[e]      (param ``<experts>.gate_up_proj``)
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from hwsync.errors import AdapterFormatError
-from hwsync.merged import strip_peft_name
+from hwsync.names.trainer import strip_peft_name
 
 __all__ = [
     "LoraKind",
@@ -117,7 +117,7 @@ class LoraModule:
     def folded(self, dtype: torch.dtype | None = None) -> LoraModule:
         """Same ΔW with scaling 1 (scale folded into B in fp32, one rounding to ``dtype``)."""
         dt = dtype or self.lora_B.dtype
-        b = (self.lora_B.float() * self.scaling).to(dt)
+        b = self.lora_B.to(dt) if self.scaling == 1 else (self.lora_B.float() * self.scaling).to(dt)
         return LoraModule(self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed)
 
 
@@ -455,7 +455,7 @@ def _group_experts(modules: dict[str, LoraModule]) -> dict[str, LoraModule]:
         ua, ub, _, us, _ = u
         if us != gs:
             ub = (ub.float() * (us / gs)).to(ub.dtype)
-        if ga.shape == ua.shape and torch.equal(ga, ua):
+        if ga.shape == ua.shape and not ga.is_meta and torch.equal(ga, ua):  # shared A (3-D adapters): rank r
             out[name] = LoraModule(name, LoraKind.EXPERTS_GATE_UP, ga, torch.cat([gb, ub], dim=1), galpha, gs, grs)
             continue
         e, i, rg = gb.shape
@@ -500,6 +500,7 @@ def to_vllm_lora(
     packed_modules_mapping: Mapping[str, Sequence[str]] | None = None,
     expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     dtype: torch.dtype | None = None,
+    copy: bool = True,
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Tensors with the keys vLLM's ``LoRAModel.from_lora_tensors`` / ``from_local_checkpoint`` expect + config.
 
@@ -507,7 +508,8 @@ def to_vllm_lora(
     ParamWrapper keys (``FusedMoE3DWithLoRA``; a 2-D model loads them only with ``enable_mixed_moe_lora_format``
     and ``is_3d_lora_weight=True``). ``packed_modules_mapping`` (the vLLM model's) rejects LoRA on a packed owner
     (e.g. ``qkv_proj``), which vLLM would not split. ``expert_proj_names`` are the checkpoint's per-expert names
-    (Mixtral: ``("w1", "w3", "w2")``). Every tensor is a new contiguous buffer (``safetensors``-safe).
+    (Mixtral: ``("w1", "w3", "w2")``). With ``copy`` every tensor is a new contiguous buffer (``safetensors``-safe);
+    without, tensors are views where the layout allows (in-memory hand-over: per-expert slices cost nothing).
     """
     if moe_format not in ("2d", "3d"):
         raise AdapterFormatError(f"moe_format must be '2d' or '3d', got {moe_format!r}")
@@ -520,8 +522,8 @@ def to_vllm_lora(
     gate_n, up_n, down_n = expert_proj_names
 
     def put(module: str, a: Tensor, b: Tensor, pattern_name: str | None = None, rank: int | None = None) -> None:
-        tensors[f"{_PREFIX}{module}.lora_A.weight"] = a.clone(memory_format=torch.contiguous_format)
-        tensors[f"{_PREFIX}{module}.lora_B.weight"] = b.clone(memory_format=torch.contiguous_format)
+        tensors[f"{_PREFIX}{module}.lora_A.weight"] = a.clone(memory_format=torch.contiguous_format) if copy else a
+        tensors[f"{_PREFIX}{module}.lora_B.weight"] = b.clone(memory_format=torch.contiguous_format) if copy else b
         ranks[pattern_name or module] = int(a.shape[0]) if rank is None else rank
 
     for name, mod in mods.items():
@@ -627,3 +629,47 @@ def from_vllm_lora(
         name = f"{path}.weight"
         modules[name] = LoraModule(name, LoraKind.LINEAR, a, b, alpha, s, rslora)
     return LoraAdapter(_group_experts(modules), r=r0, lora_alpha=alpha0, use_rslora=rslora, name="vllm")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# over the wire: the trainer's modules as they are, converted to vLLM's keys by the receiver
+# ---------------------------------------------------------------------------------------------------------------
+WIRE_FORMAT = "hwsync-lora/1"
+
+
+def wire_name(module: str, factor: str) -> str:
+    """The manifest name of one factor (``"A"``/``"B"``) of a trainer LoRA module."""
+    return f"{module}#{factor}"
+
+
+def to_wire(adapter: LoraAdapter, dtype: torch.dtype | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The adapter as one A and one B tensor per trainer module (experts stay stacked: a few tensors per layer,
+    not thousands), scaling folded into B; plus the metadata :func:`from_wire` needs. The receiver converts to the
+    format its engine serves (:func:`to_vllm_lora`), so the trainer does not depend on the engine's MoE format."""
+    tensors: dict[str, Tensor] = {}
+    modules: dict[str, list[Any]] = {}
+    for name, mod in adapter.modules.items():
+        f = mod.folded(dtype)
+        tensors[wire_name(name, "A")] = f.lora_A
+        tensors[wire_name(name, "B")] = f.lora_B
+        modules[name] = [f.kind.value, bool(f.transposed)]
+    return tensors, {"format": WIRE_FORMAT, "name": adapter.name, "r": adapter.r, "modules": modules}
+
+
+def from_wire(tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> LoraAdapter:
+    """Inverse of :func:`to_wire` (tensors as they arrived; scaling 1, since :func:`to_wire` folded it)."""
+    if meta.get("format") != WIRE_FORMAT or not isinstance(meta.get("modules"), Mapping):
+        raise AdapterFormatError(f"adapter metadata is not {WIRE_FORMAT}; sender and receiver hwsync differ?")
+    modules: dict[str, LoraModule] = {}
+    for name, spec in meta["modules"].items():
+        try:
+            kind, transposed = LoraKind(spec[0]), bool(spec[1])
+            a, b = tensors[wire_name(name, "A")], tensors[wire_name(name, "B")]
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            raise AdapterFormatError(f"adapter module {name!r} is incomplete or malformed ({e})") from None
+        rank = int(a.shape[-2]) if a.dim() >= 2 else 0
+        modules[name] = LoraModule(name, kind, a, b, float(rank), 1.0, False, transposed)
+    if not modules:
+        raise AdapterFormatError("adapter carries no LoRA modules")
+    r = max(m.rank for m in modules.values())
+    return LoraAdapter(modules, r=r, lora_alpha=float(r), use_rslora=False, name=str(meta.get("name", "default")))

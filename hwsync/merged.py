@@ -14,7 +14,6 @@ train them). Sharded parameters (FSDP / ZeRO-3) must be gathered by the caller.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,28 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from hwsync.errors import AdapterFormatError
+from hwsync.names.trainer import strip_peft_name
 
-__all__ = ["merged_named_weights", "delta_weight", "strip_peft_name"]
-
-_WRAPPER_SEGMENTS = re.compile(
-    r"(?:(?<=\.)|^)(?:_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod|base_layer|original_module)\."
-    r"|\.(?:base_layer|original_module)$"
-)
-_MODULES_TO_SAVE = re.compile(r"(?:(?<=\.)|^)modules_to_save\.[^.]+\.")
+__all__ = ["merged_named_weights", "delta_weight", "plain_weight", "logical_shape", "is_quantized"]
 
 # Chunk the fp32 temporaries of stacked experts to about this many bytes.
 _CHUNK_BYTES = 256 << 20
-
-
-def strip_peft_name(name: str) -> str:
-    """Trainer runtime name of a PEFT-wrapped parameter or module name."""
-    if name.startswith("base_model.model."):
-        name = name[len("base_model.model.") :]
-    name = _MODULES_TO_SAVE.sub("", name)
-    prev = None
-    while prev != name:
-        prev, name = name, _WRAPPER_SEGMENTS.sub("", name)
-    return name
 
 
 @dataclass(frozen=True)
@@ -184,6 +167,32 @@ def _base_weight(layer: nn.Module, param: Tensor) -> Tensor:
     return dequantize_module_weight(layer.get_base_layer()).detach()
 
 
+def is_quantized(param: Tensor) -> bool:
+    """A bitsandbytes 4-/8-bit base parameter (QLoRA): packed storage, dequantized for the engine."""
+    return type(param).__name__ in ("Params4bit", "Int8Params")
+
+
+def logical_shape(param: Tensor) -> tuple[int, ...]:
+    """The shape the weight has for the engine: the dequantized shape of a packed 4-bit parameter."""
+    state = getattr(param, "quant_state", None)
+    if is_quantized(param) and state is not None and getattr(state, "shape", None) is not None:
+        return tuple(int(d) for d in state.shape)
+    return tuple(param.shape)
+
+
+def plain_weight(model: nn.Module, name: str, param: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A parameter no adapter touches: as is, or dequantized when a QLoRA base quantized it (a 4-bit layer without
+    LoRA is still a weight the engine needs in floating point)."""
+    if not is_quantized(param):
+        return param.detach()
+    from peft.utils.integrations import dequantize_module_weight
+
+    module = model.get_submodule(name.rpartition(".")[0])
+    with torch.no_grad():
+        weight = dequantize_module_weight(module).detach()
+    return weight.to(dtype) if dtype is not None else weight
+
+
 def _lora_dtype(layer: nn.Module, adapter: str) -> torch.dtype:
     holder = layer.lora_B[adapter] if adapter in getattr(layer, "lora_B", {}) else layer.lora_embedding_B[adapter]
     return holder.weight.dtype if isinstance(holder, nn.Module) else holder.dtype
@@ -269,7 +278,7 @@ def merged_named_weights(
             continue
         parts = contrib.get(pid)
         if not parts:
-            yield clean, param.detach()
+            yield clean, plain_weight(model, name, param, dtype)
             continue
         with torch.no_grad():
             merged = _merge(param, parts, dtype)

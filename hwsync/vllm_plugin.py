@@ -4,7 +4,7 @@ It installs, process-wide, the hwsync patches whose probes find their upstream b
 place before an engine is built (e.g. ``vllm_cpu_moe_lora``: MoE + ``enable_lora`` on the CPU build). Patches the
 sync receiver holds only around its own reloads (``vllm_cpu_moe_prepack``) are left to it, so
 ``HWSYNC_DISABLE_PATCHES`` keeps working per sync. Nothing else happens at import: the worker extension is opt-in
-(``worker_extension_cls="hwsync.vllm_ext.HwsyncWorkerExtension"``), and ``hwsync.sync`` works without it in-process.
+(``worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension"``), and ``hwsync.sync`` works without it in-process.
 Select plugins with ``VLLM_PLUGINS`` (e.g. ``VLLM_PLUGINS=hwsync``); set ``HWSYNC_DISABLE_PATCHES=name,...`` to skip
 some.
 """
@@ -17,7 +17,7 @@ __all__ = ["register", "engine_patches", "RECEIVER_SCOPED"]
 logger = logging.getLogger("hwsync")
 
 RECEIVER_SCOPED = frozenset({"vllm_cpu_moe_prepack"})
-"""Patches :mod:`hwsync.vllm_ext` holds for the duration of each reload instead of process-wide."""
+"""Patches :mod:`hwsync.vllm.applier` holds for the duration of each reload instead of process-wide."""
 
 def engine_patches() -> list[str]:
     """Names of the patches the plugin installs: what ``hwsync.patches.apply()`` selects by default (opt-in

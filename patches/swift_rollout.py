@@ -15,7 +15,7 @@ with PyNccl, which vLLM's CPU build disables silently (no NCCL library): the tra
 serving the old weights.
 
 The wrapper calls the original, then :func:`hwsync.swift._server.serve_rollout_engine` on the engine it returns,
-which starts :func:`hwsync.sync.serve` when ``HWSYNC_SERVER`` is set (and does nothing otherwise). Installed by the
+which starts :func:`hwsync.serve` when ``HWSYNC_SERVER`` is set (and does nothing otherwise). Installed by the
 hwsync ms-swift plugin (``hwsync.swift.install``) in the processes that import it; the probe says *not needed*
 unless ``HWSYNC_SERVER`` asks for hwsync's server.
 """

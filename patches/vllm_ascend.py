@@ -4,10 +4,13 @@ The layout knowledge lives in :mod:`hwsync.npu.ascend_layouts`; this module only
 
 * ``AscendUnquantizedFusedMoEMethod.process_weights_after_loading`` (``vllm_ascend.ops.fused_moe.routed_experts``
   on main, ``vllm_ascend.ops.fused_moe.fused_moe`` in releases 0.13 .. 0.25), which transposes the experts to the
-  processed layout and (in releases) drops their ``weight_loader`` -- afterwards the layer carries a loader that
-  writes the processed layout;
+  processed layout and (in releases) drops their ``weight_loader`` -- afterwards the Parameters carry a loader that
+  writes the processed layout; on experts hwsync marked processed it is skipped (it would transpose them twice);
 * ``NPUWorker.wake_up``, which (0.13 .. 0.23) transposes them back guessing from shapes and drops the loaders
-  again -- afterwards the layout is settled from what actually happened and loaders are reattached.
+  again -- afterwards the Parameters it replaced are put back (processed experts stay processed and loadable).
+
+Tested against the released functions of vllm-ascend 0.23.0.post1 on a vLLM CPU engine
+(``tests/test_vllm_ascend_released_code_on_cpu.py``); never run on an Ascend NPU.
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ def _process_weights_after_loading(original: Any) -> Any:
         from hwsync.npu import ascend_layouts
 
         snapshot = ascend_layouts.before_process_weights(layer)
+        if snapshot is None:  # processed already, and written since in the processed layout
+            return None
         result = original(method, layer, *args, **kwargs)
         ascend_layouts.after_process_weights(snapshot)
         return result
@@ -65,8 +70,7 @@ def _wake_up(original: Any) -> Any:
     def wake_up(worker: Any, tags: list[str] | None = None) -> Any:
         from hwsync.npu import ascend_layouts
 
-        touches_weights = tags is None or "weights" in tags
-        snapshots = ascend_layouts.before_wake_up(worker.model_runner.model) if touches_weights else []
+        snapshots = ascend_layouts.before_wake_up(worker.model_runner.model)
         result = original(worker, tags)
         ascend_layouts.after_wake_up(snapshots)
         return result

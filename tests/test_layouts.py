@@ -319,7 +319,9 @@ def test_matches_vllm_loader_code(layout: ExpertLayout) -> None:
     from hwsync.testing import require_vllm
 
     require_vllm()
-    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import (
+        determine_expert_map,
+    )
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     for (e, i, h), tp, ep, placement in itertools.product([(6, 8, 8), (5, 16, 4)], (1, 2, 4), (1, 2), ("linear", "round_robin")):

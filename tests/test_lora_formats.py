@@ -20,7 +20,7 @@ from hwsync.lora_formats import (
     to_vllm_lora,
     vllm_max_lora_rank,
 )
-from hwsync.merged import strip_peft_name
+from hwsync.names.trainer import strip_peft_name
 from hwsync.testing import require_vllm, tiny_moe_config
 
 peft = pytest.importorskip("peft")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hwsync.errors import AdapterFormatError
-from hwsync.merged import delta_weight, merged_named_weights, strip_peft_name
+from hwsync.merged import delta_weight, merged_named_weights
+from hwsync.names.trainer import strip_peft_name
 from hwsync.testing import tiny_moe_config
 
 peft = pytest.importorskip("peft")

@@ -22,13 +22,13 @@ from hwsync.names import (
     PlanCache,
     Shard,
     Target,
-    _trainer_renames,
     manifest_of,
     manifest_signature,
     namespace_from_vllm_model,
     normalize_trainer_name,
     resolve,
 )
+from hwsync.names.namespace import _trainer_renames
 
 H, INTER, E, V = 8, 4, 4, 20
 QKV = (("q", 8), ("k", 4), ("v", 4))
@@ -370,7 +370,10 @@ def _vllm_layers(tp_size: int, tp_rank: int):
         ReplicatedLinear,
         RowParallelLinear,
     )
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding, pad_vocab_size
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding,
+        pad_vocab_size,
+    )
 
     def make(cls, shape, **attrs):
         layer = cls.__new__(cls)

@@ -13,11 +13,18 @@ import types
 import warnings
 from pathlib import Path
 
-import pytest
-
 import hwsync.patches as patches
+import pytest
+from hwsync.patches import (
+    APPLIES,
+    NOT_NEEDED,
+    TARGET_MISSING,
+    Patch,
+    PatchWarning,
+    ProbeResult,
+)
+
 from hwsync.errors import HwsyncError, PatchError
-from hwsync.patches import APPLIES, NOT_NEEDED, TARGET_MISSING, Patch, PatchWarning, ProbeResult
 
 README = Path(patches.__file__).with_name("README.md")
 

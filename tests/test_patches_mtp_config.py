@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 import hwsync.patches as patches
+import pytest
 from hwsync.patches.mtp_config import mtp_disable_overrides, mtp_layers
+
 from hwsync.testing import require_vllm, vllm_missing_reason
 
 transformers = pytest.importorskip("transformers")

@@ -11,19 +11,18 @@ import copy
 import importlib.util
 import warnings
 
+import hwsync.patches as patches
 import pytest
 import torch
 from packaging.version import Version
 
-import hwsync.patches as patches
 from hwsync.errors import AdapterFormatError
 from hwsync.testing import tiny_moe_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
-
 from hwsync.patches.peft_moe_regex import fused_moe_targets  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 PATCH = patches.get("peft_moe_regex")
 V5 = Version(transformers.__version__) >= Version("5")

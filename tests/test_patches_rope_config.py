@@ -5,10 +5,9 @@ The same file runs in the main venv (transformers 5.19: "not needed") and in ci/
 """
 from __future__ import annotations
 
+import hwsync.patches as patches
 import pytest
 from packaging.version import Version
-
-import hwsync.patches as patches
 
 transformers = pytest.importorskip("transformers")
 TF = Version(transformers.__version__)

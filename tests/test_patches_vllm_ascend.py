@@ -1,11 +1,13 @@
-"""vllm_ascend: processed-layout loaders and the wiring around post-load processing and wake-up.
+"""vllm_ascend: processed-layout loaders and the wiring around post-load processing and wake-up (no vLLM needed).
 
 vllm-ascend cannot be installed on a CPU machine (its sdist needs CANN, its modules import ``torch_npu`` at
-top level), so the patch's targets are missing here and its probe says so. What runs here instead:
+top level), so the patch's targets are missing here and its probe says so. The patch against vllm-ascend's
+*released* functions on a live vLLM engine is ``tests/test_vllm_ascend_released_code_on_cpu.py``; this module keeps
+the checks that also run without vLLM (the transformers-4.57 job runs tests/test_patches*.py):
 
 * :func:`hwsync.npu.ascend_layouts.processed_weight_loader` on CPU tensors against ``hwsync.layouts``
   (TP/EP slices) and, with vLLM installed, against vLLM's own ``RoutedExperts.weight_loader`` on a live layer;
-* the patch's real replacement functions wrapped around *reproductions* of the released upstream steps
+* the patch's real replacement functions wrapped around hand-written *reproductions* (stand-ins) of the released steps
   (vllm-ascend v0.23.0 ``process_weights_after_loading`` lines 112-118 and ``NPUWorker.wake_up`` lines 251-270:
   transpose into a new ``nn.Parameter``), applied to a stand-in experts layer that exposes what vLLM's
   ``RoutedExperts`` exposes (``moe_config``, ``expert_map``, a checkpoint-orientation ``weight_loader``).
@@ -17,12 +19,19 @@ from __future__ import annotations
 import importlib.util
 from types import SimpleNamespace
 
+import hwsync.patches as patches
 import pytest
 import torch
 
-import hwsync.patches as patches
 from hwsync.errors import LayoutError
-from hwsync.layouts import ExpertLayout, ExpertSharding, copy_expert_shard_, fuse_experts, w2_from_fused, w13_from_fused
+from hwsync.layouts import (
+    ExpertLayout,
+    ExpertSharding,
+    copy_expert_shard_,
+    fuse_experts,
+    w2_from_fused,
+    w13_from_fused,
+)
 from hwsync.npu import ascend_layouts as al
 from hwsync.testing import make_llm, require_vllm
 
@@ -154,29 +163,30 @@ def test_processing_keeps_a_layout_aware_loader():
     gate_up, down_f = fuse_experts(gate, up, down)
     torch.testing.assert_close(layer.w13_weight, w13_from_fused(gate_up, sharding, PROC), rtol=0, atol=0)
     torch.testing.assert_close(layer.w2_weight, w2_from_fused(down_f, sharding, PROC), rtol=0, atol=0)
-    with pytest.raises(LayoutError, match="already in the processed layout"):
-        process(None, layer)
+    held = layer.w13_weight
+    process(None, layer)  # a framework re-running the post-load step after its load: skipped, not transposed again
+    assert layer.w13_weight is held
+    torch.testing.assert_close(layer.w13_weight, w13_from_fused(gate_up, sharding, PROC), rtol=0, atol=0)
 
 
 def _worker(model, hidden):
     return SimpleNamespace(model_runner=SimpleNamespace(model=model), hidden_size=hidden)
 
 
-def test_wake_up_returns_to_preprocessed_with_vllms_loader():
+def test_wake_up_keeps_processed_experts_and_their_loader():
     inter, hidden = 64, 32
     sharding = ExpertSharding(4)
     model = torch.nn.Module()
     model.experts = layer = StandInExperts(sharding, inter, hidden)
     process, wake = _wired()
     process(None, layer)
-    wake(_worker(model, hidden))
-    assert al.expert_layout(layer) is PRE and layer.w13_weight.shape == (4, 2 * inter, hidden)
-    assert layer.w13_weight.weight_loader == layer.weight_loader  # vLLM's loader is back
+    held = layer.w13_weight, layer.w2_weight
+    wake(_worker(model, hidden))  # the released wake_up transposes them back; hwsync puts the processed ones back
+    assert (layer.w13_weight, layer.w2_weight) == held and al.expert_layout(layer) is PROC
     gate, up, down = _experts(4, inter, hidden, seed=2)
     _load_all(layer, gate, up, down)
     gate_up, down_f = fuse_experts(gate, up, down)
-    torch.testing.assert_close(layer.w13_weight, w13_from_fused(gate_up, sharding, PRE), rtol=0, atol=0)
-    process(None, layer)  # the framework re-runs post-load processing after the sync
+    process(None, layer)  # the framework re-runs post-load processing after the sync: nothing to redo
     torch.testing.assert_close(layer.w13_weight, w13_from_fused(gate_up, sharding, PROC), rtol=0, atol=0)
     torch.testing.assert_close(layer.w2_weight, w2_from_fused(down_f, sharding, PROC), rtol=0, atol=0)
 
@@ -224,3 +234,20 @@ def test_processed_loader_equals_vllms_loader_transposed_on_a_live_layer(tiny_qw
     torch.testing.assert_close(proc13, pre13.transpose(1, 2), rtol=0, atol=0)
     torch.testing.assert_close(proc2, pre2.transpose(1, 2), rtol=0, atol=0)
     assert pre13.abs().sum() > 0 and pre2.abs().sum() > 0
+
+
+def test_experts_moved_into_lists_are_refused_not_written_nowhere():
+    """Fused MC2 with dynamic EPLB (released code) deletes w13/w2 and keeps per-expert lists: a sync must refuse."""
+    layer = StandInExperts(ExpertSharding(2), 32, 32)
+
+    def fused_mc2_eplb(method, layer):  # reproduction of the released branch (stand-in)
+        layer.w13_weight_list = [w.clone() for w in layer.w13_weight.data.transpose(1, 2).unbind(0)]
+        layer.w2_weight_list = [w.clone() for w in layer.w2_weight.data.transpose(1, 2).unbind(0)]
+        del layer.w13_weight, layer.w2_weight
+
+    PATCH.replacement(fused_mc2_eplb, PROCESS_TARGET)(None, layer)
+    with pytest.raises(LayoutError, match="per-expert lists"):
+        al.expert_layout(layer)
+    model = torch.nn.Module()
+    model.experts = layer
+    assert al.before_wake_up(model) == []

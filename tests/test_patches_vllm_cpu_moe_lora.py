@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import gc
 
+import hwsync.patches as patches
 import pytest
 
-import hwsync.patches as patches
 from hwsync.errors import AdapterFormatError
-from hwsync.testing import hf_logprobs, make_llm, require_vllm, vllm_logprobs, vllm_missing_reason
+from hwsync.testing import make_llm, require_vllm, vllm_missing_reason
+from hwsync.verify import engine_logprobs, token_logprobs
 
 PATCH = patches.get("vllm_cpu_moe_lora")
 PROMPT = [5, 17, 42, 99, 7, 3, 64, 12, 150, 33]
@@ -65,7 +66,8 @@ def test_without_patch_moe_lora_fails_at_first_forward(tiny):
     if PATCH.probe().state != patches.APPLIES:
         pytest.skip(f"not affected here: {PATCH.probe().reason}")
     assert not PATCH.active
-    llm = make_llm(tiny, enable_lora=True, max_lora_rank=8, skip_tokenizer_init=True)
+    # lora_target_modules=None: vLLM's own default (every LoRA-capable layer), not engine_args' CPU restriction
+    llm = make_llm(tiny, enable_lora=True, max_lora_rank=8, skip_tokenizer_init=True, lora_target_modules=None)
     try:
         with pytest.raises(Exception, match="triton|Triton"):
             llm.generate([{"prompt_token_ids": PROMPT}], _sampling())
@@ -79,7 +81,7 @@ def patched_llm(tiny):
     if PATCH.probe().state != patches.APPLIES:
         pytest.skip(f"not affected here: {PATCH.probe().reason}")
     with PATCH:
-        llm = make_llm(tiny, enable_lora=True, max_lora_rank=16, skip_tokenizer_init=True)
+        llm = make_llm(tiny, enable_lora=True, max_lora_rank=16, skip_tokenizer_init=True, lora_target_modules=None)
         yield llm
         del llm
         gc.collect()
@@ -92,13 +94,13 @@ def test_with_patch_attention_lora_matches_hf_peft(patched_llm, tiny, tmp_path):
     path, peft_model = _adapter(tiny, tmp_path / "attn", ["q_proj", "k_proj", "v_proj", "o_proj"], seed=1)
     out = patched_llm.generate([{"prompt_token_ids": PROMPT}], _sampling(),
                                lora_request=LoRARequest("attn", 1, str(path)))
-    ids, got = vllm_logprobs(out[0])
-    want = hf_logprobs(peft_model, ids)
+    ids, got = engine_logprobs(out[0])
+    want = token_logprobs(peft_model, ids)
     diff = max(abs(a - b) for a, b in zip(got, want.tolist()))
     assert diff <= TOL, f"attention-LoRA logprobs differ from HF+PEFT by {diff:.2e}"
 
     with peft_model.disable_adapter():
-        plain = hf_logprobs(peft_model, ids)
+        plain = token_logprobs(peft_model, ids)
     assert max(abs(a - b) for a, b in zip(got, plain.tolist())) > 100 * TOL, "the adapter had no effect"
 
 
@@ -108,16 +110,15 @@ def test_with_patch_base_requests_match_hf(patched_llm, tiny):
     from transformers import AutoModelForCausalLM
 
     out = patched_llm.generate([{"prompt_token_ids": PROMPT}], _sampling())
-    ids, got = vllm_logprobs(out[0])
-    want = hf_logprobs(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), ids)
+    ids, got = engine_logprobs(out[0])
+    want = token_logprobs(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), ids)
     assert max(abs(a - b) for a, b in zip(got, want.tolist())) <= TOL
 
 
 @pytest.mark.vllm
 def test_with_patch_experts_are_unwrapped_and_expert_adapters_refused(patched_llm, tiny, tmp_path):
-    from vllm.lora.request import LoRARequest
-
     from hwsync.patches.vllm_cpu_moe_lora import unwrapped_moe_modules
+    from vllm.lora.request import LoRARequest
 
     model = patched_llm.apply_model(lambda m: m)[0]
     assert unwrapped_moe_modules(model.lora_manager) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]

@@ -5,10 +5,11 @@ without the patch it does not (the CPU prepack was skipped); after a reload unde
 """
 from __future__ import annotations
 
+import hwsync.patches as patches
 import pytest
 
-import hwsync.patches as patches
-from hwsync.testing import hf_logprobs, make_llm, require_vllm, vllm_logprobs, vllm_missing_reason
+from hwsync.testing import make_llm, require_vllm, vllm_missing_reason
+from hwsync.verify import engine_logprobs, token_logprobs
 
 PATCH = patches.get("vllm_cpu_moe_prepack")
 PROMPT = [5, 17, 42, 99, 7, 3, 64, 12, 150, 33]
@@ -43,8 +44,8 @@ def test_reload_without_and_with_the_patch(tiny_qwen3_moe_dir):
     hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
 
     def max_diff() -> float:
-        ids, got = vllm_logprobs(llm.generate([{"prompt_token_ids": PROMPT}], sampling)[0])
-        return max(abs(a - b) for a, b in zip(got, hf_logprobs(hf, ids).tolist()))
+        ids, got = engine_logprobs(llm.generate([{"prompt_token_ids": PROMPT}], sampling)[0])
+        return max(abs(a - b) for a, b in zip(got, token_logprobs(hf, ids).tolist()))
 
     def reload() -> None:
         runner.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)

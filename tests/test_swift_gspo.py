@@ -4,13 +4,12 @@ generated (ms-swift's old logprobs), not with the one already updated."""
 from __future__ import annotations
 
 import pytest
-
 from test_swift_grpo import check_main_job, job, run_main_job
 
 pytestmark = [pytest.mark.swift, pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_gspo_colocate_hybrid(tmp_path, tiny_qwen3_moe_dir):
+def test_gspo_colocate(tmp_path, tiny_qwen3_moe_dir):
     result = run_main_job(tmp_path, tiny_qwen3_moe_dir, gspo=True)
     check_main_job(result, steps_per_generation=job.GSPO_STEPS_PER_GENERATION)
     assert "--importance_sampling_level sequence" in " ".join(result.log.read_text().splitlines()[:3])

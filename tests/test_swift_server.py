@@ -7,7 +7,6 @@ ms-swift's HTTP routes. Same guarantees as colocate: every sync verified, rollou
 from __future__ import annotations
 
 import pytest
-
 from test_swift_grpo import check_main_job, run_main_job
 
 pytestmark = [pytest.mark.swift, pytest.mark.vllm, pytest.mark.slow]

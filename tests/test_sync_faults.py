@@ -1,7 +1,9 @@
 """Consistency under faults, monotonic versions, and bad input refused before anything is written.
 
-One real vLLM engine (CPU build, tiny Qwen3-MoE, fp32, LoRA on attention), started *without* the worker extension:
-hwsync then calls the same receiver through ``collective_rpc`` with a callable.
+One real vLLM engine (tiny Qwen3-MoE; ``hwsync.testing.engine_args``: fp32 and LoRA on attention on the CPU build,
+bf16 on GPUs), started *without* the worker extension: hwsync then calls the same receiver through ``collective_rpc``
+with a callable. "The engine serves these weights" is ``hwsync.testing.assert_serves``: engine == trainer within 1e-4
+on the CPU build, engine == vLLM's own loading of the same weights within 1e-6 elsewhere.
 """
 from __future__ import annotations
 
@@ -13,9 +15,8 @@ import pytest
 import torch
 
 import hwsync
-import hwsync.sync as hs
 from hwsync.errors import AdapterFormatError, ResolutionError, StaleEngineError, SyncError, VersionError
-from hwsync.testing import make_llm, make_tiny_moe, require_vllm
+from hwsync.testing import EngineReference, assert_serves, close_llm, make_llm, make_tiny_moe, require_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -23,23 +24,32 @@ PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ATOL = 1e-4
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
     require_vllm()
     import hwsync.patches as patches
+
     from hwsync import vllm_plugin
 
     before = {n for n in patches.names() if patches.get(n).installed}
     active = set(vllm_plugin.register()) - before
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: multi-threaded weight copies spin (30x slower reloads here)
-    yield make_llm(tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8, max_loras=1,
-                   lora_target_modules=["qkv_proj", "o_proj"])
+    engine = make_llm(tiny_qwen3_moe_dir, **ENGINE)
+    yield engine
+    close_llm(engine)
     torch.set_num_threads(threads)
     for name in active:
         patches.get(name).uninstall()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineReference]:
+    with EngineReference(tmp_path_factory.mktemp("reference"), **ENGINE) as ref:
+        yield ref
 
 
 def _trainer(path: Path, targets: list[str] | None = None, parameters: list[str] | None = None, **lora: Any) -> Any:
@@ -72,10 +82,11 @@ def _fail_at(k: int) -> Any:
 
 
 def _state(llm: Any) -> dict[str, Any]:
-    return hs.as_engine(llm).state()
+    return hwsync.as_engine(llm).state()
 
 
-def test_adapter_sync_interrupted_keeps_the_previous_adapter(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+def test_adapter_sync_interrupted_keeps_the_previous_adapter(llm: Any, reference: EngineReference,
+                                                            tiny_qwen3_moe_dir: Path) -> None:
     model = _trainer(tiny_qwen3_moe_dir, ATTN)
     _perturb(model, 1)
     hwsync.sync(llm, model, strategy="adapter")
@@ -92,18 +103,19 @@ def test_adapter_sync_interrupted_keeps_the_previous_adapter(llm: Any, tiny_qwen
         for n, p in model.named_parameters():
             if n in before:
                 p.copy_(before[n])
-    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+    assert assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in current:
                 p.copy_(current[n])
     r = hwsync.sync(llm, model, strategy="adapter", bucket_mb=0.002)
     assert r.buckets > 3 and r.base_tensors == 0
-    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+    assert assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
 
 
 @pytest.mark.parametrize("strategy", ["full", "hybrid"])
-def test_interrupted_base_sync_marks_stale_until_a_complete_sync(llm: Any, tiny_qwen3_moe_dir: Path,
+def test_interrupted_base_sync_marks_stale_until_a_complete_sync(llm: Any, reference: EngineReference,
+                                                                 tiny_qwen3_moe_dir: Path,
                                                                  strategy: str) -> None:
     from vllm import SamplingParams
 
@@ -115,17 +127,17 @@ def test_interrupted_base_sync_marks_stale_until_a_complete_sync(llm: Any, tiny_
         hwsync.sync(llm, model, strategy=strategy, bucket_mb=0.2, progress=_fail_at(2))
     assert _state(llm)["stale"]
     with pytest.raises(StaleEngineError, match="complete hwsync.sync"):
-        hs.generate(llm, [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2))
+        hwsync.generate(llm, [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2))
     with pytest.raises(StaleEngineError):
         hwsync.verify(llm, model, PROMPTS)
     r = hwsync.sync(llm, model, strategy=strategy, bucket_mb=0.2)
     if strategy == "hybrid":
         assert "base weights sent (engine is stale)" in r.reason  # the whole base comes back, not just experts
     assert not _state(llm)["stale"]
-    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+    assert assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
 
 
-def test_versions_only_increase(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+def test_versions_only_increase(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
     model = _trainer(tiny_qwen3_moe_dir)
     current = _state(llm)["version"]
     r = hwsync.sync(llm, model, version=current + 100)
@@ -137,7 +149,7 @@ def test_versions_only_increase(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
     assert _state(llm)["version"] == current + 100
     with torch.no_grad():  # the refused syncs wrote nothing: the engine still serves the unperturbed weights
         model.load_state_dict(_trainer(tiny_qwen3_moe_dir).state_dict())
-    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+    assert assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
     assert hwsync.sync(llm, model).version == current + 101  # default: the engine's version + 1
 
 
@@ -172,7 +184,8 @@ def _dropout_on_experts(path: Path, tmp: Path) -> Any:
     ],
     ids=["unknown-name", "wrong-shape", "dora-adapter", "dropout-experts"],
 )
-def test_bad_input_one_clear_error_engine_untouched(llm: Any, tiny_qwen3_moe_dir: Path, tmp_path: Path,
+def test_bad_input_one_clear_error_engine_untouched(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path,
+                                                    tmp_path: Path,
                                                     make: Any, strategy: str, error: type, match: str) -> None:
     good = _trainer(tiny_qwen3_moe_dir, ATTN)
     _perturb(good, 6)
@@ -183,20 +196,20 @@ def test_bad_input_one_clear_error_engine_untouched(llm: Any, tiny_qwen3_moe_dir
         hwsync.sync(llm, bad, strategy=strategy)
     assert "\n" not in str(err.value).strip() or isinstance(err.value, ResolutionError)  # one error, one story
     assert _state(llm) == served  # same version, not stale, same adapter
-    assert hwsync.verify(llm, good, PROMPTS, atol=ATOL) <= ATOL
+    assert assert_serves(llm, good, PROMPTS, atol=ATOL, reference=reference) <= ATOL
 
 
-def test_adapter_identity_per_call(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+def test_adapter_identity_per_call(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
     """Frameworks attach their own LoRARequest to rollouts (ms-swift: swift_lora / 111): install under theirs."""
     model = _trainer(tiny_qwen3_moe_dir, ATTN)
     _perturb(model, 8)
     r = hwsync.sync(llm, model, strategy="adapter", lora_name="swift_lora", lora_int_id=111)
     assert (r.lora_request.lora_name, r.lora_request.lora_int_id) == ("swift_lora", 111)
-    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+    assert assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
     with pytest.raises(AdapterFormatError, match="positive"):
         hwsync.sync(llm, model, strategy="adapter", lora_int_id=0)
     r = hwsync.sync(llm, model, strategy="adapter")  # back to hwsync's identity: the old one is dropped
     assert r.lora_request.lora_int_id != 111
     worker = llm.llm_engine.model_executor.driver_worker
     assert 111 not in worker.model_runner.lora_manager.list_adapters()
-    assert hwsync.verify(llm, model, PROMPTS, atol=ATOL) <= ATOL
+    assert assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL

@@ -1,9 +1,12 @@
-"""Every strategy, 20 consecutive syncs into one real vLLM engine (CPU build, tiny Qwen3-MoE, fp32).
+"""Every strategy, 20 consecutive syncs into one real vLLM engine (tiny Qwen3-MoE; settings per platform from
+``hwsync.testing.engine_args``: fp32 on vLLM's CPU build, bf16 on GPUs).
 
-After each sync the engine must compute what the trainer computes: ``hwsync.verify`` <= 1e-4 over prompt and
-generated tokens, and the greedy tokens are the trainer's argmax. The schedule includes a sync of unchanged weights
-and a switch back to an older weight set. Without hwsync's reload fix the same check fails (the test proves it
-detects vLLM's skipped CPU MoE prepack).
+After each sync the engine must compute what the trainer computes: on the CPU build ``hwsync.verify`` <= 1e-4 over
+prompt and generated tokens, and the greedy tokens are the trainer's argmax; on GPUs (TF32 fused MoE, bf16 LoRA: no
+engine equals transformers there) the engine must equal vLLM's own loading of the same weights within 1e-6
+(``hwsync.testing.assert_serves``). The schedule includes a sync of unchanged weights and a switch back to an older
+weight set. Without hwsync's reload fix the same check fails (the test proves it detects vLLM's skipped CPU MoE
+prepack).
 """
 from __future__ import annotations
 
@@ -16,9 +19,8 @@ import pytest
 import torch
 
 import hwsync
-import hwsync.sync as hs
 from hwsync.errors import AdapterFormatError, VerifyError
-from hwsync.testing import make_llm, require_vllm
+from hwsync.testing import EngineReference, assert_serves, close_llm, make_llm, require_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -28,33 +30,42 @@ STEPS = 20
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PREPACK_FIX = "vllm_cpu_moe_prepack"
+# on the CPU build engine_args adds lora_target_modules=[qkv_proj, o_proj] (vLLM 0.32 CPU: a LoRA-wrapped lm_head
+# breaks prompt_logprobs, which verify needs; attention LoRA is what the CPU build serves for a MoE model anyway)
+ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
-    """One LoRA-enabled engine for the whole module, LoRA on attention (what vLLM's CPU build can serve)."""
+    """One LoRA-enabled engine for the whole module (on the CPU build LoRA on attention: what it can serve)."""
     require_vllm()
     import hwsync.patches as patches
+
     from hwsync import vllm_plugin
 
     before = {n for n in patches.names() if patches.get(n).installed}
     active = set(vllm_plugin.register()) - before  # what VLLM_PLUGINS=hwsync does in a vLLM process: MoE + enable_lora on CPU
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: multi-threaded weight copies spin (30x slower reloads here)
-    engine = make_llm(
-        tiny_qwen3_moe_dir,
-        enable_lora=True,
-        max_lora_rank=8,
-        max_loras=1,
-        # vLLM 0.32 CPU: a LoRA-wrapped lm_head breaks prompt_logprobs (punica_cpu.add_lora_logits), which
-        # verify needs; attention LoRA is what the CPU build serves for a MoE model anyway
-        lora_target_modules=["qkv_proj", "o_proj"],
-        worker_extension_cls="hwsync.vllm_ext.HwsyncWorkerExtension",
-    )
+    engine = make_llm(tiny_qwen3_moe_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **ENGINE)
     yield engine
+    close_llm(engine)
     torch.set_num_threads(threads)
     for name in active:  # only construction needed them; leave the process as we found it
         patches.get(name).uninstall()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineReference]:
+    """vLLM's own loading of the synced weights (started only off the CPU build; see assert_serves)."""
+    with EngineReference(tmp_path_factory.mktemp("reference"), **ENGINE) as ref:
+        yield ref
+
+
+def _element_size(dtype_name: str) -> int:
+    from hwsync.wire import dtype_from_name
+
+    return torch.empty(0, dtype=dtype_from_name(dtype_name)).element_size()
 
 
 def _trainer(path: Path, targets: list[str] | None, parameters: list[str] | None = None, **lora: Any) -> Any:
@@ -88,7 +99,8 @@ def _restore(model: Any, snap: dict[str, torch.Tensor]) -> None:
                 p.copy_(snap[n])
 
 
-def _run_schedule(llm: Any, model: Any, strategy: str, *, base: bool, expect_lora: bool) -> list[Any]:
+def _run_schedule(llm: Any, reference: EngineReference, model: Any, strategy: str, *, base: bool,
+                  expect_lora: bool) -> list[Any]:
     """20 syncs: changing weights, one repeat of unchanged weights, one switch back to an older set."""
     gen = torch.Generator().manual_seed(1234)
     reports = []
@@ -105,7 +117,8 @@ def _run_schedule(llm: Any, model: Any, strategy: str, *, base: bool, expect_lor
         assert report.strategy == strategy
         assert (report.lora_request is not None) == expect_lora
         # logprobs of prompt + 4 greedy tokens within ATOL, and every greedy token is the trainer's argmax
-        worst = max(worst, hwsync.verify(llm, model, PROMPTS, atol=ATOL, max_tokens=4))
+        # (off the CPU build: the same as vLLM's own loading of these weights, within 1e-6)
+        worst = max(worst, assert_serves(llm, model, PROMPTS, atol=ATOL, max_tokens=4, reference=reference))
         if step == 4:
             snap = _snapshot(model, base=base)
     versions = [r.version for r in reports]
@@ -115,50 +128,58 @@ def _run_schedule(llm: Any, model: Any, strategy: str, *, base: bool, expect_lor
     return reports
 
 
-def test_full_20_syncs_lora_and_base_changes(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+def test_full_20_syncs_lora_and_base_changes(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
     model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
-    reports = _run_schedule(llm, model, "full", base=True, expect_lora=False)
+    reports = _run_schedule(llm, reference, model, "full", base=True, expect_lora=False)
     n_params = len(list(hwsync.merged.merged_named_weights(model)))
     assert all(r.tensors == n_params and r.lora_tensors == 0 for r in reports)
 
 
-def test_hybrid_20_syncs_sends_only_merged_experts_after_the_first(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+def test_hybrid_20_syncs_sends_only_merged_experts_after_the_first(llm: Any, reference: EngineReference,
+                                                                   tiny_qwen3_moe_dir: Path) -> None:
+    info = hwsync.as_engine(llm).describe()
     model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
-    reports = _run_schedule(llm, model, "hybrid", base=False, expect_lora=True)
+    reports = _run_schedule(llm, reference, model, "hybrid", base=False, expect_lora=True)
     first, rest = reports[0], reports[1:]
     assert "base weights sent" in first.reason
     steady = {r.bytes for r in rest}
     assert len(steady) == 1 and steady.pop() < first.bytes
-    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n)
-    lora = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n and ".experts" not in n)
-    assert rest[0].bytes == experts + lora, "hybrid steady state = merged experts + attention LoRA, nothing else"
+    base_size, lora_size = _element_size(info.dtype), _element_size(info.lora_dtype or info.dtype)
+    experts = sum(p.numel() * base_size for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n)
+    attn_lora = sum(p.numel() * lora_size for n, p in model.named_parameters() if "lora_" in n and ".experts" not in n)
+    if info.moe_lora:  # GPUs: the engine serves expert LoRA too, so nothing needs to travel merged
+        all_lora = sum(p.numel() * lora_size for n, p in model.named_parameters() if "lora_" in n)
+        assert rest[0].bytes == all_lora, "hybrid on an engine serving every module = the LoRA tensors only"
+    else:
+        assert rest[0].bytes == experts + attn_lora, "hybrid steady state = merged experts + attention LoRA only"
     # a base weight changed in place (e.g. a user edit): the next sync resends the base, and stays correct
     with torch.no_grad():
         model.base_model.model.model.norm.weight.mul_(1.5)
     r = hwsync.sync(llm, model, strategy="hybrid")
     assert "base weights sent (trainer base changed)" in r.reason and r.bytes == first.bytes
-    hwsync.verify(llm, model, PROMPTS, atol=ATOL)
+    assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference)
 
 
-def test_adapter_20_syncs(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
-    info = hs.as_engine(llm).describe()
+def test_adapter_20_syncs(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
+    info = hwsync.as_engine(llm).describe()
     # experts get LoRA too where the engine has MoE-LoRA kernels (GPU); vLLM's CPU build has none
     model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if info.moe_lora else None)
-    reports = _run_schedule(llm, model, "adapter", base=False, expect_lora=True)
+    reports = _run_schedule(llm, reference, model, "adapter", base=False, expect_lora=True)
     assert reports[0].base_tensors > 0 and all(r.base_tensors == 0 for r in reports[1:])
-    lora_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "lora_" in n)
+    lora_size = _element_size(info.lora_dtype or info.dtype)
+    lora_bytes = sum(p.numel() * lora_size for n, p in model.named_parameters() if "lora_" in n)
     assert all(r.bytes == lora_bytes for r in reports[1:]), "adapter steady state = the LoRA tensors only"
 
 
-def test_auto_asks_the_engine_and_says_why(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
-    info = hs.as_engine(llm).describe()
+def test_auto_asks_the_engine_and_says_why(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
+    info = hwsync.as_engine(llm).describe()
     plain = _trainer(tiny_qwen3_moe_dir, None)
     r = hwsync.sync(llm, plain)
     assert (r.strategy, r.reason) == ("full", "model has no LoRA adapter")
     attn_only = _trainer(tiny_qwen3_moe_dir, ATTN)
     r = hwsync.sync(llm, attn_only)
     assert r.strategy == "adapter" and "serves LoRA on every adapted module" in r.reason
-    hwsync.verify(llm, attn_only, PROMPTS, atol=ATOL)
+    assert_serves(llm, attn_only, PROMPTS, atol=ATOL, reference=reference)
     with_experts = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     r = hwsync.sync(llm, with_experts)
     if info.moe_lora:
@@ -167,17 +188,16 @@ def test_auto_asks_the_engine_and_says_why(llm: Any, tiny_qwen3_moe_dir: Path) -
         assert r.strategy == "hybrid" and "no MoE-LoRA kernels" in r.reason and "experts" in r.reason
         with pytest.raises(AdapterFormatError, match='strategy="hybrid"'):
             hwsync.sync(llm, with_experts, strategy="adapter")
-    hwsync.verify(llm, with_experts, PROMPTS, atol=ATOL)
+    assert_serves(llm, with_experts, PROMPTS, atol=ATOL, reference=reference)
 
 
 @pytest.mark.parametrize("strategy", ["full", "hybrid", "adapter"])
 def test_without_the_reload_fix_the_check_fails(llm: Any, tiny_qwen3_moe_dir: Path, strategy: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The same sync + verify, with hwsync's prepack fix switched off, must detect vLLM's stale CPU prepack."""
-    from vllm.platforms import current_platform
-
     import hwsync.patches as patches
     from hwsync.patches import vllm_cpu_moe_prepack  # noqa: F401 - registers the patch
+    from vllm.platforms import current_platform
 
     if patches.get(PREPACK_FIX).probe().state != patches.APPLIES:
         pytest.skip(f"{PREPACK_FIX} does not apply on {type(current_platform).__name__}: nothing to prove here")

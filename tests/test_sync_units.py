@@ -7,13 +7,16 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-
+from hwsync.cpu.link import GlooLink
 from hwsync.errors import AdapterFormatError, SyncError
-from hwsync.sync.engine import bucket_lists
-from hwsync.sync.manifest import ALIGN, Manifest, TensorSpec, plan_buckets
-from hwsync.sync.payload import EngineInfo, _companions, choose
-from hwsync.sync.remote import GlooLink, pack, receive_buckets, send_buckets, unpack
-from hwsync.sync.report import SyncReport
+from hwsync.payload import _companions
+from hwsync.report import SyncReport
+from hwsync.strategy import choose
+from hwsync.transport.base import LinkSpec
+from hwsync.transport.buckets import _Pool, bucket_lists, receive_buckets, send_buckets
+from hwsync.transport.pack import pack, views
+from hwsync.transport.seal import Sealer, derive_secret
+from hwsync.wire import ALIGN, EngineInfo, Manifest, Strategy, TensorSpec, plan_buckets
 
 
 def _specs() -> list[TensorSpec]:
@@ -46,19 +49,30 @@ def test_bucket_plan_keeps_order_limits_size_and_isolates_oversize() -> None:
             assert b.nbytes <= 1024
         for i, off in zip(b.entries, b.offsets):
             assert off % specs[i].dtype.itemsize == 0
-        for _, off, _ in b.runs(specs):
-            assert off % ALIGN == 0
+        runs = [off for k, (i, off) in enumerate(zip(b.entries, b.offsets))
+                if k == 0 or specs[b.entries[k - 1]].dtype != specs[i].dtype]
+        assert all(off % ALIGN == 0 for off in runs)  # each dtype run starts aligned
 
 
-def test_pack_unpack_roundtrip_mixed_dtypes_one_cat_per_run() -> None:
+def _unpack(m: Manifest, b: int, buf: torch.Tensor) -> list[torch.Tensor]:
+    bucket = m.buckets[b]
+    specs = [m.specs[i] for i in bucket.entries]
+    return views(buf, bucket.offsets, [s.shape for s in specs], [s.dtype for s in specs])
+
+
+def _pack(m: Manifest, b: int, tensors: list[torch.Tensor], buf: torch.Tensor) -> None:
+    bucket = m.buckets[b]
+    pack(buf, bucket.offsets, tensors, [m.specs[i].dtype for i in bucket.entries])
+
+
+def test_pack_unpack_roundtrip_mixed_dtypes() -> None:
     specs = _specs()
     tensors = _tensors(specs)
     m = Manifest(1, "full", tuple(specs), plan_buckets(specs, 1024))
     buf = torch.empty(4096, dtype=torch.uint8)
     for b in m.buckets:
-        data = pack(m, b.index, [tensors[i] for i in b.entries], buf)
-        assert data.numel() == b.nbytes
-        for i, view in zip(b.entries, unpack(m, b.index, buf)):
+        _pack(m, b.index, [tensors[i] for i in b.entries], buf)
+        for i, view in zip(b.entries, _unpack(m, b.index, buf)):
             assert view.dtype == specs[i].dtype and tuple(view.shape) == specs[i].shape
             assert torch.equal(view, tensors[i])
             assert view.numel() == 0 or view.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
@@ -69,8 +83,8 @@ def test_pack_casts_to_wire_dtype() -> None:
     m = Manifest(1, "full", (spec,), plan_buckets([spec], 1 << 20))
     src = torch.randn(4, 4, dtype=torch.float32)
     buf = torch.empty(64, dtype=torch.uint8)
-    pack(m, 0, [src], buf)
-    assert torch.equal(unpack(m, 0, buf)[0], src.to(torch.bfloat16))
+    _pack(m, 0, [src], buf)
+    assert torch.equal(_unpack(m, 0, buf)[0], src.to(torch.bfloat16))
 
 
 def test_manifest_json_roundtrip_and_malformed() -> None:
@@ -104,10 +118,10 @@ def _info(**kw: object) -> EngineInfo:
     return EngineInfo.from_dict(base)
 
 
-class _Lora:  # the shape of hwsync.sync.payload._Lora that choose() reads
+class _Lora:  # the shape of hwsync.payload.TrainerLora that choose() reads
     def __init__(self, by_module: dict[str, list[str]], rank: int = 4) -> None:
         self.by_module = by_module
-        self.adapter = type("A", (), {"max_rank": rank})()
+        self.max_rank = rank
 
 
 _ATTN = "model.layers.0.self_attn.q_proj.weight"
@@ -118,16 +132,18 @@ _BY_MODULE = {_ATTN: ["base_model.model.model.layers.0.self_attn.q_proj"],
 
 def test_auto_choice_follows_what_the_engine_serves() -> None:
     lora = _Lora(_BY_MODULE)
-    assert choose("auto", None, _info())[0] == "full"
-    assert choose("auto", lora, _info(lora_enabled=False))[:2] == ("full", "the engine was started without enable_lora")
-    assert choose("auto", lora, _info())[0] == "adapter"
+    assert choose("auto", None, _info()).strategy is Strategy.FULL
+    c = choose("auto", lora, _info(lora_enabled=False))
+    assert (c.strategy, c.reason) == (Strategy.FULL, "the engine was started without enable_lora")
+    assert choose("auto", lora, _info()).strategy is Strategy.ADAPTER
     no_moe = _info(unservable={_BY_MODULE[_EXP][0]: "no MoE-LoRA kernels on this platform: X"})
-    strategy, reason, unservable = choose("auto", lora, no_moe)
-    assert strategy == "hybrid" and unservable == [_EXP] and "MoE-LoRA" in reason and "experts" in reason
-    assert choose("auto", _Lora(_BY_MODULE, rank=64), _info())[0] == "full"
+    c = choose("auto", lora, no_moe)
+    assert c.strategy is Strategy.HYBRID and c.unservable == (_EXP,) and "MoE-LoRA" in c.reason
+    assert "experts" in c.reason
+    assert choose("auto", _Lora(_BY_MODULE, rank=64), _info()).strategy is Strategy.FULL
     both = _info(unservable={p[0]: "x" for p in _BY_MODULE.values()})
-    assert choose("auto", lora, both)[0] == "full"
-    assert choose("auto", AdapterFormatError("DoRA"), _info())[0] == "full"
+    assert choose("auto", lora, both).strategy is Strategy.FULL
+    assert choose("auto", AdapterFormatError("DoRA"), _info()).strategy is Strategy.FULL
 
 
 def test_explicit_strategies_refuse_what_cannot_work() -> None:
@@ -143,7 +159,7 @@ def test_explicit_strategies_refuse_what_cannot_work() -> None:
         choose("adapter", None, _info())
     with pytest.raises(SyncError, match="unknown strategy"):
         choose("merged", lora, _info())
-    assert choose("full", lora, no_moe)[0] == "full"
+    assert choose("full", lora, no_moe).strategy is Strategy.FULL
 
 
 def test_hybrid_companions_complete_engine_layers() -> None:
@@ -167,41 +183,52 @@ def test_report_line_has_the_metrics() -> None:
     assert r.gbps == pytest.approx(0.004)
 
 
-def test_gloo_transport_roundtrip_and_abort() -> None:
-    specs = _specs()
-    tensors = _tensors(specs)
-    m = Manifest(1, "full", tuple(specs), plan_buckets(specs, 1024))
+def _gloo_pair() -> tuple[dict[int, GlooLink], dist.TCPStore]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
+    spec = LinkSpec("127.0.0.1", store.port, "t/", 2, 30)
     links: dict[int, GlooLink] = {}
 
     def make(rank: int) -> None:  # one store client per rank, as across processes
         client = store if rank == 0 else dist.TCPStore("127.0.0.1", store.port, is_master=False,
                                                        timeout=datetime.timedelta(seconds=30))
-        links[rank] = GlooLink(client, "t/", rank, 2, 30)
+        links[rank] = GlooLink(client, spec, rank)
 
     threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return links, store
 
+
+def test_gloo_transport_roundtrip_and_abort() -> None:
+    specs = _specs()
+    tensors = _tensors(specs)
+    m = Manifest(1, "full", tuple(specs), plan_buckets(specs, 1024))
+    links, _ = _gloo_pair()
+    sealer = Sealer(derive_secret("token", "session"))
     received: list[list[torch.Tensor]] = []
     errors: list[BaseException] = []
 
     def recv(manifest: Manifest) -> None:
         try:
-            for views in receive_buckets(manifest, links[1], 0, abort_reason=lambda: "why"):
-                received.append([v.clone() for v in views])
+            for got in receive_buckets(manifest, links[1], _Pool(torch.device("cpu")), sealer,
+                                       abort_reason=lambda: "why"):
+                received.append([v.clone() for v in got])
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
+    def send(progress: object = None) -> None:
+        send_buckets(m, bucket_lists(m, lambda: iter(tensors), progress), links[0],  # type: ignore[arg-type]
+                     _Pool(torch.device("cpu")), sealer)
+
     t = threading.Thread(target=recv, args=(m,))
     t.start()
-    send_buckets(m, lambda: iter(tensors), links[0], {}, None, lambda e: None)
+    send()
     t.join()
     assert not errors
-    out = {i: v for b, views in zip(m.buckets, received) for i, v in zip(b.entries, views)}
+    out = {i: v for b, got in zip(m.buckets, received) for i, v in zip(b.entries, got)}
     assert all(torch.equal(out[i], tensors[i]) for i in range(len(specs)))
 
     # the sender fails while producing bucket 1: the receiver learns it at once, with the reason
@@ -214,23 +241,21 @@ def test_gloo_transport_roundtrip_and_abort() -> None:
             raise RuntimeError("trainer died")
 
     with pytest.raises(RuntimeError, match="trainer died"):
-        send_buckets(m, lambda: iter(tensors), links[0], {}, boom, lambda e: None)
+        send(boom)
     t.join()
     assert len(received) == 1 and len(errors) == 1
     assert isinstance(errors[0], SyncError) and "sender aborted before bucket 1: why" in str(errors[0])
 
 
 def test_receive_buffer_is_never_overwritten_while_viewed() -> None:
-    from hwsync.sync.remote import _buffer
-
-    owner: dict[str, object] = {}
-    a = _buffer(owner, 64, torch.device("cpu"))
+    pool = _Pool(torch.device("cpu"))
+    a = pool.take(64)
     held = a[:16].view(torch.float32)  # e.g. vLLM holding a layer's tensor until the layer is complete
-    b = _buffer(owner, 64, torch.device("cpu"))
+    b = pool.take(64)
     assert b.data_ptr() != a.data_ptr()
     del held
-    assert _buffer(owner, 64, torch.device("cpu")).data_ptr() == a.data_ptr()  # free again: reused
-    assert _buffer(owner, 128, torch.device("cpu")).numel() >= 128
+    assert pool.take(64).data_ptr() == a.data_ptr()  # free again: reused
+    assert pool.take(128).numel() >= 128
 
 
 def test_vllm_plugin_entry_point_and_patch_selection() -> None:

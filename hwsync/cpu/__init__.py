@@ -5,11 +5,15 @@ Every hwsync code path runs on it, so the whole stack is testable on a laptop or
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hwsync.backend import Backend, DeviceLike, _as_device
 from hwsync.errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from hwsync.transport.base import Link, LinkSpec
 
 __all__ = ["CpuBackend"]
 
@@ -42,3 +46,8 @@ class CpuBackend(Backend):
 
     def synchronize(self, device: DeviceLike = None) -> None:
         return None
+
+    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+        from hwsync.cpu.link import GlooLink
+
+        return GlooLink(store, spec, rank)

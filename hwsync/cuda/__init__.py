@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hwsync.backend import AcceleratorBackend
+
+if TYPE_CHECKING:
+    from hwsync.transport.base import Link, LinkSpec
 
 __all__ = ["CudaBackend"]
 
@@ -27,3 +31,8 @@ class CudaBackend(AcceleratorBackend):
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         suffix = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         return f"torch has CUDA support but no GPU is visible{suffix}: check the driver with nvidia-smi"
+
+    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+        from hwsync.cuda.link import NcclLink
+
+        return NcclLink(store, spec, rank, device)

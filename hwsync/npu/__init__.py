@@ -8,8 +8,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from hwsync.backend import AcceleratorBackend
+from hwsync.errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from hwsync.transport.base import Link, LinkSpec
 
 __all__ = ["NpuBackend", "INSTALL_HINT"]
 
@@ -31,7 +38,21 @@ class NpuBackend(AcceleratorBackend):
         importlib.import_module("torch_npu")
 
     def _install_hint(self, error: ImportError) -> str:
-        return str(error) if str(error) == INSTALL_HINT else f"torch_npu failed to import: {error}"
+        if str(error) == INSTALL_HINT:
+            return INSTALL_HINT
+        if ".so" in str(error):  # the PyPI wheel without CANN: libhccl.so / libascendcl.so not found
+            return (f"torch_npu failed to import: {error}; Ascend CANN is not installed or not on the library path "
+                    "(source /usr/local/Ascend/ascend-toolkit/set_env.sh)")
+        return f"torch_npu failed to import: {error}"
+
+    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+        """A standalone HCCL group (:class:`hwsync.npu.link.HcclLink`) on ``device``."""
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(f"no HCCL data plane: {reason}")
+        from hwsync.npu.link import HcclLink
+
+        return HcclLink(store, spec, rank, device)
 
     def _no_device_hint(self) -> str:
         visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")

@@ -10,12 +10,19 @@ experts (w13 [E, 2I, H], w2 [E, H, I]) into the *processed* kernel layout (w13 [
 
 ``NPUWorker.wake_up`` (0.13 .. 0.23) transposes MoE weights back to preprocessed, guessing from shapes
 (``w2.shape[2] == hidden``, ``w13.shape[1] == hidden``) -- ambiguous when I == H or 2I == H -- and again wraps new
-Parameters without loaders.
+Parameters without loaders. What it leaves breaks the forward (the kernel reads processed weights: vllm-ascend
+#12226), vLLM's layerwise ``reload_weights`` (it copies the re-processed experts into the Parameters it found:
+a shape mismatch, vllm-ascend #5915) and, in a square case, a second wake_up (it transposes preprocessed experts).
 
-hwsync therefore *declares* each layer's layout (:func:`expert_layout`, never guessed from shapes) and keeps a
-loader that matches it on both Parameters: vLLM's own for preprocessed, :func:`processed_weight_loader`
-(built on :func:`hwsync.layouts.copy_expert_shard_`) for processed. ``patches/vllm_ascend.py`` only wires these
-functions around the two vllm-ascend methods. FRACTAL_NZ storage is refused: its bytes are not a strided view.
+hwsync therefore records the layout *on the Parameters* (:func:`expert_layout`, never guessed from shapes) and keeps
+a loader that matches it: vLLM's own for preprocessed, :func:`processed_weight_loader` (built on
+:func:`hwsync.layouts.copy_expert_shard_`) for processed. With a loader for the processed layout there is nothing
+for wake_up to transpose, so the Parameters it replaced are put back (:func:`after_wake_up`), and post-load
+processing of Parameters that are already processed is skipped (:func:`before_process_weights`) -- which is what
+a framework that re-runs it after ``load_weights`` needs. Parameters that vLLM's reload re-creates from its
+construction-time record carry no mark: they are preprocessed, and processed normally. ``patches/vllm_ascend.py``
+only wires these functions around the two vllm-ascend methods. FRACTAL_NZ storage is refused: its bytes are not a
+strided view.
 """
 from __future__ import annotations
 
@@ -45,18 +52,28 @@ __all__ = [
 ]
 
 ACL_FORMAT_FRACTAL_NZ = 29  # torch_npu's format id of FRACTAL_NZ
-LAYOUT_ATTR = "hwsync_expert_layout"  # on the MoE layer: the ExpertLayout its w13/w2 hold now
+LAYOUT_ATTR = "hwsync_expert_layout"  # on w13/w2 Parameters: the ExpertLayout they hold
+_UNWRITABLE_ATTR = "hwsync_experts_unwritable"  # on the MoE layer: why its experts cannot be written
 _PARAMS = ("w13_weight", "w2_weight")
 _LOADER_MARK = "hwsync_processed_loader"
 
 
 def expert_layout(layer: Any) -> ExpertLayout:
-    """The declared layout of ``layer``'s experts (vLLM's preprocessed layout until post-load processing ran)."""
-    return ExpertLayout(getattr(layer, LAYOUT_ATTR, ExpertLayout.PREPROCESSED))
+    """The layout of the experts ``layer`` holds now: the mark on its w13 Parameter, preprocessed when unmarked
+    (Parameters vLLM created or re-created for a reload). Refuses a layer whose experts live in per-expert lists."""
+    unwritable = getattr(layer, _UNWRITABLE_ATTR, None)
+    if unwritable:
+        raise LayoutError(unwritable)
+    param = layer._parameters.get("w13_weight")
+    return ExpertLayout(getattr(param, LAYOUT_ATTR, ExpertLayout.PREPROCESSED))
 
 
 def set_expert_layout(layer: Any, layout: ExpertLayout | str) -> None:
-    setattr(layer, LAYOUT_ATTR, ExpertLayout(layout))
+    """Mark ``layer``'s w13/w2 Parameters as holding ``layout``."""
+    for name in _PARAMS:
+        param = layer._parameters.get(name)
+        if isinstance(param, torch.Tensor):
+            setattr(param, LAYOUT_ATTR, ExpertLayout(layout))
 
 
 def is_fractal_nz(tensor: torch.Tensor) -> bool:
@@ -91,8 +108,8 @@ def processed_weight_loader(layer: Any, sharding: ExpertSharding | None = None) 
         if loaded_weight.dim() != 2 or "bias" in weight_name or "scale" in weight_name:
             raise LayoutError(
                 f"{weight_name}: hwsync's processed-layout loader takes unquantized per-expert weight matrices "
-                f"(got shape {tuple(loaded_weight.shape)}); load quantized / biased experts before post-load "
-                "processing (sleep/wake_up) instead"
+                f"(got shape {tuple(loaded_weight.shape)}); load quantized / biased experts through vLLM's reload "
+                "(model_runner.reload_weights), which restores the checkpoint layout and processes again"
             )
         if is_fractal_nz(param):
             raise LayoutError(
@@ -146,16 +163,15 @@ def reattach_loaders(layer: Any, attrs: dict[str, dict[str, Any]], layout: Exper
     set_expert_layout(layer, layout)
 
 
-def before_process_weights(layer: Any) -> ExpertParamsSnapshot:
-    """Call before vllm-ascend's post-load processing; refuses a layer that is already processed.
+def before_process_weights(layer: Any) -> ExpertParamsSnapshot | None:
+    """Call before vllm-ascend's post-load processing; ``None`` means: skip it, the experts are processed already.
 
-    Running the processing on processed weights transposes them a second time (garbage experts).
+    Processing transposes; run on processed experts it would transpose them a second time (garbage experts). They
+    are processed only when hwsync marked them so, and then every write since went through
+    :func:`processed_weight_loader`, in the processed layout: there is nothing left to do.
     """
     if expert_layout(layer) is ExpertLayout.PROCESSED:
-        raise LayoutError(
-            "process_weights_after_loading called on experts already in the processed layout (it would transpose "
-            "them again); reload raw weights first (wake_up, or model_runner.reload_weights) before processing"
-        )
+        return None
     return _snapshot(layer)
 
 
@@ -167,40 +183,30 @@ def after_process_weights(snapshot: ExpertParamsSnapshot) -> None:
     """
     layer = snapshot.layer
     if not all(isinstance(layer._parameters.get(n), torch.Tensor) for n in _PARAMS):
-        setattr(layer, LAYOUT_ATTR, None)
+        setattr(layer, _UNWRITABLE_ATTR,
+                f"{type(layer).__name__}: vllm-ascend moved the experts into per-expert lists (fused MC2 with dynamic "
+                "EPLB); hwsync cannot write them: disable enable_fused_mc2 or dynamic EPLB for weight sync")
         return
     reattach_loaders(layer, snapshot.attrs, ExpertLayout.PROCESSED)
 
 
 def before_wake_up(model: torch.nn.Module) -> list[ExpertParamsSnapshot]:
-    """Call before ``NPUWorker.wake_up``: remember every MoE layer's Parameters and declared layout."""
-    return [_snapshot(layer) for _, layer in moe_layers(model) if getattr(layer, LAYOUT_ATTR, "") is not None]
+    """Call before ``NPUWorker.wake_up``: remember every MoE layer's expert Parameters."""
+    return [_snapshot(layer) for _, layer in moe_layers(model) if not getattr(layer, _UNWRITABLE_ATTR, None)]
 
 
-def after_wake_up(snapshots: list[ExpertParamsSnapshot]) -> None:
-    """Call after ``NPUWorker.wake_up``: settle each layer's layout from what wake_up actually did.
+def after_wake_up(snapshots: list[ExpertParamsSnapshot]) -> int:
+    """Call after ``NPUWorker.wake_up``: put back every expert Parameter it replaced; returns how many.
 
-    A Parameter that wake_up replaced was transposed. From processed that is the intended return to
-    preprocessed. From preprocessed it is the shape guess misfiring (I == H or 2I == H): undone here. The
-    loaders are then reattached for the layer's layout.
+    Released wake_ups replace processed experts by transposed views (to let vLLM's checkpoint-layout loader write
+    them) and, in the square cases, preprocessed experts too (a misfired shape guess). hwsync's loaders write the
+    layout a Parameter is marked with, so no transposition is wanted: the predecessors -- the same storage, the
+    bytes the allocator just restored, their loaders and marks intact -- are what the engine must hold.
     """
+    restored = 0
     for snap in snapshots:
-        layer = snap.layer
-        layouts = set()
         for name, before in snap.params.items():
-            now = layer._parameters.get(name)
-            if now is None or now is before:
-                layouts.add(snap.layout)
-                continue
-            if snap.layout is ExpertLayout.PREPROCESSED:
-                fixed = torch.nn.Parameter(now.data.transpose(1, 2).contiguous(), requires_grad=False)
-                setattr(layer, name, fixed)
-                layouts.add(ExpertLayout.PREPROCESSED)
-            else:
-                layouts.add(ExpertLayout.PREPROCESSED)
-        if len(layouts) != 1:
-            raise LayoutError(
-                "wake_up transposed only one of w13/w2 of a processed MoE layer; the layer is inconsistent. "
-                "Reload the weights (model_runner.reload_weights) before serving."
-            )
-        reattach_loaders(layer, snap.attrs, layouts.pop())
+            if snap.layer._parameters.get(name) is not before:
+                setattr(snap.layer, name, before)
+                restored += 1
+    return restored

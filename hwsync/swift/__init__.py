@@ -15,7 +15,7 @@ per-step records go to a JSONL file (:mod:`hwsync.swift._metrics`). Without the 
 """
 from __future__ import annotations
 
-from hwsync.swift._errors import OptionError, PluginError, UnsupportedSetupError
+from hwsync.errors import OptionError, PluginError, UnsupportedSetupError
 from hwsync.swift._install import install, installed, uninstall
 from hwsync.swift._metrics import format_summary, read_metrics
 from hwsync.swift._options import ENV, SwiftOptions

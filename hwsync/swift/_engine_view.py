@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["LLMEngineView", "use_swift_lora_identity"]
+__all__ = ["LLMEngineView"]
 
 _ids = itertools.count()
 
@@ -52,19 +52,3 @@ class LLMEngineView:
         if len(done) != len(order):
             raise RuntimeError(f"engine finished {len(done)} of {len(order)} requests")
         return [done[i] for i in range(len(order))]
-
-
-def use_swift_lora_identity() -> None:
-    """Install hwsync's adapter under the name / id ms-swift generates with.
-
-    ms-swift's ``GRPOVllmEngine.infer`` (colocate and ``swift rollout`` alike) attaches
-    ``LoRARequest("swift_lora", 111, ...)`` to every rollout exactly when adapter 111 is loaded; an adapter under any
-    other id is never used and the rollouts silently come from the base weights. Stopgap until
-    :func:`hwsync.sync` takes the adapter identity per call: point the receiver's identity
-    (``hwsync.vllm_ext.LORA_NAME`` / ``LORA_INT_ID``) at ms-swift's, in the process that runs the receiver.
-    """
-    from swift.rlhf_trainers.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME
-
-    import hwsync.vllm_ext as ext
-
-    ext.LORA_NAME, ext.LORA_INT_ID = VLLM_LORA_NAME, VLLM_LORA_INT_ID

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 
-from hwsync.swift._errors import PluginError
+from hwsync.errors import PluginError
 from hwsync.swift._options import ENV
 
 __all__ = ["PluginError", "install", "uninstall", "installed", "TRAINER", "RLHF_TYPE"]

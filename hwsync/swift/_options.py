@@ -12,11 +12,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hwsync.swift._errors import OptionError
+from hwsync.api import parse_bucket_mb
+from hwsync.errors import HwsyncError, OptionError
+from hwsync.server.protocol import split_address
+from hwsync.wire import Strategy
 
-__all__ = ["ENV", "OptionError", "SwiftOptions", "STRATEGIES"]
-
-STRATEGIES = ("auto", "full", "adapter", "hybrid")
+__all__ = ["ENV", "OptionError", "SwiftOptions"]
 
 ENV: dict[str, str] = {
     "strategy": "HWSYNC_STRATEGY",
@@ -61,11 +62,11 @@ class SwiftOptions:
             return value or None
 
         strategy = (raw("strategy") or "auto").lower()
-        if strategy not in STRATEGIES:
-            raise OptionError(f"{ENV['strategy']}={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        if strategy not in {s.value for s in Strategy}:
+            raise OptionError(f"{ENV['strategy']}={strategy!r}: choose one of {', '.join(s.value for s in Strategy)}")
         return cls(
             strategy=strategy,
-            bucket_mb=_number(raw("bucket_mb"), ENV["bucket_mb"], float, minimum=0.0, exclusive=True),
+            bucket_mb=parse_bucket_mb(raw("bucket_mb")),
             verify_every=_number(raw("verify_every"), ENV["verify_every"], int, minimum=0, default=1),
             verify_atol=_number(raw("verify_atol"), ENV["verify_atol"], float, minimum=0.0, default=1e-4),
             verify_prompts=_number(raw("verify_prompts"), ENV["verify_prompts"], int, minimum=1, default=2,
@@ -90,8 +91,11 @@ class SwiftOptions:
 def _address(text: str | None) -> str | None:
     if text is None:
         return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    try:
+        host, port = split_address(text)
+    except HwsyncError:
+        port = 0
+    if not 0 < port < 65536:
         raise OptionError(f"{ENV['server']}={text!r}: write it as host:port, e.g. 127.0.0.1:29555")
     return text
 

@@ -2,9 +2,9 @@
 
 ``swift rollout`` keeps its HTTP routes for generation; weights no longer travel through them (they broadcast with
 PyNccl, which vLLM's CPU build silently disables). Instead, once ``swift rollout`` has built its engine, hwsync
-serves syncs into it (:func:`hwsync.sync.serve`: a signed control channel on a TCPStore, tensors over a gloo / NCCL
+serves syncs into it (:func:`hwsync.serve`: an authenticated control channel, tensors over a gloo / NCCL
 group, manifest validated before any write) on ``HWSYNC_SERVER``, and the trainer reaches it with
-:func:`hwsync.sync.connect` and the shared ``HWSYNC_TOKEN``. ms-swift hands plugins no reference to the engine it
+:func:`hwsync.connect` and the shared ``HWSYNC_TOKEN``. ms-swift hands plugins no reference to the engine it
 builds, so the patch ``swift_rollout_serve`` (``patches/swift_rollout.py``) calls :func:`serve_rollout_engine` right
 after ``SwiftRolloutDeploy.get_infer_engine``.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from swift.utils import get_logger
 
-from hwsync.swift._engine_view import LLMEngineView, use_swift_lora_identity
-from hwsync.swift._errors import UnsupportedSetupError
+from hwsync.swift._engine_view import LLMEngineView
+from hwsync.errors import UnsupportedSetupError
 from hwsync.swift._options import ENV, SwiftOptions
 
 __all__ = ["serve_rollout_engine", "connect_to_rollout_engine"]
@@ -43,9 +43,8 @@ def serve_rollout_engine(engine: Any) -> Any:
         raise UnsupportedSetupError(
             f"{ENV['server']} names one sync server, but swift rollout started data-parallel engine #{dp_rank}: "
             "use --vllm_data_parallel_size 1")
-    from hwsync.sync import serve
+    from hwsync.server import serve
 
-    use_swift_lora_identity()  # swift rollout's GRPOVllmEngine only ever attaches its own adapter id
     server = serve(LLMEngineView(llm_engine), address, token)
     _servers.append(server)
     logger.info(f"hwsync: serving weight syncs into swift rollout's engine on {server.address}")
@@ -55,6 +54,6 @@ def serve_rollout_engine(engine: Any) -> Any:
 def connect_to_rollout_engine(opts: SwiftOptions) -> Any:
     """The trainer's handle on the engine served by :func:`serve_rollout_engine` (``HWSYNC_SERVER`` / ``_TOKEN``)."""
     address, token = opts.server_credentials()
-    from hwsync.sync import connect
+    from hwsync.server import connect
 
     return connect(address, token)

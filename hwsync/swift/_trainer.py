@@ -17,14 +17,16 @@ from typing import Any
 import torch
 
 from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
+from swift.rlhf_trainers.utils import VLLM_LORA_INT_ID as SWIFT_LORA_INT_ID
+from swift.rlhf_trainers.utils import VLLM_LORA_NAME as SWIFT_LORA_NAME
 from swift.rlhf_trainers.utils import profiling_context
 from swift.utils import get_logger
 
 import hwsync
-from hwsync.sync import sync as hwsync_sync
-from hwsync.sync import agreement
+from hwsync.api import sync as hwsync_sync
+from hwsync.verify import agreement, token_logprobs
 from hwsync.errors import VerifyError
-from hwsync.swift._errors import OptionError, UnsupportedSetupError
+from hwsync.errors import OptionError, UnsupportedSetupError
 from hwsync.swift._metrics import MetricsLog, format_summary, read_metrics
 from hwsync.swift._options import ENV, SwiftOptions
 
@@ -86,11 +88,10 @@ class HwsyncGRPOTrainer(GRPOTrainer):
 
             self._hwsync_target = connect_to_rollout_engine(self.hwsync_options)
         elif self._hwsync_target is None:
-            from hwsync.sync.engine import LocalEngine
-            from hwsync.swift._engine_view import LLMEngineView, use_swift_lora_identity
+            from hwsync.api import as_engine
+            from hwsync.swift._engine_view import LLMEngineView
 
-            use_swift_lora_identity()  # ms-swift's rollouts only ever attach its own adapter id
-            self._hwsync_target = LocalEngine(LLMEngineView(self.engine.engine))
+            self._hwsync_target = as_engine(LLMEngineView(self.engine.engine))
         return self._hwsync_target
 
     # ------------------------------------------------------------------------------------------------ sync
@@ -111,7 +112,8 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         target = self._hwsync_engine()
         grad_mode = torch.is_grad_enabled()
         try:
-            report = hwsync_sync(target, model, strategy=opts.strategy, bucket_mb=opts.bucket_mb)
+            report = hwsync_sync(target, model, strategy=opts.strategy, bucket_mb=opts.bucket_mb,
+                                 lora_name=SWIFT_LORA_NAME, lora_int_id=SWIFT_LORA_INT_ID)
         finally:
             torch.set_grad_enabled(grad_mode)  # the next backward needs autograd exactly as the trainer left it
         self._hwsync_syncs += 1
@@ -156,7 +158,7 @@ class HwsyncGRPOTrainer(GRPOTrainer):
 
     def _hwsync_policy_shift(self, model: torch.nn.Module) -> float:
         """Max |Δ logprob| of the trainer on the check prompts since the first sync (how far the policy moved)."""
-        now = [_token_logprobs(model, ids) for ids in self._hwsync_probe or []]
+        now = [token_logprobs(model, ids) for ids in self._hwsync_probe or []]
         if self._hwsync_probe_ref is None:
             self._hwsync_probe_ref = now
         return max((float((a - b).abs().max()) for a, b in zip(now, self._hwsync_probe_ref) if a.numel()),
@@ -238,19 +240,6 @@ class HwsyncGRPOTrainer(GRPOTrainer):
                 text = format_summary(read_metrics(self._hwsync_log.path))
                 self._hwsync_log.write("summary", text=text)
                 logger.info("hwsync summary\n" + text)
-
-
-@torch.no_grad()
-def _token_logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """fp32 logprob of each ``ids[t]`` (t >= 1) given ``ids[:t]`` under ``model``, in eval mode."""
-    x = torch.tensor([ids], device=next(model.parameters()).device)
-    was_training = model.training
-    model.eval()
-    try:
-        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-    finally:
-        model.train(was_training)
-    return torch.log_softmax(logits, -1).gather(1, x[0, 1:, None])[:, 0].cpu()
 
 
 def _zero3() -> bool:

@@ -1,26 +1,58 @@
-"""Real vLLM engines for tests: in-process, eager, fp32, sized for a 2-core CPU box.
+"""Real vLLM engines for tests: in-process, eager, small, with settings chosen per platform in ONE place.
 
-Tests that need vLLM call :func:`require_vllm` first: it skips with a reason naming the missing piece, but
-fails when ``CI=true`` so the CPU CI job can never go green by silently skipping the engine tests.
+:func:`engine_args` is the only place a test's engine settings come from, so a workaround for one platform cannot
+leak onto another:
+
+* **CPU** (vLLM's CPU build, this repository's CI): fp32, a 1 GiB KV-cache reservation, no OpenMP core pinning,
+  32 KV blocks; LoRA engines serve LoRA on ``qkv_proj``/``o_proj`` only (:data:`CPU_LORA_TARGETS`: vLLM 0.32's CPU
+  punica wrapper crashes in ``add_lora_logits`` when ``lm_head`` is wrapped and ``prompt_logprobs`` is asked for).
+* **GPU** (CUDA/ROCm): bf16 when LoRA is enabled (vLLM's LoRA Triton kernels accept only fp16/bf16), fp32 otherwise;
+  a small ``gpu_memory_utilization`` plus a fixed KV-cache budget so a trainer and two engines share one GPU; no
+  CPU-only environment.
+
+Tests that need vLLM call :func:`require_vllm` first: it skips with a reason naming the missing piece, but fails
+when ``CI=true`` so a CI job can never go green by silently skipping the engine tests.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["make_llm", "require_vllm", "vllm_cpu_env", "vllm_missing_reason"]
+__all__ = [
+    "CPU_LORA_TARGETS",
+    "close_llm",
+    "engine_args",
+    "make_llm",
+    "on_cpu",
+    "require_vllm",
+    "vllm_cpu_env",
+    "vllm_env",
+    "vllm_missing_reason",
+]
 
-# Tiny caps: fixture prompts are < 100 tokens; the KV cache is counted in blocks (128 tokens each on CPU).
-_LLM_DEFAULTS: dict[str, Any] = {
-    "enforce_eager": True,
-    "dtype": "float32",
-    "max_model_len": 1024,
-    "num_gpu_blocks_override": 32,
-    "max_num_seqs": 8,
-    "seed": 0,
-}
+CPU_LORA_TARGETS: tuple[str, ...] = ("qkv_proj", "o_proj")
+"""LoRA targets of CPU LoRA engines unless a test names its own (see the module docstring)."""
+
+# Fixture prompts are < 100 tokens.
+_COMMON: dict[str, Any] = {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 8, "seed": 0}
+# KV cache on CPU is counted in blocks of 128 tokens.
+_CPU: dict[str, Any] = {"dtype": "float32", "num_gpu_blocks_override": 32}
+# On a GPU: ~12 GB of an 80 GB card may be claimed per engine, of which a fixed 256 MiB is KV cache (tiny models:
+# ~500k tokens); `kv_cache_memory_bytes` skips vLLM's profiling-based sizing, which would otherwise count the other
+# engine's or the trainer's memory in the same process against this one.
+_GPU: dict[str, Any] = {"gpu_memory_utilization": 0.15, "kv_cache_memory_bytes": 256 << 20}
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (``True`` also when vLLM is missing: nothing GPU-specific applies)."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:  # noqa: BLE001  (missing or broken vLLM: the CPU defaults are the harmless ones)
+        return True
+    return bool(current_platform.is_cpu())
 
 
 def vllm_cpu_env(plugins: tuple[str, ...] = ()) -> dict[str, str]:
@@ -36,6 +68,70 @@ def vllm_cpu_env(plugins: tuple[str, ...] = ()) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "VLLM_PLUGINS": ",".join(plugins),
     }
+
+
+def vllm_env(plugins: tuple[str, ...] = ()) -> dict[str, str]:
+    """Environment for an in-process engine on this platform: :func:`vllm_cpu_env` on CPU; on a GPU only the
+    in-process engine core and the plugin selection (no ``VLLM_CPU_*``)."""
+    if on_cpu():
+        return vllm_cpu_env(plugins)
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": ",".join(plugins)}
+
+
+def engine_args(model_dir: str | os.PathLike[str] | None = None, **overrides: Any) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for a test engine on this platform; ``overrides`` win over every default.
+
+    ``enable_lora=True`` picks bf16 on GPUs and, on CPU, ``lora_target_modules=CPU_LORA_TARGETS`` unless the caller
+    passes ``lora_target_modules`` (``None`` = vLLM's own default). Without an explicit ``dtype``, a model with
+    Gated-DeltaNet layers (Qwen3.5) runs in bf16 on vLLM's CPU build, whose GDN kernel accepts nothing else.
+    """
+    lora = bool(overrides.get("enable_lora"))
+    if on_cpu():
+        args = {**_COMMON, **_CPU}
+        if lora and "lora_target_modules" not in overrides:
+            args["lora_target_modules"] = list(CPU_LORA_TARGETS)
+        if model_dir is not None and "dtype" not in overrides and _has_linear_attention(Path(model_dir)):
+            args["dtype"] = "bfloat16"
+    else:
+        args = {**_COMMON, **_GPU, "dtype": "bfloat16" if lora else "float32"}
+    args.update(overrides)
+    if model_dir is not None:
+        args["model"] = str(Path(model_dir))
+    return args
+
+
+def make_llm(model_dir: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """An in-process ``vllm.LLM`` on ``model_dir`` with :func:`engine_args` (``kwargs`` override them).
+
+    The variables of :func:`vllm_env` are set process-wide where the caller has not set them: vLLM caches its
+    environment and loads plugins once per process, so they cannot be scoped to one engine anyway. Set
+    ``VLLM_PLUGINS`` before the first engine to load a plugin.
+    """
+    for key, value in vllm_env().items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM
+
+    return LLM(**engine_args(model_dir, **kwargs))
+
+
+def close_llm(llm: Any) -> None:
+    """Drop an in-process engine and give its memory back (GPU memory too).
+
+    vLLM's shutdown tears down the process's distributed state, so do this only when no other engine of this
+    process is still in use (another engine built afterwards initialises it again).
+    """
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm, core
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001  (best effort)
+        pass
 
 
 def vllm_missing_reason() -> str | None:
@@ -67,28 +163,6 @@ def require_vllm() -> None:
     if os.environ.get("CI", "").lower() == "true" and os.environ.get("HWSYNC_NO_VLLM_EXPECTED") != "1":
         pytest.fail(f"CI=true but the vLLM tests cannot run: {reason}", pytrace=False)
     pytest.skip(reason)
-
-
-def make_llm(model_dir: str | os.PathLike[str], **kwargs: Any) -> Any:
-    """An in-process ``vllm.LLM`` on ``model_dir``: eager, fp32, small KV cache, seed 0.
-
-    ``kwargs`` override the defaults or add engine arguments (``enable_lora=True``,
-    ``worker_extension_cls=...``, ...). The variables of :func:`vllm_cpu_env` are set process-wide where the
-    caller has not set them: vLLM caches its environment and loads plugins once per process, so they cannot
-    be scoped to one engine anyway. Set ``VLLM_PLUGINS`` before the first engine to load a plugin.
-
-    Without an explicit ``dtype``, a model with Gated-DeltaNet layers (Qwen3.5) runs in bfloat16 on vLLM's
-    CPU build, whose GDN kernel accepts nothing else ("CPU GDN attention requires BF16").
-    """
-    for key, value in vllm_cpu_env().items():
-        os.environ.setdefault(key, value)
-    from vllm import LLM
-    from vllm.platforms import current_platform
-
-    args = {**_LLM_DEFAULTS, **kwargs}
-    if "dtype" not in kwargs and current_platform.is_cpu() and _has_linear_attention(Path(model_dir)):
-        args["dtype"] = "bfloat16"
-    return LLM(model=str(Path(model_dir)), **args)
 
 
 def _has_linear_attention(model_dir: Path) -> bool:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import HwsyncError
+from ..errors import FixtureConfigError
 from .tokenizer import VOCAB_SIZE, token_id, write_tokenizer
 
 __all__ = ["FAMILIES", "Family", "FixtureConfigError", "make_tiny_moe", "tiny_moe_config"]
@@ -40,10 +40,6 @@ _COMMON: dict[str, Any] = {
     "tie_word_embeddings": False,
     "hidden_act": "silu",
 }
-
-
-class FixtureConfigError(HwsyncError, ValueError):
-    """A tiny-model request that vLLM's CPU build or transformers cannot serve; nothing was written."""
 
 
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {

@@ -31,6 +31,8 @@ class SyncReport:
     """``"colocate"`` (in-process, no serialization) or ``"server"`` (torch.distributed)."""
     base_tensors: int = 0
     lora_tensors: int = 0
+    path: str = ""
+    """How the engine wrote it (in place / through vLLM's reload; adapter rewritten in place / built by vLLM)."""
     lora_request: Any = field(default=None, compare=False)
     """The ``vllm.lora.request.LoRARequest`` to generate with (``None`` when the engine serves merged weights)."""
 
@@ -48,7 +50,7 @@ class SyncReport:
         return (
             f"hwsync sync v{self.version}: strategy={self.strategy} tensors={self.tensors} "
             f"MB={self.megabytes:.3f} seconds={self.seconds:.3f} GB/s={self.gbps:.3f} "
-            f"buckets={self.buckets} mode={self.mode} ({self.reason})"
+            f"buckets={self.buckets} mode={self.mode} ({self.reason})" + (f" [{self.path}]" if self.path else "")
         )
 
     def log(self) -> None:

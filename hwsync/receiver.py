@@ -1,53 +1,62 @@
-"""Engine side, engine-agnostic: versions, staleness, buckets -> loads, LoRA accumulated until ``is_last``.
+"""Engine side, engine-agnostic: versions, staleness, validated plans, buckets -> loads, LoRA applied once.
 
-The :class:`Receiver` owns the consistency rules; an :class:`Applier` (``hwsync.vllm_ext.VllmApplier`` for vLLM)
-owns how tensors reach a particular engine.
+The :class:`Receiver` owns the consistency rules; an :class:`Applier` (``hwsync.vllm.applier.VllmApplier`` for
+vLLM) owns how tensors reach one particular engine worker.
 
 Consistency rules
 -----------------
-* A manifest is validated (version, names, shapes, layer completeness, adapter config) before anything is written.
-  A refused manifest leaves the engine exactly as it was.
-* Versions strictly increase; an older or equal version is refused with :class:`~hwsync.errors.VersionError`.
-* LoRA tensors are accumulated across buckets and handed to the engine once, after the last bucket: a sync that
-  dies earlier leaves the previous adapter serving (verl #5599 semantics).
+* A manifest is validated (version, names, shapes, dtypes, layer completeness, adapter config) before anything is
+  written; a refused manifest leaves the engine exactly as it was. The validated plan is kept per manifest digest
+  (everything but the version), so a trainer that syncs the same tensors every step pays for validation once.
+* Versions strictly increase; an older or equal version is refused with :class:`~hwsync.errors.VersionError`. A
+  manifest planned against another engine version (``expect_version``) is refused with
+  :class:`~hwsync.errors.PlanChangedError` before anything is written: the sender re-plans.
+* LoRA tensors are accumulated across buckets and installed once, after the last bucket: a sync that dies earlier
+  leaves the previous adapter serving. If installing itself fails, the engine is marked stale (it must not serve a
+  half-installed adapter, nor silently the base model).
 * Base weights stream into the engine as they arrive (memory stays bounded by a bucket, not the model). From the
-  first base write until the sync completes, the receiver is **stale**: generation through hwsync refuses with
+  first base write until the sync completes the receiver is **stale**: generation through hwsync refuses with
   :class:`~hwsync.errors.StaleEngineError` until a complete sync lands.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import Tensor
 
-from hwsync.errors import HwsyncError, StaleEngineError, SyncError, VersionError
-from hwsync.sync.manifest import Manifest
+from hwsync.errors import HwsyncError, PlanChangedError, StaleEngineError, SyncError, VersionError
+from hwsync.wire import Manifest, ReceiverState, Strategy
 
-__all__ = ["Applier", "Receiver", "ReceiverState"]
+__all__ = ["Applier", "Receiver"]
+
+logger = logging.getLogger("hwsync.receiver")
+
+_PLANS_KEPT = 8
 
 
 class Applier(Protocol):
-    """How one engine takes weights. Every method may raise an :class:`HwsyncError` naming the fix."""
+    """How one engine worker takes weights. Every method may raise an :class:`HwsyncError` naming the fix."""
 
     def describe(self, lora_paths: Sequence[str]) -> dict[str, Any]:
-        """Static facts for :class:`hwsync.sync.payload.EngineInfo` (dtype, LoRA support, unservable paths)."""
+        """Static facts for :class:`hwsync.wire.EngineInfo` (dtype, LoRA support, unservable paths)."""
 
     def validate(self, manifest: Manifest) -> Any:
         """Resolve and check the whole manifest against the live engine; return a plan. Must not write."""
 
-    def load_base(self, plan: Any, weights: Iterator[tuple[str, Tensor]]) -> None:
-        """Load base tensors (checkpoint layout) through the engine's reload path, post-processing each touched
-        layer exactly once. On error, leave the engine structurally usable (values may be partial)."""
+    def load_base(self, plan: Any, weights: Iterator[tuple[str, Tensor]]) -> str:
+        """Write base tensors (checkpoint layout); return how (one line for the report). On error leave the engine
+        structurally usable (values may be partial: the receiver marks it stale)."""
 
-    def load_lora(self, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None,
+    def load_lora(self, plan: Any, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None,
                   lora_int_id: int | None, replaces: int | None) -> tuple[str, int]:
-        """Install (or replace in place) the adapter from memory under ``name``/``lora_int_id`` (``None``: the
-        engine's default identity), removing the adapter ``replaces`` once the new one is validated; return the
-        identity used."""
+        """Install the adapter (or update the installed one in place) under ``name``/``lora_int_id`` (``None``: the
+        engine's default identity), then drop ``replaces`` if it is another id; return the identity used. Either the
+        new adapter serves afterwards or the call raises."""
 
     def drop_lora(self, lora_int_id: int) -> None:
         """Forget the adapter (the engine now serves merged weights)."""
@@ -55,31 +64,15 @@ class Applier(Protocol):
     def has_lora(self, lora_int_id: int) -> bool:
         """Whether the engine still holds the adapter (someone else may have reloaded weights meanwhile)."""
 
-    def after_sync(self) -> None:
-        """Invalidate caches derived from old weights (prefix cache, ...)."""
-
-
-@dataclass
-class ReceiverState:
-    version: int = 0
-    stale: bool = False
-    strategy: str | None = None
-    base_key: str | None = None
-    lora_name: str | None = None
-    lora_int_id: int | None = None
-    last_error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
 
 class Receiver:
-    """The state machine around an :class:`Applier`; thread-safe (one sync or one generation at a time)."""
+    """The state machine around an :class:`Applier`; thread-safe (its lock serializes syncs on this worker)."""
 
     def __init__(self, applier: Applier) -> None:
         self.applier = applier
         self.state = ReceiverState()
         self.lock = threading.RLock()
+        self._plans: OrderedDict[str, Any] = OrderedDict()
 
     # -- queries --------------------------------------------------------------------------------------------------
     def refresh(self) -> ReceiverState:
@@ -111,28 +104,46 @@ class Receiver:
 
     # -- the sync -------------------------------------------------------------------------------------------------
     def prepare(self, manifest: Manifest) -> Any:
-        """Validate ``manifest`` completely; nothing is written. Returns the plan for :meth:`receive`."""
+        """Validate ``manifest`` completely (nothing is written); the plan for :meth:`receive`, cached by digest."""
         with self.lock:
+            self.refresh()
+            if manifest.expect_version is not None and (manifest.expect_version != self.state.version
+                                                        or self.state.stale):
+                raise PlanChangedError(
+                    f"the engine is at v{self.state.version}{' (stale)' if self.state.stale else ''}, the sync was "
+                    f"planned against v{manifest.expect_version}: re-plan (hwsync.sync does this by itself)")
             if manifest.version <= self.state.version:
                 raise VersionError(
                     f"sync version {manifest.version} is not newer than the engine's v{self.state.version}: versions "
                     f"must strictly increase (pass version={self.state.version + 1} or more, or let hwsync number them)"
                 )
-            if manifest.lora_specs and not manifest.lora_config:
-                raise SyncError("manifest carries LoRA tensors without an adapter config")
-            return self.applier.validate(manifest)
+            if (manifest.strategy is not Strategy.FULL and not manifest.base_specs
+                    and manifest.base_key is not None and self.state.base_key != manifest.base_key):
+                raise PlanChangedError(
+                    "the engine does not hold the base weights this LoRA-only sync was planned on (another sync or "
+                    "a reload replaced them): re-plan with the base included (hwsync.sync does this by itself)")
+            plan = self._plans.get(manifest.digest)
+            if plan is None:
+                plan = self.applier.validate(manifest)
+                self._plans[manifest.digest] = plan
+                while len(self._plans) > _PLANS_KEPT:
+                    self._plans.popitem(last=False)
+            else:
+                self._plans.move_to_end(manifest.digest)
+            return plan
 
-    def receive(self, manifest: Manifest, plan: Any, buckets: Iterable[Sequence[Tensor]]) -> dict[str, Any]:
-        """Consume ``buckets`` (one tensor list per manifest bucket, in ``bucket.entries`` order) and apply them.
+    def receive(self, manifest: Manifest, buckets: Iterable[Sequence[Tensor]]) -> dict[str, Any]:
+        """Validate (or reuse the validated plan), then consume ``buckets`` (one tensor list per manifest bucket,
+        in ``bucket.entries`` order) and apply them.
 
         Contract with the transport: a tensor it yields stays valid for as long as anyone references it (the engine's
         layer-wise reload holds a layer's tensors until the layer is complete; LoRA tensors are held until the end).
-        :func:`hwsync.sync.remote.receive_buckets` reuses its flat buffer only when no view of it is left.
         """
         with self.lock:
+            plan = self.prepare(manifest)
             t0 = time.perf_counter()
             specs = manifest.specs
-            base_idx = [i for i, s in enumerate(specs) if s.kind == "base"]
+            has_base = bool(manifest.base_specs)
             lora: dict[str, Tensor] = {}
             received = [0]
 
@@ -157,43 +168,53 @@ class Receiver:
                         yield spec.name, t
                     received[0] += 1
 
+            stage = "base weights"
+            paths: list[str] = []
             try:
-                if base_idx:
+                if has_base:
                     self.state.stale = True  # from the first base write until the sync completes
                     self.state.last_error = f"sync v{manifest.version} in progress"
                     weights = stream()
-                    self.applier.load_base(plan, weights)
+                    paths.append(self.applier.load_base(plan, weights))
                     for _ in weights:  # a loader that stopped early must not leave buckets unread
                         raise SyncError("engine loader stopped before the last base tensor")
                 else:
                     for _ in stream():
                         raise SyncError("internal: base tensor in a LoRA-only sync")
+                stage = "adapter"
                 old = self.state.lora_int_id
                 if lora:
-                    name, lid = self.applier.load_lora(lora, manifest.lora_config or {}, manifest.lora_name,
+                    name, lid = self.applier.load_lora(plan, lora, manifest.lora_config or {}, manifest.lora_name,
                                                        manifest.lora_int_id, old)
                     self.state.lora_name, self.state.lora_int_id = name, lid
-                elif base_idx and old is not None:
+                    paths.append(str(getattr(self.applier, "last_lora_path", "") or ""))
+                elif has_base and old is not None:
                     self.applier.drop_lora(old)  # the base was replaced; an old adapter on it would be wrong
                     self.state.lora_name = self.state.lora_int_id = None
-                self.applier.after_sync()
             except BaseException as e:
                 where = f"after bucket {received[0]} of {len(manifest.buckets)}"
-                if base_idx:
-                    self.state.last_error = f"sync v{manifest.version} failed {where}: {type(e).__name__}: {e}"
-                    consequence = ("engine is stale (part of the base weights were written) and refuses to generate "
-                                   "through hwsync until a complete sync lands")
+                # an adapter install that failed is harmless only if the previous adapter still serves, untouched
+                touched = has_base or (stage == "adapter" and not (
+                    self.state.lora_int_id is not None and self.applier.has_lora(self.state.lora_int_id)
+                    and not getattr(e, "adapter_touched", True)))
+                if touched:
+                    self.state.stale = True
+                    self.state.last_error = f"sync v{manifest.version} failed {where} ({stage}): {type(e).__name__}: {e}"
+                    consequence = (f"engine is stale ({stage} partly written) and refuses to generate through hwsync "
+                                   "until a complete sync lands")
                 else:
                     consequence = f"nothing was applied; the engine still serves v{self.state.version}"
+                logger.warning("hwsync: sync v%d aborted %s: %s: %s; %s", manifest.version, where,
+                               type(e).__name__, e, consequence)
                 if not isinstance(e, Exception) or (isinstance(e, HwsyncError) and not isinstance(e, SyncError)):
                     raise
                 raise SyncError(f"sync v{manifest.version} aborted {where} ({type(e).__name__}: {e}); "
                                 f"{consequence}") from e
             self.state.version = manifest.version
-            self.state.strategy = manifest.strategy
-            if base_idx:
-                self.state.base_key = manifest.base_key if manifest.strategy != "full" else "merged"
+            self.state.strategy = manifest.strategy.value
+            if has_base:
+                self.state.base_key = manifest.base_key if manifest.strategy is not Strategy.FULL else "merged"
             self.state.stale = False
             self.state.last_error = None
             return {"version": manifest.version, "seconds": time.perf_counter() - t0, "lora": len(lora),
-                    "base": len(base_idx)}
+                    "base": len(manifest.base_specs), "path": "; ".join(p for p in paths if p)}

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The GPU job: hwsync's whole test suite on a CUDA machine with vLLM (and ms-swift, bitsandbytes) installed --
+# every vLLM-marked module on CUDA (engine settings from hwsync.testing.engine_args: bf16 with LoRA, fp32 without),
+# the cuda/multigpu tests, the README's ms-swift GRPO job, the QLoRA tests and the sync benchmark.
+#
+#   bash ci/gpu.sh              # every part, in order (roughly 30-45 min on one H100: not measured yet)
+#   bash ci/gpu.sh suite-a      # one part; each is sized to finish well under 10 minutes on one H100
+#   bash ci/gpu.sh --list       # the parts and what they run
+#
+# Tests run one module per interpreter (ci/run_tests.py) with `pytest` (not `python -m pytest`: that puts the source
+# tree first on sys.path, ahead of the installed package), CI=true (a vLLM test that cannot run fails instead of
+# skipping) and HWSYNC_BACKEND=cuda. With $OUT set, the output is also written to $OUT/gpu-<part>.log.
+# On the lent GPU machines (no vLLM, no network) install the kit first: ci/gpu-kit/README.md.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+export CI=true HWSYNC_BACKEND=cuda
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # no NVLink multicast
+export HWSYNC_PYTEST="${HWSYNC_PYTEST:-pytest}"
+PY="${PYTHON:-python3}"
+
+PARTS=(unit suite-a suite-b exact server swift swift-b qlora bench)
+declare -A MODULES=(
+    [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
+    [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
+    [exact]="tests/test_sync_exact.py"
+    [server]="tests/test_sync_server.py"
+    [swift]="tests/test_swift_grpo.py"
+    [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
+    [qlora]="tests/test_qlora.py"
+)
+declare -A ABOUT=(
+    [unit]="every module no other part names: layouts, names, LoRA formats, merged view, patches, broadcast (cuda/multigpu), backend, doctor, ..."
+    [suite-a]="${MODULES[suite-a]}"
+    [suite-b]="${MODULES[suite-b]} (20 syncs per strategy, faults, versions)"
+    [exact]="${MODULES[exact]} (every strategy x MoE-LoRA format, 10 syncs each, == vLLM's own loading)"
+    [server]="${MODULES[server]} (engine in another process)"
+    [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
+    [swift-b]="${MODULES[swift-b]}"
+    [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
+    [bench]="benchmarks/bench_sync.py --quick"
+)
+
+unit_modules() {  # every test module no other part names, space-separated
+    local m named=" ${MODULES[*]} " out=()
+    for m in tests/test_*.py; do
+        [[ "$named" == *" $m "* ]] || out+=("$m")
+    done
+    echo "${out[*]}"
+}
+
+run_modules() {  # $1: space-separated module paths
+    local mods
+    read -r -a mods <<<"$1"
+    "$PY" ci/run_tests.py --modules="$(IFS=,; echo "${mods[*]}")"
+}
+
+run_part() {
+    local part=$1 rc=0
+    echo "=== ci/gpu.sh $part: ${ABOUT[$part]}"
+    case "$part" in
+        unit) run_modules "$(unit_modules)" || rc=$? ;;
+        swift)
+            "$PY" examples/grpo_tiny_moe.py --steps 4 --workdir "${TMPDIR:-/tmp}/hwsync-grpo-gpu" || rc=$?
+            run_modules "${MODULES[swift]}" || rc=$? ;;
+        bench) "$PY" benchmarks/bench_sync.py --quick ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
+        *) run_modules "${MODULES[$part]}" || rc=$? ;;
+    esac
+    echo "=== ci/gpu.sh $part: $([ $rc -eq 0 ] && echo passed || echo "FAILED (exit $rc)")"
+    return $rc
+}
+
+if [ "${1:-}" = "--list" ]; then
+    for p in "${PARTS[@]}"; do printf '%-8s %s\n' "$p" "${ABOUT[$p]}"; done
+    exit 0
+fi
+selected=("${@:-${PARTS[@]}}")
+for p in "${selected[@]}"; do
+    [ -n "${ABOUT[$p]:-}" ] || { echo "unknown part '$p'; parts: ${PARTS[*]}"; exit 2; }
+done
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    exec > >(tee -a "$OUT/gpu-$(IFS=+; echo "${selected[*]}").log") 2>&1
+fi
+nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not available"
+"$PY" -m hwsync doctor --no-vllm 2>/dev/null | sed -n '/^Backend/,/^$/p;/^Versions/,/^$/p'
+failed=()
+for p in "${selected[@]}"; do
+    run_part "$p" || failed+=("$p")
+done
+echo "ci/gpu.sh: ${#selected[@]} part(s), failed: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]

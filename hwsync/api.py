@@ -1,0 +1,206 @@
+"""``hwsync.sync``: the call a trainer makes after each optimizer step.
+
+A sync is planned once per (engine, model, options): the engine is described, the strategy chosen
+(:mod:`hwsync.strategy`), the payload described (:mod:`hwsync.payload`) and the manifest built (:mod:`hwsync.wire`).
+Later syncs whose plan still holds -- same parameters, the engine at the version this trainer left it, the base
+weights unchanged -- reuse all of that and only stream tensors; the engine in turn reuses its validated plan for the
+same manifest digest (:mod:`hwsync.receiver`). Anything that no longer holds re-plans: a changed model, another
+writer on the engine (it answers :class:`~hwsync.errors.PlanChangedError` before writing), an error.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from hwsync.engine import Engine, ProgressFn
+from hwsync.errors import OptionError, PlanChangedError, SyncError
+from hwsync.payload import Payload, build_payload, model_uuid, read_lora
+from hwsync.report import SyncReport
+from hwsync.strategy import choose
+from hwsync.wire import Manifest, Strategy, plan_buckets
+
+__all__ = ["sync", "generate", "as_engine", "default_bucket_mb", "parse_bucket_mb", "BUCKET_ENV"]
+
+BUCKET_ENV = "HWSYNC_BUCKET_MB"
+# Measured with benchmarks/bench_sync.py (vLLM CPU build, 105 MB fp32 MoE, server mode over gloo/loopback, 2 shared
+# cores, two runs): a full sync takes 0.40-0.52 s for any bucket size from 1 to 256 MB -- flat within noise, because
+# vLLM's reload, not the transfer, dominates on CPU. 64 MB keeps per-bucket overhead negligible with two receive
+# buffers in flight. On GPUs (NCCL) buckets of 512 MB-1 GB reach link speed (verl: 2048 MB, ms-swift: 512 MB, vLLM's
+# native transfer: 1 GB x 2).
+_DEFAULT_MB = {"cpu": 64, "cuda": 512, "npu": 512}
+
+
+def parse_bucket_mb(value: str | float | None, what: str = BUCKET_ENV) -> float | None:
+    """A bucket size in megabytes (``None``/empty: the default); one parser for the API and the env variable."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    try:
+        mb = float(value)
+    except (TypeError, ValueError):
+        raise OptionError(f"{what}={value!r} is not a number of megabytes") from None
+    if not mb > 0:
+        raise OptionError(f"{what} must be a positive number of megabytes, got {value!r}")
+    return mb
+
+
+def default_bucket_mb(device_type: str = "cpu") -> float:
+    """Bucket size used when ``bucket_mb`` is not given: ``$HWSYNC_BUCKET_MB`` or the measured per-device default."""
+    env = parse_bucket_mb(os.environ.get(BUCKET_ENV))
+    return env if env is not None else float(_DEFAULT_MB.get(device_type, 512))
+
+
+@dataclass
+class _SyncPlan:
+    """What the trainer resolved for one (engine, model, options); reused while it holds."""
+
+    signature: tuple[Any, ...]
+    payload: Payload
+    manifest: Manifest
+    synced_version: int = 0
+    """The engine version the last sync of this plan left (the next one expects the engine there)."""
+
+
+def _signature(model: nn.Module) -> tuple[Any, ...]:
+    """Cheap identity of the model's parameter set (objects and shapes): a new or reshaped parameter re-plans."""
+    return tuple((id(p), p.shape) for p in model.parameters())
+
+
+def _plan(engine: Engine, model: nn.Module, request: Strategy, bucket_mb: float | None, lora_name: str | None,
+          lora_int_id: int | None) -> _SyncPlan:
+    info = engine.describe()
+    lora = read_lora(model, info)
+    if lora is not None and not isinstance(lora, Exception) and info.lora_enabled:
+        info = engine.describe(lora.vllm_paths)
+    choice = choose(request, lora, info)
+    payload = build_payload(model, choice, lora if choice.strategy is not Strategy.FULL else None, info)  # type: ignore[arg-type]
+    mb = default_bucket_mb(info.device_type) if bucket_mb is None else bucket_mb
+    manifest = Manifest(
+        version=info.version + 1,
+        strategy=choice.strategy,
+        specs=tuple(payload.specs),
+        buckets=plan_buckets(payload.specs, max(1, int(mb * (1 << 20)))),
+        lora_config=payload.lora_config,
+        lora_base_names=dict(payload.lora_base_names),
+        base_key=payload.base_key,
+        lora_name=lora_name,
+        lora_int_id=lora_int_id,
+    )
+    return _SyncPlan(_signature(model), payload, manifest, synced_version=info.version)
+
+
+def _reusable(plan: _SyncPlan | None, model: nn.Module) -> _SyncPlan | None:
+    """``plan`` if it still describes ``model``; for adapter/hybrid plans that carried the base, the steady-state
+    variant without it (the engine holds that base now), unless the base changed since."""
+    if plan is None or plan.signature != _signature(model):
+        return None
+    payload = plan.payload
+    if payload.strategy is Strategy.FULL:
+        return plan
+    if payload.current_base_key() != payload.base_key:
+        return None  # the trainer's base changed in place: plan again (the base travels)
+    if not payload.includes_base:
+        return plan
+    return None  # first sync carried the base; the steady plan is built once, then reused
+
+
+def sync(
+    target: Any,
+    model: nn.Module,
+    *,
+    strategy: str | Strategy = "auto",
+    bucket_mb: float | None = None,
+    version: int | None = None,
+    progress: ProgressFn | None = None,
+    lora_name: str | None = None,
+    lora_int_id: int | None = None,
+) -> SyncReport:
+    """Make ``target`` serve ``model``'s current weights; return what was sent.
+
+    ``target`` is an in-process ``vllm.LLM`` (colocate) or a handle from :func:`hwsync.connect` (server mode).
+    ``model`` is a transformers model, PEFT-wrapped or not. ``strategy`` is ``"auto"``, ``"full"``, ``"adapter"``
+    or ``"hybrid"`` (:class:`hwsync.Strategy`); auto asks the engine what it can serve and the report says why.
+    ``version`` must increase strictly (default: the engine's version + 1). The engine validates the whole manifest
+    before writing anything; see :mod:`hwsync.receiver` for what an interrupted sync leaves behind.
+    ``progress(bucket, num_buckets)`` is called before each bucket is handed over (raising aborts the sync).
+    ``lora_name``/``lora_int_id`` install the adapter under a framework's own identity (ms-swift: ``swift_lora``/111)
+    instead of hwsync's default; the report's ``lora_request`` carries it.
+    """
+    engine = as_engine(target)
+    t0 = time.perf_counter()
+    request = Strategy.parse(strategy)
+    mb = parse_bucket_mb(bucket_mb, "bucket_mb")
+    key = f"{model_uuid(model)}:{request.value}:{mb}:{lora_name}:{lora_int_id}"
+    for attempt in range(2):
+        plan = _reusable(engine.plans.get(key), model) if attempt == 0 else None
+        planned = plan is None
+        if planned:
+            engine.plans.pop(key, None)
+            plan = _plan(engine, model, request, mb, lora_name, lora_int_id)
+        assert plan is not None
+        next_version = plan.synced_version + 1 if version is None else int(version)
+        # a reused plan is only valid on the engine as this trainer left it; a fresh one was just checked
+        manifest = plan.manifest.with_version(next_version, expect_version=None if planned else plan.synced_version)
+        try:
+            result = engine.send(manifest, plan.payload.produce, progress)
+        except PlanChangedError:
+            engine.plans.pop(key, None)
+            if attempt:
+                raise
+            continue
+        except BaseException:
+            engine.plans.pop(key, None)  # whatever the engine holds now, the next sync plans from scratch
+            raise
+        break
+    else:  # pragma: no cover - the loop either breaks or raises
+        raise SyncError("internal: sync retry loop ended without a result")
+    report = SyncReport(
+        strategy=manifest.strategy.value,
+        tensors=len(manifest.specs),
+        bytes=manifest.nbytes,
+        seconds=time.perf_counter() - t0,
+        buckets=len(manifest.buckets),
+        version=manifest.version,
+        reason=plan.payload.reason + ("" if planned else "; plan reused"),
+        mode=engine.mode,
+        base_tensors=len(manifest.base_specs),
+        lora_tensors=len(manifest.lora_specs),
+        path=str((result or {}).get("path", "")),
+        lora_request=engine.lora_request if manifest.lora_specs or manifest.strategy is not Strategy.FULL else None,
+    )
+    plan.synced_version = manifest.version
+    if plan.payload.includes_base and plan.payload.strategy is not Strategy.FULL:
+        # the engine holds this base now: later syncs of this plan send only what changes
+        steady = _plan(engine, model, request, mb, lora_name, lora_int_id)
+        plan = replace(steady, synced_version=manifest.version)
+    engine.plans[key] = plan
+    report.log()
+    return report
+
+
+def generate(target: Any, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+    """``LLM.generate`` through hwsync's handle: waits for a sync in progress, refuses on a stale engine
+    (:class:`~hwsync.errors.StaleEngineError`), uses the synced adapter when the engine serves one."""
+    return as_engine(target).generate(prompts, sampling_params, **kwargs)
+
+
+def as_engine(target: Any) -> Engine:
+    """The handle for ``target``: an :class:`Engine` as is; an in-process ``vllm.LLM`` (or an object with its
+    ``llm_engine`` / ``collective_rpc`` surface) wrapped once, the handle cached on it."""
+    if isinstance(target, Engine):
+        return target
+    if hasattr(target, "llm_engine") and hasattr(target, "collective_rpc"):
+        handle = target.__dict__.get("_hwsync_engine")
+        if handle is None:
+            from hwsync.vllm.local import LocalEngine
+
+            handle = LocalEngine(target)
+            target.__dict__["_hwsync_engine"] = handle
+        return handle
+    raise SyncError(
+        f"cannot sync into a {type(target).__name__}: pass an in-process vllm.LLM (colocate) or the handle "
+        "returned by hwsync.connect(address, token) (server mode)"
+    )

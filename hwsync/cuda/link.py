@@ -1,0 +1,66 @@
+"""The CUDA data plane: a standalone NCCL process group (server mode between GPUs, NVLink / IB / PCIe).
+
+The group is formed through the engine's control store under a prefix derived from the token, so nobody who merely
+reaches the store can guess where to join. Collectives run on NCCL's own stream after the caller's current stream
+(so a bucket packed just before is complete), which lets the sender pack bucket b+1 while bucket b is on the wire.
+The NCCL watchdog is told not to tear the process down when a transfer times out (a trainer that dies mid-sync must
+not take the rollout engine with it): the receiver reports the timeout, marks the engine stale and closes the group.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hwsync.transport.base import LinkSpec
+
+__all__ = ["NcclLink"]
+
+_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+class _Pending:
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        self.work.wait()  # NCCL: the current stream waits for the collective; the host does not block
+
+
+class NcclLink:
+    """Rank ``rank`` of an NCCL group over ``spec`` on ``device``."""
+
+    def __init__(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> None:
+        self.rank = rank
+        self.world_size = spec.world_size
+        self.device = torch.device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
+        saved = os.environ.get(_HANDLING)
+        os.environ[_HANDLING] = "0"  # read when the group is built: report timeouts, never abort the process
+        try:
+            with torch.cuda.device(self.device):
+                self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(spec.prefix, store), rank, spec.world_size, opts)
+        finally:
+            if saved is None:
+                os.environ.pop(_HANDLING, None)
+            else:
+                os.environ[_HANDLING] = saved
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> _Pending:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        with torch.cuda.device(self.device):
+            return _Pending(self.pg.broadcast([tensor], opts))
+
+    def close(self) -> None:
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # noqa: BLE001 - closing a broken group must not mask the error that broke it
+                pass

@@ -1,0 +1,372 @@
+"""Trainer side: which tensors a sync sends, per strategy (:class:`hwsync.wire.Strategy`).
+
+* ``full``    -- the merged view ``W0 + ΔW`` (:func:`hwsync.merged.merged_named_weights`) of every parameter, every
+  sync. The trainer's weights are never merged/unmerged in place.
+* ``adapter`` -- LoRA tensors only (:mod:`hwsync.lora_formats`, scaling folded into B); the base ``W0`` once, on
+  the first sync (and again whenever the engine lost it: a failed sync, a ``full`` sync in between, a base
+  parameter changed in place).
+* ``hybrid``  -- LoRA for the modules the engine serves LoRA on; merged weights for the LoRA-adapted modules it
+  cannot (e.g. MoE experts on vLLM's CPU build or Ascend), plus whatever parameters complete the engine layers
+  those modules load into. Only those merged bytes travel each step; the rest of ``W0`` travels once, as in
+  ``adapter``.
+* ``auto``    -- asks the engine what it serves (:class:`~hwsync.wire.EngineInfo`) and picks
+  (:func:`hwsync.strategy.choose`); the reason is in the report.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hwsync.errors import AdapterFormatError, SyncError, UnsupportedSetupError
+from hwsync.strategy import Choice
+from hwsync.lora_formats import wire_name
+from hwsync.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
+
+__all__ = ["Payload", "TrainerLora", "build_payload", "lora_paths", "read_lora"]
+
+_LORA_SUFFIX = ".lora_A.weight"
+
+
+@dataclass
+class Payload:
+    """One sync's tensors, described up front and produced lazily in manifest order."""
+
+    strategy: Strategy
+    reason: str
+    specs: list[TensorSpec]
+    produce: Callable[[], Iterator[Tensor]]
+    """Yields one tensor per spec, in order (merged tensors are computed on demand, one at a time)."""
+    lora_config: dict[str, Any] | None = None
+    lora_base_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    base_key: str | None = None
+    includes_base: bool = False
+    current_base_key: Callable[[], str | None] = lambda: None
+    """The base key as the trainer's weights are *now* (a steady-state sync resends the base when it changed)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trainer model introspection
+# ---------------------------------------------------------------------------------------------------------------
+def _peft_config(model: nn.Module) -> Any:
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return None
+    active = getattr(model, "active_adapter", None)
+    if isinstance(active, (list, tuple)):
+        active = active[0] if active else None
+    return configs.get(active) if active in configs else next(iter(configs.values()))
+
+
+def _adapter_name(model: nn.Module) -> str:
+    active = getattr(model, "active_adapter", "default")
+    if isinstance(active, (list, tuple)):
+        if len(active) != 1:
+            raise AdapterFormatError(
+                f"{len(active)} active adapters {list(active)}: an adapter sync sends one; "
+                'activate one adapter or use strategy="full" (merged view of all active adapters)'
+            )
+        active = active[0]
+    return str(active)
+
+
+def model_uuid(model: nn.Module) -> str:
+    """A per-object identity for the trainer model (stable for its lifetime, unlike ``id()`` reuse)."""
+    key = "_hwsync_uuid"
+    value = model.__dict__.get(key)
+    if value is None:
+        value = uuid.uuid4().hex[:12]
+        model.__dict__[key] = value
+    return value
+
+
+def _merged_names(model: nn.Module) -> list[str]:
+    """The names :func:`merged_named_weights` yields, in order, without computing anything."""
+    from hwsync.merged import merged_named_weights
+
+    names: list[str] = []
+
+    def record(n: str) -> bool:
+        names.append(n)
+        return False
+
+    for _ in merged_named_weights(model, include=record):
+        pass
+    return names
+
+
+def _base_params(model: nn.Module) -> dict[str, Tensor]:
+    """Trainer name -> base parameter ``W0`` (LoRA factors and inactive copies left out)."""
+    return {clean: p for clean, (_, p) in _base_params_raw(model).items()}
+
+
+def _base_params_raw(model: nn.Module) -> dict[str, tuple[str, Tensor]]:
+    """Trainer name -> (name in the wrapped model, base parameter)."""
+    from hwsync.names.trainer import strip_peft_name
+
+    out: dict[str, tuple[str, Tensor]] = {}
+    for name, p in model.named_parameters():
+        if ".lora_" in name or "lora_magnitude_vector" in name:
+            continue
+        out.setdefault(strip_peft_name(name), (name, p))
+    return out
+
+
+def lora_paths(tensors: Mapping[str, Tensor]) -> list[str]:
+    """vLLM LoRA module paths (``base_model.model.`` kept) of an adapter's tensors."""
+    return sorted({k[: -len(_LORA_SUFFIX)] for k in tensors if k.endswith(_LORA_SUFFIX)})
+
+
+def _owners(trainer_modules: Sequence[str]) -> dict[str, list[str]]:
+    """Module path -> the trainer LoRA parameter names adapting it (``...q_proj`` -> ``...q_proj.weight``; a fused
+    experts module carries two: ``...experts.gate_up_proj`` and ``...experts.down_proj``)."""
+    owners: dict[str, list[str]] = {}
+    for n in trainer_modules:
+        owners.setdefault(n[: -len(".weight")] if n.endswith(".weight") else n.rpartition(".")[0], []).append(n)
+    return owners
+
+
+_DOWN = ("down_proj", "w2")
+
+
+def _owner_of(path: str, owners: Mapping[str, list[str]]) -> str | None:
+    """The trainer LoRA parameter a vLLM LoRA path came from: the one adapting its longest owning module; for fused
+    experts, the down projection for ``experts.{e}.down_proj`` (2-D keys) / ``experts`` (3-D), gate_up otherwise."""
+    p = path.removeprefix("base_model.model.")
+    while p:
+        names = owners.get(p)
+        if names:
+            if len(names) == 1:
+                return names[0]
+            rest = path.removeprefix("base_model.model.")[len(p):].strip(".")
+            down = rest.rpartition(".")[2] in _DOWN if rest else True  # 3-D: "experts" is down, "base_layer" not
+            picked = [n for n in names if n.rpartition(".")[2].startswith(_DOWN) == down]
+            return picked[0] if picked else names[0]
+        p = p.rpartition(".")[0]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# strategy choice
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class TrainerLora:
+    """The trainer's adapter: its modules (scaling folded into B), and where each lands in vLLM's LoRA format."""
+
+    adapter: Any  # hwsync.lora_formats.LoraAdapter
+    tensors: dict[str, Tensor]
+    """What travels: one A and one B per trainer module (:func:`hwsync.lora_formats.to_wire`)."""
+    meta: dict[str, Any]
+    by_module: dict[str, list[str]]
+    """Trainer LoRA parameter name -> the vLLM LoRA module paths it becomes (for the engine's capability check)."""
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.adapter.max_rank)
+
+    @property
+    def vllm_paths(self) -> list[str]:
+        return sorted(p for paths in self.by_module.values() for p in paths)
+
+
+def read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora | None | AdapterFormatError:
+    """The model's LoRA as it travels; ``None`` without PEFT; the error when it cannot be served as LoRA."""
+    from hwsync.lora_formats import extract_peft_lora, to_vllm_lora, to_wire
+
+    if _peft_config(model) is None:
+        return None
+    try:
+        adapter = extract_peft_lora(model, _adapter_name(model))
+        cfg = _peft_config(model)
+        experts = [n for n, m in adapter.modules.items() if m.kind.value != "linear" or ".experts." in n]
+        dropout = float(getattr(cfg, "lora_dropout", 0.0) or 0.0)
+        if dropout > 0 and experts:
+            raise AdapterFormatError(
+                f"adapter {adapter.name!r} sets lora_dropout={dropout} and adapts MoE experts ({experts[0]}, ...): "
+                "expert LoRA cannot apply dropout (PEFT's ParamWrapper refuses it; vLLM serves none), so the trained "
+                "experts do not mean what the config says. Set lora_dropout=0 (ms-swift: --lora_dropout 0), or sync "
+                'merged weights with strategy="full"'
+            )
+        dtype = dtype_from_name(info.lora_dtype) if info.lora_dtype else None
+        tensors, meta = to_wire(adapter, dtype)
+        # where each module lands in vLLM's format (views only): what the engine is asked whether it serves
+        vllm_tensors, _ = to_vllm_lora(adapter, moe_format="3d" if info.moe_format == "3d" else "2d",
+                                       packed_modules_mapping=info.packed_modules_mapping or None, copy=False)
+    except AdapterFormatError as e:
+        return e
+    by_module: dict[str, list[str]] = {n: [] for n in adapter.modules}
+    owners = _owners(list(adapter.modules))
+    for path in lora_paths(vllm_tensors):
+        owner = _owner_of(path, owners)
+        if owner is None:
+            raise SyncError(f"internal: LoRA path {path} matches no trainer module")
+        by_module[owner].append(path)
+    return TrainerLora(adapter, tensors, meta, by_module)
+
+
+def read_lora_tensors(model: nn.Module, dtype: torch.dtype | None, modules: Sequence[str]) -> list[Tensor]:
+    """The current A and B (scaling folded) of ``modules``, in manifest order: the per-sync part of
+    :func:`read_lora` (no conversion to vLLM's format: the engine does that)."""
+    from hwsync.lora_formats import extract_peft_lora
+
+    adapter = extract_peft_lora(model, _adapter_name(model))
+    out: list[Tensor] = []
+    for name in modules:
+        mod = adapter.modules.get(name)
+        if mod is None:
+            raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
+        f = mod.folded(dtype)
+        out += [f.lora_A, f.lora_B]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# payloads
+# ---------------------------------------------------------------------------------------------------------------
+def _wire_dtype(t: Tensor, info: EngineInfo) -> torch.dtype:
+    from hwsync.merged import is_quantized
+
+    return info.torch_dtype if t.is_floating_point() or is_quantized(t) else t.dtype
+
+
+def _companions(unservable: Sequence[str], names: Sequence[str], packed: Mapping[str, Sequence[str]]) -> set[str]:
+    """Parameters that must travel with merged ``unservable`` ones so every engine layer they touch is complete:
+    all parameters of the same experts block, and the other parts of a packed projection (q/k/v)."""
+    out: set[str] = set()
+    for m in unservable:
+        if ".experts." in m or m.endswith(".experts"):
+            owner = m[: m.index(".experts") + len(".experts")]
+            out.update(n for n in names if n.startswith(owner + "."))
+            continue
+        module = m[: -len(".weight")] if m.endswith(".weight") else m.rpartition(".")[0]
+        parent, _, leaf = module.rpartition(".")
+        siblings = {leaf}
+        for parts in packed.values():
+            if leaf in parts:
+                siblings.update(parts)
+        out.update(n for n in names if n.rpartition(".")[0].rpartition(".")[0] == parent
+                   and n.rpartition(".")[0].rpartition(".")[2] in siblings)
+        out.add(m)
+    return out
+
+
+def _reparametrized(model: nn.Module) -> set[int]:
+    """Parameters PEFT re-registers around every forward (``target_parameters``: ``ParamWrapper`` swaps the tensor
+    into a ``torch.nn.utils.parametrize`` list and back), which bumps their version counter without a write."""
+    ids: set[int] = set()
+    for module in model.modules():
+        name = getattr(module, "parameter_name", None)
+        get_base = getattr(module, "get_base_layer", None)
+        if isinstance(name, str) and callable(get_base):
+            param = getattr(get_base(), name, None)
+            if isinstance(param, Tensor):
+                ids.add(id(param))
+    return ids
+
+
+def _versions_digest(params: Mapping[str, Tensor], names: Sequence[str], reparametrized: set[int]) -> str:
+    """Changes when any of ``names`` was modified in place (``Tensor._version``), so a changed base is resent.
+
+    For parameters PEFT re-parametrizes on every forward the version counter moves without a write, so only their
+    identity and storage count (an in-place edit of such a frozen expert weight is not detected: sync once with
+    ``strategy="full"`` after editing one)."""
+    acc = 0
+    for i, n in enumerate(names):
+        p = params[n]
+        mark = p.data_ptr() if id(p) in reparametrized else int(getattr(p, "_version", 0))
+        acc = (acc * 1_000_003 + id(p) % 1_000_033 + mark + i) % (1 << 61)
+    return f"{acc:x}"
+
+
+def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, info: EngineInfo) -> Payload:
+    """Describe this sync's tensors and how to produce them (lazily, values read at produce time, so a payload
+    can be produced again at every sync while the model's structure stays the same)."""
+    from hwsync.merged import is_quantized, logical_shape, merged_named_weights, plain_weight
+
+    strategy, reason, unservable = choice.strategy, choice.reason, choice.unservable
+    reparametrized = _reparametrized(model)
+
+    names = _merged_names(model)
+    raw_base = _base_params_raw(model)
+    base = {clean: p for clean, (_, p) in raw_base.items()}
+    missing = [n for n in names if n not in base]
+    if missing:
+        raise SyncError(f"internal: merged view names {missing[:3]} have no base parameter")
+
+    frozen: list[str] = []
+    if strategy is Strategy.FULL:
+        merged = set(names)
+        send = list(names)
+        base_key = None
+        includes_base = True
+    else:
+        assert lora is not None
+        merged = _companions(unservable, names, info.packed_modules_mapping) if strategy is Strategy.HYBRID else set()
+        frozen = [n for n in names if n not in merged]
+        base_key = f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
+        includes_base = info.stale or info.base_key != base_key
+        if info.quantization and any(is_quantized(base[n]) for n in frozen):
+            if merged:
+                raise UnsupportedSetupError(
+                    f"the engine serves a {info.quantization}-quantized checkpoint: merged weights cannot be written "
+                    'into it. With a QLoRA base use strategy="adapter" (the engine keeps serving its quantized base) '
+                    'or an unquantized engine with strategy="full"')
+            # the engine was started from the trainer's quantized checkpoint: its base is W0, and a packed 4-bit
+            # W0 cannot go through a weight reload anyway
+            includes_base, base_key = False, None
+            reason = f"{reason}; base weights not sent (the engine serves the {info.quantization} checkpoint the " \
+                     "trainer's quantized base was loaded from)"
+        send = list(names) if includes_base else [n for n in names if n in merged]
+        if includes_base:
+            why = "engine is stale" if info.stale else "first sync" if info.base_key is None else (
+                "trainer base changed" if info.base_key.rsplit(":", 1)[0] == base_key.rsplit(":", 1)[0]
+                else "engine holds other base weights")
+            reason = f"{reason}; base weights sent ({why})"
+        elif strategy is Strategy.ADAPTER:
+            reason = f"{reason}; LoRA only"
+
+    specs = [TensorSpec(n, logical_shape(base[n]), _wire_dtype(base[n], info), "base") for n in send]
+    lora_modules: list[str] = []
+    lora_config = None
+    lora_base_names: dict[str, tuple[int, ...]] = {}
+    lora_dtype = dtype_from_name(info.lora_dtype) if info.lora_dtype else None
+    if strategy is not Strategy.FULL and lora is not None:
+        lora_modules = [m for m in lora.adapter.modules if m not in unservable]
+        if lora_modules:
+            lora_config = dict(lora.meta, modules={m: lora.meta["modules"][m] for m in lora_modules})
+            lora_base_names = {m: tuple(base[m].shape) for m in lora_modules if m in base}
+        for m in lora_modules:
+            for factor in ("A", "B"):
+                t = lora.tensors[wire_name(m, factor)]
+                specs.append(TensorSpec(wire_name(m, factor), tuple(t.shape), t.dtype, "lora"))
+
+    send_set = set(send)
+    merged_send = [n for n in send if n in merged]
+    def lora_values() -> list[Tensor]:
+        return read_lora_tensors(model, lora_dtype, lora_modules)  # the values as of now: produced at every sync
+
+    def produce() -> Iterator[Tensor]:
+        it = merged_named_weights(model, include=lambda n: n in send_set and n in merged) if merged_send else iter(())
+        for name in send:
+            if name in merged:
+                got, t = next(it)
+                if got != name:
+                    raise SyncError(f"internal: merged view yielded {got} where {name} was expected")
+                yield t
+            else:
+                raw, param = raw_base[name]
+                yield plain_weight(model, raw, param)  # W0 as is; dequantized for a 4-bit (QLoRA) base
+        if lora_modules:
+            yield from lora_values()
+
+    def current_base_key() -> str | None:
+        if strategy is Strategy.FULL or base_key is None:  # full: no base identity; None: the engine's own base
+            return None
+        return f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
+
+    return Payload(strategy, reason, specs, produce, lora_config, lora_base_names, base_key, includes_base,
+                   current_base_key)

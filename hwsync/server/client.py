@@ -1,0 +1,231 @@
+"""Trainer side of server mode: :func:`connect` returns the :class:`RemoteEngine` handle ``hwsync.sync`` drives.
+
+One handle may span several engines (data parallel: ``connect(["host1:p", "host2:p"], token)``): every sync is
+validated by each of them first, then its buckets travel once, by broadcast, to every worker of every engine (one
+data-plane group: the trainer at rank 0, each engine's workers after it; tensor-parallel workers take their shards
+on arrival). The trainer hosts the group's rendezvous store, bound to the interface it reaches the engines from;
+where the group meets is secret (a random id sent encrypted to each engine), and every bucket is sealed with a fresh
+per-sync key (:mod:`hwsync.transport.seal`).
+"""
+from __future__ import annotations
+
+import datetime
+import secrets
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hwsync.engine import Engine, ProgressFn
+from hwsync.errors import SyncError, UnsupportedSetupError, from_wire
+from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, client_handshake, group_prefix, split_address
+from hwsync.transport.base import Link, LinkSpec, open_link
+from hwsync.transport.buckets import bucket_lists, pool_of, send_buckets
+from hwsync.transport.seal import Sealer
+from hwsync.wire import EngineInfo, Manifest
+
+__all__ = ["RemoteEngine", "connect"]
+
+
+class _Conn:
+    def __init__(self, address: str, token: str, timeout_s: float) -> None:
+        self.address = address
+        host, port = split_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=min(timeout_s, 30.0))
+        except OSError as e:
+            raise SyncError(f"cannot reach an hwsync engine at {address} ({e}); is serve() running there?") from None
+        self.channel: Channel = client_handshake(sock, token, address)
+        self.local_host = sock.getsockname()[0]
+
+    def request(self, op: str, args: dict[str, Any]) -> None:
+        self.channel.send({"op": op, "args": args})
+
+    def reply(self) -> Any:
+        try:
+            rep = self.channel.recv()
+        except (ConnectionError, OSError) as e:
+            raise SyncError(f"lost the engine at {self.address} ({e})") from None
+        if not rep.get("ok"):
+            raise from_wire(rep.get("error") or {})
+        return rep.get("result")
+
+    def call(self, op: str, args: dict[str, Any]) -> Any:
+        self.request(op, args)
+        return self.reply()
+
+
+class RemoteEngine(Engine):
+    """A handle on one or more engines served by :func:`hwsync.serve` in other processes."""
+
+    mode = "server"
+
+    def __init__(self, addresses: str | Sequence[str], token: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 data_host: str | None = None) -> None:
+        super().__init__()
+        addrs = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not addrs:
+            raise SyncError("connect() needs at least one engine address")
+        self.timeout_s = float(timeout_s)
+        self.conns = [_Conn(a, token, self.timeout_s) for a in addrs]
+        self.data_host = data_host or self.conns[0].local_host
+        self._store: Any = None
+        self._link: tuple[bytes, Link] | None = None
+        self._workers: list[int] | None = None
+        self._device_type = "cpu"
+        self._owner: dict[str, Any] = {}
+
+    @property
+    def address(self) -> str:
+        return ",".join(c.address for c in self.conns)
+
+    # -- queries --------------------------------------------------------------------------------------------------
+    def describe(self, lora_paths: Sequence[str] = ()) -> EngineInfo:
+        infos = [EngineInfo.from_dict(c.call("describe", {"lora_paths": list(lora_paths)})) for c in self.conns]
+        self._workers = [i.workers for i in infos]
+        first = infos[0]
+        self._device_type = first.device_type
+        if any(i.engine != first.engine or i.dtype != first.dtype for i in infos[1:]):
+            raise UnsupportedSetupError(f"the engines at {self.address} serve different builds or dtypes: "
+                                        "one sync feeds engines of one model")
+        return EngineInfo.from_dict({**first.to_dict(), "version": max(i.version for i in infos),
+                                     "stale": any(i.stale for i in infos),
+                                     "base_key": first.base_key if len({i.base_key for i in infos}) == 1 else None,
+                                     "workers": sum(i.workers for i in infos)})
+
+    def state(self) -> dict[str, Any]:
+        states = [c.call("state", {}) for c in self.conns]
+        out = dict(states[0])
+        out["version"] = max(s["version"] for s in states)
+        out["stale"] = any(s["stale"] for s in states)
+        return out
+
+    def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        out = self.conns[0].call("logprobs", {"prompts": [list(map(int, p)) for p in prompts],
+                                              "max_tokens": max_tokens})
+        return [(list(ids), list(vals)) for ids, vals in out]
+
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        raise UnsupportedSetupError(
+            "a remote engine generates in its own process: call server.generate(...) there, or use the serving "
+            "framework's API (ms-swift: swift rollout's routes); this handle syncs and verifies")
+
+    def shutdown(self) -> None:
+        """Ask every serving process to stop waiting (``SyncServer.wait()`` returns)."""
+        for c in self.conns:
+            c.call("shutdown", {})
+
+    def close(self) -> None:
+        self._drop_link()
+        for c in self.conns:
+            c.channel.close()
+
+    # -- the sync -------------------------------------------------------------------------------------------------
+    def _rendezvous_store(self) -> Any:
+        if self._store is None:
+            family = socket.AF_INET6 if ":" in self.data_host else socket.AF_INET
+            sock = socket.create_server((self.data_host, 0), family=family, backlog=128)
+            self._store_sock = sock  # keep the listening socket (and its fd) alive with the store
+            self._store = dist.TCPStore(self.data_host, sock.getsockname()[1], is_master=True,
+                                        wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True,
+                                        timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._store
+
+    def _drop_link(self) -> None:
+        if self._link is not None:
+            self._link[1].close()
+            self._link = None
+
+    def _device(self, info_device_type: str) -> torch.device:
+        if info_device_type == "cpu":
+            return torch.device("cpu")
+        from hwsync.backend import get_backend
+
+        backend = get_backend(info_device_type)
+        return backend.current_device()
+
+    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
+             progress: ProgressFn | None) -> dict[str, Any]:
+        with self.lock:
+            if self._workers is None:
+                self.describe()
+            assert self._workers is not None
+            if len(self.conns) > 1:  # every engine validates before any of them waits for the data plane
+                for conn in self.conns:
+                    conn.request("prepare", {"manifest": manifest.to_json()})
+                first_error = self._collect()
+                if isinstance(first_error, BaseException):
+                    raise first_error
+            store = self._rendezvous_store()
+            held = self._link[0] if self._link is not None else secrets.token_bytes(32)
+            fresh = secrets.token_bytes(32)
+            data_key = secrets.token_bytes(32)
+            world = 1 + sum(self._workers)
+            firsts = [1 + sum(self._workers[:k]) for k in range(len(self.conns))]
+            for conn, first in zip(self.conns, firsts):
+                ch = conn.channel
+                conn.request("sync", {
+                    "manifest": manifest.to_json(),
+                    "group": {"host": self.data_host, "port": store.port, "world_size": world, "first_rank": first},
+                    "group_id": ch.seal_secret("group", held),
+                    "new_group_id": ch.seal_secret("new_group", fresh),
+                    "data_key": ch.seal_secret("data", data_key),
+                    "timeout": self.timeout_s,
+                })
+            go = self._collect()
+            if isinstance(go, BaseException):
+                # (several engines: one refused after all validated -- another trainer synced in between; those
+                # that said go give up on the data plane after the timeout and turn stale)
+                self._drop_link()
+                raise go
+            reuse = all(g.get("reuse") for g in go)
+            if not reuse:
+                self._drop_link()
+            group_id = held if reuse else fresh
+            if any(g.get("reuse") for g in go) and not reuse:
+                raise SyncError("the engines hold different data-plane groups (another trainer synced some of them); "
+                                "sync again")
+            spec = LinkSpec(self.data_host, store.port, group_prefix(group_id), world, self.timeout_s)
+            try:
+                link = self._link[1] if self._link is not None else open_link(store, spec, 0,
+                                                                             self._device(self._device_type))
+                self._link = (group_id, link)
+                send_buckets(manifest, bucket_lists(manifest, produce, progress), link,
+                             pool_of(self._owner, link.device), Sealer(data_key))
+            except BaseException as e:
+                try:
+                    store.set(spec.prefix + "abort", f"{type(e).__name__}: {e}"[:2000])
+                except Exception:  # noqa: BLE001
+                    pass
+                results = self._collect()
+                self._drop_link()
+                if isinstance(results, BaseException):
+                    raise SyncError(str(results)) from e
+                raise
+            results = self._collect()
+            if isinstance(results, BaseException):
+                self._drop_link()  # the engines closed their ends of the group
+                raise results
+            return results[0]
+
+    def _collect(self) -> list[Any] | BaseException:
+        results: list[Any] = []
+        first_error: BaseException | None = None
+        for conn in self.conns:
+            try:
+                results.append(conn.reply())
+            except BaseException as e:  # noqa: BLE001
+                first_error = first_error or e
+        return first_error if first_error is not None else results
+
+
+def connect(address: str | Sequence[str], token: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+            data_host: str | None = None) -> RemoteEngine:
+    """A handle on the engine(s) :func:`hwsync.serve`-d at ``address`` (several: data-parallel engines fed by one
+    broadcast); a wrong ``token`` raises :class:`~hwsync.errors.SyncError` here. ``data_host`` is the interface the
+    engines reach this trainer on for the data plane (default: the one this process reaches the first engine from).
+    """
+    return RemoteEngine(address, token, timeout_s=timeout_s, data_host=data_host)

@@ -1,0 +1,200 @@
+"""Engine side of server mode: :func:`serve` accepts syncs into a ``vllm.LLM`` running in this process.
+
+One thread accepts connections on exactly the address given (loopback by default); each authenticated client gets a
+thread of its own (at most ``max_clients``; state per client is its connection only). Requests are a small table of
+operations (:attr:`SyncServer.OPS`). A sync holds the engine's lock (the same lock generation through hwsync takes)
+from validation to the last bucket; its transfer timeout is the smaller of the client's and the server's.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hwsync.api import as_engine
+from hwsync.errors import SyncError, to_wire
+from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, group_prefix, server_handshake, split_address
+from hwsync.transport.base import LinkSpec
+from hwsync.wire import Manifest
+
+__all__ = ["SyncServer", "serve"]
+
+logger = logging.getLogger("hwsync.server")
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+class SyncServer:
+    """Serves syncs into an in-process ``vllm.LLM`` for trainers that :func:`hwsync.connect` with the token."""
+
+    def __init__(self, llm: Any, address: str = "127.0.0.1:0", token: str = "", *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_clients: int = 8) -> None:
+        if not token:
+            raise SyncError("serve() needs a non-empty token (a shared secret the trainer passes to connect())")
+        self.engine = as_engine(llm)  # the one handle of this engine: its lock also guards hwsync's generate
+        self.token = token
+        self.timeout_s = float(timeout_s)
+        host, port = split_address(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=16)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        if not is_loopback(host):
+            logger.warning("hwsync sync server listens on %s:%d (not loopback): anyone who reaches it may connect; "
+                           "only holders of the token can sync", host, self.port)
+        self._slots = threading.BoundedSemaphore(max_clients)
+        self._held: bytes | None = None  # the data-plane group the workers hold (kept between syncs)
+        self._stop = threading.Event()
+        self._shutdown = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="hwsync-sync-server", daemon=True)
+        self._thread.start()
+
+    OPS: Mapping[str, Callable[[SyncServer, Channel, Mapping[str, Any]], Any]]
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    # -- public, engine process -----------------------------------------------------------------------------------
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        """``LLM.generate`` serialized with syncs; refuses on a stale engine."""
+        return self.engine.generate(prompts, sampling_params, **kwargs)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a trainer sent ``shutdown`` (or ``timeout``); True if it did."""
+        return self._shutdown.wait(timeout)
+
+    def close(self) -> None:
+        """Stop listening (idempotent); the engine stays usable in this process."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> SyncServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- connections ----------------------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:
+                break
+            if not self._slots.acquire(blocking=False):
+                logger.warning("hwsync sync server: refused %s (too many clients)", peer)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_client, args=(conn, peer), daemon=True,
+                             name=f"hwsync-client-{peer}").start()
+
+    def _serve_client(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            try:
+                channel = server_handshake(conn, self.token)
+            except Exception as e:  # noqa: BLE001 - wrong token, garbage, timeout: drop it
+                logger.warning("hwsync sync server: refused a connection from %s (%s)", peer, e)
+                conn.close()
+                return
+            while not self._stop.is_set():
+                try:
+                    msg = channel.recv()
+                except (ConnectionError, OSError):
+                    break
+                except SyncError as e:  # forged / replayed frame: this connection is done
+                    logger.warning("hwsync sync server: dropped %s: %s", peer, e)
+                    break
+                op = msg.get("op")
+                handler = self.OPS.get(op) if isinstance(op, str) else None
+                try:
+                    if handler is None:
+                        raise SyncError(f"unknown operation {op!r}")
+                    result = handler(self, channel, msg.get("args") or {})
+                    channel.send({"ok": True, "result": result})
+                except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer
+                    channel.send({"ok": False, "error": to_wire(e)})
+            channel.close()
+        finally:
+            self._slots.release()
+
+    # -- operations -----------------------------------------------------------------------------------------------
+    def _describe(self, channel: Channel, args: Mapping[str, Any]) -> Any:
+        return self.engine.describe(list(args.get("lora_paths", ()))).to_dict()
+
+    def _state(self, channel: Channel, args: Mapping[str, Any]) -> Any:
+        return self.engine.state()
+
+    def _logprobs(self, channel: Channel, args: Mapping[str, Any]) -> Any:
+        prompts = [[int(t) for t in p] for p in args["prompts"]]
+        return self.engine.logprobs(prompts, int(args["max_tokens"]))
+
+    def _prepare(self, channel: Channel, args: Mapping[str, Any]) -> Any:
+        with self.engine.lock:
+            self.engine.prepare(Manifest.from_json(args["manifest"]))
+        return True
+
+    def _shutdown_op(self, channel: Channel, args: Mapping[str, Any]) -> Any:
+        self._shutdown.set()
+        return True
+
+    def _sync(self, channel: Channel, args: Mapping[str, Any]) -> Any:
+        """Validate, say go, receive the buckets over the data plane, report (the reply to the request).
+
+        The workers keep their data-plane group between syncs; the trainer proposes the group it holds and a new
+        one, and the server picks the held one only if its workers still hold it (no other trainer synced since,
+        no failure closed it)."""
+        manifest = Manifest.from_json(args["manifest"])
+        group = args["group"]
+        held = channel.open_secret("group", str(args["group_id"]))
+        fresh = channel.open_secret("new_group", str(args["new_group_id"]))
+        data_key = channel.open_secret("data", str(args["data_key"]))
+        timeout = min(float(args.get("timeout", self.timeout_s)), self.timeout_s)
+        with self.engine.lock:
+            self.engine.prepare(manifest)  # raises -> error reply; nothing written, no transfer started
+            reuse = self._held == held
+            gid = held if reuse else fresh
+            spec = LinkSpec(host=str(group["host"]), port=int(group["port"]), prefix=group_prefix(gid),
+                            world_size=int(group["world_size"]), timeout_s=timeout)
+            channel.send({"ok": True, "result": {"go": True, "reuse": reuse}})
+            self._held = None
+            try:
+                result = self.engine.receive_remote(manifest, spec, int(group["first_rank"]), data_key,
+                                                    spec.prefix + "abort")
+            finally:
+                self.engine.reset_cache()
+            self._held = gid
+            return result
+
+
+SyncServer.OPS = {
+    "describe": SyncServer._describe,
+    "state": SyncServer._state,
+    "logprobs": SyncServer._logprobs,
+    "prepare": SyncServer._prepare,
+    "sync": SyncServer._sync,
+    "shutdown": SyncServer._shutdown_op,
+}
+
+
+def serve(llm: Any, address: str = "127.0.0.1:0", token: str = "", *,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> SyncServer:
+    """Accept syncs into ``llm`` (in this process) from trainers holding ``token``; returns at once.
+
+    ``address`` is ``host:port`` to listen on, exactly (``port`` 0 picks a free one: read ``server.address``);
+    the default is loopback. Serving on another interface is logged.
+    """
+    return SyncServer(llm, address, token, timeout_s=timeout_s)

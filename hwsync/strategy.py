@@ -1,0 +1,133 @@
+"""Which strategy a sync uses: ordered rules, first match wins.
+
+Each rule looks at the requested :class:`~hwsync.wire.Strategy`, the trainer's LoRA (as the engine would serve it)
+and the engine's :class:`~hwsync.wire.EngineInfo`, and either decides (a :class:`Choice` with the reason the report
+prints), refuses an explicit request that cannot work (an error naming the fix), or passes. ``auto`` never
+refuses: it falls back to ``full``, which every engine serves.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hwsync.errors import AdapterFormatError
+from hwsync.wire import EngineInfo, Strategy
+
+if TYPE_CHECKING:
+    from hwsync.payload import TrainerLora
+
+__all__ = ["Choice", "choose", "RULES"]
+
+
+
+@dataclass(frozen=True)
+class Choice:
+    strategy: Strategy
+    reason: str
+    unservable: tuple[str, ...] = field(default=())
+    """Trainer LoRA modules the engine cannot serve as LoRA (``hybrid`` sends them merged)."""
+
+
+Rule = Callable[[Strategy, "TrainerLora | AdapterFormatError | None", EngineInfo], "Choice | None"]
+
+
+def _full_requested(req: Strategy, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
+    return Choice(Strategy.FULL, "requested") if req is Strategy.FULL else None
+
+
+def _no_adapter(req: Strategy, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
+    if lora is not None:
+        return None
+    if req is not Strategy.AUTO:
+        raise AdapterFormatError(f'strategy="{req.value}" needs a PEFT LoRA model; this model has no adapter. '
+                                 'Use strategy="full"')
+    return Choice(Strategy.FULL, "model has no LoRA adapter")
+
+
+def _not_servable_as_lora(req: Strategy, lora: TrainerLora | AdapterFormatError | None,
+                          info: EngineInfo) -> Choice | None:
+    if not isinstance(lora, AdapterFormatError):
+        return None
+    if req is not Strategy.AUTO:
+        raise lora
+    return Choice(Strategy.FULL, f"adapter cannot be served as LoRA ({lora})")
+
+
+def _engine_without_lora(req: Strategy, lora: TrainerLora | AdapterFormatError | None,
+                         info: EngineInfo) -> Choice | None:
+    if info.lora_enabled:
+        return None
+    why = info.lora_reason or "the engine was started without enable_lora"
+    if req is not Strategy.AUTO:
+        rank = getattr(lora, "max_rank", "r")
+        raise AdapterFormatError(f'strategy="{req.value}": {why}. Start vLLM with enable_lora=True '
+                                 f'(max_lora_rank>={rank}) or use strategy="full"')
+    return Choice(Strategy.FULL, why)
+
+
+def _rank_too_large(req: Strategy, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
+    assert lora is not None and not isinstance(lora, AdapterFormatError)
+    if info.max_lora_rank is None or lora.max_rank <= info.max_lora_rank:
+        return None
+    why = f"adapter rank {lora.max_rank} > engine max_lora_rank {info.max_lora_rank}"
+    if req is not Strategy.AUTO:
+        raise AdapterFormatError(f'{why}: restart vLLM with a larger max_lora_rank or use strategy="full"')
+    return Choice(Strategy.FULL, why)
+
+
+def _unservable(lora: TrainerLora, info: EngineInfo) -> tuple[list[str], str]:
+    modules = [m for m, paths in lora.by_module.items() if any(p in info.unservable for p in paths)]
+    reasons = sorted({info.unservable[p] for m in modules for p in lora.by_module[m] if p in info.unservable})
+    return modules, "; ".join(reasons)
+
+
+def _all_servable(req: Strategy, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
+    assert lora is not None and not isinstance(lora, AdapterFormatError)
+    if _unservable(lora, info)[0]:
+        return None
+    if req is Strategy.HYBRID:
+        return Choice(Strategy.HYBRID, "requested (the engine serves LoRA on every adapted module: same bytes as "
+                                       "adapter)")
+    return Choice(Strategy.ADAPTER, "engine serves LoRA on every adapted module" if req is Strategy.AUTO
+                  else "requested")
+
+
+def _some_unservable(req: Strategy, lora: TrainerLora | AdapterFormatError | None,
+                     info: EngineInfo) -> Choice | None:
+    assert lora is not None and not isinstance(lora, AdapterFormatError)
+    modules, why_not = _unservable(lora, info)
+    if req is Strategy.ADAPTER:
+        raise AdapterFormatError(
+            f"the engine serves no LoRA on {len(modules)} adapted module(s), e.g. {modules[0]} ({why_not}); "
+            'use strategy="hybrid" (LoRA where served, merged weights for the rest) or "full"')
+    if len(modules) == len(lora.by_module):
+        if req is Strategy.HYBRID:
+            return Choice(Strategy.HYBRID, f"requested; no adapted module is LoRA-servable ({why_not})",
+                          tuple(modules))
+        return Choice(Strategy.FULL, f"engine serves LoRA on none of the adapted modules ({why_not})")
+    kinds = sorted({"experts" if ".experts" in m else m.rsplit(".", 2)[-2] for m in modules})
+    why = f"engine serves no LoRA on {', '.join(kinds)} ({why_not}): those travel merged"
+    return Choice(Strategy.HYBRID, why if req is Strategy.AUTO else f"requested; {why}", tuple(modules))
+
+
+RULES: Sequence[Rule] = (
+    _full_requested,
+    _no_adapter,
+    _not_servable_as_lora,
+    _engine_without_lora,
+    _rank_too_large,
+    _all_servable,
+    _some_unservable,
+)
+"""In order; the last rule always decides."""
+
+
+def choose(requested: Strategy | str, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice:
+    """The strategy for this sync and why; refuses an explicit request the engine or the model cannot serve."""
+    req = Strategy.parse(requested)
+    for rule in RULES:
+        choice = rule(req, lora, info)
+        if choice is not None:
+            return choice
+    raise AssertionError("the last strategy rule always decides")  # pragma: no cover

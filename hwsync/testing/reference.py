@@ -1,0 +1,423 @@
+"""Engine-own references: what vLLM serves when *vLLM itself* loads the weights a sync delivered.
+
+On a GPU, vLLM and transformers do not compute the same logprobs (fused-MoE Triton matmuls run in TF32; LoRA kernels
+need bf16), so "engine == trainer within 1e-4" cannot hold there even after a perfect sync. What does hold, exactly,
+is the statement hwsync makes: the synced engine serves what the same engine serves when vLLM loads the same weights
+through its own paths. :class:`EngineReference` builds that yardstick for the strategy the engine last synced:
+
+* ``full``: a fresh engine, same engine arguments, started from a checkpoint of the merged view ``W0 + ΔW`` written by
+  transformers' ``save_pretrained``;
+* ``adapter``: a fresh engine on ``W0`` plus the trainer's adapter from PEFT's ``save_pretrained`` as a ``LoRARequest``
+  (on an engine with ``enable_mixed_moe_lora_format=True`` as PEFT wrote it, ``is_3d_lora_weight=True``; on the
+  default 2-D MoE-LoRA engine rewritten per expert exactly as vLLM's own ``_convert_3d_to_2d_moe_lora`` splits it);
+* ``hybrid``: a fresh engine on ``W0`` with the modules the engine serves no LoRA on merged in, plus the adapter of
+  the rest from disk.
+
+The fresh engines live in a separate process (one per :class:`EngineReference`, started on first use): vLLM's
+in-process shutdown tears down process-wide distributed state the synced engine still needs, and a LoRA request vLLM
+refuses inside an in-process engine can leave the engine stuck. The latest engine is kept and reused while its
+checkpoint is unchanged (adapter syncs), so only syncs that change base weights start a new one.
+
+:func:`assert_serves` is what converted tests call: on vLLM's CPU build it is exactly ``hwsync.verify`` (engine vs
+trainer, ``atol``); elsewhere it compares the engine with its reference (``EXACT_ATOL``). Adapters whose scaling
+``alpha/r`` is a power of two compare bit-exactly in bf16 (hwsync folds the scaling into B before casting, vLLM's
+disk loader after); the tests use such adapters.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .engine import on_cpu
+
+__all__ = [
+    "EXACT_ATOL",
+    "EngineReference",
+    "ReferenceMismatch",
+    "assert_serves",
+    "compare_logprobs",
+    "experts",
+    "peft_moe_lora_to_2d",
+    "write_adapter",
+    "write_checkpoint",
+]
+
+EXACT_ATOL = 1e-6
+"""Largest |Δ logprob| accepted between a synced engine and its engine-own reference (measured: 0.0)."""
+
+Logprobs = list[tuple[list[int], list[float]]]
+
+
+class ReferenceMismatch(AssertionError):
+    """The synced engine does not serve what vLLM serves from the same weights (or the reference failed)."""
+
+
+def experts(name: str) -> bool:
+    """Selects MoE expert tensors (trainer or PEFT adapter names)."""
+    return ".mlp.experts" in name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what vLLM loads from disk
+# ---------------------------------------------------------------------------------------------------------------
+def _base_weights(model: Any) -> dict[str, Any]:
+    """Trainer runtime name -> ``W0`` (LoRA factors left out; first of duplicate spellings wins)."""
+    from hwsync.merged import strip_peft_name
+
+    out: dict[str, Any] = {}
+    for name, p in model.named_parameters():
+        if ".lora_" in name or "lora_magnitude_vector" in name:
+            continue
+        out.setdefault(strip_peft_name(name), p.detach())
+    return out
+
+
+def _plain_model(model: Any) -> Any:
+    """An unquantized, weightless (``meta``) instance of the trainer's model class: what writes the checkpoint.
+    (``save_pretrained`` of a quantized or PEFT-wrapped model writes its own state instead of the one given.)"""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = copy.deepcopy(base.config)
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | bool = True,
+                     dtype: Any = None) -> Path:
+    """Save the weights a sync delivers as a transformers checkpoint under ``root``; return its directory.
+
+    ``merged`` selects the tensors taken from the merged view ``W0 + ΔW`` (:func:`hwsync.merged.merged_named_weights`,
+    the values ``full``/``hybrid`` send; dequantized for QLoRA bases); the others are the base ``W0``. ``dtype`` casts
+    floating tensors (e.g. bf16, as the engine will hold them). The directory is named after a digest of the tensors,
+    so an unchanged weight set maps to the same directory (and the same reference engine).
+    """
+    import torch
+
+    from hwsync.merged import merged_named_weights
+
+    pick = (lambda _n: merged) if isinstance(merged, bool) else merged
+    weights = _base_weights(model)
+    for name, t in merged_named_weights(model, include=pick):
+        weights[name] = t
+    if dtype is not None:
+        weights = {n: t.to(dtype) if t.is_floating_point() else t for n, t in weights.items()}
+    digest = hashlib.sha1()
+    for name in sorted(weights):
+        t = weights[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    out = Path(root) / f"ckpt-{digest.hexdigest()[:16]}"
+    if not (out / "config.json").exists():
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".ckpt-"))
+        _plain_model(model).save_pretrained(
+            tmp, state_dict={n: t.detach().to("cpu").contiguous() for n, t in weights.items()})
+        tmp.rename(out)
+    return out
+
+
+def peft_moe_lora_to_2d(tensors: Mapping[str, Any], num_experts: int, gate_up_interleaved: bool = False
+                        ) -> dict[str, Any]:
+    """PEFT's fused 3-D expert LoRA (``experts.base_layer.lora_{A,B}`` = gate_up, ``experts.lora_{A,B}`` = down) as
+    vLLM's 2-D per-expert keys (``experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight``), split exactly as vLLM's
+    ``LoRAModelManager._convert_3d_to_2d_moe_lora`` does: A rows expert-major ``(E, r, in)``, B columns rank-major
+    ``(out, r, E)``, gate/up halves of the gate_up output (interleaved for GPT-OSS). Other tensors pass through."""
+    out: dict[str, Any] = {}
+    pairs: dict[str, dict[str, Any]] = {}
+    for key, t in tensors.items():
+        if ".experts.base_layer.lora_" in key:
+            owner, rest = key.split(".experts.base_layer.", 1)
+            pairs.setdefault(owner, {})["gu_" + rest[len("lora_"):][0]] = t
+        elif ".experts.lora_" in key:
+            owner, rest = key.split(".experts.", 1)
+            pairs.setdefault(owner, {})["d_" + rest[len("lora_"):][0]] = t
+        else:
+            out[key] = t
+    for owner, p in pairs.items():
+        if set(p) != {"gu_A", "gu_B", "d_A", "d_B"}:
+            raise ValueError(f"{owner}.experts: expected gate_up and down LoRA pairs, got {sorted(p)}")
+        e = num_experts
+        gu_a = p["gu_A"].reshape(e, -1, p["gu_A"].shape[-1])
+        gu_b = p["gu_B"].reshape(p["gu_B"].shape[0], -1, e).permute(2, 0, 1)
+        d_a = p["d_A"].reshape(e, -1, p["d_A"].shape[-1])
+        d_b = p["d_B"].reshape(p["d_B"].shape[0], -1, e).permute(2, 0, 1)
+        half = gu_b.shape[1] // 2
+        gate_b, up_b = (gu_b[:, ::2], gu_b[:, 1::2]) if gate_up_interleaved else (gu_b[:, :half], gu_b[:, half:])
+        for i in range(e):
+            pre = f"{owner}.experts.{i}"
+            # own storage each (gate and up share A; safetensors refuses shared storage)
+            out[f"{pre}.gate_proj.lora_A.weight"] = gu_a[i].clone()
+            out[f"{pre}.gate_proj.lora_B.weight"] = gate_b[i].clone()
+            out[f"{pre}.up_proj.lora_A.weight"] = gu_a[i].clone()
+            out[f"{pre}.up_proj.lora_B.weight"] = up_b[i].clone()
+            out[f"{pre}.down_proj.lora_A.weight"] = d_a[i].clone()
+            out[f"{pre}.down_proj.lora_B.weight"] = d_b[i].clone()
+    return out
+
+
+def write_adapter(model: Any, out: Path, *, drop: Callable[[str], bool] | None = None, moe_format: str = "3d",
+                  num_experts: int | None = None) -> Path:
+    """The trainer's active adapter as PEFT's ``save_pretrained`` writes it, into ``out``.
+
+    ``drop(key)`` removes tensors (the modules a hybrid sync merges instead). ``moe_format="2d"`` rewrites fused
+    expert LoRA per expert (:func:`peft_moe_lora_to_2d`) for engines without ``enable_mixed_moe_lora_format``.
+    """
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp = Path(tempfile.mkdtemp(prefix=".adapter-", dir=out.parent))
+    active = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
+    model.save_pretrained(tmp, selected_adapters=[active])
+    src = tmp if (tmp / "adapter_config.json").exists() else tmp / active
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    if drop is not None:
+        tensors = {k: v for k, v in tensors.items() if not drop(k)}
+    if moe_format == "2d" and any(".experts." in k and ".experts.0." not in k for k in tensors):
+        if num_experts is None:
+            num_experts = int(getattr(model.config, "num_experts", 0) or model.config.num_local_experts)
+        tensors = peft_moe_lora_to_2d(tensors, num_experts)
+    out.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    shutil.copy(src / "adapter_config.json", out / "adapter_config.json")
+    shutil.rmtree(tmp)
+    return out
+
+
+def compare_logprobs(got: Logprobs, want: Logprobs, what: str = "engine vs reference") -> float:
+    """Max |Δ logprob| of two engines' answers on the same prompts; raises :class:`ReferenceMismatch` when their
+    greedy tokens differ (both engines run the same greedy decode, so different tokens are a difference of weights)."""
+    worst = 0.0
+    for i, ((ids_g, vals_g), (ids_w, vals_w)) in enumerate(zip(got, want, strict=True)):
+        if ids_g != ids_w:
+            raise ReferenceMismatch(f"{what}: prompt {i} decodes to different tokens: {ids_g} vs {ids_w}")
+        for v_g, v_w in zip(vals_g, vals_w, strict=True):
+            d = abs(v_g - v_w)
+            if not d <= worst:  # also NaN
+                worst = float("nan") if d != d else d
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the reference process
+# ---------------------------------------------------------------------------------------------------------------
+def _serve(conn: Any, threads: int) -> None:
+    """Reference process: build/keep a fresh engine per checkpoint, answer greedy logprob requests."""
+    import torch
+
+    torch.set_num_threads(threads)  # the same as the synced engine's process: CPU results depend on it
+    from hwsync import vllm_plugin
+    from hwsync.testing.engine import close_llm, make_llm
+
+    vllm_plugin.register()  # what VLLM_PLUGINS=hwsync does: e.g. MoE + enable_lora on vLLM's CPU build
+    llm, key = None, None
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        try:
+            want = (msg["checkpoint"], json.dumps(msg["engine"], sort_keys=True, default=str))
+            if key != want:
+                if llm is not None:
+                    close_llm(llm)
+                    llm = None
+                llm, key = make_llm(msg["checkpoint"], **msg["engine"]), want
+            from vllm import SamplingParams
+            from vllm.lora.request import LoRARequest
+
+            request = None
+            if msg.get("adapter"):
+                request = LoRARequest(f"reference-{msg['lora_id']}", msg["lora_id"], msg["adapter"],
+                                      is_3d_lora_weight=bool(msg.get("is_3d")))
+            params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0, logprobs=0, prompt_logprobs=0,
+                                    detokenize=False)
+            outs = llm.generate([{"prompt_token_ids": list(p)} for p in msg["prompts"]], params,
+                                lora_request=request, use_tqdm=False)
+            result = []
+            for o in outs:
+                comp = o.outputs[0]
+                ids = list(o.prompt_token_ids) + list(comp.token_ids)
+                vals = [pos[t].logprob for pos, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+                vals += [pos[t].logprob for pos, t in zip(comp.logprobs, comp.token_ids)]
+                result.append((ids, vals))
+            if request is not None:
+                llm.llm_engine.remove_lora(request.lora_int_id)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001  (reported to the test process, which raises it)
+            conn.send(("error", traceback.format_exc()))
+    if llm is not None:
+        close_llm(llm)
+
+
+class EngineReference:
+    """vLLM's own loading of the weights a sync delivered, in a separate process (see the module docstring).
+
+    ``engine_kwargs`` are the synced engine's :func:`~hwsync.testing.make_llm` arguments (``worker_extension_cls``
+    is dropped: the reference engine is plain vLLM). ``hybrid_merged`` selects the trainer tensors a ``hybrid`` sync
+    merges (default: the experts when the engine serves no expert LoRA, else nothing). ``checkpoint_dtype`` casts the
+    written checkpoints. ``base_checkpoint``: the directory an ``adapter`` reference engine starts from instead of a
+    checkpoint of the trainer's ``W0`` (e.g. the pre-quantized checkpoint a 4-bit engine serves).
+    """
+
+    def __init__(self, workdir: str | os.PathLike[str], *, hybrid_merged: Callable[[str], bool] | None = None,
+                 checkpoint_dtype: Any = None, base_checkpoint: str | os.PathLike[str] | None = None,
+                 timeout_s: float = 600.0, **engine_kwargs: Any) -> None:
+        self.checkpoint_dtype = checkpoint_dtype
+        self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.engine = {k: v for k, v in engine_kwargs.items() if k not in ("worker_extension_cls", "model")}
+        self.engine.setdefault("skip_tokenizer_init", True)
+        self.hybrid_merged = hybrid_merged
+        self.timeout_s = timeout_s
+        self._proc: Any = None
+        self._conn: Any = None
+        self._lora_id = 1000
+        self.engines_started = 0
+
+    # -- what the engine should serve ------------------------------------------------------------------------------
+    @property
+    def moe_format(self) -> str:
+        """``"3d"`` on an engine that takes PEFT's fused expert LoRA (``enable_mixed_moe_lora_format``), else
+        ``"2d"``."""
+        return "3d" if self.engine.get("enable_mixed_moe_lora_format") else "2d"
+
+    def serves_expert_lora(self) -> bool:
+        """Whether the engine serves LoRA on MoE experts (a platform with MoE-LoRA kernels, experts targeted)."""
+        if on_cpu() or not self.engine.get("enable_lora"):
+            return False
+        from hwsync.capabilities import vllm_capabilities
+
+        targets = self.engine.get("lora_target_modules")
+        return bool(vllm_capabilities()["moe_lora"]["supported"]) and (not targets or "experts" in targets)
+
+    def logprobs(self, model: Any, strategy: str, prompts: Sequence[Sequence[int]], max_tokens: int = 4) -> Logprobs:
+        """Greedy logprobs of a fresh engine fed, by vLLM's own loaders, the weights ``strategy`` syncs of ``model``."""
+        if strategy not in ("full", "adapter", "hybrid"):
+            raise ValueError(f"no reference for strategy {strategy!r}")
+        peft = getattr(model, "peft_config", None)
+        dtype = self.checkpoint_dtype
+        if strategy == "full" or not peft:
+            return self._ask(write_checkpoint(model, self.workdir, True, dtype), None, prompts, max_tokens)
+        merged = self.hybrid_merged
+        if merged is None:
+            merged = (lambda _n: False) if self.serves_expert_lora() else experts
+        pick = merged if strategy == "hybrid" else (lambda _n: False)
+        if strategy == "adapter" and self.base_checkpoint is not None:
+            ckpt = self.base_checkpoint
+        else:
+            ckpt = write_checkpoint(model, self.workdir, pick, dtype)
+        adapter = write_adapter(model, self.workdir / "adapter", drop=pick, moe_format=self.moe_format)
+        return self._ask(ckpt, adapter, prompts, max_tokens)
+
+    def check(self, target: Any, model: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 4,
+              atol: float = EXACT_ATOL, strategy: str | None = None) -> float:
+        """Max |Δ logprob| between the synced engine ``target`` and its reference for ``strategy`` (default: the one
+        it last synced); raises :class:`ReferenceMismatch` above ``atol`` or when greedy tokens differ."""
+        from hwsync.api import as_engine
+
+        engine = as_engine(target)
+        strategy = strategy or engine.state().get("strategy") or "full"
+        got = engine.logprobs(prompts, max_tokens)
+        want = self.logprobs(model, strategy, prompts, max_tokens)
+        worst = compare_logprobs(got, want, f"{strategy} sync")
+        if not worst <= atol:
+            raise ReferenceMismatch(f"{strategy} sync: the engine serves max |Δ logprob| = {worst:.3g} away from "
+                                    f"vLLM's own loading of the same weights (atol {atol:g})")
+        return worst
+
+    def diff(self, target: Any, model: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 4,
+             strategy: str | None = None) -> float:
+        """Like :meth:`check` but only measures: ``inf`` when the greedy tokens differ (benchmarks report it)."""
+        try:
+            return self.check(target, model, prompts, max_tokens=max_tokens, atol=float("inf"), strategy=strategy)
+        except ReferenceMismatch:
+            return float("inf")
+
+    # -- the process -----------------------------------------------------------------------------------------------
+    def _ask(self, checkpoint: Path, adapter: Path | None, prompts: Sequence[Sequence[int]],
+             max_tokens: int) -> Logprobs:
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        self._lora_id += 1
+        msg = {"checkpoint": str(checkpoint), "engine": self.engine, "prompts": [list(p) for p in prompts],
+               "max_tokens": max_tokens, "adapter": str(adapter) if adapter else None, "lora_id": self._lora_id,
+               "is_3d": self.moe_format == "3d"}
+        if self._last_checkpoint != str(checkpoint):
+            self.engines_started += 1
+            self._last_checkpoint = str(checkpoint)
+        self._conn.send(msg)
+        if not self._conn.poll(self.timeout_s):
+            self.close()
+            raise ReferenceMismatch(f"the reference engine did not answer within {self.timeout_s:.0f} s (stopped it)")
+        status, payload = self._conn.recv()
+        if status != "ok":
+            self.close()
+            raise ReferenceMismatch(f"the reference engine failed:\n{payload}")
+        return payload
+
+    _last_checkpoint: str | None = None
+
+    def _start(self) -> None:
+        import torch
+
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, torch.get_num_threads()), daemon=True,
+                                 name="hwsync-reference-engine")
+        self._proc.start()
+        child.close()
+        self._last_checkpoint = None
+
+    def close(self) -> None:
+        """Stop the reference process (also done at interpreter exit: it is a daemon)."""
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if proc is None:
+            return
+        try:
+            if proc.is_alive():
+                conn.send(None)
+                proc.join(timeout=60)
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+    def __enter__(self) -> EngineReference:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def assert_serves(target: Any, model: Any, prompts: Sequence[Sequence[int]], *, atol: float = 1e-4,
+                  max_tokens: int = 4, reference: EngineReference | None = None) -> float:
+    """The check converted tests make after a sync; returns the max |Δ logprob| it measured.
+
+    On vLLM's CPU build: ``hwsync.verify(target, model, prompts, atol=atol, max_tokens=max_tokens)``, unchanged (the
+    engine equals the trainer). Elsewhere (GPUs: TF32 fused MoE, bf16 LoRA): ``reference.check`` -- the engine equals
+    vLLM's own loading of the same weights within :data:`EXACT_ATOL`.
+    """
+    if on_cpu():
+        import hwsync
+
+        return hwsync.verify(target, model, prompts, atol=atol, max_tokens=max_tokens)
+    if reference is None:
+        raise ValueError("off vLLM's CPU build an engine cannot match transformers within atol: pass "
+                         "reference=EngineReference(...) (the engine's own loading of the same weights)")
+    return reference.check(target, model, prompts, max_tokens=max_tokens)

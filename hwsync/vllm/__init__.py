@@ -1,0 +1,13 @@
+"""Everything hwsync does inside vLLM (the only hwsync package that imports vLLM).
+
+* :mod:`hwsync.vllm.local`     -- :class:`LocalEngine`, the handle on an in-process ``vllm.LLM`` (colocate)
+* :mod:`hwsync.vllm.worker`    -- the functions that run in each worker (``collective_rpc``)
+* :mod:`hwsync.vllm.extension` -- the same functions by name, as vLLM's ``worker_extension_cls``
+* :mod:`hwsync.vllm.applier`   -- how one worker takes base weights and adapters
+* :mod:`hwsync.vllm.dry_run`   -- manifest validation through the model's own loaders, writing nothing
+"""
+from __future__ import annotations
+
+from hwsync.vllm.extension import HwsyncWorkerExtension
+
+__all__ = ["HwsyncWorkerExtension"]

@@ -1,0 +1,472 @@
+"""How one vLLM worker takes weights: :class:`VllmApplier`, the :class:`~hwsync.receiver.Applier` for vLLM.
+
+Base weights, first sync of a plan: ``model_runner.reload_weights(weights_iterator=..., is_checkpoint_format=True)``
+(vLLM 0.32, ``model_executor/model_loader/reload``). It restores every layer in checkpoint format on ``meta`` with
+its weight loaders, buffers each layer's loads until the layer is complete, re-runs the layer's
+``process_weights_after_loading`` once and copies the result into the *original* kernel storage (identity kept, CUDA
+graphs stay valid). This avoids the two ways a second raw ``load_weights`` breaks an engine: MoE checkpoint layout
+written over kernel layout (vLLM #42821) and, on the CPU build, repacked linears whose ``weight_loader`` is gone. A
+layer that receives only part of its tensors would be processed from empty storage, so incomplete layers are
+refused up front (:mod:`hwsync.vllm.dry_run`). Where vLLM skips a post-load step on reload (the CPU MoE prepack,
+``hwsync.patches.vllm_cpu_moe_prepack``), a probe-gated patch is held for the duration of the reload.
+
+Later syncs of the same plan write in place where that was proven equal to vLLM's own path
+(:mod:`hwsync.vllm.direct`): one copy per tensor into the parameter storage the kernels read.
+
+Adapters: the first install goes through ``LoRAModel.from_lora_tensors`` plus the validations vLLM's disk loader runs
+(``PEFTHelper.validate_legal``, MoE 2-D/3-D format, classification heads), built and validated before the engine's
+adapter set changes, then added under its id and pinned. Later syncs of the same adapter structure write A/B straight
+into the manager's slot tensors (:mod:`hwsync.vllm.lora_slots`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hwsync.errors import AdapterFormatError, ResolutionError, SyncError
+from hwsync.wire import Manifest, TensorSpec, dtype_name
+
+__all__ = ["VllmApplier", "LORA_NAME", "LORA_INT_ID", "vllm_reload"]
+
+logger = logging.getLogger("hwsync.vllm")
+
+LORA_NAME = "hwsync"
+LORA_INT_ID = 0x6873  # "hs": the default adapter id, replaced in place on every sync
+_PREPACK_PATCH = "vllm_cpu_moe_prepack"
+"""The one patch held around each reload instead of process-wide (see ``hwsync.patches`` for patch scopes)."""
+
+
+def model_of(worker: Any) -> torch.nn.Module:
+    return worker.model_runner.get_model()
+
+
+def lora_manager_of(worker: Any) -> Any:
+    wm = getattr(worker.model_runner, "lora_manager", None)
+    return None if wm is None else wm._adapter_manager
+
+
+class _QuietReload(logging.Filter):
+    """vLLM warns once per layer that a partial reload did not touch ("Failed to load weights") and lists every
+    untouched weight; for a partial sync both are the expected outcome, not news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("Failed to load weights" in msg or "were not loaded from checkpoint" in msg)
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload() -> Iterator[None]:
+    loggers = [logging.getLogger(n) for n in (
+        "vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")]
+    flt = _QuietReload()
+    for lg in loggers:
+        lg.addFilter(flt)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(flt)
+
+
+def _patch_scope(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Hold hwsync patch ``name`` for one reload: probe-gated, skipped when ``HWSYNC_DISABLE_PATCHES`` names it."""
+    import importlib
+
+    import hwsync.patches as patches
+
+    importlib.import_module(f"hwsync.patches.{name}")  # registers it (also when the ledger import list lacks it)
+    if name in patches.disabled():
+        return contextlib.nullcontext()
+    return patches.get(name).scoped()
+
+
+def _lora_signature(tensors: Mapping[str, Tensor], config: Mapping[str, Any]) -> str:
+    """Structure of an adapter (names, shapes, dtypes, config): equal signatures differ in values only."""
+    import hashlib
+    import json
+
+    body = json.dumps([[k, list(v.shape), str(v.dtype)] for k, v in tensors.items()], separators=(",", ":"))
+    body += json.dumps(dict(config), sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def _direct_enabled() -> bool:
+    """``HWSYNC_DIRECT=0`` keeps every write on vLLM's reload path (A/B checks, benchmarks' baseline)."""
+    return os.environ.get("HWSYNC_DIRECT", "1") != "0"
+
+
+def _observed(weights: Iterator[tuple[str, Tensor]], calibration: Any) -> Iterator[tuple[str, Tensor]]:
+    for name, t in weights:
+        calibration.observe(name, t)
+        yield name, t
+
+
+def _vllm_spellings(names_plan: Any, weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """Trainer names -> the spellings vLLM's loader takes, lazily: one bucket in flight, never the whole model (the
+    manifest was validated as a whole before the first tensor arrived)."""
+    for name, t in weights:
+        for load_name, fn in names_plan.vllm_checkpoint_names(name):
+            yield load_name, (fn(t) if fn is not None else t)
+
+
+def vllm_reload(runner: Any, weights: Any) -> None:
+    """vLLM's own weight-update path (``reload_weights`` in checkpoint format), with the probe-gated fixes it needs
+    held around it (the CPU MoE prepack): the trusted reference the faster paths are checked against."""
+    with _quiet_partial_reload(), _patch_scope(_PREPACK_PATCH), torch.no_grad():
+        runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+
+
+@dataclass
+class Plan:
+    """What validation found out about one manifest, reused for every sync with the same digest."""
+
+    groups: dict[str, str] = field(default_factory=dict)
+    """Trainer name -> engine layer (module path) its tensor loads into."""
+    names: Any = None
+    """:class:`hwsync.names.Plan`: trainer name -> live parameters, and the spellings vLLM's loader takes."""
+    eligible: dict[str, str] = field(default_factory=dict)
+    """Trainer names whose parameters the kernels read as stored (:func:`hwsync.vllm.direct.eligible_names`)."""
+    ineligible: dict[str, str] = field(default_factory=dict)
+    """Trainer name -> why it always goes through vLLM's reload."""
+    direct: Any = None
+    """:class:`hwsync.vllm.direct.DirectWriter` for the names proven equal to vLLM's own load path (else ``None``)."""
+    calibrated: bool = False
+    syncs: int = 0
+
+
+class VllmApplier:
+    """Loads base weights and adapters into one vLLM worker (see the module docstring)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self._namespace: Any = None
+        self._slot_writers: dict[str, Any] = {}  # adapter structure -> SlotWriter (None: vLLM's path only)
+        self.last_lora_path = ""
+
+    # -- facts ----------------------------------------------------------------------------------------------------
+    @property
+    def vllm_config(self) -> Any:
+        return self.worker.model_runner.vllm_config
+
+    def describe(self, lora_paths: Sequence[str]) -> dict[str, Any]:
+        import vllm
+
+        from hwsync.capabilities import vllm_capabilities
+
+        cfg = self.vllm_config
+        caps = vllm_capabilities()
+        mc = cfg.model_config
+        info: dict[str, Any] = {
+            "engine": f"vllm {vllm.__version__} ({caps.get('platform')})",
+            "dtype": dtype_name(mc.dtype),
+            "device_type": str(caps.get("device_type") or "cpu"),
+            "lora_enabled": cfg.lora_config is not None,
+            "moe_lora": bool(caps["moe_lora"]["supported"]),
+            "moe_lora_reason": str(caps["moe_lora"]["reason"]),
+            "workers": int(cfg.parallel_config.world_size),
+            "quantization": mc.quantization,
+        }
+        manager = lora_manager_of(self.worker)
+        if cfg.lora_config is None or manager is None:
+            info["lora_reason"] = "the engine was started without enable_lora"
+            return info
+        lc = cfg.lora_config
+        lora_dtype = lc.lora_dtype if isinstance(lc.lora_dtype, torch.dtype) else mc.dtype
+        packed = {k: list(v) for k, v in manager.packed_modules_mapping.items() if k != "experts"}
+        info.update(
+            lora_dtype=dtype_name(lora_dtype),
+            max_lora_rank=int(lc.max_lora_rank),
+            moe_format="3d" if getattr(manager, "_is_3d_moe_model", False) else "2d",
+            packed_modules_mapping=packed,
+            lora_modules=sorted(manager.modules),
+            unservable={p: why for p in lora_paths if (why := self._unservable(manager, p)) is not None},
+        )
+        return info
+
+    def lora_module(self, manager: Any, path: str) -> tuple[str, Any]:
+        """(module name vLLM files the LoRA under, the wrapper module serving it or None)."""
+        from vllm.lora.utils import parse_fine_tuned_lora_name
+
+        mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+        mapper = mapper.get_rename_mapper() if mapper is not None else None
+        name, _ = parse_fine_tuned_lora_name(f"{path}.lora_A.weight", mapper)
+        name = name.removesuffix(".base_layer")
+        if name in manager.modules:
+            return name, manager.modules[name]
+        for packed, parts in manager.packed_modules_mapping.items():
+            for part in parts:
+                if name.endswith("." + part):
+                    owner = name[: -len(part)] + packed
+                    if owner in manager.modules:
+                        return name, manager.modules[owner]
+        m = re.match(r"^(.*\.experts)\.\d+\.[^.]+$", name)
+        if m and m.group(1) in manager.modules:
+            return name, manager.modules[m.group(1)]
+        return name, None
+
+    def _unservable(self, manager: Any, path: str) -> str | None:
+        """Why vLLM cannot serve LoRA on ``path`` (phrased per module kind, not per instance), or ``None``."""
+        from hwsync.capabilities import vllm_capabilities
+
+        name, module = self.lora_module(manager, path)
+        moe = vllm_capabilities()["moe_lora"]
+        is_experts = re.search(r"\.experts(\.|$)", name) is not None
+        if module is None:
+            if is_experts and not moe["supported"]:
+                return f"no MoE-LoRA kernels on this platform: {moe['reason']}"
+            leaf = re.sub(r"\.\d+\.", ".N.", name).split(".")[-1]
+            targets = self.vllm_config.lora_config.target_modules
+            hint = f"engine lora_target_modules={targets}" if targets else "not a LoRA-capable layer in vLLM"
+            return f"vLLM wraps no LoRA layer for {leaf} ({hint})"
+        if "MoE" in type(module).__name__ and not moe["supported"]:
+            return f"no MoE-LoRA kernels on this platform: {moe['reason']}"
+        return None
+
+    # -- validation -----------------------------------------------------------------------------------------------
+    def validate(self, manifest: Manifest) -> Plan:
+        plan = Plan()
+        if manifest.base_specs:
+            plan = self._resolve_base(manifest.base_specs, require_complete=True,
+                                      cast=manifest.dtype_policy == "cast")
+        if manifest.lora_specs:
+            self._validate_lora(manifest)
+        return plan
+
+    def _names_plan(self, specs: Sequence[TensorSpec], cast: bool) -> Any:
+        """Resolve trainer names onto the live model with :mod:`hwsync.names` (all problems in one error)."""
+        from hwsync.names import namespace_from_vllm_model, resolve
+
+        if self._namespace is None:
+            self._namespace = namespace_from_vllm_model(model_of(self.worker))
+        return resolve({sp.name: (sp.shape, sp.dtype) for sp in specs}, self._namespace, cast=cast)
+
+    def _resolve_base(self, specs: Sequence[TensorSpec], *, require_complete: bool, cast: bool = True) -> Plan:
+        from hwsync.vllm.dry_run import dry_run_load
+
+        names_plan = self._names_plan(specs, cast)
+        groups, partial = dry_run_load(model_of(self.worker), specs, names_plan)
+        if require_complete and partial:
+            layer, (got, total, names) = next(iter(partial.items()))
+            raise ResolutionError(
+                f"{len(partial)} engine layer(s) would be only partly rewritten, e.g. {layer}: {got} of {total} "
+                f"elements from {sorted(names)[:4]}. vLLM re-processes a layer from its complete set of weights, so "
+                "a sync must carry all tensors of every layer it touches (all of q/k/v, all experts of a MoE block)"
+            )
+        plan = Plan(groups, names_plan)
+        if require_complete and _direct_enabled():
+            from hwsync.vllm.direct import eligible_names
+
+            plan.eligible, plan.ineligible = eligible_names(model_of(self.worker), names_plan)
+        return plan
+
+    def _peft_helper(self, config: Mapping[str, Any]) -> Any:
+        from vllm.lora.peft_helper import PEFTHelper
+
+        wm = self.worker.model_runner.lora_manager
+        cfg = dict(config)
+        cfg["vllm_max_position_embeddings"] = wm.max_position_embeddings
+        try:
+            helper = PEFTHelper.from_dict(cfg)
+            helper.validate_legal(wm.lora_config)
+        except (ValueError, TypeError) as e:
+            raise AdapterFormatError(f"vLLM refuses this adapter: {e}. Use strategy=\"full\" (merged weights)") from e
+        return helper
+
+    def to_vllm_format(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> tuple[dict[str, Tensor],
+                                                                                               dict[str, Any]]:
+        """The trainer's LoRA modules (:func:`hwsync.lora_formats.to_wire`) in the format this engine serves: vLLM's
+        keys, per-expert (2-D MoE LoRA) or stacked (3-D), packed modules split -- views where the layout allows."""
+        from hwsync.lora_formats import from_wire, to_vllm_lora
+
+        manager = lora_manager_of(self.worker)
+        packed = {k: list(v) for k, v in manager.packed_modules_mapping.items() if k != "experts"}
+        return to_vllm_lora(from_wire(tensors, meta), moe_format="3d" if getattr(manager, "_is_3d_moe_model", False)
+                            else "2d", packed_modules_mapping=packed or None, copy=False)
+
+    def _validate_lora(self, manifest: Manifest) -> None:
+        manager = lora_manager_of(self.worker)
+        if manager is None:
+            raise AdapterFormatError('the engine was started without enable_lora: use strategy="full" or restart '
+                                     "vLLM with enable_lora=True")
+        meta = {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in manifest.lora_specs}
+        vllm_tensors, config = self.to_vllm_format(meta, manifest.lora_config or {})
+        self._peft_helper(config)
+        from hwsync.payload import lora_paths
+
+        bad = {p: why for p in lora_paths(vllm_tensors) if (why := self._unservable(manager, p)) is not None}
+        if bad:
+            p, why = next(iter(bad.items()))
+            raise AdapterFormatError(f"the engine cannot serve LoRA on {len(bad)} module(s), e.g. {p}: {why}. "
+                                     'Use strategy="hybrid" (merged weights there) or "full"')
+        if manifest.lora_base_names:
+            specs = [TensorSpec(n, tuple(shape), torch.float32) for n, shape in manifest.lora_base_names.items()]
+            self._resolve_base(specs, require_complete=False)  # names and shapes of what the LoRA adapts
+
+    # -- base weights ---------------------------------------------------------------------------------------------
+    def load_base(self, plan: Plan, weights: Iterator[tuple[str, Tensor]]) -> str:
+        """Proven names in place, the rest through vLLM's reload; the first sync of a plan calibrates. Returns how
+        the tensors were written (for the sync report)."""
+        from hwsync.vllm.direct import Calibration, DirectWriter
+
+        calibration = None
+        direct = plan.direct
+        if direct is not None:
+            weights = direct.split(weights)
+        elif plan.eligible and not plan.calibrated:
+            calibration = Calibration(plan.names, plan.eligible, self._live(plan))
+            weights = _observed(weights, calibration)
+        try:
+            if direct is not None and direct.names.issuperset(plan.groups):
+                for name, _t in weights:  # everything is written in place: vLLM's reload is not needed at all
+                    raise SyncError(f"internal: {name} was not written in place")
+            else:
+                self._reload(plan, weights)
+        except BaseException:
+            self._recover()
+            raise
+        plan.syncs += 1
+        in_place = len(direct.names) if direct is not None else 0
+        path = f"base: {in_place} in place, {len(plan.groups) - in_place} through vLLM's reload"
+        if calibration is not None:
+            plan.calibrated = True
+            proven = calibration.proven()
+            if proven:
+                plan.direct = DirectWriter(plan.names, frozenset(proven), self._live(plan))
+            unproven = sorted(set(plan.eligible) - proven)
+            reasons = sorted(set(plan.ineligible.values()))
+            path += (f"; {len(proven)} proven writable in place for later syncs"
+                     + (f" ({len(unproven)} eligible but not proven, e.g. {unproven[0]})" if unproven else "")
+                     + (f"; reloaded because {reasons[0]}" + (f" (+{len(reasons) - 1} reasons)" if len(reasons) > 1
+                                                              else "") if reasons else ""))
+            logger.info("hwsync: %s", path)
+        return path
+
+    def _live(self, plan: Plan) -> dict[str, Tensor]:
+        ns = plan.names.namespace
+        return {ns.params[c].name: t for c, t in ns.live.items()}
+
+    def _reload(self, plan: Plan, weights: Iterator[tuple[str, Tensor]]) -> None:
+        if plan.names is not None:
+            weights = _vllm_spellings(plan.names, weights)
+        vllm_reload(self.worker.model_runner, weights)
+
+    def _recover(self) -> None:
+        """A reload that raised mid-way leaves layers on ``meta``: put kernel tensors back (vLLM's own
+        finalization), so the engine stays structurally usable while marked stale."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        try:
+            with _quiet_partial_reload(), torch.no_grad():
+                finalize_layerwise_reload(model_of(self.worker), self.vllm_config.model_config)
+        except Exception as e:  # noqa: BLE001 - the original error is what the caller must see
+            logger.warning("hwsync: restoring the engine's layers after a failed reload failed too: %s: %s",
+                           type(e).__name__, e)
+        try:
+            self.worker.model_runner.reset_lora_state()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("hwsync: resetting LoRA state after a failed reload failed: %s: %s", type(e).__name__, e)
+
+    # -- adapters -------------------------------------------------------------------------------------------------
+    def load_lora(self, plan: Plan, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None = None,
+                  lora_int_id: int | None = None, replaces: int | None = None) -> tuple[str, int]:
+        """The same adapter structure again: rewrite it in place (:mod:`hwsync.vllm.lora_slots`); anything else:
+        build and validate a new adapter aside, then swap it in under its id. ``tensors``/``config`` are the
+        trainer's modules (:func:`hwsync.lora_formats.to_wire`)."""
+        name = LORA_NAME if name is None else name
+        lid = LORA_INT_ID if lora_int_id is None else int(lora_int_id)
+        manager = lora_manager_of(self.worker)
+        signature = _lora_signature(tensors, config)
+        writer = self._slot_writers.get(signature)
+        if writer is not None and replaces == lid and lid in manager.lora_index_to_id:
+            installed = manager.get_adapter(lid)
+            if installed is not None and getattr(installed, "_hwsync_signature", None) == signature:
+                writer.write(manager, installed, tensors)
+                self.last_lora_path = "adapter: rewritten in place"
+                return name, lid
+        try:
+            if lid <= 0:
+                raise AdapterFormatError(f"LoRA int id must be positive (vLLM reserves 0 for no adapter), got {lid}")
+            build = self._adapter_builder(config, lid)
+            lora = build({k: v.detach().clone() for k, v in tensors.items()})
+            try:
+                manager._validate_moe_lora_format(lora)
+                manager._validate_modules_to_save(lora)
+                manager._validate_token_classification_lora(lora)
+            except ValueError as e:
+                raise AdapterFormatError(f"vLLM refuses this adapter: {e}") from e
+        except BaseException as e:
+            e.adapter_touched = False  # type: ignore[attr-defined]  # built and validated aside: nothing changed
+            raise
+        # validated: replace under one id (load_inplace semantics), dropping a previous identity first so an LRU
+        # cache of capacity max_cpu_loras never has to evict a pinned adapter
+        if replaces is not None and replaces != lid:
+            manager.remove_adapter(replaces)
+        manager.remove_adapter(lid)
+        manager.add_adapter(lora)
+        with contextlib.suppress(NotImplementedError, AttributeError):
+            manager.pin_adapter(lid)
+        lora._hwsync_signature = signature
+        if signature not in self._slot_writers and _direct_enabled():
+            self._slot_writers[signature] = self._trace_slots(manager, build, tensors, lora)
+        self.last_lora_path = "adapter: built by vLLM" + (
+            "; later syncs rewrite it in place" if self._slot_writers.get(signature) is not None else "")
+        return name, lid
+
+    def _adapter_builder(self, meta: Mapping[str, Any], lid: int) -> Any:
+        """``trainer-format tensors -> LoRAModel``: converted to this engine's LoRA format, then built exactly as
+        vLLM's disk loader would build it, on the engine's device."""
+        from vllm.lora.lora_model import LoRAModel
+
+        wm = self.worker.model_runner.lora_manager
+        model = wm._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        device = getattr(self.worker.model_runner, "device", "cpu")
+
+        def build(tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> Any:
+            vllm_tensors, vllm_config = self.to_vllm_format(tensors, meta)
+            lora = LoRAModel.from_lora_tensors(
+                lora_model_id=lid,
+                tensors=vllm_tensors,
+                peft_helper=self._peft_helper(vllm_config),
+                device="cpu" if dtype is torch.float64 else str(device),
+                dtype=dtype or wm.lora_config.lora_dtype,
+                model_vocab_size=wm.vocab_size,
+                weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+                skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+            )
+            lora.is_3d_lora_weight = False
+            return lora
+
+        return build
+
+    def _trace_slots(self, manager: Any, build: Any, tensors: Mapping[str, Tensor], installed: Any) -> Any:
+        from hwsync.vllm.lora_slots import SlotWriter
+
+        keys = list(tensors)
+        writer = SlotWriter.trace(manager, build, keys, [tuple(tensors[k].shape) for k in keys],
+                                  getattr(self.worker.model_runner, "device", torch.device("cpu")))
+        if isinstance(writer, str):
+            logger.info("hwsync: adapter updates go through vLLM's adapter construction: %s", writer)
+            return None
+        if not writer.matches(installed, tensors):
+            logger.warning("hwsync: the traced adapter layout does not reproduce vLLM's; adapter updates stay on "
+                           "vLLM's construction path")
+            return None
+        return writer
+
+    def drop_lora(self, lora_int_id: int) -> None:
+        manager = lora_manager_of(self.worker)
+        if manager is not None:
+            manager.remove_adapter(lora_int_id)
+
+    def has_lora(self, lora_int_id: int) -> bool:
+        manager = lora_manager_of(self.worker)
+        return manager is not None and lora_int_id in set(manager.list_adapters())

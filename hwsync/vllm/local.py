@@ -1,0 +1,102 @@
+"""The :class:`~hwsync.engine.Engine` handle on a ``vllm.LLM`` whose driver runs in this process.
+
+Colocate: the engine's worker runs in this process too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or ms-swift's
+external-launcher engines: one worker per trainer rank), so buckets are Python lists of the trainer's own tensors
+handed over by reference: no serialization and no copy beyond the one into the engine's storage.
+
+Server mode (:mod:`hwsync.server`): the same handle drives every worker of the engine, in-process or not (tensor
+parallel), through ``collective_rpc``; their buckets arrive over the data plane.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from hwsync.capabilities import check_vllm_supported
+from hwsync.engine import Engine, ProgressFn
+from hwsync.errors import SyncError
+from hwsync.transport.base import LinkSpec
+from hwsync.transport.buckets import bucket_lists
+from hwsync.vllm import worker
+from hwsync.wire import EngineInfo, Manifest
+
+__all__ = ["LocalEngine"]
+
+
+class LocalEngine(Engine):
+    """A ``vllm.LLM`` (or anything with its ``llm_engine`` / ``collective_rpc`` surface) driven from here."""
+
+    mode = "colocate"
+
+    def __init__(self, llm: Any) -> None:
+        super().__init__()
+        self.llm = llm
+        if getattr(llm, "llm_engine", None) is None:
+            raise SyncError(f"{type(llm).__name__} is not an in-process vLLM engine (no llm_engine)")
+        check_vllm_supported()  # one clear error before anything touches vLLM internals
+
+    @property
+    def in_process(self) -> bool:
+        """Whether this process holds the (single) worker, so buckets can be handed over by reference."""
+        executor = getattr(self.llm.llm_engine, "model_executor", None)
+        return executor is not None and hasattr(executor, "driver_worker")
+
+    def rpc_all(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` on every worker (functions of :mod:`hwsync.vllm.worker`), results in rank order."""
+        return list(self.llm.collective_rpc(fn, args=args))
+
+    def rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.rpc_all(fn, *args)[0]
+
+    def describe(self, lora_paths: Sequence[str] = ()) -> EngineInfo:
+        return EngineInfo.from_dict(self.rpc(worker.describe, list(lora_paths)))
+
+    def state(self) -> dict[str, Any]:
+        return self.rpc(worker.state)
+
+    def prepare(self, manifest: Manifest) -> None:
+        """Validate ``manifest`` on every worker (nothing is written)."""
+        self.rpc_all(worker.prepare, manifest.to_json())
+
+    def receive_remote(self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes,
+                       abort_key: str) -> dict[str, Any]:
+        """Every worker joins the data plane ``spec`` and receives the buckets the trainer broadcasts."""
+        results = self.rpc_all(worker.receive_remote, manifest.to_json(), spec.__dict__, first_rank, secret,
+                               abort_key)
+        return results[0]
+
+    def reset_cache(self) -> None:
+        """KV computed with old weights (or an adapter id whose weights changed) must not be reused."""
+        self.llm.reset_prefix_cache()
+
+    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
+             progress: ProgressFn | None) -> dict[str, Any]:
+        if not self.in_process:
+            raise SyncError(
+                "colocated sync needs the engine's worker in this process: create the LLM with "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=0 (one worker per process; ms-swift's colocate TP engines qualify), "
+                "or serve the engine (hwsync.serve on its side, hwsync.connect(address, token) in the trainer)")
+        with self.lock:
+            try:
+                return self.rpc(worker.receive, manifest, bucket_lists(manifest, produce, progress))
+            finally:
+                self.reset_cache()
+
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        with self.lock:
+            self.check_servable()
+            kwargs.setdefault("lora_request", self.lora_request)
+            kwargs.setdefault("use_tqdm", False)
+            return self.llm.generate(prompts, sampling_params, **kwargs)
+
+    def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        from vllm import SamplingParams
+
+        from hwsync.vllm.outputs import engine_logprobs
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, prompt_logprobs=0,
+                                detokenize=False)
+        outs = self.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
+        return [engine_logprobs(out) for out in outs]

@@ -1,0 +1,128 @@
+"""What runs inside each vLLM worker: the functions :func:`hwsync.sync` calls through ``collective_rpc``.
+
+They take the worker as their first argument, so an engine can call them as plain callables
+(``llm.collective_rpc(fn, args=...)``, no setup needed) or, through :class:`hwsync.vllm.HwsyncWorkerExtension`
+(``worker_extension_cls``), by name — e.g. from another process over vLLM's own RPC. Either way the state lives on
+the worker itself (one :class:`~hwsync.receiver.Receiver` per worker).
+"""
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hwsync.receiver import Receiver
+from hwsync.wire import Manifest
+
+__all__ = ["check_servable", "describe", "prepare", "rank", "receive", "receive_remote", "receiver_of", "state"]
+
+
+def _worker(obj: Any) -> Any:
+    """The worker itself, also when vLLM hands its ``WorkerWrapperBase`` (in-process callables)."""
+    inner = obj.__dict__.get("worker") if hasattr(obj, "__dict__") else None
+    return inner if inner is not None else obj
+
+
+def receiver_of(worker: Any) -> Receiver:
+    from hwsync.vllm.applier import VllmApplier
+
+    w = _worker(worker)
+    rec = w.__dict__.get("_hwsync_receiver")
+    if rec is None:
+        rec = Receiver(VllmApplier(w))
+        w.__dict__["_hwsync_receiver"] = rec
+    return rec
+
+
+def _manifest(m: Manifest | str | bytes) -> Manifest:
+    return m if isinstance(m, Manifest) else Manifest.from_json(m)
+
+
+def rank(worker: Any) -> int:
+    return int(getattr(_worker(worker), "rank", 0) or 0)
+
+
+def describe(worker: Any, lora_paths: Sequence[str] = ()) -> dict[str, Any]:
+    """Engine facts for ``strategy="auto"`` plus receiver state; ``unservable`` covers ``lora_paths``."""
+    return receiver_of(worker).describe(lora_paths)
+
+
+def state(worker: Any) -> dict[str, Any]:
+    return receiver_of(worker).refresh().to_dict()
+
+
+def check_servable(worker: Any) -> None:
+    receiver_of(worker).check_servable()
+
+
+def prepare(worker: Any, manifest: Manifest | str) -> dict[str, Any]:
+    """Validate a manifest completely (nothing is written; the plan is kept for the receive that follows)."""
+    m = _manifest(manifest)
+    receiver_of(worker).prepare(m)
+    return {"ok": True, "version": m.version}
+
+
+def receive(worker: Any, manifest: Manifest | str, buckets: Iterable[Sequence[Tensor]]) -> dict[str, Any]:
+    """Colocate: ``buckets`` is an in-process iterable of tensor lists (one per manifest bucket)."""
+    return receiver_of(worker).receive(_manifest(manifest), buckets)
+
+
+def _device(worker: Any) -> torch.device:
+    w = _worker(worker)
+    dev = getattr(w, "device", None) or getattr(getattr(w, "model_runner", None), "device", None)
+    return torch.device(dev) if dev is not None else torch.device("cpu")
+
+
+def _link(worker: Any, spec: Mapping[str, Any], link_rank: int) -> Any:
+    """The worker's end of a data-plane group (kept while its prefix is the same; one live group per worker)."""
+    from hwsync.transport.base import LinkSpec, open_link
+
+    w = _worker(worker)
+    held = w.__dict__.get("_hwsync_link")
+    if held is not None and held[0] == spec["prefix"]:
+        return held[1], held[2]
+    if held is not None:
+        held[1].close()
+        w.__dict__.pop("_hwsync_link", None)
+    ls = LinkSpec(**spec)
+    import torch.distributed as dist
+
+    store = dist.TCPStore(ls.host, ls.port, is_master=False, timeout=datetime.timedelta(seconds=ls.timeout_s))
+    link = open_link(store, ls, link_rank, _device(worker))
+    w.__dict__["_hwsync_link"] = (ls.prefix, link, store)
+    return link, store
+
+
+def close_link(worker: Any) -> None:
+    held = _worker(worker).__dict__.pop("_hwsync_link", None)
+    if held is not None:
+        held[1].close()
+
+
+def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any], first_rank: int,
+                   secret: bytes, abort_key: str) -> dict[str, Any]:
+    """Server mode: join the trainer's data-plane group (rank ``first_rank`` + this worker's rank) and receive the
+    buckets it broadcasts, each authenticated with ``secret`` before it reaches a loader."""
+    from hwsync.transport.buckets import pool_of, receive_buckets
+    from hwsync.transport.seal import Sealer
+
+    m = _manifest(manifest)
+    link, store = _link(worker, spec, first_rank + rank(worker))
+
+    def abort_reason() -> str:
+        try:
+            if store.check([abort_key]):
+                return store.get(abort_key).decode(errors="replace")[:2000]
+        except Exception:  # noqa: BLE001 - the reason is a courtesy; the abort itself is what counts
+            return ""
+        return ""
+
+    buckets = receive_buckets(m, link, pool_of(_worker(worker).__dict__, link.device), Sealer(secret), abort_reason)
+    try:
+        return receiver_of(worker).receive(m, buckets)
+    except BaseException:
+        close_link(worker)  # the group may be mid-collective or out of step: the next sync forms a fresh one
+        raise

@@ -1,0 +1,161 @@
+"""QLoRA: a bitsandbytes 4-bit (nf4) base with LoRA, synced into vLLM exactly.
+
+* The merged view of a QLoRA model is the dequantized base plus the LoRA delta -- for every 4-bit layer, adapted or
+  not -- computed the way bitsandbytes and PEFT compute them (no engine).
+* ``full``: that merged view into an unquantized engine (bf16 on GPUs, as served; fp32 on vLLM's CPU build) equals a
+  fresh engine started from a checkpoint of the same merged view ("the same weights": dequant(W0) + ΔW, saved in the
+  engine's dtype), every sync.
+* ``adapter`` (GPU): into an engine serving the same 4-bit base (``quantization="bitsandbytes"`` on the pre-quantized
+  checkpoint transformers wrote), equal to that engine with PEFT's saved adapter as a ``LoRARequest``.
+
+Needs bitsandbytes (the GPU kit carries it; CI's CPU job does not install it, so these tests skip there). The 4-bit
+trainer runs on the GPU where there is one, else on bitsandbytes' CPU backend.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hwsync
+from hwsync.testing import EXACT_ATOL, EngineReference, close_llm, make_llm, on_cpu, require_vllm
+from hwsync.testing.reference import compare_logprobs
+
+try:
+    import bitsandbytes as bnb
+except Exception as e:  # noqa: BLE001  (missing, or a build without a library for this machine)
+    bnb, _BNB_ERROR = None, f"{type(e).__name__}: {e}"
+pytestmark = pytest.mark.skipif(bnb is None, reason="QLoRA tests need bitsandbytes (pip install bitsandbytes): "
+                                f"{_BNB_ERROR if bnb is None else ''}")
+
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99], [11, 400, 23]]
+SYNCS = 4
+# LoRA on q/v only: k_proj and o_proj stay 4-bit without an adapter, and must still arrive dequantized
+ATTN = ["q_proj", "v_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _quantized(path: Path) -> Any:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    compute = torch.bfloat16 if _device() == "cuda" else torch.float32
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map={"": _device()},
+                                                dtype=torch.float32)
+
+
+def _qlora(model: Any, targets: list[str], parameters: list[str] | None) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    # alpha/r = 2 (a power of two: scaling rounds alike on both loading paths in bf16)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                            target_parameters=parameters)).eval()
+
+
+def _perturb(model: Any, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_((torch.randn(p.shape, generator=gen) * 0.05).to(p.device, p.dtype))
+
+
+def test_merged_view_is_bnb_dequant_plus_peft_delta(tiny_qwen3_moe_dir: Path) -> None:
+    from bitsandbytes.functional import dequantize_4bit
+
+    from hwsync.merged import merged_named_weights
+
+    model = _qlora(_quantized(tiny_qwen3_moe_dir), ATTN, EXPERTS)
+    _perturb(model, torch.Generator().manual_seed(0))
+    merged = dict(merged_named_weights(model))
+    checked = {"adapted": 0, "plain": 0}
+    for name, module in model.named_modules():
+        if not isinstance(module, bnb.nn.Linear4bit):  # the 4-bit layers themselves, not PEFT's wrappers of them
+            continue
+        clean = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        w = module.weight
+        want = dequantize_4bit(w.data, w.quant_state).float()
+        owner = model.get_submodule(name.rpartition(".")[0] if name.endswith(".base_layer") else name)
+        if owner is not module:  # a LoRA layer wraps it: + scaling * B @ A, as PEFT's get_delta_weight
+            want = want + owner.get_delta_weight("default").float()
+            checked["adapted"] += 1
+        else:
+            checked["plain"] += 1
+        torch.testing.assert_close(merged[f"{clean}.weight"].float(), want, rtol=1e-6, atol=1e-6, msg=clean)
+    assert checked["adapted"] > 0 and checked["plain"] > 0, checked  # both kinds exist in this model
+    assert all(t.is_floating_point() for t in merged.values()), "a packed 4-bit tensor left the merged view"
+
+
+@pytest.fixture(scope="module")
+def full_engine(tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[tuple[Any, EngineReference]]:
+    require_vllm()
+    dtype = "bfloat16" if not on_cpu() else "float32"  # QLoRA users serve bf16; vLLM's CPU build tests run fp32
+    llm = make_llm(tiny_qwen3_moe_dir, dtype=dtype, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension")
+    reference = EngineReference(tmp_path_factory.mktemp("qlora-full"), dtype=dtype,
+                                checkpoint_dtype=getattr(torch, dtype))
+    try:
+        yield llm, reference
+    finally:
+        reference.close()
+        close_llm(llm)
+
+
+@pytest.mark.vllm
+def test_full_sync_of_a_4bit_base_is_exact(full_engine: tuple[Any, EngineReference], tiny_qwen3_moe_dir: Path) -> None:
+    from hwsync.api import as_engine
+
+    llm, reference = full_engine
+    model = _qlora(_quantized(tiny_qwen3_moe_dir), ATTN, EXPERTS)
+    gen = torch.Generator().manual_seed(1)
+    worst, previous, moved = 0.0, None, 0.0
+    for step in range(SYNCS):
+        _perturb(model, gen)
+        r = hwsync.sync(llm, model, strategy="full")
+        assert r.strategy == "full" and r.lora_tensors == 0
+        got = as_engine(llm).logprobs(PROMPTS, 4)
+        diff = compare_logprobs(got, reference.logprobs(model, "full", PROMPTS, 4), f"QLoRA full sync {step + 1}")
+        assert diff <= EXACT_ATOL, diff
+        worst = max(worst, diff)
+        if previous is not None:
+            moved = max(moved, max(abs(a - b) for (_, x), (_, y), p in zip(got, previous, PROMPTS)
+                                   for a, b in zip(x[:len(p) - 1], y[:len(p) - 1])))
+        previous = got
+    assert moved > 1e-3, "the adapter changed every sync but the served logprobs did not"
+    print(f"QLoRA full: {SYNCS} syncs, max |Δ logprob| vs vLLM's own loading of the merged view = {worst:.1e}")
+
+
+@pytest.mark.vllm
+@pytest.mark.cuda
+def test_adapter_sync_onto_a_4bit_engine_is_exact(tiny_qwen3_moe_dir: Path, tmp_path: Path) -> None:
+    require_vllm()
+    from hwsync.api import as_engine
+
+    base = _quantized(tiny_qwen3_moe_dir)
+    q4 = tmp_path / "q4"
+    base.save_pretrained(q4)  # the pre-quantized checkpoint vLLM serves: the trainer's very 4-bit base
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tiny_qwen3_moe_dir / f).exists() and not (q4 / f).exists():
+            (q4 / f).write_bytes((tiny_qwen3_moe_dir / f).read_bytes())
+    engine = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "quantization": "bitsandbytes"}
+    model = _qlora(base, ["q_proj", "k_proj", "v_proj", "o_proj"], None)
+    llm = make_llm(q4, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **engine)
+    try:
+        with EngineReference(tmp_path / "reference", base_checkpoint=q4, **engine) as reference:
+            gen = torch.Generator().manual_seed(2)
+            for step in range(SYNCS):
+                _perturb(model, gen)
+                r = hwsync.sync(llm, model, strategy="adapter")
+                assert r.strategy == "adapter"
+                got = as_engine(llm).logprobs(PROMPTS, 4)
+                diff = compare_logprobs(got, reference.logprobs(model, "adapter", PROMPTS, 4),
+                                        f"QLoRA adapter sync {step + 1}")
+                assert diff <= EXACT_ATOL, diff
+    finally:
+        close_llm(llm)
