@@ -191,7 +191,7 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
     rows: list[dict[str, Any]] = []
     served: dict[str, Any] = {}
-    for strategy in args.strategies:
+    for k, strategy in enumerate(args.strategies):
         model = _trainer(path, strategy, args.rank, dtype)
         seconds, report = _timed_syncs(llm, model, strategy, args.warmup, args.syncs)
         if args.profile:
@@ -203,7 +203,8 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         _sync_device()
         t0 = time.perf_counter()
         if report.lora_tensors:
-            ref = hwsync.sync(llm, model, strategy=strategy, lora_int_id=4242)  # a new id: vLLM's construction
+            # an id no adapter had yet: vLLM's construction (LoRAModel + add_adapter), not hwsync's in-place rewrite
+            ref = hwsync.sync(llm, model, strategy=strategy, lora_int_id=4242 + k)
             lora_request = ref.lora_request
         else:
             vllm_reload(runner, list(merged_named_weights(model)))
@@ -211,13 +212,18 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
             lora_request = None
         _sync_device()
         vllm_seconds = time.perf_counter() - t0
-        exact = _delta(ours, _logprobs(llm, lora_request))
+        theirs = _logprobs(llm, lora_request)
+        exact = _delta(ours, theirs)
+        # vLLM's dense-LoRA shrink kernel splits K 64 ways with fp32 atomic adds (vllm/lora/ops/triton_ops/utils.py,
+        # unless VLLM_BATCH_INVARIANT=1): at real hidden sizes the same engine state may not reproduce its own
+        # logprobs bit for bit, so the repeat spread of vLLM's own path is measured and reported beside the gap
+        repeat = max(_delta(theirs, _logprobs(llm, lora_request)) for _ in range(2))
         copy = _copy_seconds(report.bytes)
         print(f"{strategy}: {report.line()}")
         rows.append({"strategy": strategy, "tensors": report.tensors, "MB": report.bytes / 1e6,
                      "seconds": seconds, "GB/s": report.bytes / 1e9 / seconds, "copy_s": copy,
                      "x_copy": seconds / copy, "vllm_path_s": vllm_seconds, "speedup_vs_vllm": vllm_seconds / seconds,
-                     "Δ_vs_vllm_path": exact, "Δ_vs_trainer": trainer_gap})
+                     "Δ_vs_vllm_path": exact, "Δ_repeat_vllm": repeat, "Δ_vs_trainer": trainer_gap})
         hwsync.sync(llm, model, strategy=strategy)  # leave the engine on hwsync's own state for the next strategy
     return rows, served, llm
 
@@ -349,12 +355,13 @@ def main(argv: list[str] | None = None) -> int:
             _print("server mode (engine in another process)", srows)
     if args.json:
         Path(args.json).write_text(json.dumps({"colocate": rows, "server": srows}, indent=2, default=str))
-    failed = [r["strategy"] for r in rows if not r["Δ_vs_vllm_path"] <= (1e-6 if _on_gpu() else 1e-5)]
+    failed = [r["strategy"] for r in rows
+              if not r["Δ_vs_vllm_path"] <= (1e-6 if _on_gpu() else 1e-5) + r["Δ_repeat_vllm"]]
     failed += [f"server {r['strategy']}" for r in srows if not r["Δ_vs_colocated"] <= 1e-6]
     if failed:
         print(f"EXACTNESS FAILED: {failed}")
         return 1
-    print("exactness: every synced engine equals vLLM's own load path")
+    print("exactness: every synced engine equals vLLM's own load path (within vLLM's own repeat spread, Δ_repeat_vllm)")
     return 0
 
 

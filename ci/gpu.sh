@@ -37,7 +37,7 @@ declare -A ABOUT=(
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
-    [bench]="benchmarks/bench_sync.py --quick"
+    [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 (every strategy, exactness vs vLLM own loading)"
 )
 
 unit_modules() {  # every test module no other part names, space-separated
@@ -62,7 +62,7 @@ run_part() {
         swift)
             "$PY" examples/grpo_tiny_moe.py --steps 4 --workdir "${TMPDIR:-/tmp}/hwsync-grpo-gpu" || rc=$?
             run_modules "${MODULES[swift]}" || rc=$? ;;
-        bench) "$PY" benchmarks/bench_sync.py --quick ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
+        bench) "$PY" benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
         *) run_modules "${MODULES[$part]}" || rc=$? ;;
     esac
     echo "=== ci/gpu.sh $part: $([ $rc -eq 0 ] && echo passed || echo "FAILED (exit $rc)")"

@@ -112,6 +112,17 @@ def test_bucket_lists_checks_producer_shapes_and_calls_progress() -> None:
         list(bucket_lists(m, lambda: iter(bad), None))
 
 
+def test_bucket_lists_hand_over_the_manifest_dtype() -> None:
+    """A colocated fp32 trainer feeding a bf16 engine: the manifest declares the engine's dtype and every bucket
+    carries it (the receiver's plan refuses any other dtype; found on CUDA, where engines are bf16)."""
+    specs = [TensorSpec("a", (4, 4), torch.bfloat16, "base"), TensorSpec("n", (3,), torch.int64, "base")]
+    src = [torch.randn(4, 4), torch.arange(3)]
+    m = Manifest(1, "full", tuple(specs), plan_buckets(specs, 1 << 20))
+    (bucket,) = list(bucket_lists(m, lambda: iter(src), None))
+    assert [t.dtype for t in bucket] == [torch.bfloat16, torch.int64]
+    assert torch.equal(bucket[0], src[0].to(torch.bfloat16)) and bucket[1] is src[1]
+
+
 def _info(**kw: object) -> EngineInfo:
     base = dict(engine="vllm", dtype="float32", lora_enabled=True, max_lora_rank=16)
     base.update(kw)

@@ -49,7 +49,9 @@ def bucket_lists(manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
             spec = manifest.specs[nxt]
             if tuple(t.shape) != spec.shape:
                 raise SyncError(f"{spec.name}: produced shape {tuple(t.shape)} differs from the manifest {spec.shape}")
-            pending[nxt] = t
+            # the manifest carries the engine's dtype (an fp32 trainer feeding a bf16 engine): cast here, once, on
+            # the trainer's device, so every receiver path (in place, vLLM's loaders, the data plane) sees it
+            pending[nxt] = t if t.dtype == spec.dtype else t.to(spec.dtype)
             nxt += 1
         tensors = [pending.pop(i) for i in bucket.entries]
         if progress is not None:
