@@ -273,12 +273,17 @@ def _versions_digest(params: Mapping[str, Tensor], names: Sequence[str], reparam
 
     For parameters PEFT re-parametrizes on every forward the version counter moves without a write, so only their
     identity and storage count (an in-place edit of such a frozen expert weight is not detected: sync once with
-    ``strategy="full"`` after editing one)."""
+    ``strategy="full"`` after editing one). A 4-bit QLoRA base is frozen by construction: its storage identifies it."""
+    from hwsync.merged import is_quantized
+
     acc = 0
     for i, n in enumerate(names):
         p = params[n]
-        mark = p.data_ptr() if id(p) in reparametrized else int(getattr(p, "_version", 0))
-        acc = (acc * 1_000_003 + id(p) % 1_000_033 + mark + i) % (1 << 61)
+        if is_quantized(p):  # bitsandbytes re-wraps its packed parameters (a new Params4bit, same storage)
+            ident, mark = 0, p.data_ptr()
+        else:
+            ident, mark = id(p), p.data_ptr() if id(p) in reparametrized else int(getattr(p, "_version", 0))
+        acc = (acc * 1_000_003 + ident % 1_000_033 + mark + i) % (1 << 61)
     return f"{acc:x}"
 
 
@@ -338,7 +343,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
         lora_modules = [m for m in lora.adapter.modules if m not in unservable]
         if lora_modules:
             lora_config = dict(lora.meta, modules={m: lora.meta["modules"][m] for m in lora_modules})
-            lora_base_names = {m: tuple(base[m].shape) for m in lora_modules if m in base}
+            lora_base_names = {m: logical_shape(base[m]) for m in lora_modules if m in base}
         for m in lora_modules:
             for factor in ("A", "B"):
                 t = lora.tensors[wire_name(m, factor)]

@@ -69,14 +69,17 @@ def experts(name: str) -> bool:
 # what vLLM loads from disk
 # ---------------------------------------------------------------------------------------------------------------
 def _base_weights(model: Any) -> dict[str, Any]:
-    """Trainer runtime name -> ``W0`` (LoRA factors left out; first of duplicate spellings wins)."""
-    from hwsync.merged import strip_peft_name
+    """Trainer runtime name -> ``W0`` (LoRA factors left out; first of duplicate spellings wins; a 4-bit QLoRA base
+    dequantized, as :func:`hwsync.merged.plain_weight` sends it)."""
+    from hwsync.merged import plain_weight, strip_peft_name
 
     out: dict[str, Any] = {}
     for name, p in model.named_parameters():
         if ".lora_" in name or "lora_magnitude_vector" in name:
             continue
-        out.setdefault(strip_peft_name(name), p.detach())
+        clean = strip_peft_name(name)
+        if clean not in out:
+            out[clean] = plain_weight(model, name, p)
     return out
 
 
