@@ -8,8 +8,8 @@
 * ``adapter``: the dequantized base once, then LoRA only, equal to a fresh engine started from the dequantized base
   with PEFT's saved adapter as a ``LoRARequest`` (vLLM 0.32 serves no bitsandbytes checkpoint).
 
-Needs bitsandbytes (the GPU kit carries it; CI's CPU job does not install it, so these tests skip there). The 4-bit
-trainer runs on the GPU where there is one, else on bitsandbytes' CPU backend.
+Needs bitsandbytes (the `test` extra installs it: CI runs these on its CPU backend; the GPU kit carries the CUDA 13
+build). The 4-bit trainer runs on the GPU where there is one, else on bitsandbytes' CPU backend.
 """
 from __future__ import annotations
 
