@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HWSYNC_PYTEST="${HWSYNC_PYTEST:-pytest}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit suite-a suite-b exact server swift swift-b qlora bench)
+PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora bench)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -29,7 +29,8 @@ declare -A MODULES=(
     [qlora]="tests/test_qlora.py"
 )
 declare -A ABOUT=(
-    [unit]="every module no other part names: layouts, names, LoRA formats, merged view, patches, broadcast (cuda/multigpu), backend, doctor, ..."
+    [unit-a]="the first half (by name) of every module no other part names: backend, broadcast (cuda/multigpu), doctor, layouts, LoRA formats, merged view, names, ..."
+    [unit-b]="the second half of those: patches, sync units and in-place writers, swift plugin, vLLM versions, ..."
     [suite-a]="${MODULES[suite-a]}"
     [suite-b]="${MODULES[suite-b]} (20 syncs per strategy, faults, versions)"
     [exact]="${MODULES[exact]} (every strategy x MoE-LoRA format, 10 syncs each, == vLLM's own loading)"
@@ -40,12 +41,13 @@ declare -A ABOUT=(
     [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 (every strategy, exactness vs vLLM own loading)"
 )
 
-unit_modules() {  # every test module no other part names, space-separated
-    local m named=" ${MODULES[*]} " out=()
+unit_modules() {  # $1 = a|b: that half (by name) of the test modules no other part names, space-separated
+    local m named=" ${MODULES[*]} " out=() half
     for m in tests/test_*.py; do
         [[ "$named" == *" $m "* ]] || out+=("$m")
     done
-    echo "${out[*]}"
+    half=$(( (${#out[@]} + 1) / 2 ))
+    if [ "$1" = a ]; then echo "${out[*]:0:$half}"; else echo "${out[*]:$half}"; fi
 }
 
 run_modules() {  # $1: space-separated module paths
@@ -58,7 +60,8 @@ run_part() {
     local part=$1 rc=0
     echo "=== ci/gpu.sh $part: ${ABOUT[$part]}"
     case "$part" in
-        unit) run_modules "$(unit_modules)" || rc=$? ;;
+        unit-a) run_modules "$(unit_modules a)" || rc=$? ;;
+        unit-b) run_modules "$(unit_modules b)" || rc=$? ;;
         swift)
             "$PY" examples/grpo_tiny_moe.py --steps 4 --workdir "${TMPDIR:-/tmp}/hwsync-grpo-gpu" || rc=$?
             run_modules "${MODULES[swift]}" || rc=$? ;;
