@@ -258,7 +258,7 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS) -> Fa
     import torch
 
     import hwsync
-    from hwsync.verify import agreement
+    from hwsync.verify import agreement, verify
 
     from .engine import close_llm, make_llm
 
@@ -325,6 +325,8 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS) -> Fa
 
 
 def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, torch: Any) -> dict[str, Any]:
+    from hwsync.verify import verify
+
     gen = torch.Generator().manual_seed(1234)
     worst = 0.0
     try:
@@ -338,7 +340,7 @@ def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, 
             report = hwsync.sync(llm, model, strategy=strategy)
             if report.strategy != strategy:
                 raise AssertionError(f"asked for {strategy}, the sync used {report.strategy}")
-            worst = max(worst, hwsync.verify(llm, model, PROMPTS, atol=ATOL))
+            worst = max(worst, verify(llm, model, PROMPTS, atol=ATOL))
     except Exception as e:  # noqa: BLE001
         tb = traceback.extract_tb(e.__traceback__)
         where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""

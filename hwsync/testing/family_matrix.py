@@ -78,8 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     source = args.source
     if args.run:
+        import torch
+
+        from hwsync import vllm_plugin
+
         from .families import enumerate_families, run_family, write_results
 
+        vllm_plugin.register()  # what VLLM_PLUGINS=hwsync does in a vLLM process (MoE + enable_lora on CPU)
+        torch.set_num_threads(1)
         results = []
         with tempfile.TemporaryDirectory() as tmp:
             for fam in enumerate_families():
