@@ -213,10 +213,16 @@ def _short(e: BaseException, limit: int = 300) -> str:
 
 
 def _lora_supported(arch: str) -> bool:
+    """Whether vLLM's class for ``arch`` supports LoRA. On the CPU build the class is also registered in-process:
+    vLLM otherwise inspects each new architecture in a fresh subprocess (~15 s per family with a cold cache)."""
     from vllm.model_executor.models.interfaces import supports_lora
     from vllm.model_executor.models.registry import ModelRegistry
 
+    from .engine import on_cpu
+
     cls = ModelRegistry._try_load_model_cls(arch)  # noqa: SLF001  (the registry's own class lookup)
+    if cls is not None and on_cpu():
+        ModelRegistry.register_model(arch, cls)  # same class, inspected here (no CUDA to protect on CPU)
     return cls is not None and supports_lora(cls)
 
 
