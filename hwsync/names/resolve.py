@@ -368,6 +368,13 @@ def _match_experts(ns: Namespace, spelling: str, c: str) -> _Resolution | None:
             return _Resolution((Target(g.w13, "expert", "w13", (e,)),), spelling, (2 * i, h), g.dtype)
         return None
     leaf = rest[: -len(".weight")] if rest.endswith(".weight") else rest
+    # The receiver's mapper renamed the tensor onto a parameter of the experts module itself (GPT-OSS:
+    # ``experts.gate_up_proj`` -> ``w13_weight``, ``gate_up_proj_bias`` -> ``w13_bias``): the tensor is in the
+    # model's own checkpoint layout, which only its loader converts (GPT-OSS: [E, H, 2I] with gate/up interleaved).
+    owner = _canonical(g.w13).rsplit(".", 1)[0]
+    native = ns.params.get(f"{owner}.{rest}") if "." not in rest else None
+    if native is not None:
+        return _Resolution((Target(native.name, "loader"),), spelling, None, native.dtype)
     if leaf in g.fused_gate_up_names:
         return _Resolution((Target(g.w13, "experts", "w13"),), spelling, (e_, 2 * i, h), g.dtype)
     if leaf in g.fused_down_names:
