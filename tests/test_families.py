@@ -88,3 +88,43 @@ def test_family(family: Any, tmp_path: Path) -> None:
         assert e["status"] in {"pass", "not_served", "differs", "config", "known"} and (e["status"] == "pass" or e["detail"])
     if family.note:  # the dense controls are always served and always exact
         assert result.strategies["full"]["status"] == "pass"
+
+
+def test_dry_run_names_the_parameter_of_a_loader_it_cannot_run(tmp_path: Path) -> None:
+    """A weight loader that refuses on meta data and on a scratch copy: one ResolutionError naming the engine
+    parameter and the loader, raised before any write (the engine still serves the weights it had)."""
+    from transformers import AutoModelForCausalLM
+
+    import hwsync
+    from hwsync.errors import ResolutionError
+    from hwsync.testing import close_llm, make_llm
+    from hwsync.testing.families import PROMPTS, Family, make_family_checkpoint
+    from hwsync.verify import verify
+
+    path = make_family_checkpoint(tmp_path / "qwen2", Family("qwen2", "Qwen2ForCausalLM"))
+    llm = make_llm(path, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension")
+    try:
+        trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hwsync.sync(llm, trainer, strategy="full")  # packed q/k/v biases go through the dry run and the reload
+        assert verify(llm, trainer, PROMPTS) <= 1e-4
+
+        def opaque_loader(param: Any, loaded_weight: Any, loaded_shard_id: Any = None) -> None:
+            raise NotImplementedError("this loader takes no tensors")
+
+        model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        bias = model.model.layers[1].self_attn.qkv_proj.bias
+        original = bias.weight_loader
+        bias.weight_loader = opaque_loader
+        changed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for p in changed.parameters():
+                p.mul_(1.5)
+        try:
+            with pytest.raises(ResolutionError, match=r"layers\.1\.self_attn\.qkv_proj\.bias.*opaque_loader.*"
+                                                      r"NotImplementedError"):
+                hwsync.sync(llm, changed, strategy="full")
+        finally:
+            bias.weight_loader = original
+        assert verify(llm, trainer, PROMPTS) <= 1e-4  # nothing was written
+    finally:
+        close_llm(llm)
