@@ -393,7 +393,29 @@ def _cleanup() -> None:
         destroy_distributed_environment()
     except Exception:  # noqa: BLE001  (best effort)
         pass
+    _hide_unscannable_modules()
     gc.collect()
+
+
+def _hide_unscannable_modules() -> None:
+    """vLLM 0.32's CPU worker rebinds Triton kernels by scanning every module in ``sys.modules`` with
+X
+    ``binding.ffi.lib``, imported while one family's engine starts): every later engine of the process would fail.
+    Such modules are taken out of ``sys.modules`` (they stay loaded for whoever holds them)."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for value in list(namespace.values()):
+            try:
+                if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
+                    del sys.modules[name]
+                    break
+            except Exception:  # noqa: BLE001  (an object vars() refuses is unscannable too)
+                sys.modules.pop(name, None)
+                break
 
 
 def write_results(results: list[FamilyResult], file: str | Path) -> None:
