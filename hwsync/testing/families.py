@@ -53,6 +53,9 @@ FIXUPS: dict[str, dict[str, Any]] = {
     # longcat_flash: num_layers counts layer *pairs* (each has two attention blocks)
     "ernie4_5_moe": {"moe_layer_start_index": 1, "moe_layer_end_index": 1, "moe_k": 2},
     "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
+    # vLLM reads fields transformers' config does not declare: give them the values of the tiny model
+    "glm4_moe": {"head_dim": 32},
+    "hy_v3": {"first_k_dense_replace": 1},
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 32, "mamba_chunk_size": 64,
                          "shared_intermediate_size": 64, "layer_types": ["mamba", "attention"]},
     "laguna": {"num_attention_heads_per_layer": [2, 2]},
@@ -173,7 +176,7 @@ def tiny_config(family: Family | str, **overrides: Any) -> Any:
     kwargs = {k: v for k, v in small.items() if k in d}
     if "ffn_config" in d:  # DBRX
         kwargs["ffn_config"] = {"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 64}
-        kwargs["attn_config"] = {"kv_n_heads": 1}
+        kwargs["attn_config"] = {"kv_n_heads": 1, "rope_theta": 10000.0}
     for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
         if isinstance(d.get(key), list) and d[key]:
             kwargs[key] = _shrunk_layer_types(d[key])
