@@ -25,13 +25,25 @@ _MARK = {"pass": "✅", "not_served": "—", "differs": "❌", "config": "❌", 
 def _cell(entry: dict[str, Any] | None) -> str:
     if entry is None:
         return "—"
-    status = entry["status"]
-    if status == "pass":
+    if entry["status"] == "pass":
         return f"✅ {entry['max_diff']:.0e}" if entry.get("max_diff") else "✅ 0"
-    detail = entry.get("detail", "").replace("|", "/")
-    if status == "not_served":
-        return f"— {detail}" if detail else "—"
-    return f"❌ {detail}"
+    return _MARK[entry["status"]]
+
+
+def _esc(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _reason(strategies: dict[str, dict[str, Any]]) -> str:
+    """The reasons of the non-passing cells, each once (labelled with its strategies when they differ)."""
+    by_detail: dict[str, list[str]] = {}
+    for s in ("full", "adapter", "hybrid"):
+        e = strategies.get(s)
+        if e is not None and e["status"] != "pass":
+            by_detail.setdefault(e.get("detail", ""), []).append(s)
+    if len(by_detail) == 1:
+        return _esc(next(iter(by_detail)))
+    return "; ".join(f"{'/'.join(ss)}: {_esc(d)}" for d, ss in by_detail.items())
 
 
 def render(data: dict[str, Any]) -> str:
@@ -39,20 +51,22 @@ def render(data: dict[str, Any]) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items())
     lines = [
         f"Tiny local checkpoint per family, one vLLM CPU engine each (fp32), 3 syncs per strategy, every sync checked "
-        f"against transformers (max |Δ logprob| shown; ✅ = within 1e-4). Versions: {versions}.",
+        f"against transformers: ✅ exact (max \\|Δ logprob\\| shown, all within 1e-4), ❌ fails for the reason given, "
+        f"— not served by vLLM here (reason given). Versions: {versions}.",
         "",
-        "| family | architecture | full | adapter | hybrid |",
-        "|---|---|---|---|---|",
+        "| family | architecture | full | adapter | hybrid | reason |",
+        "|---|---|---|---|---|---|",
     ]
     for r in sorted(data["results"], key=lambda r: (r.get("note", "") != "", r["family"])):
         name = r["family"] + (f" ({r['note']})" if r.get("note") else "")
         cells = [_cell(r["strategies"].get(s)) for s in ("full", "adapter", "hybrid")]
-        lines.append(f"| {name} | {r['arch']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {r['arch']} | " + " | ".join(cells) + f" | {_reason(r['strategies'])} |")
     counts: dict[str, int] = {}
     for r in data["results"]:
         s = r["strategies"].get("full", {}).get("status", "?")
         counts[s] = counts.get(s, 0) + 1
-    lines += ["", "full sync: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))]
+    lines += ["", f"{len(data['results'])} families; full sync: " +
+              ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))]
     return "\n".join(lines)
 
 
