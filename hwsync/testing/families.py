@@ -55,7 +55,9 @@ FIXUPS: dict[str, dict[str, Any]] = {
     "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
     # vLLM reads fields transformers' config does not declare: give them the values of the tiny model
     "glm4_moe": {"head_dim": 32},
-    "hy_v3": {"first_k_dense_replace": 1},
+    "hy_v3": {"first_k_dense_replace": 1, "expert_hidden_dim": 64, "route_norm": True},
+    "minimax_m2": {"rotary_dim": 32},
+    "afmoe": {"score_func": "sigmoid"},  # transformers' Afmoe router is sigmoid-scored
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 32, "mamba_chunk_size": 64,
                          "shared_intermediate_size": 64, "layer_types": ["mamba", "attention"]},
     "laguna": {"num_attention_heads_per_layer": [2, 2]},
@@ -67,7 +69,7 @@ FIXUPS: dict[str, dict[str, Any]] = {
 }
 for _mla in ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "kimi_linear",
              "mimo_v2_flash", "inkling_text", "axk1", "hy_v4"):
-    FIXUPS.setdefault(_mla, dict(FIXUPS["deepseek_v2"]))
+    FIXUPS.setdefault(_mla, {**FIXUPS["deepseek_v2"], "topk_method": "noaux_tc"})  # V3-style: score-correction bias
 
 
 # Families whose vLLM loader cannot reload weights into a LoRA-enabled model (outside hwsync): served and synced on
@@ -166,7 +168,7 @@ def tiny_config(family: Family | str, **overrides: Any) -> Any:
         "max_seq_len": 1024, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_num_shared_experts": 1,
         "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "mtp_num_hidden_layers": 0,
-        "sliding_window": 64, "attention_chunk_size": 64, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "sliding_window": 64, "attention_chunk_size": 128, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "initializer_range": 64 ** -0.5,
         "router_jitter_noise": 0.0, "input_jitter_noise": 0.0, "use_cache": True, "moe_topk": 2,
         "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "shared_intermediate_size": 64,
@@ -340,8 +342,11 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS) -> Fa
         return res
     try:
         if not base.max_abs_diff <= ATOL:
-            detail = (f"vLLM and transformers disagree before any sync (max |Δ logprob| {base.max_abs_diff:.2g}): "
-                      "outside hwsync")
+            dtype = str(getattr(llm.llm_engine.model_config, "dtype", "")).replace("torch.", "")
+            engine = f", engine in {dtype}: vLLM's CPU kernels for this family take no fp32" \
+                if dtype and dtype != "float32" else ""
+            detail = (f"vLLM and transformers disagree before any sync (max |Δ logprob| {base.max_abs_diff:.2g}"
+                      f"{engine}): outside hwsync")
             for s in STRATEGIES:
                 res.strategies.setdefault(s, {"status": "differs", "detail": detail, "max_diff": None})
             return res
