@@ -56,8 +56,9 @@ FIXUPS: dict[str, dict[str, Any]] = {
     # vLLM reads fields transformers' config does not declare: give them the values of the tiny model
     "glm4_moe": {"head_dim": 32},
     "hy_v3": {"first_k_dense_replace": 1, "expert_hidden_dim": 64, "route_norm": True},
-    "minimax_m2": {"rotary_dim": 32},
-    "afmoe": {"score_func": "sigmoid"},  # transformers' Afmoe router is sigmoid-scored
+    "minimax_m2": {"rotary_dim": 32, "scoring_func": "sigmoid"},  # transformers' routers: sigmoid, renormalised
+    "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1, "mup_enabled": False},
+    "llama4_text": {"num_experts_per_tok": 1},  # vLLM: router weight on the input only with top-1 (as Llama 4)
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 32, "mamba_chunk_size": 64,
                          "shared_intermediate_size": 64, "layer_types": ["mamba", "attention"]},
     "laguna": {"num_attention_heads_per_layer": [2, 2]},
@@ -77,6 +78,9 @@ for _mla in ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "lon
 LORA_RELOAD_BROKEN: dict[str, str] = {
     "gpt_oss": "vLLM 0.32's GPT-OSS loader looks up params_dict['...attn.qkv_proj.weight'], which a LoRA-enabled "
                "model names '...qkv_proj.base_layer.weight' (KeyError on every reload into a LoRA engine)",
+    "llama4_text": "vLLM 0.32's Llama 4 loader looks up params_dict['...self_attn.qkv_proj.weight'], which a "
+                   "LoRA-enabled model names '...qkv_proj.base_layer.weight' (KeyError on every reload into a LoRA "
+                   "engine)",
 }
 
 
