@@ -58,16 +58,16 @@ def dry_run_load(
             for load_name, fn in names_plan.vllm_checkpoint_names(sp.name):
                 yield load_name, fn(meta) if fn is not None else meta
 
-    def stand_in(layer: torch.nn.Module, name: str, t: Tensor, load: bool) -> int:
-        """Register ``t`` (a meta tensor) as ``layer.name`` with an intercepting loader; its load size."""
-        if load:
-            original = getattr(t, "weight_loader", None)
-            while getattr(original, "__name__", "") == "online_process_loader":  # left by a past reload
-                original = original.__wrapped__
-            t.weight_loader = _Intercept(layer, f"{path_of.get(id(layer), '?')}.{name}".lstrip("."), original,
-                                         current, loaded, names_of, groups, path_of)
+    def stand_in(layer: torch.nn.Module, name: str, t: Tensor, counted: bool) -> int:
+        """Register ``t`` (a meta tensor) as ``layer.name`` with an intercepting loader; the elements a complete
+        load of the layer needs from it (0 for tensors vLLM's reload does not count, e.g. e_score_correction_bias)."""
+        original = getattr(t, "weight_loader", None)
+        while getattr(original, "__name__", "") == "online_process_loader":  # left by a past reload
+            original = original.__wrapped__
+        t.weight_loader = _Intercept(layer, f"{path_of.get(id(layer), '?')}.{name}".lstrip("."), original,
+                                     current, loaded if counted else {}, names_of, groups, path_of)
         layer.register_parameter(name, t)
-        return get_tensor_load_numel(t) if load else 0
+        return get_tensor_load_numel(t) if counted else 0
 
     needed: dict[int, int] = {}
     try:
