@@ -56,7 +56,7 @@ FIXUPS: dict[str, dict[str, Any]] = {
     # vLLM reads fields transformers' config does not declare: give them the values of the tiny model
     "glm4_moe": {"head_dim": 32},
     "hy_v3": {"first_k_dense_replace": 1, "expert_hidden_dim": 64, "route_norm": True},
-    "minimax_m2": {"rotary_dim": 32, "scoring_func": "sigmoid"},  # transformers' routers: sigmoid, renormalised
+    "minimax_m2": {"rotary_dim": 32, "scoring_func": "sigmoid", "use_routing_bias": True},  # transformers' routers: sigmoid, renormalised
     "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1, "mup_enabled": False},
     "llama4_text": {"num_experts_per_tok": 1},  # vLLM: router weight on the input only with top-1 (as Llama 4)
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 32, "mamba_chunk_size": 64,
