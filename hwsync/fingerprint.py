@@ -1,0 +1,49 @@
+"""Content fingerprints: an exact, numerics-free check that the engine holds the trainer's tensors.
+
+A fingerprint of a tensor ``W`` (trainer name ``n``, trainer layout) is the float64 dot product ``<W, R_n>`` with a
+probe ``R_n``: a seeded N(0, 1) tensor of ``W``'s shape that both sides generate identically from ``(seed, n)``.
+
+* **Trainer side** (:func:`expected`): ``<cast(W, wire dtype), R_n>`` for every tensor a from-scratch sync of the
+  current strategy would send (the merged view for merged names, W0 for frozen ones, the folded LoRA A/B).
+* **Engine side** (:mod:`hwsync.vllm.fingerprint`): the probe is sent through *the sync plan itself* (the same
+  slicing, packing and expert-layout functions the in-place writer uses, and vLLM's own post-load processing where
+  the kernels read a repacked tensor), then dotted with what the kernels actually read. Layout moves preserve dot
+  products, so a healthy engine gives the same number up to float64 summation order (~1e-16 relative); a tensor
+  not written, transposed, with gate/up swapped, from the previous step, or scaled, gives O(1) relative error.
+
+The comparison is ``|engine - trainer| <= tol * sum|W * R_n|`` with ``tol = 1e-9``: no kernel numerics are
+involved (GPU TF32/bf16 matmuls, routing near-ties), so it is exact on every platform.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["REL_TOL", "dot", "probe"]
+
+REL_TOL = 1e-9
+"""Relative tolerance of a fingerprint (float64 summation order only)."""
+_CHUNK = 1 << 22
+
+
+def probe(name: str, shape: Sequence[int], seed: int = 0, device: torch.device | str = "cpu") -> Tensor:
+    """The probe ``R_name``: N(0, 1) float32 of ``shape``, identical in every process for the same ``seed``."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return torch.randn(tuple(int(s) for s in shape), generator=gen, dtype=torch.float32).to(device)
+
+
+def dot(a: Tensor, b: Tensor) -> tuple[float, float]:
+    """``(<a, b>, sum|a * b|)`` in float64 (chunked: no full float64 copy of a large tensor)."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"fingerprint shapes differ: {list(a.shape)} vs {list(b.shape)}")
+    fa, fb = a.reshape(-1), b.reshape(-1).to(a.device)
+    total = magnitude = 0.0
+    for s in range(0, fa.numel(), _CHUNK):
+        p = fa[s: s + _CHUNK].to(torch.float64) * fb[s: s + _CHUNK].to(torch.float64)
+        total += float(p.sum())
+        magnitude += float(p.abs().sum())
+    return total, magnitude
