@@ -6,7 +6,9 @@ for :func:`verify`, the ms-swift plugin and the tests alike.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+import types
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,7 +201,7 @@ _HINT = ("the engine does not compute what the trainer computes: check the sync 
          "(raise the gate for this platform with gate= / HWSYNC_VERIFY_GATE only after checking the numbers)")
 
 
-def _last_plan(engine: Any, model: nn.Module) -> Any:
+def last_plan(engine: Any, model: nn.Module) -> Any:
     from hwsync.payload import model_uuid
 
     prefix = f"{model_uuid(model)}:"
@@ -207,16 +209,14 @@ def _last_plan(engine: Any, model: nn.Module) -> Any:
     return max(plans, key=lambda p: p.synced_version) if plans else None
 
 
-def _expected(engine: Any, model: nn.Module, plan: Any, seed: int) -> tuple[dict[str, Any], dict[str, Any],
-                                                                          dict[str, tuple[float, float]]]:
-    """(fingerprint request for the engine, its LoRA part, trainer fingerprints): every tensor a from-scratch sync
-    of the plan's strategy would send now, fingerprinted as it would travel (wire dtype)."""
+def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, Iterator[tuple[Any, torch.Tensor]]]:
+    """``(payload, (spec, tensor) pairs)``: every tensor a from-scratch sync of ``plan``'s strategy would send now
+    (merged view for merged names, W0 for frozen ones, folded LoRA A/B), lazily, as the engine should hold them."""
     import dataclasses
 
-    from hwsync.fingerprint import dot, probe
     from hwsync.payload import build_payload, read_lora
     from hwsync.strategy import choose
-    from hwsync.wire import Strategy, dtype_name
+    from hwsync.wire import Strategy
 
     info = engine.describe()
     lora = read_lora(model, info)
@@ -226,15 +226,26 @@ def _expected(engine: Any, model: nn.Module, plan: Any, seed: int) -> tuple[dict
     choice = choose(strategy, lora, info)
     fresh = dataclasses.replace(info, base_key=None, stale=False)  # as if nothing were on the engine: all of it
     payload = build_payload(model, choice, lora if strategy is not Strategy.FULL else None, fresh)  # type: ignore[arg-type]
+    return payload, zip(payload.specs, payload.produce())
+
+
+def _expected(engine: Any, model: nn.Module, plan: Any, seed: int) -> tuple[dict[str, Any], dict[str, Any],
+                                                                          dict[str, tuple[float, float]]]:
+    """(fingerprint request for the engine, its LoRA part, trainer fingerprints) over :func:`reference_tensors`,
+    each fingerprinted as it travels (wire dtype)."""
+    from hwsync.fingerprint import dot, probe
+    from hwsync.wire import dtype_name
+
+    payload, pairs = reference_tensors(engine, model, plan)
     want: dict[str, tuple[float, float]] = {}
     base: list[Any] = []
     lora_keys: list[str] = []
     lora_shapes: list[list[int]] = []
     with torch.no_grad():
-        for spec, t in zip(payload.specs, payload.produce()):
-            t = t.to(spec.dtype) if t.is_floating_point() else t
+        for spec, t in pairs:
             if not t.is_floating_point():
                 continue
+            t = t.to(spec.dtype)
             want[spec.name] = dot(t, probe(spec.name, spec.shape, seed, t.device))
             if spec.kind == "lora":
                 lora_keys.append(spec.name)
@@ -254,7 +265,7 @@ def _content_checks(engine: Any, model: nn.Module, seed: int) -> tuple[list[Chec
     from hwsync.fingerprint import REL_TOL
     from hwsync.wire import Strategy
 
-    plan = _last_plan(engine, model)
+    plan = last_plan(engine, model)
     if plan is None:
         return [], ["content: this model was never synced to this engine through hwsync.sync (no trainer plan)"]
     fp = getattr(engine, "fingerprints", None)
@@ -405,3 +416,14 @@ def verify(
         raise VerifyError(head + report.message())
     assert report.agreement is not None
     return report.agreement.max_abs_diff
+
+
+class _CallableModule(types.ModuleType):
+    """``hwsync.verify`` is this module once imported (Python binds submodules on their package): calling it is
+    calling :func:`verify`, so ``hwsync.verify(engine, model, prompts)`` works whatever was imported first."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> float:
+        return verify(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
