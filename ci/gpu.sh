@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HWSYNC_PYTEST="${HWSYNC_PYTEST:-pytest}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit suite-a suite-b exact server swift swift-b qlora bench)
+PARTS=(unit suite-a suite-b exact server swift swift-b qlora bench verify)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -27,6 +27,7 @@ declare -A MODULES=(
     [swift]="tests/test_swift_grpo.py"
     [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
     [qlora]="tests/test_qlora.py"
+    [verify]="tests/test_verify_faults.py"
 )
 declare -A ABOUT=(
     [unit]="every module no other part names: layouts, names, LoRA formats, merged view, patches, broadcast (cuda/multigpu), backend, doctor, ..."
@@ -38,6 +39,7 @@ declare -A ABOUT=(
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
     [bench]="benchmarks/bench_sync.py --quick"
+    [verify]="${MODULES[verify]} (no false alarm over 20 syncs per strategy, every injected fault caught), benchmarks/verify_table.py (healthy max vs faulty min per check, bf16 + fp32)"
 )
 
 unit_modules() {  # every test module no other part names, space-separated
@@ -63,6 +65,9 @@ run_part() {
             "$PY" examples/grpo_tiny_moe.py --steps 4 --workdir "${TMPDIR:-/tmp}/hwsync-grpo-gpu" || rc=$?
             run_modules "${MODULES[swift]}" || rc=$? ;;
         bench) "$PY" benchmarks/bench_sync.py --quick ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
+        verify)
+            run_modules "${MODULES[verify]}" || rc=$?
+            "$PY" benchmarks/verify_table.py ${OUT:+--json "$OUT/verify_table.json"} || rc=$? ;;
         *) run_modules "${MODULES[$part]}" || rc=$? ;;
     esac
     echo "=== ci/gpu.sh $part: $([ $rc -eq 0 ] && echo passed || echo "FAILED (exit $rc)")"

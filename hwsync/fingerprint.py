@@ -29,11 +29,15 @@ REL_TOL = 1e-9
 _CHUNK = 1 << 22
 
 
-def probe(name: str, shape: Sequence[int], seed: int = 0, device: torch.device | str = "cpu") -> Tensor:
-    """The probe ``R_name``: N(0, 1) float32 of ``shape``, identical in every process for the same ``seed``."""
+def probe(name: str, shape: Sequence[int], seed: int = 0, device: torch.device | str = "cpu",
+          dtype: torch.dtype = torch.float32) -> Tensor:
+    """The probe ``R_name``: N(0, 1) of ``shape`` rounded to ``dtype`` (the tensor's wire dtype, so the engine can
+    send it through post-load steps that depend on the dtype without rounding it again), identical in every process
+    for the same ``seed``."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    return torch.randn(tuple(int(s) for s in shape), generator=gen, dtype=torch.float32).to(device)
+    r = torch.randn(tuple(int(s) for s in shape), generator=gen, dtype=torch.float32)
+    return r.to(device=device, dtype=dtype if dtype.is_floating_point else torch.float32)
 
 
 def dot(a: Tensor, b: Tensor) -> tuple[float, float]:

@@ -119,18 +119,20 @@ class Gate:
 
 
 GATES: dict[tuple[str, str], Gate] = {
-    # vLLM's CPU build: fp32 kernels compute like the trainer (healthy max ~1e-5 on the test model)
+    # vLLM's CPU build, fp32: computes like the trainer (healthy: mean 2.4e-6, max 6.7e-6 over 60 syncs)
     ("cpu", "float32"): Gate(mean_abs=1e-4, p90_abs=2e-4, mean_prob=1e-4, max_abs=2e-3),
-    ("cpu", "bfloat16"): Gate(mean_abs=0.05, p90_abs=0.15, mean_prob=0.01),
+    # bf16 engine vs fp32 trainer: bf16 rounding, near-tie expert-routing flips and the greedy paths they change
+    # (CPU healthy max over 60 syncs: mean 0.32, p90 0.40, mean |Δp| 0.029, max 6.2)
+    ("cpu", "bfloat16"): Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05),
     # CUDA fp32: the fused-MoE Triton matmuls run in TF32 (healthy max 0.007-0.49 measured on an H200)
-    ("cuda", "float32"): Gate(mean_abs=0.05, p90_abs=0.2, mean_prob=0.01),
-    # CUDA bf16: bf16 rounding plus near-tie expert-routing flips (healthy max 0.05-1.9 measured on an H200)
-    ("cuda", "bfloat16"): Gate(mean_abs=0.15, p90_abs=0.5, mean_prob=0.03),
+    ("cuda", "float32"): Gate(mean_abs=0.1, p90_abs=0.3, mean_prob=0.02),
+    # CUDA bf16: as CPU bf16 (healthy max 0.05-1.9 measured on an H200)
+    ("cuda", "bfloat16"): Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05),
 }
 """Per (device type, dtype). The exact content checks carry the fine-grained detection everywhere; this gate catches
 what fingerprints cannot see (a kernel fed the right tensor in the wrong layout, an unreadable module) and gross
 numeric faults. Override per call with ``gate=`` or process-wide with ``HWSYNC_VERIFY_GATE=mean,p90,prob[,max]``."""
-_LOOSEST = Gate(mean_abs=0.15, p90_abs=0.5, mean_prob=0.03)
+_LOOSEST = Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05)
 
 
 def gate_for(device_type: str, dtype: str) -> Gate:
@@ -145,7 +147,7 @@ def gate_for(device_type: str, dtype: str) -> Gate:
                 raise ValueError
         except ValueError:
             raise VerifyError(f"HWSYNC_VERIFY_GATE={env!r}: expected 'mean,p90,prob' or 'mean,p90,prob,max' "
-                              "(positive numbers, e.g. 0.15,0.5,0.03)") from None
+                              "(positive numbers, e.g. 0.5,0.8,0.05)") from None
         return Gate(*parts[:3], max_abs=parts[3] if len(parts) == 4 else None)
     dev = "cpu" if device_type == "cpu" else "cuda" if device_type in ("cuda", "rocm", "hip") else device_type
     key = (dev, "float32" if dtype in ("float32", "fp32") else "bfloat16" if dtype in ("bfloat16", "float16")
@@ -246,7 +248,7 @@ def _expected(engine: Any, model: nn.Module, plan: Any, seed: int) -> tuple[dict
             if not t.is_floating_point():
                 continue
             t = t.to(spec.dtype)
-            want[spec.name] = dot(t, probe(spec.name, spec.shape, seed, t.device))
+            want[spec.name] = dot(t, probe(spec.name, spec.shape, seed, t.device, spec.dtype))
             if spec.kind == "lora":
                 lora_keys.append(spec.name)
                 lora_shapes.append(list(spec.shape))

@@ -88,9 +88,10 @@ def _scale_adapter(worker: Any, factor: float) -> int:
     return len(lora.loras)
 
 
-def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bool) -> int:
+def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bool) -> bool:
     """Write trainer tensors into the engine through vLLM's own ``reload_weights`` (the sync's reload path),
-    optionally with every MoE kernel's post-load step made a no-op for this reload."""
+    optionally with every MoE kernel's post-load step made a no-op for this reload; whether the parameters the
+    tensors land in changed."""
     from hwsync.vllm.applier import _vllm_spellings, lora_manager_of, model_of, vllm_reload
     from hwsync.vllm.worker import _worker, receiver_of
     from hwsync.wire import TensorSpec
@@ -114,6 +115,10 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
             cls = type(experts)
             if experts is not None and "process_weights_after_loading" in cls.__dict__ and cls not in skipped:
                 skipped.append(cls)
+    ns = names_plan.namespace
+    live = {ns.params[c].name: t for c, t in ns.live.items()}
+    touched = {tg.param for targets in names_plan.entries.values() for tg in targets}
+    before = {p: live[p].clone() for p in touched if p in live}
     originals = [(cls, cls.__dict__["process_weights_after_loading"]) for cls in skipped]
     for cls in skipped:  # the reload builds new kernel objects: the step is skipped on their class
         cls.process_weights_after_loading = lambda self, layer: None
@@ -128,6 +133,7 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
             manager.pin_adapter(lid)
         manager.activate_adapter(lid)
     rec.state.lora_name, rec.state.lora_int_id, rec.state.base_key = state
+    return any(not torch.equal(live[p], t) for p, t in before.items())
     return len(skipped)
 
 
@@ -161,10 +167,11 @@ class FaultInjector:
     def _rpc(self, fn: Any, *args: Any) -> Any:
         return self.llm.collective_rpc(fn, args=args)[0]
 
-    def _write(self, items: dict[str, Tensor], skip_post_load: bool = False) -> None:
+    def _write(self, items: dict[str, Tensor], skip_post_load: bool = False) -> bool:
         with self.engine.lock:
-            self._rpc(_reload, list(items.items()), skip_post_load)
+            changed = self._rpc(_reload, list(items.items()), skip_post_load)
             self.llm.reset_prefix_cache()
+        return bool(changed)
 
     @contextlib.contextmanager
     def _weights(self, snap: dict[str, Tensor]) -> Iterator[None]:
@@ -181,9 +188,10 @@ class FaultInjector:
                     if n in now:
                         p.copy_(now[n])
 
-    def inject(self, fault: str, previous: dict[str, Tensor] | None = None, prepare: Any = None) -> None:
+    def inject(self, fault: str, previous: dict[str, Tensor] | None = None) -> bool:
         """Break the engine; ``previous`` (parameter name -> tensor, the step before) is needed by "layer experts
-        not written" and "previous step synced"."""
+        not written" and "previous step synced". Returns ``False`` when the fault changes nothing here ("post-load
+        skipped" where the experts' kernel has no post-load step that changes their storage for this dtype)."""
         import hwsync
 
         if fault not in FAULTS:
@@ -206,7 +214,8 @@ class FaultInjector:
             good = self._layer_experts(self._reference())
             self._repair = ("write", good)
             if fault == "post-load skipped":
-                self._write(good, skip_post_load=True)
+                if not self._write(good, skip_post_load=True):
+                    return False
             elif fault == "layer experts not written":
                 assert previous is not None, "layer experts not written needs the previous weights"
                 with self._weights(previous):
@@ -217,6 +226,7 @@ class FaultInjector:
             elif fault == "gate/up swapped":
                 self._write({n: _swap_halves(t) if n.endswith("gate_up_proj") else t for n, t in good.items()})
         self.llm.reset_prefix_cache()
+        return True
 
     def _strategy(self) -> str:
         from hwsync.verify import last_plan
@@ -304,7 +314,11 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
     for fault in faults:
         if not applicable(fault, strategy):
             continue
-        injector.inject(fault, previous=previous)
+        if not injector.inject(fault, previous=previous):
+            out.setdefault("not_applicable", {})[fault] = "the engine's state did not change (no such step here)"
+            if log:
+                log(f"{strategy} {fault}: not applicable here (injecting it changed nothing)")
+            continue
         r = check(llm, model, prompts)
         out["faults"][fault] = {**metrics(r), "failed": [c.name for c in r.failed], "message": r.message()}
         injector.repair()

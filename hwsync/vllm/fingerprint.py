@@ -65,12 +65,13 @@ def _base(w: Any, applier: Any, specs_in: list[Any], seed: int) -> dict[str, Any
     live = {ns.params[c].name: t for c, t in ns.live.items()}
     model = model_of(w)
     shapes = {s.name: s.shape for s in specs}
+    dtypes = {s.name: s.dtype for s in specs}
     out: dict[str, Any] = {}
     for name, targets in names_plan.entries.items():
         if name in names_plan.skipped:
             continue
         try:
-            out[name] = _one_base(model, names_plan, name, targets, shapes[name], live, seed)
+            out[name] = _one_base(model, names_plan, name, targets, shapes[name], dtypes[name], live, seed)
         except _Unreadable as e:
             out[name] = str(e)
     return out
@@ -81,7 +82,7 @@ class _Unreadable(Exception):
 
 
 def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, shape: tuple[int, ...],
-              live: Mapping[str, Tensor], seed: int) -> list[float]:
+              dtype: torch.dtype, live: Mapping[str, Tensor], seed: int) -> list[float]:
     from hwsync.vllm.direct import _owner, _pieces
 
     ns = names_plan.namespace
@@ -93,7 +94,7 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
         held = live.get(tg.param)
         if held is None:
             raise _Unreadable(f"{tg.param} is not a live parameter")
-        r = probe(name, shape, seed, held.device)
+        r = probe(name, shape, seed, held.device, dtype)
         if tg.kind == "experts":
             g = ns.group_of(tg.param)
             if g is None or g.sharding is None:
@@ -227,6 +228,6 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
         for s in shape:
             n *= s
         assert flat is not None
-        values[k] = list(dot(flat[offset: offset + n].view(shape), probe(k, shape, seed, flat.device)))
+        values[k] = list(dot(flat[offset: offset + n].view(shape), probe(k, shape, seed, flat.device, flat.dtype)))
         offset += n
     return {"slot": slot, "bad_slots": bad_slots, "tensors": values}
