@@ -17,7 +17,7 @@ import torch
 
 import hwsync
 from hwsync.errors import VerifyError
-from hwsync.testing import close_llm, make_llm, require_vllm
+from hwsync.testing import close_llm, make_llm, on_cpu, require_vllm
 from hwsync.testing.faults import FAULTS, FaultInjector, applicable, campaign
 
 pytestmark = pytest.mark.vllm
@@ -79,7 +79,10 @@ def test_no_false_alarm_and_every_fault_caught(llm: Any, tiny_qwen3_moe_dir: Pat
     assert max(h.get("base content", 0.0) for h in result["healthy"]) < 1e-12
     assert max(h.get("adapter content", 0.0) for h in result["healthy"]) < 1e-12
     expected = [f for f in FAULTS if applicable(f, strategy)]
-    assert sorted(result["faults"]) == sorted(expected)
+    not_here = result.get("not_applicable", {})
+    if on_cpu() and info.dtype == "float32":
+        assert not not_here, f"every fault changes a CPU fp32 engine: {not_here}"  # the CPU prepack is real there
+    assert sorted(result["faults"]) == sorted(f for f in expected if f not in not_here)
     for fault, got in result["faults"].items():
         assert got["failed"], f"{strategy}: {fault} was not caught: {got['message']}"
         want = CAUGHT_BY.get(fault) or ("adapter content" if strategy == "adapter" else "base content")
@@ -90,7 +93,7 @@ def test_no_false_alarm_and_every_fault_caught(llm: Any, tiny_qwen3_moe_dir: Pat
 def test_verify_raises_naming_the_check_and_the_fix(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
     model = _trainer(tiny_qwen3_moe_dir, experts=True)
     hwsync.sync(llm, model, strategy="hybrid")
-    assert hwsync.verify(llm, model, PROMPTS) < 1e-3  # the default call: content checks + this platform's gate
+    hwsync.verify(llm, model, PROMPTS)  # the default call: content checks + this platform's gate
     injector = FaultInjector(llm, model)
     injector.inject("stale adapter id")
     with pytest.raises(VerifyError, match=r"state: .*stale adapter id.*Fix: run hwsync.sync"):
@@ -99,9 +102,10 @@ def test_verify_raises_naming_the_check_and_the_fix(llm: Any, tiny_qwen3_moe_dir
     injector.inject("gate/up swapped")
     with pytest.raises(VerifyError, match=r"base content: 1 of \d+ tensor\(s\) differ.*gate_up_proj"):
         hwsync.verify(llm, model, PROMPTS)
-    # the logprob gate alone (content=False) sees it too on vLLM's CPU build (fp32 computes like the trainer)
-    with pytest.raises(VerifyError, match="logprobs: mean"):
-        hwsync.verify(llm, model, PROMPTS, content=False)
+    if on_cpu() and hwsync.as_engine(llm).describe().dtype == "float32":
+        # the logprob gate alone (content=False) sees it too where the engine computes like the trainer
+        with pytest.raises(VerifyError, match="logprobs: mean"):
+            hwsync.verify(llm, model, PROMPTS, content=False)
     injector.repair()
     hwsync.verify(llm, model, PROMPTS)
 
