@@ -6,6 +6,7 @@ for :func:`verify`, the ms-swift plugin and the tests alike.
 """
 from __future__ import annotations
 
+import math
 import sys
 import types
 from collections.abc import Iterator, Sequence
@@ -16,10 +17,10 @@ import torch
 from torch import nn
 
 from hwsync.api import as_engine
-from hwsync.errors import VerifyError
+from hwsync.errors import OptionError, VerifyError
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
 
-__all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "check", "engine_logprobs", "gate_for",
+__all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "check", "engine_logprobs", "gate_for", "parse_gate",
            "token_logprobs", "verify"]
 
 
@@ -66,7 +67,7 @@ class Agreement:
 
 
 def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence[int]], *, max_tokens: int = 4,
-              tie: float = 2e-4) -> Agreement:
+              tie: float = 2e-4, batch: bool = True) -> Agreement:
     """Run ``prompt_token_ids`` through the engine (greedy, ``max_tokens`` new tokens) and through ``model`` on the
     engine's own ids; compare logprobs everywhere and the greedy choice at each generated position (a trainer
     argmax that beats the engine's token by at most ``tie`` counts as a tie, not a mismatch)."""
@@ -77,7 +78,11 @@ def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence
     mismatches: list[str] = []
     diffs: list[torch.Tensor] = []
     pdiffs: list[torch.Tensor] = []
-    for prompt, (ids, values) in zip(prompt_token_ids, engine.logprobs(prompt_token_ids, max_tokens)):
+    # batch=False: one prompt per engine call (vLLM 0.32 with enable_lora computes prompt logprobs through the LoRA
+    # logits processor with one LoRA index per request, which only broadcasts over a single request's tokens)
+    outputs = (engine.logprobs(prompt_token_ids, max_tokens) if batch else
+               [engine.logprobs([p], max_tokens)[0] for p in prompt_token_ids])
+    for prompt, (ids, values) in zip(prompt_token_ids, outputs):
         ref, arg, best = _scores(model, ids)
         got = torch.tensor(values, dtype=torch.float32)
         if got.shape != ref.shape:
@@ -135,20 +140,26 @@ numeric faults. Override per call with ``gate=`` or process-wide with ``HWSYNC_V
 _LOOSEST = Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05)
 
 
+def parse_gate(text: str, var: str = "HWSYNC_VERIFY_GATE") -> Gate:
+    """``"mean,p90,prob"`` or ``"mean,p90,prob,max"`` -> :class:`Gate` (one clear error naming ``var``)."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+        if len(parts) not in (3, 4) or not all(math.isfinite(p) and p > 0 for p in parts):
+            raise ValueError
+    except ValueError:
+        raise OptionError(f"{var}={text!r}: expected 'mean,p90,prob' or 'mean,p90,prob,max' (positive numbers: "
+                          "mean |Δ logprob|, its 90th percentile, mean |Δ probability|, max |Δ logprob|; e.g. "
+                          "0.5,0.8,0.05)") from None
+    return Gate(*parts[:3], max_abs=parts[3] if len(parts) == 4 else None)
+
+
 def gate_for(device_type: str, dtype: str) -> Gate:
     """The gate of one platform/dtype (``HWSYNC_VERIFY_GATE`` wins; unknown pairs get the loosest gate)."""
     import os
 
     env = os.environ.get("HWSYNC_VERIFY_GATE", "").strip()
     if env:
-        try:
-            parts = [float(x) for x in env.split(",")]
-            if len(parts) not in (3, 4) or not all(p > 0 for p in parts):
-                raise ValueError
-        except ValueError:
-            raise VerifyError(f"HWSYNC_VERIFY_GATE={env!r}: expected 'mean,p90,prob' or 'mean,p90,prob,max' "
-                              "(positive numbers, e.g. 0.5,0.8,0.05)") from None
-        return Gate(*parts[:3], max_abs=parts[3] if len(parts) == 4 else None)
+        return parse_gate(env)
     dev = "cpu" if device_type == "cpu" else "cuda" if device_type in ("cuda", "rocm", "hip") else device_type
     key = (dev, "float32" if dtype in ("float32", "fp32") else "bfloat16" if dtype in ("bfloat16", "float16")
            else dtype)
@@ -348,6 +359,7 @@ def check(
     atol: float | None = None,
     content: bool = True,
     seed: int = 0,
+    batch: bool = True,
 ) -> VerifyReport:
     """Run every check and return the report (nothing raised for a failed check; see :func:`verify`).
 
@@ -368,7 +380,8 @@ def check(
         skipped += why
     info = engine.describe()
     g = gate or gate_for(info.device_type, info.dtype)
-    a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4)
+    a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4,
+                  batch=batch)
     stats = (f"mean |Δ| {a.mean_abs_diff:.3g} (<= {g.mean_abs:g}), p90 {a.p90_abs_diff:.3g} (<= {g.p90_abs:g}), "
              f"mean |Δp| {a.mean_prob_diff:.3g} (<= {g.mean_prob:g}), max {a.max_abs_diff:.3g} over {a.tokens} "
              f"tokens on {info.device_type} {info.dtype}")

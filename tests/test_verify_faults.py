@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.errors import VerifyError
+from hwsync.errors import OptionError, VerifyError
 from hwsync.testing import close_llm, make_llm, on_cpu, require_vllm
 from hwsync.testing.faults import FAULTS, FaultInjector, applicable, campaign
 
@@ -123,5 +123,5 @@ def test_gate_override_and_bad_value(llm: Any, tiny_qwen3_moe_dir: Path, monkeyp
     monkeypatch.setenv("HWSYNC_VERIFY_GATE", "1e-12,1e-12,1e-12")
     assert [c.name for c in check(llm, model, PROMPTS).failed] == ["logprobs"]
     monkeypatch.setenv("HWSYNC_VERIFY_GATE", "0.1,abc")
-    with pytest.raises(VerifyError, match="HWSYNC_VERIFY_GATE"):
+    with pytest.raises(OptionError, match="HWSYNC_VERIFY_GATE"):
         check(llm, model, PROMPTS)
