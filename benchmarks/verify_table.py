@@ -142,7 +142,8 @@ def tables(data: dict[str, Any]) -> str:
             unseen = sorted({f for (_, f) in faulty} - set(seen))
             out.append(f"| {dtype} | {check} | {_f(hmax)} | {_f(fmin)} | {margin} | {', '.join(seen) or '-'} | "
                        f"{', '.join(unseen) or '-'} |")
-    out += ["", "| dtype | strategy | healthy: false alarms | healthy max mean/p90/max \\|Δlogp\\| |", "|---|---|---|---|"]
+    out += ["", "| dtype | strategy | healthy: false alarms | healthy max mean/p90/max \\|Δlogp\\| |",
+            "|---|---|---|---|"]
     for r in runs:
         hs = r["healthy"]
         alarms = sum(1 for h in hs if h["failed"])

@@ -20,8 +20,8 @@ from hwsync.api import as_engine
 from hwsync.errors import OptionError, VerifyError
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
 
-__all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "check", "engine_logprobs", "gate_for", "parse_gate",
-           "token_logprobs", "verify"]
+__all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "check", "engine_logprobs", "gate_for",
+           "parse_gate", "token_logprobs", "verify"]
 
 
 def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -238,7 +238,8 @@ def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, It
     strategy = plan.manifest.strategy
     choice = choose(strategy, lora, info)
     fresh = dataclasses.replace(info, base_key=None, stale=False)  # as if nothing were on the engine: all of it
-    payload = build_payload(model, choice, lora if strategy is not Strategy.FULL else None, fresh)  # type: ignore[arg-type]
+    trainer_lora = lora if strategy is not Strategy.FULL else None
+    payload = build_payload(model, choice, trainer_lora, fresh)  # type: ignore[arg-type]
     return payload, zip(payload.specs, payload.produce())
 
 

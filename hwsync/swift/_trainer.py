@@ -221,7 +221,8 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         HWSYNC_VERIFY_ATOL when set, else the mean / 90th percentile of |Δ| above the platform's gate."""
         opts = self.hwsync_options
         if opts.verify_atol is not None:
-            return "" if worst <= opts.verify_atol else f"max |Δ| {worst:.3g} > {ENV['verify_atol']}={opts.verify_atol:g}"
+            atol = opts.verify_atol
+            return "" if worst <= atol else f"max |Δ| {worst:.3g} > {ENV['verify_atol']}={atol:g}"
         gate = self._hwsync_gate
         if gate is None:
             return ""
