@@ -156,6 +156,10 @@ def tables(data: dict[str, Any]) -> str:
             out.append(f"| {r['dtype']} | {r['strategy']} | {f} | {', '.join(v['failed']) or '**MISSED**'} | "
                        f"{_f(v.get('base content'))} | {_f(v.get('adapter content'))} | {_f(v.get('logprobs'))} | "
                        f"{_f(v.get('mean |Δlogp|'))} |")
+    na = [f"- {r['dtype']} {r['strategy']}: {f}: not applicable ({why})" for r in runs
+          for f, why in r.get("not_applicable", {}).items()]
+    if na:
+        out += [""] + na
     errors = [r for r in data["runs"] if "error" in r]
     if errors:
         out += [""] + [f"- {r['dtype']} {r.get('strategy', '')}: not run: {r['error']}" for r in errors]

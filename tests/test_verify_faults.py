@@ -32,6 +32,7 @@ CAUGHT_BY = {
     "adapter not installed": "state",
     "stale adapter id": "state",
     "LoRA scaling 2x": "adapter content",
+    "LoRA slot not written": "adapter slots",
     "post-load skipped": "base content",
     "layer experts not written": "base content",
     "experts transposed": "base content",

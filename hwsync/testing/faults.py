@@ -15,6 +15,7 @@ layer experts not written   one MoE layer's experts still hold the previous step
 experts transposed          one MoE layer's expert tensors written with their last two dims transposed
 gate/up swapped             one MoE layer's fused gate_up written with the gate and up halves swapped
 LoRA scaling 2x             every LoRA B of the installed adapter doubled (and written to the slots by vLLM)
+LoRA slot not written       the installed adapter intact, but the B halves of its slot (what the kernels read) zero
 previous step synced        a complete, valid sync of the previous step's weights (the trainer moved on)
 =========================== ================================================================================
 """
@@ -29,7 +30,7 @@ from torch import Tensor
 
 __all__ = ["ADAPTER_FAULTS", "BASE_FAULTS", "FAULTS", "FaultInjector", "applicable"]
 
-ADAPTER_FAULTS = ("adapter not installed", "stale adapter id", "LoRA scaling 2x")
+ADAPTER_FAULTS = ("adapter not installed", "stale adapter id", "LoRA scaling 2x", "LoRA slot not written")
 BASE_FAULTS = ("post-load skipped", "layer experts not written", "experts transposed", "gate/up swapped")
 FAULTS = ADAPTER_FAULTS + BASE_FAULTS + ("previous step synced",)
 
@@ -86,6 +87,21 @@ def _scale_adapter(worker: Any, factor: float) -> int:
             if name in manager.modules:
                 manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
     return len(lora.loras)
+
+
+def _zero_slot(worker: Any) -> int:
+    from hwsync.vllm.fingerprint import _stacked
+
+    rec, manager = _manager(worker)
+    slot = manager.lora_index_to_id.index(rec.state.lora_int_id)
+    n = 0
+    with torch.no_grad():
+        for module in manager.modules.values():
+            for attr, _i, t in _stacked(module):
+                if attr.startswith("lora_b"):
+                    t[slot].zero_()
+                    n += 1
+    return n
 
 
 def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bool) -> bool:
@@ -206,6 +222,9 @@ class FaultInjector:
         elif fault == "LoRA scaling 2x":
             with self.engine.lock:
                 self._rpc(_scale_adapter, 2.0)
+        elif fault == "LoRA slot not written":
+            with self.engine.lock:
+                self._rpc(_zero_slot)
         elif fault == "previous step synced":
             assert previous is not None, "previous step synced needs the previous weights"
             with self._weights(previous):
