@@ -8,7 +8,8 @@ Runs in the worker (``collective_rpc``). For every trainer name the trainer asks
   weight is handed to oneDNN / a packed kernel and emptied, so the kernel is asked (``cpu_linear`` on an identity
   matrix gives ``W^T`` exactly: every product is by 1.0, every sum adds zeros); MoE experts whose kernel prepacks
   them (CPU grouped GEMM, or any backend with a ``process_weights_after_loading``) get the probe sent through the
-  same post-load step (a pure data movement), so a skipped post-load step shows as a mismatch.
+  same post-load step (a pure data movement), so a skipped post-load step shows as a mismatch. Experts whose kernel
+  reads them as stored (:func:`hwsync.vllm.direct.why_not_direct`: Triton on CUDA) are read as they are.
 * **Adapter**: the installed adapter's id and its slot; every LoRA wrapper's slot is compared with what vLLM's own
   ``set_lora`` writes from the installed ``LoRAModel`` (then put back as it was), and the ``LoRAModel``'s tensors are
   mapped back to the trainer's wire tensors with the gathers of :class:`hwsync.vllm.lora_slots.SlotWriter` (the
@@ -83,7 +84,7 @@ class _Unreadable(Exception):
 
 def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, shape: tuple[int, ...],
               dtype: torch.dtype, live: Mapping[str, Tensor], seed: int) -> list[float]:
-    from hwsync.vllm.direct import _owner, _pieces
+    from hwsync.vllm.direct import _owner, _pieces, why_not_direct
 
     ns = names_plan.namespace
     total = magnitude = 0.0
@@ -100,7 +101,8 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
             if g is None or g.sharding is None:
                 raise _Unreadable(f"{tg.param}: expert layout unknown ({getattr(g, 'unwritable', None)})")
             ((dst, src),) = _pieces(names_plan, tg, r, held)
-            src = _moe_post_load(module, g, tg.param, src)
+            if why_not_direct(module, tg.param, set()) is not None:  # the kernel keeps its own layout: replay it
+                src = _moe_post_load(module, g, tg.param, src)
             pairs = [(dst, src)]
         else:
             view = _kernel_view(module, tg.param, held, ns.spec_of(tg.param).shape)
