@@ -27,7 +27,7 @@ declare -A MODULES=(
     [swift]="tests/test_swift_grpo.py"
     [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
     [qlora]="tests/test_qlora.py"
-    [verify]="tests/test_verify_faults.py"
+    [verify]="tests/test_verify_faults.py tests/test_verify_faults_bf16.py"
 )
 declare -A ABOUT=(
     [unit]="every module no other part names: layouts, names, LoRA formats, merged view, patches, broadcast (cuda/multigpu), backend, doctor, ..."

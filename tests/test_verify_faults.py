@@ -70,6 +70,11 @@ def _trainer(path: Path, experts: bool) -> Any:
 
 @pytest.mark.parametrize("strategy", ["full", "adapter", "hybrid"])
 def test_no_false_alarm_and_every_fault_caught(llm: Any, tiny_qwen3_moe_dir: Path, strategy: str) -> None:
+    assert_campaign(llm, tiny_qwen3_moe_dir, strategy)
+
+
+def assert_campaign(llm: Any, tiny_qwen3_moe_dir: Path, strategy: str) -> None:
+    """20 healthy syncs without a false alarm, then every applicable fault caught by its check and repaired."""
     info = hwsync.as_engine(llm).describe()
     model = _trainer(tiny_qwen3_moe_dir, experts=strategy != "adapter" or info.moe_lora)
     result = campaign(llm, model, strategy, PROMPTS, steps=STEPS, log=print)
