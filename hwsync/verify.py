@@ -324,8 +324,9 @@ def _content_checks(engine: Any, model: nn.Module, seed: int) -> tuple[list[Chec
         if unreadable:
             detail += f"; {len(unreadable)} not readable here, e.g. {next(iter(unreadable.values()))}"
         checks.append(Check("base content", not bad, rels[worst], REL_TOL, detail,
-                            "the engine's weights are not the trainer's (not written, wrong layout, or an older "
-                            f"step): {_SYNC_AGAIN}; if it persists, report it with `hwsync doctor` output"))
+                            "the engine's weights are not the trainer's (not written, wrong layout, a skipped "
+                            f"post-load step, or an older step): {_SYNC_AGAIN}; if it persists, check the hwsync "
+                            "patches with `hwsync doctor` and report it with that output"))
     # 3./4. adapter
     if lora_req:
         lora = got.get("lora")
