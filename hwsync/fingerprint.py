@@ -1,7 +1,8 @@
 """Content fingerprints: an exact, numerics-free check that the engine holds the trainer's tensors.
 
 A fingerprint of a tensor ``W`` (trainer name ``n``, trainer layout) is the float64 dot product ``<W, R_n>`` with a
-probe ``R_n``: a seeded N(0, 1) tensor of ``W``'s shape that both sides generate identically from ``(seed, n)``.
+probe ``R_n``: a pseudo-random integer tensor of ``W``'s shape that both sides generate identically from
+``(seed, n)`` (:func:`probe`).
 
 * **Trainer side** (:func:`expected`): ``<cast(W, wire dtype), R_n>`` for every tensor a from-scratch sync of the
   current strategy would send (the merged view for merged names, W0 for frozen ones, the folded LoRA A/B).
@@ -29,15 +30,29 @@ REL_TOL = 1e-9
 _CHUNK = 1 << 22
 
 
+_P = 2147483647  # 2^31 - 1: every product below stays under 2^62 (exact int64 on every device)
+_A, _B = 1103515245, 48271
+
+
 def probe(name: str, shape: Sequence[int], seed: int = 0, device: torch.device | str = "cpu",
           dtype: torch.dtype = torch.float32) -> Tensor:
-    """The probe ``R_name``: N(0, 1) of ``shape`` rounded to ``dtype`` (the tensor's wire dtype, so the engine can
-    send it through post-load steps that depend on the dtype without rounding it again), identical in every process
-    for the same ``seed``."""
+    """The probe ``R_name`` of ``shape``: integers in [-127, 127] from an integer hash of the element index, salted
+    with ``(seed, name)``. Pure int64 arithmetic, so it is generated on the tensor's own device (no copy of a
+    model-sized random tensor from the CPU) and is bit-identical on every device; the values are exact in every
+    float dtype down to bf16, so the engine can send the probe through dtype-dependent post-load steps unrounded."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    r = torch.randn(tuple(int(s) for s in shape), generator=gen, dtype=torch.float32)
-    return r.to(device=device, dtype=dtype if dtype.is_floating_point else torch.float32)
+    salt = int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    n = 1
+    for s in shape:
+        n *= int(s)
+    i = torch.arange(n, dtype=torch.int64, device=device)
+    h = ((i % _P) * _A) % _P ^ salt  # xor / shift rounds between the multiplications: not an affine sequence
+    h = (h * _B) % _P
+    h = h ^ (h >> 15)
+    h = (h * _A) % _P
+    h = h ^ (h >> 13)
+    out = ((h % 255) - 127).to(dtype if dtype.is_floating_point else torch.float32)
+    return out.reshape(tuple(int(s) for s in shape))
 
 
 def dot(a: Tensor, b: Tensor) -> tuple[float, float]:
