@@ -119,8 +119,9 @@ def _f(x: float | None) -> str:
 def tables(data: dict[str, Any]) -> str:
     runs = [r for r in data["runs"] if "error" not in r]
     out = [f"vLLM {data['vllm']}, torch {data['torch']}, {data['gpu'] or 'CPU'}; {data['steps']} healthy syncs per "
-           "strategy; values: exact checks = max relative fingerprint error (0 / counts for state and slots), "
-           "logprobs = largest ratio of a statistic to its gate (<= 1 passes)", ""]
+           "strategy; values: content checks = fingerprint error in units of its allowance (float64 summation, "
+           "8 ulps of the largest element), state/slots = problems found, logprobs = largest ratio of a statistic "
+           "to its gate; <= 1 passes everywhere (0 for state/slots)", ""]
     out.append("| dtype | check | healthy max | faulty min (faults it catches) | margin | catches | does not see |")
     out.append("|---|---|---|---|---|---|---|")
     for dtype in dict.fromkeys(r["dtype"] for r in runs):
@@ -149,8 +150,8 @@ def tables(data: dict[str, Any]) -> str:
         alarms = sum(1 for h in hs if h["failed"])
         stats = "/".join(_f(max(h[k] for h in hs)) for k in ("mean |Δlogp|", "p90 |Δlogp|", "max |Δlogp|"))
         out.append(f"| {r['dtype']} | {r['strategy']} | {alarms} of {len(hs)} | {stats} |")
-    out += ["", "| dtype | strategy | fault | caught by | base content | adapter content | logprobs (gate ratio) | "
-            "mean \\|Δlogp\\| |", "|---|---|---|---|---|---|---|---|"]
+    out += ["", "| dtype | strategy | fault | caught by | base content (x allowance) | adapter content (x allowance) | "
+            "logprobs (gate ratio) | mean \\|Δlogp\\| |", "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         for f, v in r["faults"].items():
             out.append(f"| {r['dtype']} | {r['strategy']} | {f} | {', '.join(v['failed']) or '**MISSED**'} | "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import sys
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,15 +252,16 @@ def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, It
     return payload, zip(payload.specs, payload.produce())
 
 
-def _expected(engine: Any, model: nn.Module, plan: Any, seed: int) -> tuple[dict[str, Any], dict[str, Any],
-                                                                          dict[str, tuple[float, float]]]:
+def _expected(engine: Any, model: nn.Module, plan: Any, seed: int
+              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
     """(fingerprint request for the engine, its LoRA part, trainer fingerprints) over :func:`reference_tensors`,
     each fingerprinted as it travels (wire dtype)."""
     from hwsync.fingerprint import dot, probe
     from hwsync.wire import dtype_name
 
     payload, pairs = reference_tensors(engine, model, plan)
-    want: dict[str, tuple[float, float]] = {}
+    want: dict[str, tuple[float, float, float]] = {}
+    dtypes: dict[str, torch.dtype] = {}
     base: list[Any] = []
     lora_keys: list[str] = []
     lora_shapes: list[list[int]] = []
@@ -270,22 +271,30 @@ def _expected(engine: Any, model: nn.Module, plan: Any, seed: int) -> tuple[dict
                 continue
             t = t.to(spec.dtype)
             want[spec.name] = dot(t, probe(spec.name, spec.shape, seed, t.device, spec.dtype))
+            dtypes[spec.name] = spec.dtype
             if spec.kind == "lora":
                 lora_keys.append(spec.name)
                 lora_shapes.append(list(spec.shape))
             else:
                 base.append([spec.name, list(spec.shape), dtype_name(spec.dtype)])
     lora_req = {"keys": lora_keys, "shapes": lora_shapes, "config": payload.lora_config or {}} if lora_keys else None
-    return {"seed": seed, "base": base, "lora": lora_req}, lora_req or {}, want
+    return {"seed": seed, "base": base, "lora": lora_req}, lora_req or {}, want, dtypes
 
 
-def _rel(got: Sequence[float], want: tuple[float, float]) -> float:
-    scale = max(want[1], abs(got[1]), 1e-30)
-    return abs(got[0] - want[0]) / scale
+def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[str, torch.dtype]
+            ) -> dict[str, tuple[float, float]]:
+    """name -> (excess over the allowance, <= 1 passes; relative error) for every fingerprint both sides have."""
+    from hwsync.fingerprint import excess
+
+    out = {}
+    for n, v in got.items():
+        if isinstance(v, str) or n not in want:
+            continue
+        out[n] = (excess(v, want[n], dtypes[n]), abs(v[0] - want[n][0]) / max(want[n][1], abs(v[1]), 1e-300))
+    return out
 
 
 def _content_checks(engine: Any, model: nn.Module, seed: int) -> tuple[list[Check], list[str]]:
-    from hwsync.fingerprint import REL_TOL
     from hwsync.wire import Strategy
 
     plan = last_plan(engine, model)
@@ -294,7 +303,7 @@ def _content_checks(engine: Any, model: nn.Module, seed: int) -> tuple[list[Chec
     fp = getattr(engine, "fingerprints", None)
     if fp is None:
         return [], [f"content: {type(engine).__name__} cannot read fingerprints back (logprob gate only)"]
-    request, lora_req, want = _expected(engine, model, plan, seed)
+    request, lora_req, want, dtypes = _expected(engine, model, plan, seed)
     got = fp(request)
     if got is None:
         return [], ["content: the engine runs with several workers (tensor parallel): logprob gate only"]
@@ -323,16 +332,17 @@ def _content_checks(engine: Any, model: nn.Module, seed: int) -> tuple[list[Chec
     # 2. base content
     base = got.get("base") or {}
     unreadable = {n: v for n, v in base.items() if isinstance(v, str)}
-    rels = {n: _rel(v, want[n]) for n, v in base.items() if not isinstance(v, str) and n in want}
-    if rels:
-        worst = max(rels, key=rels.__getitem__)
-        bad = [n for n, r in rels.items() if not r <= REL_TOL]
-        detail = (f"{len(bad)} of {len(rels)} tensor(s) differ from the trainer's, e.g. {worst} (relative "
-                  f"fingerprint error {rels[worst]:.3g})" if bad else
-                  f"{len(rels)} tensors equal the trainer's (max relative fingerprint error {rels[worst]:.1e})")
+    scores = _fp_scores(base, want, dtypes)
+    if scores:
+        worst = max(scores, key=lambda n: scores[n][0])
+        bad = [n for n, (x, _) in scores.items() if not x <= 1.0]
+        detail = (f"{len(bad)} of {len(scores)} tensor(s) differ from the trainer's, e.g. {worst} (relative "
+                  f"fingerprint error {scores[worst][1]:.3g})" if bad else
+                  f"{len(scores)} tensors equal the trainer's (max relative fingerprint error "
+                  f"{max(r for _, r in scores.values()):.1e})")
         if unreadable:
             detail += f"; {len(unreadable)} not readable here, e.g. {next(iter(unreadable.values()))}"
-        checks.append(Check("base content", not bad, rels[worst], REL_TOL, detail,
+        checks.append(Check("base content", not bad, scores[worst][0], 1.0, detail,
                             "the engine's weights are not the trainer's (not written, wrong layout, a skipped "
                             f"post-load step, or an older step): {_SYNC_AGAIN}; if it persists, check the hwsync "
                             "patches with `hwsync doctor` and report it with that output"))
@@ -340,21 +350,21 @@ def _content_checks(engine: Any, model: nn.Module, seed: int) -> tuple[list[Chec
     if lora_req:
         lora = got.get("lora")
         if isinstance(lora, str) or lora is None:
-            checks.append(Check("adapter content", False, float("inf"), REL_TOL, str(lora), _SYNC_AGAIN))
+            checks.append(Check("adapter content", False, float("inf"), 1.0, str(lora), _SYNC_AGAIN))
         else:
             bad_slots = lora["bad_slots"]
             checks.append(Check("adapter slots", not bad_slots, float(len(bad_slots)), 0.0,
                                 f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. "
                                 f"{bad_slots[0]}" if bad_slots else "every LoRA slot holds the installed adapter",
                                 f"the kernels read other LoRA weights than the installed adapter: {_SYNC_AGAIN}"))
-            lrels = {k: _rel(v, want[k]) for k, v in lora["tensors"].items() if k in want}
-            worst = max(lrels, key=lrels.__getitem__)
-            bad = [k for k, r in lrels.items() if not r <= REL_TOL]
+            lscores = _fp_scores(lora["tensors"], want, dtypes)
+            worst = max(lscores, key=lambda k: lscores[k][0])
+            bad = [k for k, (x, _) in lscores.items() if not x <= 1.0]
             checks.append(Check(
-                "adapter content", not bad, lrels[worst], REL_TOL,
-                f"{len(bad)} of {len(lrels)} LoRA tensor(s) differ from the trainer's, e.g. {worst} (relative "
-                f"fingerprint error {lrels[worst]:.3g})" if bad else
-                f"{len(lrels)} LoRA tensors equal the trainer's (scaling folded)",
+                "adapter content", not bad, lscores[worst][0], 1.0,
+                f"{len(bad)} of {len(lscores)} LoRA tensor(s) differ from the trainer's, e.g. {worst} (relative "
+                f"fingerprint error {lscores[worst][1]:.3g})" if bad else
+                f"{len(lscores)} LoRA tensors equal the trainer's (scaling folded)",
                 f"the installed adapter is not the trainer's current one (older step, scaling or layout): "
                 f"{_SYNC_AGAIN}"))
     return checks, []

@@ -81,9 +81,9 @@ def assert_campaign(llm: Any, tiny_qwen3_moe_dir: Path, strategy: str) -> None:
     false_alarms = [h["message"] for h in result["healthy"] if h["failed"]]
     assert not false_alarms, f"{len(false_alarms)} false alarm(s) over {STEPS} healthy syncs: {false_alarms[0]}"
     assert len(result["healthy"]) == STEPS
-    # the exact checks hold to float64 summation order on healthy syncs
-    assert max(h.get("base content", 0.0) for h in result["healthy"]) < 1e-12
-    assert max(h.get("adapter content", 0.0) for h in result["healthy"]) < 1e-12
+    # the exact checks: healthy fingerprints within a thousandth of their allowance (float64 summation order)
+    assert max(h.get("base content", 0.0) for h in result["healthy"]) < 1e-3
+    assert max(h.get("adapter content", 0.0) for h in result["healthy"]) < 1e-3
     expected = [f for f in FAULTS if applicable(f, strategy)]
     not_here = result.get("not_applicable", {})
     if on_cpu() and info.dtype == "float32":

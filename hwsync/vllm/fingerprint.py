@@ -87,7 +87,7 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
     from hwsync.vllm.direct import _owner, _pieces, why_not_direct
 
     ns = names_plan.namespace
-    total = magnitude = 0.0
+    total = magnitude = peak = 0.0
     for tg in targets:
         if tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
             raise _Unreadable("per-expert trainer tensors are not fingerprinted (fused expert tensors are)")
@@ -108,10 +108,11 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
             view = _kernel_view(module, tg.param, held, ns.spec_of(tg.param).shape)
             pairs = _pieces(names_plan, tg, r, view)
         for dst, src in pairs:
-            v, m = dot(dst, src)
+            v, m, top = dot(dst, src)
             total += v
             magnitude += m
-    return [total, magnitude]
+            peak = max(peak, top)
+    return [total, magnitude, peak]
 
 
 def _kernel_view(module: torch.nn.Module, param: str, held: Tensor, shape: tuple[int, ...]) -> Tensor:
