@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HWSYNC_PYTEST="${HWSYNC_PYTEST:-pytest}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora bench)
+PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora bench verify)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -27,6 +27,7 @@ declare -A MODULES=(
     [swift]="tests/test_swift_grpo.py"
     [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
     [qlora]="tests/test_qlora.py"
+    [verify]="tests/test_verify_faults.py tests/test_verify_faults_bf16.py"
 )
 declare -A ABOUT=(
     [unit-a]="the first half (by name) of every module no other part names: backend, broadcast (cuda/multigpu), doctor, layouts, LoRA formats, merged view, names, ..."
@@ -39,6 +40,7 @@ declare -A ABOUT=(
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
     [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 (every strategy, exactness vs vLLM own loading)"
+    [verify]="${MODULES[verify]} (no false alarm over 20 syncs per strategy, every injected fault caught), benchmarks/verify_table.py (healthy max vs faulty min per check, bf16 + fp32)"
 )
 
 unit_modules() {  # $1 = a|b: that half (by name) of the test modules no other part names, space-separated
@@ -66,6 +68,9 @@ run_part() {
             "$PY" examples/grpo_tiny_moe.py --steps 4 --workdir "${TMPDIR:-/tmp}/hwsync-grpo-gpu" || rc=$?
             run_modules "${MODULES[swift]}" || rc=$? ;;
         bench) "$PY" benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
+        verify)
+            run_modules "${MODULES[verify]}" || rc=$?
+            "$PY" benchmarks/verify_table.py ${OUT:+--json "$OUT/verify_table.json"} || rc=$? ;;
         *) run_modules "${MODULES[$part]}" || rc=$? ;;
     esac
     echo "=== ci/gpu.sh $part: $([ $rc -eq 0 ] && echo passed || echo "FAILED (exit $rc)")"

@@ -104,7 +104,10 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hwsync' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    mod = importlib.import_module(module)
+    # `hwsync.verify` is the module itself, callable as the function (`hwsync.verify(...)`, `hwsync.verify.check`):
+    # importing the submodule rebinds the package attribute anyway, so both spellings must mean one object
+    value = mod if name == module.rsplit(".", 1)[-1] and callable(mod) else getattr(mod, name)
     globals()[name] = value
     return value
 

@@ -1,12 +1,23 @@
-"""Does the engine serve the trainer's policy? Logprobs of the same token ids, engine vs trainer.
+"""Does the engine serve the trainer's policy? Exact content checks plus a logprob gate per platform and dtype.
 
-Parameter equality is no evidence (engines repack weights after loading); this compares what both compute. One
-helper computes the trainer's logprobs (:func:`token_logprobs`) and one reads the engine's (:func:`engine_logprobs`),
-for :func:`verify`, the ms-swift plugin and the tests alike.
+A fixed logprob tolerance cannot tell a broken sync from GPU numerics (a correct sync differs from the trainer by up
+to ~0.5 in fp32 with TF32 fused MoE and ~2 in bf16), so :func:`check` gathers two kinds of evidence (docs/verify.md):
+
+* **content** (exact, no numerics): the engine's receiver state against the trainer's last sync, and fingerprints
+  (:mod:`hwsync.fingerprint`) of what the engine's kernels read -- base weights, LoRA slots, the installed adapter --
+  read back through the sync plan and compared with the trainer's tensors;
+* **logprobs**: engine vs trainer over prompt + greedy tokens (one helper computes the trainer's,
+  :func:`token_logprobs`, one reads the engine's, :func:`engine_logprobs`), summarized by mean, 90th percentile and
+  mean |Δ probability| against the gate of the engine's device/dtype (:data:`GATES`).
+
+:func:`verify` raises :class:`~hwsync.errors.VerifyError` naming each failed check and its fix.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import sys
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +25,11 @@ import torch
 from torch import nn
 
 from hwsync.api import as_engine
-from hwsync.errors import VerifyError
+from hwsync.errors import OptionError, VerifyError
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
 
-__all__ = ["Agreement", "agreement", "engine_logprobs", "token_logprobs", "verify"]
+__all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "check", "engine_logprobs", "gate_for",
+           "parse_gate", "token_logprobs", "verify"]
 
 
 def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,10 +66,16 @@ class Agreement:
     """Number of logprobs compared."""
     greedy_mismatches: tuple[str, ...]
     """Generated positions where the engine's greedy token is not the trainer's argmax (and not a near-tie)."""
+    mean_abs_diff: float = 0.0
+    """Mean |Δ logprob| over the same tokens."""
+    p90_abs_diff: float = 0.0
+    """90th percentile of |Δ logprob| (robust to the few near-tie routing flips of bf16 MoE kernels)."""
+    mean_prob_diff: float = 0.0
+    """Mean |Δ probability| of the same tokens (verl's rollout-vs-trainer gate)."""
 
 
 def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence[int]], *, max_tokens: int = 4,
-              tie: float = 2e-4) -> Agreement:
+              tie: float = 2e-4, batch: bool = True) -> Agreement:
     """Run ``prompt_token_ids`` through the engine (greedy, ``max_tokens`` new tokens) and through ``model`` on the
     engine's own ids; compare logprobs everywhere and the greedy choice at each generated position (a trainer
     argmax that beats the engine's token by at most ``tie`` counts as a tie, not a mismatch)."""
@@ -66,13 +84,21 @@ def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence
     engine = as_engine(target)
     worst, where, count = 0.0, "", 0
     mismatches: list[str] = []
-    for prompt, (ids, values) in zip(prompt_token_ids, engine.logprobs(prompt_token_ids, max_tokens)):
+    diffs: list[torch.Tensor] = []
+    pdiffs: list[torch.Tensor] = []
+    # batch=False: one prompt per engine call (vLLM 0.32 with enable_lora computes prompt logprobs through the LoRA
+    # logits processor with one LoRA index per request, which only broadcasts over a single request's tokens)
+    outputs = (engine.logprobs(prompt_token_ids, max_tokens) if batch else
+               [engine.logprobs([p], max_tokens)[0] for p in prompt_token_ids])
+    for prompt, (ids, values) in zip(prompt_token_ids, outputs):
         ref, arg, best = _scores(model, ids)
         got = torch.tensor(values, dtype=torch.float32)
         if got.shape != ref.shape:
             raise VerifyError(f"engine returned {got.numel()} logprobs for {len(ids)} tokens")
         diff = (got - ref).abs()
         count += diff.numel()
+        diffs.append(diff)
+        pdiffs.append((got.exp() - ref.exp()).abs())
         if diff.numel() and (float(diff.max()) > worst or not where or diff.isnan().any()):
             worst = float("nan") if diff.isnan().any() else max(worst, float(diff.max()))
             where = f"prompt of {len(prompt)} tokens, position {int(diff.nan_to_num(float('inf')).argmax()) + 1}"
@@ -81,7 +107,319 @@ def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence
             if int(arg[t]) != token and float(best[t] - ref[t]) > tie:
                 mismatches.append(f"after {ids[:t + 1]}: engine chose {token}, trainer {int(arg[t])} "
                                   f"(logprob {float(best[t]):.4f} vs {float(ref[t]):.4f})")
-    return Agreement(worst, where, count, tuple(mismatches))
+    every = torch.cat(diffs) if diffs else torch.zeros(0)
+    if not every.numel():
+        return Agreement(worst, where, count, tuple(mismatches))
+    return Agreement(worst, where, count, tuple(mismatches), float(every.mean()),
+                     float(torch.quantile(every.double(), 0.9)), float(torch.cat(pdiffs).mean()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the verdict: exact content checks + a statistical logprob gate per (device, dtype)
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Gate:
+    """Limits of the logprob gate (engine vs trainer over prompt + greedy tokens). ``max_abs`` is ``None`` except
+    where the platform computes like the trainer (vLLM's CPU build in fp32)."""
+
+    mean_abs: float
+    """Mean |Δ logprob|."""
+    p90_abs: float
+    """90th percentile of |Δ logprob|."""
+    mean_prob: float
+    """Mean |Δ probability| (verl watches <= 0.01)."""
+    max_abs: float | None = None
+
+
+GATES: dict[tuple[str, str], Gate] = {
+    # vLLM's CPU build, fp32: computes like the trainer (healthy: mean 2.4e-6, max 6.7e-6 over 60 syncs)
+    ("cpu", "float32"): Gate(mean_abs=1e-4, p90_abs=2e-4, mean_prob=1e-4, max_abs=2e-3),
+    # bf16 engine vs fp32 trainer: bf16 rounding, near-tie expert-routing flips and the greedy paths they change
+    # (CPU healthy max over 60 syncs: mean 0.32, p90 0.40, mean |Δp| 0.029, max 6.2)
+    ("cpu", "bfloat16"): Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05),
+    # CUDA fp32: the fused-MoE Triton matmuls run in TF32 (healthy max 0.007-0.49 measured on an H200)
+    ("cuda", "float32"): Gate(mean_abs=0.1, p90_abs=0.3, mean_prob=0.02),
+    # CUDA bf16: as CPU bf16 (healthy max 0.05-1.9 measured on an H200)
+    ("cuda", "bfloat16"): Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05),
+}
+"""Per (device type, dtype). The exact content checks carry the fine-grained detection everywhere; this gate catches
+what fingerprints cannot see (a kernel fed the right tensor in the wrong layout, an unreadable module) and gross
+numeric faults. Override per call with ``gate=`` or process-wide with ``HWSYNC_VERIFY_GATE=mean,p90,prob[,max]``."""
+_LOOSEST = Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05)
+
+
+def parse_gate(text: str, var: str = "HWSYNC_VERIFY_GATE") -> Gate:
+    """``"mean,p90,prob"`` or ``"mean,p90,prob,max"`` -> :class:`Gate` (one clear error naming ``var``)."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+        if len(parts) not in (3, 4) or not all(math.isfinite(p) and p > 0 for p in parts):
+            raise ValueError
+    except ValueError:
+        raise OptionError(f"{var}={text!r}: expected 'mean,p90,prob' or 'mean,p90,prob,max' (positive numbers: "
+                          "mean |Δ logprob|, its 90th percentile, mean |Δ probability|, max |Δ logprob|; e.g. "
+                          "0.5,0.8,0.05)") from None
+    return Gate(*parts[:3], max_abs=parts[3] if len(parts) == 4 else None)
+
+
+def gate_for(device_type: str, dtype: str) -> Gate:
+    """The gate of one platform/dtype (``HWSYNC_VERIFY_GATE`` wins; unknown pairs get the loosest gate)."""
+    import os
+
+    env = os.environ.get("HWSYNC_VERIFY_GATE", "").strip()
+    if env:
+        return parse_gate(env)
+    dev = "cpu" if device_type == "cpu" else "cuda" if device_type in ("cuda", "rocm", "hip") else device_type
+    key = (dev, "float32" if dtype in ("float32", "fp32") else "bfloat16" if dtype in ("bfloat16", "float16")
+           else dtype)
+    return GATES.get(key, _LOOSEST)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of :func:`check`: its measured value against its limit (``ok`` is ``value <= limit``)."""
+
+    name: str
+    """``state``, ``base content``, ``adapter slots``, ``adapter content``, ``logprobs``."""
+    ok: bool
+    value: float
+    limit: float
+    detail: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Every check of one :func:`check` call; ``failed`` lists the ones that did not pass."""
+
+    checks: tuple[Check, ...]
+    agreement: Agreement | None
+    gate: Gate | None
+    skipped: tuple[str, ...] = ()
+    """Checks that could not run here, with why (e.g. content checks on a remote engine)."""
+
+    @property
+    def failed(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.ok)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def metric(self, name: str) -> float | None:
+        return next((c.value for c in self.checks if c.name == name), None)
+
+    def message(self) -> str:
+        if self.ok:
+            return ("verify passed: " + "; ".join(f"{c.name} {c.detail}" for c in self.checks)
+                    + "".join(f"; not run: {why}" for why in self.skipped))
+        lines = [f"verify failed {len(self.failed)} check(s):"]
+        lines += [f"  - {c.name}: {c.detail}. Fix: {c.fix}" for c in self.failed]
+        return "\n".join(lines)
+
+
+_SYNC_AGAIN = "run hwsync.sync(engine, model) again before generating"
+_HINT = ("the engine does not compute what the trainer computes: check the sync strategy, the hwsync patches "
+         "(`hwsync doctor`) and dtypes; if the content checks pass, the engine's kernels diverge from the trainer "
+         "(raise the gate for this platform with gate= / HWSYNC_VERIFY_GATE only after checking the numbers)")
+
+
+def last_plan(engine: Any, model: nn.Module) -> Any:
+    from hwsync.payload import model_uuid
+
+    prefix = f"{model_uuid(model)}:"
+    plans = [p for k, p in engine.plans.items() if k.startswith(prefix)]
+    return max(plans, key=lambda p: p.synced_version) if plans else None
+
+
+def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, Iterator[tuple[Any, torch.Tensor]]]:
+    """``(payload, (spec, tensor) pairs)``: every tensor a from-scratch sync of ``plan``'s strategy would send now
+    (merged view for merged names, W0 for frozen ones, folded LoRA A/B), lazily, as the engine should hold them."""
+    import dataclasses
+
+    from hwsync.payload import build_payload, read_lora
+    from hwsync.strategy import choose
+    from hwsync.wire import Strategy
+
+    info = engine.describe()
+    lora = read_lora(model, info)
+    if lora is not None and not isinstance(lora, Exception) and info.lora_enabled:
+        info = engine.describe(lora.vllm_paths)
+    strategy = plan.manifest.strategy
+    choice = choose(strategy, lora, info)
+    fresh = dataclasses.replace(info, base_key=None, stale=False)  # as if nothing were on the engine: all of it
+    trainer_lora = lora if strategy is not Strategy.FULL else None
+    payload = build_payload(model, choice, trainer_lora, fresh)  # type: ignore[arg-type]
+    return payload, zip(payload.specs, payload.produce())
+
+
+def _expected(engine: Any, model: nn.Module, plan: Any, seed: int
+              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
+    """(fingerprint request for the engine, its LoRA part, trainer fingerprints) over :func:`reference_tensors`,
+    each fingerprinted as it travels (wire dtype)."""
+    from hwsync.fingerprint import dot, probe
+    from hwsync.wire import dtype_name
+
+    payload, pairs = reference_tensors(engine, model, plan)
+    want: dict[str, tuple[float, float, float]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    base: list[Any] = []
+    lora_keys: list[str] = []
+    lora_shapes: list[list[int]] = []
+    with torch.no_grad():
+        for spec, t in pairs:
+            if not t.is_floating_point():
+                continue
+            t = t.to(spec.dtype)
+            want[spec.name] = dot(t, probe(spec.name, spec.shape, seed, t.device, spec.dtype))
+            dtypes[spec.name] = spec.dtype
+            if spec.kind == "lora":
+                lora_keys.append(spec.name)
+                lora_shapes.append(list(spec.shape))
+            else:
+                base.append([spec.name, list(spec.shape), dtype_name(spec.dtype)])
+    lora_req = {"keys": lora_keys, "shapes": lora_shapes, "config": payload.lora_config or {}} if lora_keys else None
+    return {"seed": seed, "base": base, "lora": lora_req}, lora_req or {}, want, dtypes
+
+
+def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[str, torch.dtype]
+            ) -> dict[str, tuple[float, float]]:
+    """name -> (excess over the allowance, <= 1 passes; relative error) for every fingerprint both sides have."""
+    from hwsync.fingerprint import excess
+
+    out = {}
+    for n, v in got.items():
+        if isinstance(v, str) or n not in want:
+            continue
+        out[n] = (excess(v, want[n], dtypes[n]), abs(v[0] - want[n][0]) / max(want[n][1], abs(v[1]), 1e-300))
+    return out
+
+
+def _content_checks(engine: Any, model: nn.Module, seed: int) -> tuple[list[Check], list[str]]:
+    from hwsync.wire import Strategy
+
+    plan = last_plan(engine, model)
+    if plan is None:
+        return [], ["content: this model was never synced to this engine through hwsync.sync (no trainer plan)"]
+    fp = getattr(engine, "fingerprints", None)
+    if fp is None:
+        return [], [f"content: {type(engine).__name__} cannot read fingerprints back (logprob gate only)"]
+    request, lora_req, want, dtypes = _expected(engine, model, plan, seed)
+    got = fp(request)
+    if got is None:
+        return [], ["content: the engine runs with several workers (tensor parallel): logprob gate only"]
+    checks: list[Check] = []
+    # 1. state: not stale, at the trainer's version, serving the adapter the trainer installed
+    problems = []
+    if got["stale"]:
+        problems.append("the engine is stale (an interrupted sync left part of the weights written)")
+    if got["version"] != plan.synced_version:
+        problems.append(f"the engine is at v{got['version']}, the trainer's last sync of this model left "
+                        f"v{plan.synced_version} (another sync or a restart since)")
+    full = plan.manifest.strategy is Strategy.FULL
+    if lora_req:
+        from hwsync.vllm.applier import LORA_INT_ID
+
+        lid = plan.manifest.lora_int_id if plan.manifest.lora_int_id is not None else LORA_INT_ID
+        if got["lora_int_id"] is None:
+            problems.append(f"no adapter is installed (the trainer's last sync installed adapter id {lid})")
+        elif got["lora_int_id"] != lid:
+            problems.append(f"the engine serves adapter id {got['lora_int_id']}, the trainer's last sync installed "
+                            f"id {lid} (stale adapter id)")
+    elif full and got["lora_int_id"] is not None:
+        problems.append(f"the engine still serves adapter id {got['lora_int_id']} over merged weights")
+    checks.append(Check("state", not problems, float(len(problems)), 0.0,
+                        "; ".join(problems) or f"v{got['version']}, adapter {got['lora_int_id']}", _SYNC_AGAIN))
+    # 2. base content
+    base = got.get("base") or {}
+    unreadable = {n: v for n, v in base.items() if isinstance(v, str)}
+    scores = _fp_scores(base, want, dtypes)
+    if scores:
+        worst = max(scores, key=lambda n: scores[n][0])
+        bad = [n for n, (x, _) in scores.items() if not x <= 1.0]
+        detail = (f"{len(bad)} of {len(scores)} tensor(s) differ from the trainer's, e.g. {worst} (relative "
+                  f"fingerprint error {scores[worst][1]:.3g})" if bad else
+                  f"{len(scores)} tensors equal the trainer's (max relative fingerprint error "
+                  f"{max(r for _, r in scores.values()):.1e})")
+        if unreadable:
+            detail += f"; {len(unreadable)} not readable here, e.g. {next(iter(unreadable.values()))}"
+        checks.append(Check("base content", not bad, scores[worst][0], 1.0, detail,
+                            "the engine's weights are not the trainer's (not written, wrong layout, a skipped "
+                            f"post-load step, or an older step): {_SYNC_AGAIN}; if it persists, check the hwsync "
+                            "patches with `hwsync doctor` and report it with that output"))
+    # 3./4. adapter
+    if lora_req:
+        lora = got.get("lora")
+        if isinstance(lora, str) or lora is None:
+            checks.append(Check("adapter content", False, float("inf"), 1.0, str(lora), _SYNC_AGAIN))
+        else:
+            bad_slots = lora["bad_slots"]
+            checks.append(Check("adapter slots", not bad_slots, float(len(bad_slots)), 0.0,
+                                f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. "
+                                f"{bad_slots[0]}" if bad_slots else "every LoRA slot holds the installed adapter",
+                                f"the kernels read other LoRA weights than the installed adapter: {_SYNC_AGAIN}"))
+            lscores = _fp_scores(lora["tensors"], want, dtypes)
+            worst = max(lscores, key=lambda k: lscores[k][0])
+            bad = [k for k, (x, _) in lscores.items() if not x <= 1.0]
+            checks.append(Check(
+                "adapter content", not bad, lscores[worst][0], 1.0,
+                f"{len(bad)} of {len(lscores)} LoRA tensor(s) differ from the trainer's, e.g. {worst} (relative "
+                f"fingerprint error {lscores[worst][1]:.3g})" if bad else
+                f"{len(lscores)} LoRA tensors equal the trainer's (scaling folded)",
+                f"the installed adapter is not the trainer's current one (older step, scaling or layout): "
+                f"{_SYNC_AGAIN}"))
+    return checks, []
+
+
+def check(
+    target: Any,
+    model: nn.Module,
+    prompt_token_ids: Sequence[Sequence[int]],
+    *,
+    max_tokens: int = 4,
+    gate: Gate | None = None,
+    atol: float | None = None,
+    content: bool = True,
+    seed: int = 0,
+    batch: bool = True,
+) -> VerifyReport:
+    """Run every check and return the report (nothing raised for a failed check; see :func:`verify`).
+
+    * **Content** (exact, no numerics; engines driven in this process through :func:`hwsync.sync`): the engine's
+      state (not stale, at the trainer's version, serving the adapter id the trainer installed), then fingerprints
+      of what its kernels read (base weights, LoRA slots, the installed adapter) against the trainer's tensors
+      (:mod:`hwsync.fingerprint`).
+    * **Logprobs**: engine vs trainer over prompt + greedy tokens; mean |Δ|, its 90th percentile and mean |Δp|
+      against the gate of this device/dtype (:data:`GATES`, or ``gate``). ``atol`` adds the strict gate of earlier
+      versions: max |Δ| <= atol and every greedy token the trainer's argmax (CPU fp32 only).
+    """
+    engine = as_engine(target)
+    checks: list[Check] = []
+    skipped: list[str] = []
+    if content:
+        got, why = _content_checks(engine, model, seed)
+        checks += got
+        skipped += why
+    info = engine.describe()
+    g = gate or gate_for(info.device_type, info.dtype)
+    a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4,
+                  batch=batch)
+    stats = (f"mean |Δ| {a.mean_abs_diff:.3g} (<= {g.mean_abs:g}), p90 {a.p90_abs_diff:.3g} (<= {g.p90_abs:g}), "
+             f"mean |Δp| {a.mean_prob_diff:.3g} (<= {g.mean_prob:g}), max {a.max_abs_diff:.3g} over {a.tokens} "
+             f"tokens on {info.device_type} {info.dtype}")
+    ratio = max(a.mean_abs_diff / g.mean_abs, a.p90_abs_diff / g.p90_abs, a.mean_prob_diff / g.mean_prob,
+                a.max_abs_diff / g.max_abs if g.max_abs else 0.0)
+    if ratio != ratio:  # NaN
+        ratio = float("inf")
+    checks.append(Check("logprobs", ratio <= 1.0, ratio, 1.0, stats, _HINT))
+    if atol is not None:
+        checks.append(Check("max |Δ logprob|", a.max_abs_diff <= atol, a.max_abs_diff, atol,
+                            f"max |Δ logprob| = {a.max_abs_diff:.3g} > atol {atol:g} ({a.where})"
+                            if not a.max_abs_diff <= atol else f"max {a.max_abs_diff:.3g} <= atol {atol:g}", _HINT))
+        if a.greedy_mismatches:
+            checks.append(Check("greedy tokens", False, float(len(a.greedy_mismatches)), 0.0,
+                                f"greedy tokens differ at {len(a.greedy_mismatches)} position(s), e.g. "
+                                f"{a.greedy_mismatches[0]}", _HINT))
+    return VerifyReport(tuple(checks), a, g, tuple(skipped))
 
 
 def verify(
@@ -89,23 +427,39 @@ def verify(
     model: nn.Module,
     prompt_token_ids: Sequence[Sequence[int]],
     *,
-    atol: float = 1e-4,
+    atol: float | None = None,
     max_tokens: int = 4,
+    gate: Gate | None = None,
+    content: bool = True,
 ) -> float:
-    """Max |Δ logprob| between ``model`` and the engine over the prompts plus ``max_tokens`` greedy tokens.
+    """Does the engine serve ``model``? Raises :class:`~hwsync.errors.VerifyError` naming every failed check and its
+    fix (:func:`check` lists them), :class:`~hwsync.errors.StaleEngineError` on a stale engine; returns the max
+    |Δ logprob| (for logs: on GPUs it is noise-dominated, the checks are what decide).
 
-    The engine generates greedily (with the synced adapter when it serves one) and reports the logprob of every
-    prompt and generated token; the trainer scores the same ids. Raises :class:`~hwsync.errors.VerifyError` above
-    ``atol`` or when a greedy token is not the trainer's choice, and :class:`~hwsync.errors.StaleEngineError` on a
-    stale engine. Parameter equality is no evidence (engines repack weights); this compares what both compute.
+    Two kinds of evidence, so GPU numerics do not false-alarm and a broken sync does not pass:
+
+    * exact content fingerprints (:mod:`hwsync.fingerprint`): the engine's state and what its kernels read,
+      against the trainer's tensors, read back through the sync plan; no tolerance beyond float64 summation order;
+    * a logprob gate per device/dtype (:data:`GATES`): mean, 90th percentile and mean |Δp| of engine vs trainer.
+
+    ``atol`` restores the strict check of earlier versions on top (max |Δ| <= atol, greedy tokens equal): use it
+    only where the engine computes like the trainer (vLLM's CPU build in fp32).
     """
-    a = agreement(target, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol)
-    hint = ("The engine does not serve the trainer's weights: check the sync strategy, the hwsync patches "
-            "(`hwsync doctor`) and dtypes")
-    if not a.max_abs_diff <= atol:  # also catches NaN
-        raise VerifyError(f"engine and trainer disagree: max |Δ logprob| = {a.max_abs_diff:.3g} > atol {atol:g} "
-                          f"({a.where}). {hint}")
-    if a.greedy_mismatches:
-        raise VerifyError(f"greedy tokens differ at {len(a.greedy_mismatches)} position(s), e.g. "
-                          f"{a.greedy_mismatches[0]}. {hint}")
-    return a.max_abs_diff
+    report = check(target, model, prompt_token_ids, max_tokens=max_tokens, gate=gate, atol=atol, content=content)
+    if not report.ok:
+        legacy = next((c for c in report.failed if c.name == "max |Δ logprob|"), None)
+        head = f"engine and trainer disagree: {legacy.detail}. " if legacy is not None else ""
+        raise VerifyError(head + report.message())
+    assert report.agreement is not None
+    return report.agreement.max_abs_diff
+
+
+class _CallableModule(types.ModuleType):
+    """``hwsync.verify`` is this module once imported (Python binds submodules on their package): calling it is
+    calling :func:`verify`, so ``hwsync.verify(engine, model, prompts)`` works whatever was imported first."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> float:
+        return verify(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

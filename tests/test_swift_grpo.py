@@ -59,6 +59,10 @@ def check_main_job(result: job.JobResult, mode: str = "colocate", steps_per_gene
     assert all(s["bytes"] < syncs[0]["bytes"] for s in syncs[1:])
     # the guard ran after every sync, and the engine sampled every step from the policy the trainer scores
     assert all(s["verify_max_abs_dlogp"] is not None and s["verify_max_abs_dlogp"] <= job.ATOL for s in syncs), syncs
+    # hwsync.verify's verdict: every check passed; colocated, the exact content checks ran too (not only logprobs)
+    assert all(s["verify_ok"] is True and not s["verify_failed"] for s in syncs), syncs
+    if mode == "colocate":
+        assert all(not s["verify_skipped"] for s in syncs), syncs
     assert all(s["rollout_max_abs_dlogp"] is not None and s["rollout_max_abs_dlogp"] <= job.ATOL for s in steps), steps
     # ... while that policy moved far more than the tolerance: the engine served the changed policy
     assert max(s["policy_shift"] for s in syncs[1:]) > 1e-2, syncs
@@ -73,3 +77,21 @@ def check_main_job(result: job.JobResult, mode: str = "colocate", steps_per_gene
 
 def test_grpo_colocate(tmp_path, tiny_qwen3_moe_dir):
     check_main_job(run_main_job(tmp_path, tiny_qwen3_moe_dir))
+
+
+def test_grpo_stops_on_a_broken_sync(tmp_path, tiny_qwen3_moe_dir):
+    """The same job with hwsync's CPU MoE prepack fix switched off (vLLM then serves unprocessed experts after every
+    reload: a real broken sync): the plugin's verify must stop training at the first sync, naming the check."""
+    import hwsync.patches as patches
+    from hwsync.patches import vllm_cpu_moe_prepack  # noqa: F401 - registers the patch
+
+    if patches.get("vllm_cpu_moe_prepack").probe().state != patches.APPLIES:
+        pytest.skip("vllm_cpu_moe_prepack does not apply here (not vLLM's CPU build): no broken sync to provoke")
+    data = job.write_dataset(tmp_path / "arith.jsonl")
+    out = tmp_path / "broken"
+    result = job.run_job(job.swift_args(tiny_qwen3_moe_dir, data, out, steps=STEPS), out, timeout_s=1200,
+                         env={"HWSYNC_STRATEGY": "auto", "HWSYNC_DISABLE_PATCHES": "vllm_cpu_moe_prepack"})
+    log = result.log.read_text(errors="replace")
+    assert result.returncode != 0, "training went on with an engine serving unprocessed experts"
+    assert "VerifyError" in log and "base content" in log and "Fix:" in log, result.log_tail(60)
+    assert not result.steps, "a training step ran on rollouts from the broken engine"

@@ -30,12 +30,19 @@ def test_options_defaults_and_values(plugin):
         "HWSYNC_STRATEGY": "Hybrid", "HWSYNC_BUCKET_MB": "16", "HWSYNC_VERIFY_EVERY": "0",
         "HWSYNC_VERIFY_ATOL": "1e-3", "HWSYNC_VERIFY_PROMPTS": "3", "HWSYNC_METRICS": "/tmp/m.jsonl"})
     assert opts == plugin.SwiftOptions("hybrid", 16.0, 0, 1e-3, 3, "/tmp/m.jsonl")
+    # unset atol: hwsync.verify's content checks + the platform's logprob gate (a healthy bf16 GPU run passes)
+    assert plugin.SwiftOptions().verify_atol is None and plugin.SwiftOptions().verify_gate is None
+    from hwsync.verify import Gate
+
+    gate = plugin.SwiftOptions.from_env({"HWSYNC_VERIFY_GATE": "0.5,0.8,0.05"}).verify_gate
+    assert gate == Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05)
 
 
 @pytest.mark.parametrize("var,value", [
     ("HWSYNC_STRATEGY", "fastest"), ("HWSYNC_BUCKET_MB", "0"), ("HWSYNC_BUCKET_MB", "lots"),
     ("HWSYNC_VERIFY_EVERY", "-1"), ("HWSYNC_VERIFY_EVERY", "1.5"), ("HWSYNC_VERIFY_ATOL", "nan"),
-    ("HWSYNC_VERIFY_PROMPTS", "0"),
+    ("HWSYNC_VERIFY_PROMPTS", "0"), ("HWSYNC_VERIFY_GATE", "0.5"), ("HWSYNC_VERIFY_GATE", "0.5,0.8,-1"),
+    ("HWSYNC_VERIFY_GATE", "a,b,c"),
 ])
 def test_options_refuse_bad_values_naming_the_variable(plugin, var, value):
     from hwsync.errors import HwsyncError

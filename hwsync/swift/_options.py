@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from hwsync.api import parse_bucket_mb
 from hwsync.errors import HwsyncError, OptionError
 from hwsync.server.protocol import split_address
+from hwsync.verify import Gate, parse_gate
 from hwsync.wire import Strategy
 
 __all__ = ["ENV", "OptionError", "SwiftOptions"]
@@ -25,6 +26,7 @@ ENV: dict[str, str] = {
     "verify_every": "HWSYNC_VERIFY_EVERY",
     "verify_atol": "HWSYNC_VERIFY_ATOL",
     "verify_prompts": "HWSYNC_VERIFY_PROMPTS",
+    "verify_gate": "HWSYNC_VERIFY_GATE",
     "metrics_path": "HWSYNC_METRICS",
     "server": "HWSYNC_SERVER",
     "token": "HWSYNC_TOKEN",
@@ -41,8 +43,11 @@ class SwiftOptions:
     """Transfer bucket size; ``None`` = hwsync's measured default for the device."""
     verify_every: int = 1
     """Run :func:`hwsync.verify` after every N-th sync (0 = never). A failed check stops training."""
-    verify_atol: float = 1e-4
-    """Largest tolerated |Δ logprob| between the engine and the trainer."""
+    verify_atol: float | None = None
+    """Unset (default): :func:`hwsync.verify`'s checks -- exact content fingerprints plus the logprob gate of the
+    engine's device/dtype (:data:`hwsync.verify.GATES`), which a healthy bf16 GPU run passes. Set: also the strict
+    check of earlier versions, max |Δ logprob| <= atol and equal greedy tokens (only where the engine computes like
+    the trainer: vLLM's CPU build in fp32)."""
     verify_prompts: int = 2
     """How many of the first rollout batch's prompts the check uses (the same ones at every sync)."""
     metrics_path: str | None = None
@@ -51,6 +56,8 @@ class SwiftOptions:
     """Server mode: ``host:port`` of hwsync's sync server in ``swift rollout`` (it listens, the trainer connects)."""
     token: str | None = field(default=None, repr=False)
     """Server mode: the shared secret both sides read; requests signed with another token are refused."""
+    verify_gate: Gate | None = None
+    """``HWSYNC_VERIFY_GATE=mean,p90,prob[,max]``: the logprob gate instead of the platform's (see ``verify_atol``)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SwiftOptions:
@@ -68,12 +75,13 @@ class SwiftOptions:
             strategy=strategy,
             bucket_mb=parse_bucket_mb(raw("bucket_mb")),
             verify_every=_number(raw("verify_every"), ENV["verify_every"], int, minimum=0, default=1),
-            verify_atol=_number(raw("verify_atol"), ENV["verify_atol"], float, minimum=0.0, default=1e-4),
+            verify_atol=_number(raw("verify_atol"), ENV["verify_atol"], float, minimum=0.0, default=None),
             verify_prompts=_number(raw("verify_prompts"), ENV["verify_prompts"], int, minimum=1, default=2,
                                    exclusive=False),
             metrics_path=raw("metrics_path"),
             server=_address(raw("server")),
             token=raw("token"),
+            verify_gate=parse_gate(g, ENV["verify_gate"]) if (g := raw("verify_gate")) else None,
         )
 
     def server_credentials(self) -> tuple[str, str]:

@@ -9,7 +9,6 @@ the GRPO/GSPO loss, sleep/wake, async generation — is ms-swift's own code.
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Any
@@ -24,7 +23,8 @@ from swift.utils import get_logger
 
 import hwsync
 from hwsync.api import sync as hwsync_sync
-from hwsync.verify import agreement, token_logprobs
+from hwsync.verify import check as verify_check
+from hwsync.verify import gate_for, token_logprobs
 from hwsync.errors import VerifyError
 from hwsync.errors import OptionError, UnsupportedSetupError
 from hwsync.swift._metrics import MetricsLog, format_summary, read_metrics
@@ -46,6 +46,7 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         self._hwsync_probe: list[list[int]] | None = None
         self._hwsync_probe_ref: list[torch.Tensor] | None = None
         self._hwsync_rollout: tuple[float, int] | None = None
+        self._hwsync_gate: Any = None  # the logprob gate of the engine's device/dtype, known after the first sync
         self._hwsync_log: MetricsLog | None = None
         if self.args.use_vllm:
             self._hwsync_check_setup()
@@ -117,26 +118,32 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         finally:
             torch.set_grad_enabled(grad_mode)  # the next backward needs autograd exactly as the trainer left it
         self._hwsync_syncs += 1
-        delta = shift = None
+        if self._hwsync_gate is None:
+            info = target.describe()
+            self._hwsync_gate = opts.verify_gate or gate_for(info.device_type, info.dtype)
+        delta = shift = verdict = None
         tokens, mismatches = 0, []
         if opts.verify_every and self._hwsync_syncs % opts.verify_every == 0 and self._hwsync_probe:
             t0 = time.perf_counter()
-            # hwsync.verify's measurement, one prompt per call: with enable_lora, vLLM 0.32 computes prompt logprobs
-            # through the LoRA logits processor with one LoRA index per *request*, which only broadcasts over a
-            # single request's tokens
-            checks = [agreement(target, model, [ids], tie=2 * opts.verify_atol) for ids in self._hwsync_probe]
-            delta = max(c.max_abs_diff for c in checks)
-            if any(math.isnan(c.max_abs_diff) for c in checks):
-                delta = math.nan
-            tokens = sum(c.tokens for c in checks)
-            mismatches = [m for c in checks for m in c.greedy_mismatches]
+            # hwsync.verify: exact content fingerprints + this platform's logprob gate (+ the strict max |Δ| check
+            # when HWSYNC_VERIFY_ATOL is set); one prompt per engine call (vLLM 0.32's LoRA prompt logprobs)
+            verdict = verify_check(target, model, self._hwsync_probe, gate=self._hwsync_gate,
+                                   atol=opts.verify_atol, batch=False)
+            a = verdict.agreement
+            delta, tokens, mismatches = a.max_abs_diff, a.tokens, list(a.greedy_mismatches)
             shift = self._hwsync_policy_shift(model)
-            logger.info(f"hwsync: verify after sync v{report.version}: max |Δ logprob| = {delta:.2e} over {tokens} "
-                        f"tokens (atol {opts.verify_atol:g}, {time.perf_counter() - t0:.2f}s)")
+            logger.info(f"hwsync: verify after sync v{report.version}: {'passed' if verdict.ok else 'FAILED'} "
+                        f"({'; '.join(f'{c.name} ok' if c.ok else f'{c.name} FAILED' for c in verdict.checks)}); "
+                        f"mean |Δ logprob| {a.mean_abs_diff:.2e}, max {delta:.2e} over {tokens} tokens "
+                        f"({time.perf_counter() - t0:.2f}s)")
         record = dict(step=self.state.global_step, strategy=report.strategy, reason=report.reason, mode=report.mode,
                       version=report.version, tensors=report.tensors, base_tensors=report.base_tensors,
                       lora_tensors=report.lora_tensors, bytes=report.bytes, mb=report.bytes / 1e6,
                       seconds=report.seconds, buckets=report.buckets, verify_max_abs_dlogp=delta,
+                      verify_mean_abs_dlogp=verdict.agreement.mean_abs_diff if verdict else None,
+                      verify_ok=verdict.ok if verdict else None,
+                      verify_failed=[c.name for c in verdict.failed] if verdict else None,
+                      verify_skipped=list(verdict.skipped) if verdict else None,
                       verify_tokens=tokens, greedy_mismatches=len(mismatches), policy_shift=shift)
         if self._hwsync_log is not None:
             self._hwsync_log.write("sync", **record)
@@ -144,17 +151,14 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         metrics = self._metrics["train"]
         metrics["hwsync/sync_mb"].append(record["mb"])
         metrics["hwsync/sync_ms"].append(1000 * report.seconds)
-        if delta is not None:
+        if verdict is not None:
             metrics["hwsync/verify_max_abs_dlogp"].append(delta)
-            where = f"after sync v{report.version} (step {self.state.global_step}, strategy {report.strategy})"
-            hint = ("rollouts would not come from the policy being trained. Run `hwsync doctor` (patches, "
-                    "capabilities) and try HWSYNC_STRATEGY=full")
-            if not delta <= opts.verify_atol:  # NaN included
-                raise VerifyError(f"{where} the engine's logprobs differ from the trainer's by {delta:.3g} > "
-                                  f"{ENV['verify_atol']}={opts.verify_atol:g}: {hint}")
-            if mismatches:
-                raise VerifyError(f"{where} the engine's greedy tokens differ from the trainer's at "
-                                  f"{len(mismatches)} position(s), e.g. {mismatches[0]}: {hint}")
+            metrics["hwsync/verify_mean_abs_dlogp"].append(verdict.agreement.mean_abs_diff)
+            if not verdict.ok:
+                where = f"after sync v{report.version} (step {self.state.global_step}, strategy {report.strategy})"
+                raise VerifyError(f"{where}: rollouts would not come from the policy being trained. "
+                                  f"{verdict.message()}\nAlso: `hwsync doctor` (patches, capabilities); "
+                                  "HWSYNC_STRATEGY=full does not depend on adapter routing")
 
     def _hwsync_policy_shift(self, model: torch.nn.Module) -> float:
         """Max |Δ logprob| of the trainer on the check prompts since the first sync (how far the policy moved)."""
@@ -199,17 +203,34 @@ class HwsyncGRPOTrainer(GRPOTrainer):
             worst, count = self._hwsync_rollout or (0.0, 0)
             self._hwsync_rollout = (max(worst, diff), count + int(mask.sum()))
             opts = self.hwsync_options
-            if opts.verify_every and not diff <= opts.verify_atol and self._hwsync_sampling_is_exact():
+            gap = self._hwsync_rollout_gap(old_per_token_logps.detach(), rollout_per_token_logps, mask, diff)
+            if opts.verify_every and gap and self._hwsync_sampling_is_exact():
                 message = (
                     f"step {self.state.global_step + 1}: the engine sampled this step's rollouts with logprobs "
-                    f"{diff:.3g} away from the trainer's (> {ENV['verify_atol']}={opts.verify_atol:g}) although "
-                    "hwsync.verify passed after the sync: ms-swift did not generate with the weights/adapter hwsync "
-                    "delivered. Run `hwsync doctor`; HWSYNC_STRATEGY=full does not depend on adapter routing")
+                    f"away from the trainer's ({gap}) although hwsync.verify passed after the sync: ms-swift did "
+                    "not generate with the weights/adapter hwsync delivered. Run `hwsync doctor`; "
+                    "HWSYNC_STRATEGY=full does not depend on adapter routing")
                 if self._hwsync_log is not None:
                     self._hwsync_log.write("error", step=self.state.global_step + 1, message=message)
                 raise VerifyError(message)
         return super()._compute_rollout_offpolicy_metrics(old_per_token_logps, rollout_per_token_logps,
                                                           completion_mask)
+
+    def _hwsync_rollout_gap(self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, worst: float) -> str:
+        """Why the sampled tokens' logprobs are too far from the trainer's ("" when they are not): max |Δ| above
+        HWSYNC_VERIFY_ATOL when set, else the mean / 90th percentile of |Δ| above the platform's gate."""
+        opts = self.hwsync_options
+        if opts.verify_atol is not None:
+            atol = opts.verify_atol
+            return "" if worst <= atol else f"max |Δ| {worst:.3g} > {ENV['verify_atol']}={atol:g}"
+        gate = self._hwsync_gate
+        if gate is None:
+            return ""
+        d = (old - rollout).abs()[mask].double()
+        mean, p90 = float(d.mean()), float(torch.quantile(d, 0.9)) if d.numel() > 1 else float(d.max())
+        if not (mean <= gate.mean_abs and p90 <= gate.p90_abs):  # NaN included
+            return f"mean |Δ| {mean:.3g} (gate {gate.mean_abs:g}), p90 {p90:.3g} (gate {gate.p90_abs:g})"
+        return ""
 
     def _hwsync_sampling_is_exact(self) -> bool:
         """Whether vLLM's sampled-token logprobs are the plain (temperature-scaled) distribution the trainer

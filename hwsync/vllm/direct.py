@@ -196,6 +196,9 @@ class DirectWriter:
         with torch.no_grad():
             for name, t in weights:
                 if name in self.names:
+                    dtype = self.names_plan.manifest[name][1]
+                    if t.dtype != dtype and t.is_floating_point():  # colocate hands the trainer's dtype; vLLM's
+                        t = t.to(dtype)  # loaders cast on copy, and so must the in-place writer (bf16 engines)
                     self.names_plan.apply([(name, t)], self.live)
                 else:
                     yield name, t

@@ -67,6 +67,15 @@ class LocalEngine(Engine):
                                abort_key)
         return results[0]
 
+    def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """Content fingerprints of what the worker's kernels read (:mod:`hwsync.vllm.fingerprint`); ``None`` with
+        several workers (each holds a shard: not compared with the trainer's whole tensors yet)."""
+        from hwsync.vllm.fingerprint import fingerprints
+
+        with self.lock:
+            results = self.rpc_all(fingerprints, request)
+        return results[0] if len(results) == 1 else None
+
     def reset_cache(self) -> None:
         """KV computed with old weights (or an adapter id whose weights changed) must not be reused."""
         self.llm.reset_prefix_cache()

@@ -1,0 +1,84 @@
+"""Content fingerprints: an exact, numerics-free check that the engine holds the trainer's tensors.
+
+A fingerprint of a tensor ``W`` (trainer name ``n``, trainer layout) is the float64 dot product ``<W, R_n>`` with a
+probe ``R_n``: a pseudo-random integer tensor of ``W``'s shape that both sides generate identically from
+``(seed, n)`` (:func:`probe`).
+
+* **Trainer side** (:func:`expected`): ``<cast(W, wire dtype), R_n>`` for every tensor a from-scratch sync of the
+  current strategy would send (the merged view for merged names, W0 for frozen ones, the folded LoRA A/B).
+* **Engine side** (:mod:`hwsync.vllm.fingerprint`): the probe is sent through *the sync plan itself* (the same
+  slicing, packing and expert-layout functions the in-place writer uses, and vLLM's own post-load processing where
+  the kernels read a repacked tensor), then dotted with what the kernels actually read. Layout moves preserve dot
+  products, so a healthy engine gives the same number up to float64 summation order (~1e-16 relative); a tensor
+  not written, transposed, with gate/up swapped, from the previous step, or scaled, gives O(1) relative error.
+
+The comparison (:func:`excess`) allows float64 summation order and a few last-bit differences of the largest
+elements, nothing more: no kernel numerics are involved (GPU TF32/bf16 matmuls, routing near-ties), so it is exact on
+every platform.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["REL_TOL", "ULPS", "dot", "excess", "probe"]
+
+REL_TOL = 1e-9
+"""Relative tolerance of a fingerprint for float64 summation order."""
+ULPS = 8
+"""Last-bit differences of the largest elements a fingerprint tolerates (see :func:`excess`)."""
+_CHUNK = 1 << 22
+
+
+_P = 2147483647  # 2^31 - 1: every product below stays under 2^62 (exact int64 on every device)
+_A, _B = 1103515245, 48271
+
+
+def probe(name: str, shape: Sequence[int], seed: int = 0, device: torch.device | str = "cpu",
+          dtype: torch.dtype = torch.float32) -> Tensor:
+    """The probe ``R_name`` of ``shape``: integers in [-127, 127] from an integer hash of the element index, salted
+    with ``(seed, name)``. Pure int64 arithmetic, so it is generated on the tensor's own device (no copy of a
+    model-sized random tensor from the CPU) and is bit-identical on every device; the values are exact in every
+    float dtype down to bf16, so the engine can send the probe through dtype-dependent post-load steps unrounded."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    salt = int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    n = 1
+    for s in shape:
+        n *= int(s)
+    i = torch.arange(n, dtype=torch.int64, device=device)
+    h = ((i % _P) * _A) % _P ^ salt  # xor / shift rounds between the multiplications: not an affine sequence
+    h = (h * _B) % _P
+    h = h ^ (h >> 15)
+    h = (h * _A) % _P
+    h = h ^ (h >> 13)
+    out = ((h % 255) - 127).to(dtype if dtype.is_floating_point else torch.float32)
+    return out.reshape(tuple(int(s) for s in shape))
+
+
+def dot(a: Tensor, b: Tensor) -> tuple[float, float, float]:
+    """``(<a, b>, sum|a * b|, max|a * b|)`` in float64 (chunked: no full float64 copy of a large tensor)."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"fingerprint shapes differ: {list(a.shape)} vs {list(b.shape)}")
+    fa, fb = a.reshape(-1), b.reshape(-1).to(a.device)
+    total = magnitude = peak = 0.0
+    for s in range(0, fa.numel(), _CHUNK):
+        p = fa[s: s + _CHUNK].to(torch.float64) * fb[s: s + _CHUNK].to(torch.float64)
+        total += float(p.sum())
+        q = p.abs()
+        magnitude += float(q.sum())
+        peak = max(peak, float(q.max()))
+    return total, magnitude, peak
+
+
+def excess(got: Sequence[float], want: Sequence[float], dtype: torch.dtype) -> float:
+    """How far the engine's fingerprint ``got`` is from the trainer's ``want``, in units of what a healthy engine may
+    differ by (<= 1 passes): float64 summation order (``REL_TOL`` of sum|W * R|) or a few last-bit differences of
+    the largest elements (``ULPS`` ulps of ``dtype`` at max|W * R|: a merged tensor recomputed by a GPU kernel that
+    rounds one element differently is not a broken sync; a layer, a transposition or a step is thousands of them)."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    allowed = max(REL_TOL * max(want[1], got[1]), ULPS * eps * max(want[2], got[2]), 1e-300)
+    d = abs(got[0] - want[0])
+    return d / allowed if d == d else float("inf")

@@ -1,0 +1,349 @@
+"""Broken syncs, made for real: faults written into a live vLLM engine's state, for :func:`hwsync.verify` to catch.
+
+Nothing here mocks vLLM or verify. Base faults send wrong tensors through vLLM's own ``reload_weights`` (the path a
+sync takes), adapter faults change the worker's LoRA manager, and "previous step" is a real :func:`hwsync.sync` of
+older weights. :class:`FaultInjector` injects one fault and repairs it again, so one engine serves many faults.
+
+=========================== ================================================================================
+fault                       what the engine holds afterwards
+=========================== ================================================================================
+adapter not installed       the adapter removed from vLLM's adapter set (the trainer's last sync installed it)
+stale adapter id            the same adapter served under another id than the one the trainer's sync installed
+post-load skipped           one MoE layer reloaded with the experts' post-load step skipped (vLLM #42821 family:
+                            the CPU prepack; a no-op where the kernel has no post-load step)
+layer experts not written   one MoE layer's experts still hold the previous step's values
+experts transposed          one MoE layer's expert tensors written with their last two dims transposed
+gate/up swapped             one MoE layer's fused gate_up written with the gate and up halves swapped
+LoRA scaling 2x             every LoRA B of the installed adapter doubled (and written to the slots by vLLM)
+LoRA slot not written       the installed adapter intact, but the B halves of its slot (what the kernels read) zero
+previous step synced        a complete, valid sync of the previous step's weights (the trainer moved on)
+=========================== ================================================================================
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["ADAPTER_FAULTS", "BASE_FAULTS", "FAULTS", "FaultInjector", "applicable"]
+
+ADAPTER_FAULTS = ("adapter not installed", "stale adapter id", "LoRA scaling 2x", "LoRA slot not written")
+BASE_FAULTS = ("post-load skipped", "layer experts not written", "experts transposed", "gate/up swapped")
+FAULTS = ADAPTER_FAULTS + BASE_FAULTS + ("previous step synced",)
+
+
+def applicable(fault: str, strategy: str) -> bool:
+    """Adapter faults need an adapter on the engine (``adapter``/``hybrid``); "layer experts not written" needs
+    expert weights that change between steps (not ``adapter``, whose base stays W0); the rest apply everywhere."""
+    if fault == "layer experts not written":
+        return strategy != "adapter"
+    return strategy != "full" or fault not in ADAPTER_FAULTS
+
+
+# -- functions run inside the worker (collective_rpc) ----------------------------------------------------------------
+def _manager(worker: Any) -> tuple[Any, Any]:
+    from hwsync.vllm.applier import lora_manager_of
+    from hwsync.vllm.worker import _worker, receiver_of
+
+    w = _worker(worker)
+    return receiver_of(w), lora_manager_of(w)
+
+
+def _drop_adapter(worker: Any) -> int:
+    rec, manager = _manager(worker)
+    lid = rec.state.lora_int_id
+    manager.remove_adapter(lid)
+    return int(lid)
+
+
+def _rename_adapter(worker: Any, new_id: int) -> int:
+    rec, manager = _manager(worker)
+    lid = rec.state.lora_int_id
+    lora = manager.get_adapter(lid)
+    manager.remove_adapter(lid)
+    lora.id = new_id
+    manager.add_adapter(lora)
+    with contextlib.suppress(NotImplementedError, AttributeError):
+        manager.pin_adapter(new_id)
+    manager.activate_adapter(new_id)
+    rec.state.lora_int_id = new_id
+    return int(lid)
+
+
+def _scale_adapter(worker: Any, factor: float) -> int:
+    rec, manager = _manager(worker)
+    lid = rec.state.lora_int_id
+    lora = manager.get_adapter(lid)
+    slot = manager.lora_index_to_id.index(lid)
+    with torch.no_grad():
+        for name, weights in lora.loras.items():
+            bs = weights.lora_b if isinstance(weights.lora_b, list) else [weights.lora_b]
+            for b in bs:
+                if b is not None:
+                    b.mul_(factor)
+            if name in manager.modules:
+                manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
+    return len(lora.loras)
+
+
+def _zero_slot(worker: Any) -> int:
+    from hwsync.vllm.fingerprint import _stacked
+
+    rec, manager = _manager(worker)
+    slot = manager.lora_index_to_id.index(rec.state.lora_int_id)
+    n = 0
+    with torch.no_grad():
+        for module in manager.modules.values():
+            for attr, _i, t in _stacked(module):
+                if attr.startswith("lora_b"):
+                    t[slot].zero_()
+                    n += 1
+    return n
+
+
+def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bool) -> bool:
+    """Write trainer tensors into the engine through vLLM's own ``reload_weights`` (the sync's reload path),
+    optionally with every MoE kernel's post-load step made a no-op for this reload; whether the parameters the
+    tensors land in changed."""
+    from hwsync.vllm.applier import _vllm_spellings, lora_manager_of, model_of, vllm_reload
+    from hwsync.vllm.worker import _worker, receiver_of
+    from hwsync.wire import TensorSpec
+
+    w = _worker(worker)
+    rec = receiver_of(w)
+    applier = rec.applier
+    manager = lora_manager_of(w)
+    lid = rec.state.lora_int_id
+    lora = manager.get_adapter(lid) if manager is not None and lid is not None else None
+    state = (rec.state.lora_name, lid, rec.state.base_key)
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype, "base") for n, t in items]
+    names_plan = applier._names_plan(specs, cast=True)
+    skipped: list[Any] = []
+    if skip_post_load:
+        for m in model_of(w).modules():
+            qm = getattr(m, "quant_method", None)
+            while type(qm).__name__ == "FusedMoEModularMethod":
+                qm = getattr(qm, "old_quant_method", None)
+            experts = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
+            cls = type(experts)
+            if experts is not None and "process_weights_after_loading" in cls.__dict__ and cls not in skipped:
+                skipped.append(cls)
+    ns = names_plan.namespace
+    live = {ns.params[c].name: t for c, t in ns.live.items()}
+    touched = {tg.param for targets in names_plan.entries.values() for tg in targets}
+    before = {p: live[p].clone() for p in touched if p in live}
+    originals = [(cls, cls.__dict__["process_weights_after_loading"]) for cls in skipped]
+    for cls in skipped:  # the reload builds new kernel objects: the step is skipped on their class
+        cls.process_weights_after_loading = lambda self, layer: None
+    try:
+        vllm_reload(w.model_runner, _vllm_spellings(names_plan, iter(list(items))))
+    finally:
+        for cls, fn in originals:
+            cls.process_weights_after_loading = fn
+    if lora is not None and lid not in manager.list_adapters():  # vLLM's reload drops adapters: put it back as is
+        manager.add_adapter(lora)
+        with contextlib.suppress(NotImplementedError, AttributeError):
+            manager.pin_adapter(lid)
+        manager.activate_adapter(lid)
+    rec.state.lora_name, rec.state.lora_int_id, rec.state.base_key = state
+    return any(not torch.equal(live[p], t) for p, t in before.items())
+    return len(skipped)
+
+
+# -- the trainer-side driver -------------------------------------------------------------------------------------------
+class FaultInjector:
+    """Inject one fault into ``llm`` (synced from ``model`` by :func:`hwsync.sync`), then :meth:`repair` it."""
+
+    def __init__(self, llm: Any, model: torch.nn.Module, layer: int = -1) -> None:
+        import hwsync
+
+        self.llm, self.model = llm, model
+        self.engine = hwsync.as_engine(llm)
+        self.layer = layer
+        self._repair: Any = None
+
+    def _reference(self) -> dict[str, Tensor]:
+        from hwsync.verify import last_plan, reference_tensors
+
+        plan = last_plan(self.engine, self.model)
+        _, pairs = reference_tensors(self.engine, self.model, plan)
+        return {s.name: t.detach().to(s.dtype).clone() for s, t in pairs if s.kind == "base"}
+
+    def _layer_experts(self, ref: dict[str, Tensor]) -> dict[str, Tensor]:
+        names = [n for n in ref if ".mlp.experts." in n and n.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")]
+        layers = sorted({int(n.split(".layers.")[1].split(".")[0]) for n in names})
+        if not layers:
+            raise RuntimeError("the model has no fused MoE expert tensors to corrupt")
+        layer = layers[self.layer]
+        return {n: ref[n] for n in names if f".layers.{layer}." in n}
+
+    def _rpc(self, fn: Any, *args: Any) -> Any:
+        return self.llm.collective_rpc(fn, args=args)[0]
+
+    def _write(self, items: dict[str, Tensor], skip_post_load: bool = False) -> bool:
+        with self.engine.lock:
+            changed = self._rpc(_reload, list(items.items()), skip_post_load)
+            self.llm.reset_prefix_cache()
+        return bool(changed)
+
+    @contextlib.contextmanager
+    def _weights(self, snap: dict[str, Tensor]) -> Iterator[None]:
+        now = {n: p.detach().clone() for n, p in self.model.named_parameters() if n in snap}
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if n in snap:
+                    p.copy_(snap[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    if n in now:
+                        p.copy_(now[n])
+
+    def inject(self, fault: str, previous: dict[str, Tensor] | None = None) -> bool:
+        """Break the engine; ``previous`` (parameter name -> tensor, the step before) is needed by "layer experts
+        not written" and "previous step synced". Returns ``False`` when the fault changes nothing here ("post-load
+        skipped" where the experts' kernel has no post-load step that changes their storage for this dtype)."""
+        import hwsync
+
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; one of {FAULTS}")
+        self._repair = ("sync", None)
+        if fault == "adapter not installed":
+            with self.engine.lock:
+                self._rpc(_drop_adapter)
+        elif fault == "stale adapter id":
+            with self.engine.lock:
+                self._rpc(_rename_adapter, 0x7777)
+        elif fault == "LoRA scaling 2x":
+            with self.engine.lock:
+                self._rpc(_scale_adapter, 2.0)
+        elif fault == "LoRA slot not written":
+            with self.engine.lock:
+                self._rpc(_zero_slot)
+        elif fault == "previous step synced":
+            assert previous is not None, "previous step synced needs the previous weights"
+            with self._weights(previous):
+                hwsync.sync(self.llm, self.model, strategy=self._strategy())
+        else:
+            good = self._layer_experts(self._reference())
+            self._repair = ("write", good)
+            if fault == "post-load skipped":
+                if not self._write(good, skip_post_load=True):
+                    return False
+            elif fault == "layer experts not written":
+                assert previous is not None, "layer experts not written needs the previous weights"
+                with self._weights(previous):
+                    old = self._layer_experts(self._reference())
+                self._write(old)
+            elif fault == "experts transposed":
+                self._write({n: t.transpose(-1, -2).contiguous().reshape(t.shape) for n, t in good.items()})
+            elif fault == "gate/up swapped":
+                self._write({n: _swap_halves(t) if n.endswith("gate_up_proj") else t for n, t in good.items()})
+        self.llm.reset_prefix_cache()
+        return True
+
+    def _strategy(self) -> str:
+        from hwsync.verify import last_plan
+
+        return last_plan(self.engine, self.model).manifest.strategy.value
+
+    def repair(self) -> None:
+        """Put the engine back to serving the trainer's current weights."""
+        import hwsync
+
+        kind, data = self._repair or ("sync", None)
+        if kind == "write":
+            self._write(data)
+        else:
+            hwsync.sync(self.llm, self.model, strategy=self._strategy())
+        self._repair = None
+
+
+def _swap_halves(t: Tensor) -> Tensor:
+    """Gate and up halves of a fused gate_up tensor ``[E, 2I, H]`` (or ``[E, H, 2I]``) swapped."""
+    dim = 1 if t.shape[1] % 2 == 0 and (t.shape[2] % 2 or t.shape[1] >= t.shape[2]) else 2
+    a, b = t.chunk(2, dim=dim)
+    return torch.cat([b, a], dim=dim)
+
+
+# -- a campaign: healthy syncs, then every fault, on one engine ------------------------------------------------------
+def _perturb(model: torch.nn.Module, gen: torch.Generator, *, base: bool) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_((torch.randn(p.shape, generator=gen) * 0.05).to(p.device, p.dtype))
+            elif base and p.is_floating_point():
+                p.mul_(1 + (torch.randn(p.shape, generator=gen) * 0.02).to(p.device, p.dtype))
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def metrics(report: Any) -> dict[str, float]:
+    """Check name -> measured value (and the raw logprob statistics) of one :class:`hwsync.verify.VerifyReport`."""
+    out = {c.name: float(c.value) for c in report.checks}
+    a = report.agreement
+    if a is not None:
+        out.update({"mean |Δlogp|": a.mean_abs_diff, "p90 |Δlogp|": a.p90_abs_diff, "mean |Δp|": a.mean_prob_diff,
+                    "max |Δlogp|": a.max_abs_diff})
+    return out
+
+
+def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[Sequence[int]], *, steps: int = 20,
+             faults: Sequence[str] = FAULTS, seed: int = 1234, log: Any = None) -> dict[str, Any]:
+    """``steps`` healthy syncs of ``model`` (changing weights; step 8 repeats unchanged weights, step 13 switches back
+    to step 4's), each checked by :func:`hwsync.verify.check`; then every applicable fault injected, checked and
+    repaired (a healthy check after each repair). Returns ``healthy`` (list of metrics), ``faults`` (fault -> metrics
+    and the names of the failed checks), ``repaired`` (fault -> whether the check passed again)."""
+    import hwsync
+    from hwsync.verify import check
+
+    gen = torch.Generator().manual_seed(seed)
+    base = strategy == "full"
+    healthy: list[dict[str, Any]] = []
+    snap = previous = None
+    for step in range(steps):
+        previous = _snapshot(model)
+        if step == 13 and snap is not None:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(snap[n])
+        elif step != 8:
+            _perturb(model, gen, base=base)
+        report = hwsync.sync(llm, model, strategy=strategy)
+        r = check(llm, model, prompts)
+        healthy.append({**metrics(r), "failed": [c.name for c in r.failed], "message": r.message(),
+                        "version": report.version})
+        if log:
+            log(f"{strategy} healthy sync {step}: {'ok' if r.ok else 'FALSE ALARM: ' + r.message()}")
+        if step == 4:
+            snap = _snapshot(model)
+    # one more step: the trainer's "previous" weights differ from the engine's current ones
+    previous = _snapshot(model)
+    _perturb(model, gen, base=True if strategy != "adapter" else False)
+    hwsync.sync(llm, model, strategy=strategy)
+    out: dict[str, Any] = {"strategy": strategy, "healthy": healthy, "faults": {}, "repaired": {}}
+    injector = FaultInjector(llm, model)
+    for fault in faults:
+        if not applicable(fault, strategy):
+            continue
+        if not injector.inject(fault, previous=previous):
+            out.setdefault("not_applicable", {})[fault] = "the engine's state did not change (no such step here)"
+            if log:
+                log(f"{strategy} {fault}: not applicable here (injecting it changed nothing)")
+            continue
+        r = check(llm, model, prompts)
+        out["faults"][fault] = {**metrics(r), "failed": [c.name for c in r.failed], "message": r.message()}
+        injector.repair()
+        again = check(llm, model, prompts)
+        out["repaired"][fault] = again.ok
+        if log:
+            log(f"{strategy} {fault}: {'caught by ' + ', '.join(c.name for c in r.failed) if not r.ok else 'MISSED'}"
+                f"; repaired: {again.ok}")
+    return out
