@@ -310,6 +310,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
+        if not isinstance(text, (str, bytes)):
+            raise _fail(f"expected JSON text, got a {type(text).__name__}")
         try:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
