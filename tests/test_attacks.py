@@ -442,6 +442,14 @@ def _hello(sock: socket.socket) -> bytes:
     return data[4:]
 
 
+def _hang_up(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 class _Proxy:
     """A man in the middle between one trainer and the server: forwards the handshake, then applies ``mode`` to
     the first request frame the trainer sends."""
@@ -474,7 +482,7 @@ class _Proxy:
                     client.sendall(chunk)
             except OSError:
                 pass
-            client.close()
+            _hang_up(client)  # shutdown, not just close: wakes the reader blocked on it, the trainer sees EOF
 
         threading.Thread(target=down, daemon=True).start()
         try:
@@ -509,7 +517,8 @@ class _Proxy:
         except OSError:
             pass
         finally:
-            upstream.close()
+            _hang_up(upstream)
+            _hang_up(client)
 
 
 @pytest.mark.parametrize("mode", ["replay", "tamper body", "tamper mac", "oversized length", "truncate",
