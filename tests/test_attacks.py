@@ -543,6 +543,23 @@ def test_man_in_the_middle_frames_are_refused(base: Baseline, mode: str) -> None
     assert hwsync.connect(base.server.address, TOKEN, timeout_s=30).state()["version"] == before["version"]
 
 
+def test_nothing_listens_on_the_wildcard(base: Baseline) -> None:
+    """The sync server and the trainer's rendezvous store listen on exactly the loopback address they were given
+    (``ss -ltn``): no ``*:port`` / ``0.0.0.0:port`` / ``[::]:port``."""
+    import shutil
+
+    if shutil.which("ss") is None:
+        pytest.skip("ss (iproute2) is not installed")
+    store = base.remote._rendezvous_store()
+    ports = {base.server.port: "sync server", store.port: "trainer's rendezvous store"}
+    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout.split("\n")
+    for port, what in ports.items():
+        local = [line.split()[3] for line in listening if line.split() and line.split()[3].endswith(f":{port}")]
+        assert local, f"{what} on port {port} is not listening"
+        assert all(addr.rsplit(":", 1)[0] in ("127.0.0.1", "[::1]") for addr in local), (what, local)
+        record("listens only on the given host", refused=True)
+
+
 def test_unauthenticated_inputs_are_refused(base: Baseline) -> None:
     address = base.server.address
     before = base.remote.state()
