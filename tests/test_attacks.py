@@ -407,6 +407,74 @@ def test_generation_hammering_during_20_syncs(base: Baseline) -> None:
     base.restore()
 
 
+def test_swift_rollout_generation_takes_the_engine_lock(base: Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``swift rollout``'s routes all end in ``engine.infer``: guarded, it waits for a sync in progress and refuses
+    while the engine is stale; every handle on one ``LLMEngine`` is the same (one lock)."""
+    pytest.importorskip("swift")
+    from hwsync.swift._engine_view import LLMEngineView
+    from hwsync.swift._server import guard_generation
+    from hwsync.vllm.applier import VllmApplier
+
+    view = LLMEngineView.of(base.llm.llm_engine)
+    assert LLMEngineView.of(base.llm.llm_engine) is view
+    handle = hwsync.as_engine(view)
+    assert hwsync.as_engine(LLMEngineView.of(base.llm.llm_engine)) is handle
+
+    class Rollout:  # ms-swift's engine surface the routes call
+        def infer(self, requests: Any) -> Any:
+            return view.generate([{"prompt_token_ids": p} for p in requests])
+
+    rollout = Rollout()
+    guard_generation(rollout, handle)
+    guard_generation(rollout, handle)  # idempotent
+    assert len(rollout.infer(PROMPTS)) == 2
+    # during a sync: waits for the lock
+    entered = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with handle.lock:
+            entered.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    entered.wait(10)
+    done: list[float] = []
+    gen = threading.Thread(target=lambda: (rollout.infer(PROMPTS), done.append(time.perf_counter())))
+    t_release = time.perf_counter() + 0.5
+    gen.start()
+    time.sleep(0.5)
+    assert not done  # still waiting for the "sync"
+    release.set()
+    holder.join()
+    gen.join(30)
+    assert done and done[0] >= t_release
+    # stale: refused
+    original = VllmApplier.load_base
+
+    def failing(self: Any, plan: Any, weights: Any) -> str:
+        def gen() -> Iterator[Any]:
+            for i, item in enumerate(weights):
+                if i == 2:
+                    raise RuntimeError("injected")
+                yield item
+
+        return original(self, plan, gen())
+
+    monkeypatch.setattr(VllmApplier, "load_base", failing)
+    m1 = _model(base.path)
+    _perturb(m1, 1100, base=True)
+    with pytest.raises(SyncError):
+        hwsync.sync(base.remote, m1, strategy="full", bucket_mb=BUCKET_MB)
+    monkeypatch.undo()
+    with pytest.raises(StaleEngineError):
+        rollout.infer(PROMPTS)
+    record("swift rollout route while stale", refused=True, attack=False)
+    base.restore()
+    assert len(rollout.infer(PROMPTS)) == 2
+
+
 # -- the control channel ---------------------------------------------------------------------------------------------
 def _host_port(address: str) -> tuple[str, int]:
     host, port = address.rsplit(":", 1)
