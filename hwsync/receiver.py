@@ -146,6 +146,9 @@ class Receiver:
             has_base = bool(manifest.base_specs)
             lora: dict[str, Tensor] = {}
             received = [0]
+            wrote = [False]
+            was_stale, last_error = self.state.stale, self.state.last_error
+            in_progress = f"sync v{manifest.version} in progress"
 
             def stream() -> Iterator[tuple[str, Tensor]]:
                 it = iter(buckets)
@@ -165,6 +168,12 @@ class Receiver:
                         if spec.kind == "lora":
                             lora[spec.name] = t
                             continue
+                        if not self.state.stale or self.state.last_error != in_progress:
+                            # stale from the moment a loader gets the first base tensor until the sync completes;
+                            # a bucket refused before that (forged, out of step) leaves the engine serving
+                            self.state.stale = True
+                            self.state.last_error = in_progress
+                        wrote[0] = True
                         yield spec.name, t
                     received[0] += 1
 
@@ -172,8 +181,6 @@ class Receiver:
             paths: list[str] = []
             try:
                 if has_base:
-                    self.state.stale = True  # from the first base write until the sync completes
-                    self.state.last_error = f"sync v{manifest.version} in progress"
                     weights = stream()
                     paths.append(self.applier.load_base(plan, weights))
                     for _ in weights:  # a loader that stopped early must not leave buckets unread
@@ -194,7 +201,9 @@ class Receiver:
             except BaseException as e:
                 where = f"after bucket {received[0]} of {len(manifest.buckets)}"
                 # an adapter install that failed is harmless only if the previous adapter still serves, untouched
-                touched = has_base or (stage == "adapter" and not (
+                lid_before = self.state.lora_int_id
+                lost_adapter = lid_before is not None and not self.applier.has_lora(lid_before)
+                touched = wrote[0] or lost_adapter or (stage == "adapter" and not (
                     self.state.lora_int_id is not None and self.applier.has_lora(self.state.lora_int_id)
                     and not getattr(e, "adapter_touched", True)))
                 if touched:
@@ -203,7 +212,9 @@ class Receiver:
                     consequence = (f"engine is stale ({stage} partly written) and refuses to generate through hwsync "
                                    "until a complete sync lands")
                 else:
-                    consequence = f"nothing was applied; the engine still serves v{self.state.version}"
+                    self.state.stale, self.state.last_error = was_stale, last_error
+                    consequence = (f"nothing was applied; the engine still serves v{self.state.version}"
+                                   + (" (and stays stale from before)" if was_stale else ""))
                 logger.warning("hwsync: sync v%d aborted %s: %s: %s; %s", manifest.version, where,
                                type(e).__name__, e, consequence)
                 if not isinstance(e, Exception) or (isinstance(e, HwsyncError) and not isinstance(e, SyncError)):

@@ -84,9 +84,13 @@ def _fail(what: str) -> SyncError:
     return SyncError(f"malformed sync manifest: {what}; sender and receiver run different hwsync versions?")
 
 
-def _int(value: Any, what: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _fail(f"{what} must be an integer >= {minimum}, got {value!r}")
+_INT_MAX = (1 << 63) - 1
+"""Every integer in a manifest fits a signed 64-bit field (bucket trailers, tensor sizes, vLLM ids)."""
+
+
+def _int(value: Any, what: str, minimum: int = 0, maximum: int = _INT_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise _fail(f"{what} must be an integer in [{minimum}, {maximum}], got {str(value)[:40]}")
     return value
 
 
@@ -124,7 +128,10 @@ class TensorSpec:
             raise _fail(f"{name}: shape {shape!r}")
         if kind not in _KINDS:
             raise _fail(f"{name}: kind {kind!r} (one of {_KINDS})")
-        return cls(name, tuple(_int(s, f"{name}: dimension") for s in shape), dtype_from_name(dtype), kind)
+        if not isinstance(dtype, str):
+            raise _fail(f"{name}: dtype {dtype!r}")
+        dims = tuple(_int(s, f"{name}: dimension", 0, 1 << 40) for s in shape)
+        return cls(name, dims, dtype_from_name(dtype), kind)
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,8 @@ def _check_buckets(specs: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> No
             raise _fail(f"bucket {b}: is_last={bucket.is_last} of {len(buckets)} buckets")
         if len(bucket.entries) != len(bucket.offsets):
             raise _fail(f"bucket {b}: {len(bucket.entries)} entries but {len(bucket.offsets)} offsets")
+        if not bucket.entries:
+            raise _fail(f"bucket {b} carries no tensor")
         spans = []
         for i, off in zip(bucket.entries, bucket.offsets):
             if not 0 <= i < len(specs) or i in seen:
@@ -206,6 +215,13 @@ def _check_buckets(specs: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> No
         spans.sort()
         if any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
             raise _fail(f"bucket {b}: tensors overlap")
+        if bucket.nbytes != max(end for _, end in spans):
+            # the receiver allocates nbytes: a bucket is exactly as large as its tensors (plan_buckets' layout)
+            raise _fail(f"bucket {b}: says {bucket.nbytes} bytes, its tensors end at byte "
+                        f"{max(end for _, end in spans)}")
+    total = sum(s.nbytes for s in specs)
+    if total > _INT_MAX:
+        raise _fail(f"{total} bytes of tensors")
     if len(seen) != len(specs):
         missing = [specs[i].name for i in range(len(specs)) if i not in seen][:3]
         raise _fail(f"{len(specs) - len(seen)} tensor(s) in no bucket, e.g. {missing}")
@@ -294,6 +310,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
+        if not isinstance(text, (str, bytes)):
+            raise _fail(f"expected JSON text, got a {type(text).__name__}")
         try:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
@@ -343,11 +361,12 @@ class Manifest:
             specs=spec_objs,
             buckets=tuple(bucket_objs),
             lora_config=lora_config,
-            lora_base_names={str(k): tuple(_int(x, f"{k}: dimension") for x in v) for k, v in base_names.items()},
+            lora_base_names={str(k): tuple(_int(x, f"{k}: dimension", 0, 1 << 40) for x in v)
+                             for k, v in base_names.items()},
             base_key=d.get("base_key"),
             layout=layout,
             lora_name=d.get("lora_name"),
-            lora_int_id=None if lid is None else _int(lid, "lora_int_id", 1),
+            lora_int_id=None if lid is None else _int(lid, "lora_int_id", 1, (1 << 31) - 1),
             dtype_policy=policy,
             expect_version=None if expect is None else _int(expect, "expect_version"),
         )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import socket
 from typing import Any
 
 import torch
@@ -10,6 +11,17 @@ import torch.distributed as dist
 from hwsync.transport.base import LinkSpec
 
 __all__ = ["GlooLink"]
+
+
+def local_address(host: str, port: int) -> str:
+    """The local interface address that reaches ``host`` (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+            return str(s.getsockname()[0])
+        except OSError:
+            return host
 
 
 class _Done:
@@ -28,8 +40,12 @@ class GlooLink:
         self.rank = rank
         self.world_size = spec.world_size
         self.device = torch.device("cpu")
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.prefix, store), rank, spec.world_size,
-                                        datetime.timedelta(seconds=spec.timeout_s))
+        opts = dist.ProcessGroupGloo._Options()
+        # gloo listens for its peers on the interface this process reaches the rendezvous on (loopback for a
+        # loopback group), never on whatever the machine's hostname resolves to
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(spec.host, spec.port))]
+        opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.prefix, store), rank, spec.world_size, opts)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> _Done:
         opts = dist.BroadcastOptions()

@@ -94,7 +94,10 @@ class Channel:
         if not hmac.compare_digest(mac, _mac(self.key, self.other, self.received + 1, data)):
             raise SyncError("control frame fails authentication (forged, replayed or reordered)")
         self.received += 1
-        body = json.loads(data)
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            raise SyncError("control frame is not JSON") from None
         if not isinstance(body, dict):
             raise SyncError("control frame is not a JSON object")
         return body
@@ -109,8 +112,14 @@ class Channel:
 
     def open_secret(self, purpose: str, sealed: str) -> bytes:
         """Inverse of :meth:`seal_secret` for the frame just received."""
+        try:
+            raw = bytes.fromhex(sealed) if isinstance(sealed, str) else b""
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise SyncError(f"malformed sealed secret for {purpose!r} (expected 64 hex digits)")
         pad = _mac(self.key, "pad", self.other, self.received, purpose)
-        return bytes(a ^ b for a, b in zip(bytes.fromhex(sealed), pad))
+        return bytes(a ^ b for a, b in zip(raw, pad))
 
     def close(self) -> None:
         try:

@@ -31,6 +31,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _capped_timeout(asked: Any, cap: float) -> float:
+    """The client's transfer timeout, capped by the server's: a stalled trainer never holds the engine longer."""
+    try:
+        t = float(asked)
+    except (TypeError, ValueError):
+        raise SyncError(f"transfer timeout {str(asked)[:40]!r} is not a number of seconds") from None
+    if not t > 0:  # also NaN
+        raise SyncError(f"transfer timeout must be a positive number of seconds, got {t}")
+    return min(t, cap)
+
+
 class SyncServer:
     """Serves syncs into an in-process ``vllm.LLM`` for trainers that :func:`hwsync.connect` with the token."""
 
@@ -48,7 +59,9 @@ class SyncServer:
         if not is_loopback(host):
             logger.warning("hwsync sync server listens on %s:%d (not loopback): anyone who reaches it may connect; "
                            "only holders of the token can sync", host, self.port)
-        self._slots = threading.BoundedSemaphore(max_clients)
+        self.max_clients = max_clients
+        self._slots = threading.BoundedSemaphore(max_clients)  # authenticated trainers
+        self._pending = threading.BoundedSemaphore(4 * max_clients)  # handshakes in progress (10 s each at most)
         self._held: bytes | None = None  # the data-plane group the workers hold (kept between syncs)
         self._stop = threading.Event()
         self._shutdown = threading.Event()
@@ -95,8 +108,8 @@ class SyncServer:
                 conn, peer = self._sock.accept()
             except OSError:
                 break
-            if not self._slots.acquire(blocking=False):
-                logger.warning("hwsync sync server: refused %s (too many clients)", peer)
+            if not self._pending.acquire(blocking=False):
+                logger.warning("hwsync sync server: refused %s (too many unauthenticated connections)", peer)
                 conn.close()
                 continue
             threading.Thread(target=self._serve_client, args=(conn, peer), daemon=True,
@@ -104,12 +117,18 @@ class SyncServer:
 
     def _serve_client(self, conn: socket.socket, peer: Any) -> None:
         try:
-            try:
-                channel = server_handshake(conn, self.token)
-            except Exception as e:  # noqa: BLE001 - wrong token, garbage, timeout: drop it
-                logger.warning("hwsync sync server: refused a connection from %s (%s)", peer, e)
-                conn.close()
-                return
+            channel = server_handshake(conn, self.token)
+        except Exception as e:  # noqa: BLE001 - wrong token, garbage, timeout: drop it
+            logger.warning("hwsync sync server: refused a connection from %s (%s)", peer, e)
+            conn.close()
+            return
+        finally:
+            self._pending.release()
+        if not self._slots.acquire(blocking=False):
+            logger.warning("hwsync sync server: refused %s (more than %d trainers connected)", peer, self.max_clients)
+            channel.close()
+            return
+        try:
             while not self._stop.is_set():
                 try:
                     msg = channel.recv()
@@ -120,15 +139,21 @@ class SyncServer:
                     break
                 op = msg.get("op")
                 handler = self.OPS.get(op) if isinstance(op, str) else None
+                args = msg.get("args", {})
                 try:
                     if handler is None:
-                        raise SyncError(f"unknown operation {op!r}")
-                    result = handler(self, channel, msg.get("args") or {})
-                    channel.send({"ok": True, "result": result})
+                        raise SyncError(f"unknown operation {str(op)[:40]!r}")
+                    if not isinstance(args, dict):
+                        raise SyncError("request arguments must be a JSON object")
+                    reply = {"ok": True, "result": handler(self, channel, args)}
                 except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer
-                    channel.send({"ok": False, "error": to_wire(e)})
-            channel.close()
+                    reply = {"ok": False, "error": to_wire(e)}
+                try:
+                    channel.send(reply)
+                except (ConnectionError, OSError, SyncError):
+                    break
         finally:
+            channel.close()
             self._slots.release()
 
     # -- operations -----------------------------------------------------------------------------------------------
@@ -159,20 +184,24 @@ class SyncServer:
         no failure closed it)."""
         manifest = Manifest.from_json(args["manifest"])
         group = args["group"]
-        held = channel.open_secret("group", str(args["group_id"]))
-        fresh = channel.open_secret("new_group", str(args["new_group_id"]))
-        data_key = channel.open_secret("data", str(args["data_key"]))
-        timeout = min(float(args.get("timeout", self.timeout_s)), self.timeout_s)
+        held = channel.open_secret("group", args["group_id"])
+        fresh = channel.open_secret("new_group", args["new_group_id"])
+        data_key = channel.open_secret("data", args["data_key"])
+        timeout = _capped_timeout(args.get("timeout", self.timeout_s), self.timeout_s)
+        first_rank, world = int(group["first_rank"]), int(group["world_size"])
+        if not 1 <= first_rank < world <= 1 << 16:
+            raise SyncError(f"data-plane group of {world} ranks with this engine at rank {first_rank}: the trainer "
+                            "is rank 0 and engines follow it")
         with self.engine.lock:
             self.engine.prepare(manifest)  # raises -> error reply; nothing written, no transfer started
             reuse = self._held == held
             gid = held if reuse else fresh
             spec = LinkSpec(host=str(group["host"]), port=int(group["port"]), prefix=group_prefix(gid),
-                            world_size=int(group["world_size"]), timeout_s=timeout)
+                            world_size=world, timeout_s=timeout)
             channel.send({"ok": True, "result": {"go": True, "reuse": reuse}})
             self._held = None
             try:
-                result = self.engine.receive_remote(manifest, spec, int(group["first_rank"]), data_key,
+                result = self.engine.receive_remote(manifest, spec, first_rank, data_key,
                                                     spec.prefix + "abort")
             finally:
                 self.engine.reset_cache()

@@ -23,6 +23,15 @@ class LLMEngineView:
     def __init__(self, engine: Any) -> None:
         self.llm_engine = engine
 
+    @classmethod
+    def of(cls, engine: Any) -> LLMEngineView:
+        """The one view of ``engine`` (so :func:`hwsync.as_engine` hands every caller the same handle and lock)."""
+        view = engine.__dict__.get("_hwsync_view")
+        if view is None:
+            view = cls(engine)
+            engine.__dict__["_hwsync_view"] = view
+        return view
+
     def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         return self.llm_engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)

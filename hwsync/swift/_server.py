@@ -10,6 +10,7 @@ after ``SwiftRolloutDeploy.get_infer_engine``.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -19,7 +20,7 @@ from hwsync.swift._engine_view import LLMEngineView
 from hwsync.errors import UnsupportedSetupError
 from hwsync.swift._options import ENV, SwiftOptions
 
-__all__ = ["serve_rollout_engine", "connect_to_rollout_engine"]
+__all__ = ["connect_to_rollout_engine", "guard_generation", "serve_rollout_engine"]
 
 logger = get_logger()
 
@@ -45,10 +46,28 @@ def serve_rollout_engine(engine: Any) -> Any:
             "use --vllm_data_parallel_size 1")
     from hwsync.server import serve
 
-    server = serve(LLMEngineView(llm_engine), address, token)
+    server = serve(LLMEngineView.of(llm_engine), address, token)
     _servers.append(server)
+    guard_generation(engine, server.engine)
     logger.info(f"hwsync: serving weight syncs into swift rollout's engine on {server.address}")
     return server
+
+
+def guard_generation(engine: Any, handle: Any) -> None:
+    """Make ``swift rollout``'s generation (every route ends in ``engine.infer``) take the engine's one lock and
+    refuse while the engine is stale: no rollout is computed from a half-written engine."""
+    original = engine.infer
+    if getattr(original, "_hwsync_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def infer(*args: Any, **kwargs: Any) -> Any:
+        with handle.lock:  # waits for a sync in progress
+            handle.check_servable()  # StaleEngineError while an interrupted sync left weights half-written
+            return original(*args, **kwargs)
+
+    infer._hwsync_guarded = True  # type: ignore[attr-defined]
+    engine.infer = infer
 
 
 def connect_to_rollout_engine(opts: SwiftOptions) -> Any:

@@ -92,7 +92,7 @@ class HwsyncGRPOTrainer(GRPOTrainer):
             from hwsync.api import as_engine
             from hwsync.swift._engine_view import LLMEngineView
 
-            self._hwsync_target = as_engine(LLMEngineView(self.engine.engine))
+            self._hwsync_target = as_engine(LLMEngineView.of(self.engine.engine))
         return self._hwsync_target
 
     # ------------------------------------------------------------------------------------------------ sync

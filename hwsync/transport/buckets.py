@@ -120,7 +120,8 @@ def send_buckets(manifest: Manifest, lists: BucketLists, link: Link, pool: _Pool
             tag = sealer.seal(buf[: bucket.nbytes], bucket.index, manifest.version)
             _write_trailer(buf, size, _OK, bucket.index, manifest.version, tag)
         except BaseException:
-            _write_trailer(buf, size, _ABORT, bucket.index, manifest.version, b"")
+            _write_trailer(buf, size, _ABORT, bucket.index, manifest.version,
+                           sealer.seal(buf[:0], -1 - bucket.index, manifest.version))  # an abort is sealed too
             link.broadcast(buf[: size + TRAILER_BYTES], 0).wait()
             raise
         inflight.append((buf, link.broadcast(buf[: size + TRAILER_BYTES], 0)))
@@ -150,6 +151,8 @@ def receive_buckets(manifest: Manifest, link: Link, pool: _Pool, sealer: Sealer,
         status, index, version = _HEAD.unpack(bytes(_trailer(buf, size)[: _HEAD.size].cpu().tolist()))
         if status == _ABORT:
             posted.clear()
+            tag = bytes(_trailer(buf, size)[_HEAD.size: _HEAD.size + sealer.tag_bytes].cpu().tolist())
+            sealer.check(buf[:0], -1 - bucket.index, manifest.version, tag)  # only the trainer may abort
             why = abort_reason() if abort_reason else ""
             raise SyncError(f"sender aborted before bucket {bucket.index}" + (f": {why}" if why else ""))
         if status != _OK or index != bucket.index or version != manifest.version:

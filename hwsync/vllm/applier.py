@@ -361,8 +361,21 @@ class VllmApplier:
     def _recover(self) -> None:
         """A reload that raised mid-way leaves layers on ``meta``: put kernel tensors back (vLLM's own
         finalization), so the engine stays structurally usable while marked stale."""
+        from vllm.model_executor.model_loader.reload import layerwise
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
+        try:
+            # Every layer that did not complete goes back to its kernel tensors (its previous values). Left alone,
+            # vLLM's finalization would process a partly loaded layer with the rest of its weights unset, and leave
+            # a layer whose post-processing raised half-processed (unusable by later reloads).
+            attention = getattr(layerwise, "is_deferred_attention_layer", lambda layer: False)
+            for layer, info in list(getattr(layerwise, "LAYERWISE_INFO", {}).items()):
+                if info.can_load() and info.kernel_tensors is not None and not attention(layer):
+                    info.load_numel = 0
+                    info.loaded_weights = []
+        except Exception as e:  # noqa: BLE001
+            logger.warning("hwsync: could not roll back unfinished layers after a failed reload: %s: %s",
+                           type(e).__name__, e)
         try:
             with _quiet_partial_reload(), torch.no_grad():
                 finalize_layerwise_reload(model_of(self.worker), self.vllm_config.model_config)
