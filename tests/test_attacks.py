@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import random
 import socket
 import struct
@@ -33,7 +32,8 @@ import torch
 
 import hwsync
 from hwsync.errors import HwsyncError, StaleEngineError, SyncError
-from hwsync.testing import close_llm, make_llm, require_vllm
+from hwsync.testing import patched_llm
+from hwsync.testing.trainer import lora_trainer, perturb
 
 pytestmark = pytest.mark.vllm
 
@@ -61,21 +61,8 @@ def record(category: str, *, refused: bool, half: bool = False, attack: bool = T
 # -- the engine, its server, observations ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
-    require_vllm()
-    import hwsync.patches as patches
-
-    from hwsync import vllm_plugin
-
-    before = {n for n in patches.names() if patches.get(n).installed}
-    active = set(vllm_plugin.register()) - before
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = make_llm(tiny_qwen3_moe_dir, **ENGINE)
-    yield engine
-    close_llm(engine)
-    torch.set_num_threads(threads)
-    for name in active:
-        patches.get(name).uninstall()
+    with patched_llm(tiny_qwen3_moe_dir, **ENGINE) as engine:  # + what VLLM_PLUGINS=hwsync does
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -84,24 +71,8 @@ def server(llm: Any) -> Iterator[Any]:
         yield s
 
 
-def _model(path: Path, lora: bool = False) -> Any:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if not lora:
-        return model
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=ATTN)).eval()
-
-
-def _perturb(model: Any, seed: int, *, base: bool = False, scale: float = 0.2) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * scale)
-            elif base:
-                p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.05)
+def _perturb(model: Any, seed: int, *, base: bool = False) -> None:
+    perturb(model, seed, base=base, lora_scale=0.2, base_scale=0.05)  # large steps: every change is visible
 
 
 def _snapshot(model: Any) -> dict[str, torch.Tensor]:
@@ -145,7 +116,7 @@ class Baseline:
         self.llm = llm
         self.server = server
         self.remote = hwsync.connect(server.address, TOKEN, timeout_s=30)
-        self.model = _model(path)
+        self.model = lora_trainer(path)
         _perturb(self.model, 100, base=True)
         self.path = path
         self.sig = self.restore()
@@ -193,7 +164,7 @@ def test_loader_raises_mid_bucket(base: Baseline, monkeypatch: pytest.MonkeyPatc
 
         return original(self, plan, gen())
 
-    m1 = _model(base.path)
+    m1 = lora_trainer(base.path)
     _perturb(m1, 200 + k, base=True)
     monkeypatch.setattr(VllmApplier, "load_base", failing)
     with pytest.raises(SyncError, match="injected: loader fails") as err:
@@ -220,7 +191,7 @@ def test_post_processing_raises(base: Baseline, monkeypatch: pytest.MonkeyPatch)
     def boom(layer: Any) -> None:
         raise RuntimeError("injected: process_weights_after_loading failed")
 
-    m1 = _model(base.path)
+    m1 = lora_trainer(base.path)
     _perturb(m1, 300, base=True)
     monkeypatch.setattr(qm, "process_weights_after_loading", boom, raising=False)
     with pytest.raises(SyncError, match="engine is stale"):
@@ -256,7 +227,7 @@ def test_recover_itself_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("HWSYNC_DIRECT", "0")
     monkeypatch.setattr(VllmApplier, "load_base", failing)
     monkeypatch.setattr(layerwise, "finalize_layerwise_reload", finalize_fails)
-    m1 = _model(base.path)
+    m1 = lora_trainer(base.path)
     _perturb(m1, 400, base=True)
     with caplog.at_level("WARNING", logger="hwsync"), pytest.raises(SyncError, match="engine is stale"):
         hwsync.sync(base.remote, m1, strategy="full", bucket_mb=BUCKET_MB)
@@ -303,7 +274,7 @@ def _lora_injection(name: str, llm: Any, monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.parametrize("injection", ["slot rewrite fails after writing", "adapter build fails",
                                        "add_adapter fails after remove", "pin fails after add"])
 def test_adapter_install_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch, injection: str) -> None:
-    lora = _model(base.path, lora=True)
+    lora = lora_trainer(base.path, ATTN)
     _perturb(lora, 500)
     hwsync.sync(base.remote, lora, strategy="adapter", bucket_mb=BUCKET_MB)
     sig_a = observe(base.llm)
@@ -326,7 +297,7 @@ def test_adapter_install_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch, 
 
 # -- concurrency -----------------------------------------------------------------------------------------------------
 def test_two_trainers_at_once(base: Baseline) -> None:
-    models = [_model(base.path), _model(base.path)]
+    models = [lora_trainer(base.path), lora_trainer(base.path)]
     for i, m in enumerate(models):
         _perturb(m, 600 + i, base=True)
     remotes = [hwsync.connect(base.server.address, TOKEN, timeout_s=30) for _ in models]
@@ -370,8 +341,8 @@ def test_two_trainers_at_once(base: Baseline) -> None:
 def test_generation_hammering_during_20_syncs(base: Baseline) -> None:
     """Generation through hwsync in a loop while 20 syncs (adapter, and full every 5th) land: every output equals
     the output of exactly one complete sync."""
-    lora = _model(base.path, lora=True)
-    plain = _model(base.path)
+    lora = lora_trainer(base.path, ATTN)
+    plain = lora_trainer(base.path)
     sigs: list[Obs] = [base.sig]
     seen: list[Obs | None] = []
     stop = threading.Event()
@@ -463,7 +434,7 @@ def test_swift_rollout_generation_takes_the_engine_lock(base: Baseline, monkeypa
         return original(self, plan, gen())
 
     monkeypatch.setattr(VllmApplier, "load_base", failing)
-    m1 = _model(base.path)
+    m1 = lora_trainer(base.path)
     _perturb(m1, 1100, base=True)
     with pytest.raises(SyncError):
         hwsync.sync(base.remote, m1, strategy="full", bucket_mb=BUCKET_MB)
@@ -845,7 +816,7 @@ def _forge(base: Baseline, kind: str) -> bool:
     if kind == "bucket replayed as the next one":
         evil = base.model  # what the engine serves: the replayed bucket 0 is the trainer's own
     else:
-        evil = _model(base.path)
+        evil = lora_trainer(base.path)
         _perturb(evil, 900, base=True)
     plan = _plan(base.remote, evil, Strategy.FULL, BUCKET_MB, None, None)
     version = engine.state()["version"] + 1
@@ -991,7 +962,7 @@ def test_fuzzed_manifests(base: Baseline) -> None:
     from hwsync.wire import Manifest, Strategy
 
     engine = hwsync.as_engine(base.llm)
-    lora = _model(base.path, lora=True)
+    lora = lora_trainer(base.path, ATTN)
     _perturb(lora, 1000)
     docs = [json.loads(_plan(base.remote, base.model, Strategy.FULL, BUCKET_MB, None, None).manifest.to_json()),
             json.loads(_plan(base.remote, lora, Strategy.ADAPTER, 0.01, None, None).manifest.to_json())]

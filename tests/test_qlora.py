@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.testing import EXACT_ATOL, EngineReference, close_llm, make_llm, on_cpu, require_vllm
+from hwsync.testing import EXACT_ATOL, EngineReference, close_llm, engine_patches, make_llm, on_cpu, require_vllm
 from hwsync.testing.reference import compare_logprobs
+from hwsync.testing.trainer import perturb
 
 try:
     import bitsandbytes as bnb
@@ -59,20 +60,13 @@ def _qlora(model: Any, targets: list[str], parameters: list[str] | None) -> Any:
                                             target_parameters=parameters)).eval()
 
 
-def _perturb(model: Any, gen: torch.Generator) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_((torch.randn(p.shape, generator=gen) * 0.05).to(p.device, p.dtype))
-
-
 def test_merged_view_is_bnb_dequant_plus_peft_delta(tiny_qwen3_moe_dir: Path) -> None:
     from bitsandbytes.functional import dequantize_4bit
 
     from hwsync.merged import merged_named_weights
 
     model = _qlora(_quantized(tiny_qwen3_moe_dir), ATTN, EXPERTS)
-    _perturb(model, torch.Generator().manual_seed(0))
+    perturb(model, torch.Generator().manual_seed(0))
     merged = dict(merged_named_weights(model))
     checked = {"adapted": 0, "plain": 0}
     for name, module in model.named_modules():
@@ -116,7 +110,7 @@ def test_full_sync_of_a_4bit_base_is_exact(full_engine: tuple[Any, EngineReferen
     gen = torch.Generator().manual_seed(1)
     worst, previous, moved = 0.0, None, 0.0
     for step in range(SYNCS):
-        _perturb(model, gen)
+        perturb(model, gen)
         r = hwsync.sync(llm, model, strategy="full")
         assert r.strategy == "full" and r.lora_tensors == 0
         got = as_engine(llm).logprobs(PROMPTS, 4)
@@ -141,31 +135,26 @@ def test_adapter_sync_of_a_4bit_base_is_exact(tiny_qwen3_moe_dir: Path, tmp_path
     an engine on the 4-bit checkpoint itself would take the adapter alone (hwsync then sends no base) on a vLLM that
     still serves bitsandbytes."""
     require_vllm()
-    import hwsync.patches as patches
-    from hwsync import vllm_plugin
     from hwsync.api import as_engine
 
-    before = {n for n in patches.names() if patches.get(n).installed}
-    active = set(vllm_plugin.register()) - before  # what VLLM_PLUGINS=hwsync does in a vLLM process (CPU LoRA)
     dtype = "bfloat16" if not on_cpu() else "float32"
     engine = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "lora_target_modules": ["qkv_proj", "o_proj"]}
     model = _qlora(_quantized(tiny_qwen3_moe_dir), ["q_proj", "k_proj", "v_proj", "o_proj"], None)
-    llm = make_llm(tiny_qwen3_moe_dir, dtype=dtype, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension",
-                   **engine)
-    try:
-        with EngineReference(tmp_path / "reference", dtype=dtype, **engine) as reference:
-            gen = torch.Generator().manual_seed(2)
-            reports = []
-            for step in range(SYNCS):
-                _perturb(model, gen)
-                reports.append(hwsync.sync(llm, model, strategy="adapter"))
-                got = as_engine(llm).logprobs(PROMPTS, 4)
-                diff = compare_logprobs(got, reference.logprobs(model, "adapter", PROMPTS, 4),
-                                        f"QLoRA adapter sync {step + 1}")
-                assert diff <= EXACT_ATOL, diff
-    finally:
-        close_llm(llm)
-        for name in active:
-            patches.get(name).uninstall()
+    with engine_patches(threads=None):  # what VLLM_PLUGINS=hwsync does in a vLLM process (LoRA on the CPU build)
+        llm = make_llm(tiny_qwen3_moe_dir, dtype=dtype, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension",
+                       **engine)
+        try:
+            with EngineReference(tmp_path / "reference", dtype=dtype, **engine) as reference:
+                gen = torch.Generator().manual_seed(2)
+                reports = []
+                for step in range(SYNCS):
+                    perturb(model, gen)
+                    reports.append(hwsync.sync(llm, model, strategy="adapter"))
+                    got = as_engine(llm).logprobs(PROMPTS, 4)
+                    diff = compare_logprobs(got, reference.logprobs(model, "adapter", PROMPTS, 4),
+                                            f"QLoRA adapter sync {step + 1}")
+                    assert diff <= EXACT_ATOL, diff
+        finally:
+            close_llm(llm)
     assert reports[0].base_tensors > 0 and all(r.base_tensors == 0 and r.lora_tensors > 0 for r in reports[1:]), \
         [r.reason for r in reports]

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.testing import EXACT_ATOL, EngineReference, close_llm, make_llm, on_cpu, require_vllm
+from hwsync.testing import EXACT_ATOL, EngineReference, close_llm, engine_patches, make_llm, on_cpu, require_vllm
 from hwsync.testing.reference import compare_logprobs
+from hwsync.testing.trainer import lora_trainer, perturb
 
 pytestmark = pytest.mark.vllm
 
@@ -57,43 +58,15 @@ def engine(request: pytest.FixtureRequest, tiny_qwen3_moe_dir: Path,
     fmt = request.param
     if fmt != "no-moe-lora" and (why := _moe_lora_missing()):
         pytest.skip(why)
-    import hwsync.patches as patches
-    from hwsync import vllm_plugin
-
-    before = {n for n in patches.names() if patches.get(n).installed}
-    active = set(vllm_plugin.register()) - before  # what VLLM_PLUGINS=hwsync does in a vLLM process
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: multi-threaded weight copies spin
     kwargs = dict(FORMATS[fmt])
-    llm = make_llm(tiny_qwen3_moe_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **kwargs)
-    reference = EngineReference(tmp_path_factory.mktemp(f"reference-{fmt}"), **kwargs)
-    try:
-        yield fmt, llm, reference
-    finally:
-        reference.close()
-        close_llm(llm)
-        torch.set_num_threads(threads)
-        for name in active:
-            patches.get(name).uninstall()
-
-
-def _trainer(path: Path, targets: list[str], parameters: list[str] | None) -> Any:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    # alpha/r = 2: a power of two, so LoRA scaling rounds alike on both loading paths in bf16
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=parameters)
-    return get_peft_model(model, cfg).eval()
-
-
-def _perturb(model: Any, gen: torch.Generator, *, base: bool) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-            elif base:
-                p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
+    with engine_patches():  # what VLLM_PLUGINS=hwsync does in a vLLM process
+        llm = make_llm(tiny_qwen3_moe_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **kwargs)
+        reference = EngineReference(tmp_path_factory.mktemp(f"reference-{fmt}"), **kwargs)
+        try:
+            yield fmt, llm, reference
+        finally:
+            reference.close()
+            close_llm(llm)
 
 
 def _syncs(fmt: str, llm: Any, reference: EngineReference, model: Any, strategy: str, *, base: bool) -> list[Any]:
@@ -103,7 +76,7 @@ def _syncs(fmt: str, llm: Any, reference: EngineReference, model: Any, strategy:
     gen = torch.Generator().manual_seed(4321)
     worst, moved, previous, reports = 0.0, 0.0, None, []
     for _ in range(SYNCS):
-        _perturb(model, gen, base=base)
+        perturb(model, gen, base=base)
         reports.append(hwsync.sync(llm, model, strategy=strategy))
         got = as_engine(llm).logprobs(PROMPTS, 4)
         want = reference.logprobs(model, strategy, PROMPTS, 4)
@@ -127,8 +100,8 @@ def test_2d_reference_adapter_is_peft_split_per_expert(tiny_qwen3_moe_dir: Path,
 
     from hwsync.testing.reference import write_adapter
 
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
-    _perturb(model, torch.Generator().manual_seed(3), base=False)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    perturb(model, torch.Generator().manual_seed(3), base=False)
     tensors = load_file(str(write_adapter(model, tmp_path / "a2d", moe_format="2d") / "adapter_model.safetensors"))
     scaling = 8 / 4
     checked = 0
@@ -150,7 +123,7 @@ def test_2d_reference_adapter_is_peft_split_per_expert(tiny_qwen3_moe_dir: Path,
 def test_full(engine: tuple[str, Any, EngineReference], tiny_qwen3_moe_dir: Path) -> None:
     """Merged weights of LoRA on attention and experts, base weights changing too, into a LoRA-enabled engine."""
     fmt, llm, reference = engine
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     reports = _syncs(fmt, llm, reference, model, "full", base=True)
     assert all(r.lora_tensors == 0 and r.lora_request is None for r in reports)
 
@@ -160,7 +133,7 @@ def test_adapter(engine: tuple[str, Any, EngineReference], tiny_qwen3_moe_dir: P
     fmt, llm, reference = engine
     with_experts = reference.serves_expert_lora()
     assert with_experts == (fmt != "no-moe-lora")
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if with_experts else None)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if with_experts else None)
     reports = _syncs(fmt, llm, reference, model, "adapter", base=False)
     assert all(r.base_tensors == 0 and r.lora_tensors > 0 for r in reports[1:])
     assert any(".experts" in n for n, _ in model.named_parameters() if "lora_" in n) == with_experts
@@ -169,7 +142,7 @@ def test_adapter(engine: tuple[str, Any, EngineReference], tiny_qwen3_moe_dir: P
 def test_hybrid(engine: tuple[str, Any, EngineReference], tiny_qwen3_moe_dir: Path) -> None:
     """LoRA where the engine serves it, merged weights for the rest (the experts on the no-moe-lora engine)."""
     fmt, llm, reference = engine
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     reports = _syncs(fmt, llm, reference, model, "hybrid", base=False)
     expert_bytes = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n)
     steady = reports[-1]
@@ -181,8 +154,8 @@ def test_hybrid(engine: tuple[str, Any, EngineReference], tiny_qwen3_moe_dir: Pa
 
 def test_auto_picks_what_the_engine_serves(engine: tuple[str, Any, EngineReference], tiny_qwen3_moe_dir: Path) -> None:
     fmt, llm, reference = engine
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
-    _perturb(model, torch.Generator().manual_seed(5), base=False)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    perturb(model, torch.Generator().manual_seed(5), base=False)
     r = hwsync.sync(llm, model)
     assert r.strategy == ("adapter" if reference.serves_expert_lora() else "hybrid"), r.reason
     assert reference.check(llm, model, PROMPTS) <= EXACT_ATOL

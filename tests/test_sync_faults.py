@@ -16,7 +16,8 @@ import torch
 
 import hwsync
 from hwsync.errors import AdapterFormatError, ResolutionError, StaleEngineError, SyncError, VersionError
-from hwsync.testing import EngineReference, assert_serves, close_llm, make_llm, make_tiny_moe, require_vllm
+from hwsync.testing import EngineReference, assert_serves, make_tiny_moe, patched_llm
+from hwsync.testing.trainer import lora_trainer, perturb
 
 pytestmark = pytest.mark.vllm
 
@@ -29,48 +30,14 @@ ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
-    require_vllm()
-    import hwsync.patches as patches
-
-    from hwsync import vllm_plugin
-
-    before = {n for n in patches.names() if patches.get(n).installed}
-    active = set(vllm_plugin.register()) - before
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: multi-threaded weight copies spin (30x slower reloads here)
-    engine = make_llm(tiny_qwen3_moe_dir, **ENGINE)
-    yield engine
-    close_llm(engine)
-    torch.set_num_threads(threads)
-    for name in active:
-        patches.get(name).uninstall()
+    with patched_llm(tiny_qwen3_moe_dir, **ENGINE) as engine:  # + what VLLM_PLUGINS=hwsync does
+        yield engine
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineReference]:
     with EngineReference(tmp_path_factory.mktemp("reference"), **ENGINE) as ref:
         yield ref
-
-
-def _trainer(path: Path, targets: list[str] | None = None, parameters: list[str] | None = None, **lora: Any) -> Any:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if targets is None and parameters is None:
-        return model
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets or [], target_parameters=parameters, **lora)
-    return get_peft_model(model, cfg).eval()
-
-
-def _perturb(model: Any, seed: int, *, base: bool = False) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-            elif base:
-                p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
 
 
 def _fail_at(k: int) -> Any:
@@ -87,12 +54,12 @@ def _state(llm: Any) -> dict[str, Any]:
 
 def test_adapter_sync_interrupted_keeps_the_previous_adapter(llm: Any, reference: EngineReference,
                                                             tiny_qwen3_moe_dir: Path) -> None:
-    model = _trainer(tiny_qwen3_moe_dir, ATTN)
-    _perturb(model, 1)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN)
+    perturb(model, 1)
     hwsync.sync(llm, model, strategy="adapter")
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     served = _state(llm)
-    _perturb(model, 2)
+    perturb(model, 2)
     with pytest.raises(SyncError, match=r"aborted after bucket 3 of \d+ .*nothing was applied; the engine still serves"):
         hwsync.sync(llm, model, strategy="adapter", bucket_mb=0.002, progress=_fail_at(3))
     after = _state(llm)
@@ -119,10 +86,10 @@ def test_interrupted_base_sync_marks_stale_until_a_complete_sync(llm: Any, refer
                                                                  strategy: str) -> None:
     from vllm import SamplingParams
 
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
-    _perturb(model, 3, base=strategy == "full")
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    perturb(model, 3, base=strategy == "full")
     hwsync.sync(llm, model, strategy=strategy)
-    _perturb(model, 4, base=strategy == "full")
+    perturb(model, 4, base=strategy == "full")
     with pytest.raises(SyncError, match=r"aborted after bucket 2 of \d+ .*engine is stale"):
         hwsync.sync(llm, model, strategy=strategy, bucket_mb=0.2, progress=_fail_at(2))
     assert _state(llm)["stale"]
@@ -138,38 +105,38 @@ def test_interrupted_base_sync_marks_stale_until_a_complete_sync(llm: Any, refer
 
 
 def test_versions_only_increase(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
-    model = _trainer(tiny_qwen3_moe_dir)
+    model = lora_trainer(tiny_qwen3_moe_dir)
     current = _state(llm)["version"]
     r = hwsync.sync(llm, model, version=current + 100)
     assert r.version == current + 100
-    _perturb(model, 5, base=True)
+    perturb(model, 5, base=True)
     for older in (current + 100, current + 7):
         with pytest.raises(VersionError, match="not newer"):
             hwsync.sync(llm, model, version=older)
     assert _state(llm)["version"] == current + 100
     with torch.no_grad():  # the refused syncs wrote nothing: the engine still serves the unperturbed weights
-        model.load_state_dict(_trainer(tiny_qwen3_moe_dir).state_dict())
+        model.load_state_dict(lora_trainer(tiny_qwen3_moe_dir).state_dict())
     assert assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
     assert hwsync.sync(llm, model).version == current + 101  # default: the engine's version + 1
 
 
 def _unknown_name(path: Path, tmp: Path) -> Any:
-    model = _trainer(path)
+    model = lora_trainer(path)
     model.model.extra_scale = torch.nn.Parameter(torch.ones(3))
     return model
 
 
 def _wrong_shape(path: Path, tmp: Path) -> Any:
     other = make_tiny_moe(tmp / "wider", moe_intermediate_size=64)
-    return _trainer(other)
+    return lora_trainer(other)
 
 
 def _dora(path: Path, tmp: Path) -> Any:
-    return _trainer(path, ATTN, use_dora=True)
+    return lora_trainer(path, ATTN, use_dora=True)
 
 
 def _dropout_on_experts(path: Path, tmp: Path) -> Any:
-    model = _trainer(path, ATTN, EXPERTS)
+    model = lora_trainer(path, ATTN, EXPERTS)
     model.peft_config["default"].lora_dropout = 0.1  # what an ms-swift default (0.05..0.1) config says
     return model
 
@@ -187,8 +154,8 @@ def _dropout_on_experts(path: Path, tmp: Path) -> Any:
 def test_bad_input_one_clear_error_engine_untouched(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path,
                                                     tmp_path: Path,
                                                     make: Any, strategy: str, error: type, match: str) -> None:
-    good = _trainer(tiny_qwen3_moe_dir, ATTN)
-    _perturb(good, 6)
+    good = lora_trainer(tiny_qwen3_moe_dir, ATTN)
+    perturb(good, 6)
     hwsync.sync(llm, good)
     served = _state(llm)
     bad = make(tiny_qwen3_moe_dir, tmp_path)
@@ -201,8 +168,8 @@ def test_bad_input_one_clear_error_engine_untouched(llm: Any, reference: EngineR
 
 def test_adapter_identity_per_call(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
     """Frameworks attach their own LoRARequest to rollouts (ms-swift: swift_lora / 111): install under theirs."""
-    model = _trainer(tiny_qwen3_moe_dir, ATTN)
-    _perturb(model, 8)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN)
+    perturb(model, 8)
     r = hwsync.sync(llm, model, strategy="adapter", lora_name="swift_lora", lora_int_id=111)
     assert (r.lora_request.lora_name, r.lora_request.lora_int_id) == ("swift_lora", 111)
     assert assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL

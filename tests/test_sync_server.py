@@ -24,7 +24,10 @@ import torch
 import hwsync
 from hwsync.errors import StaleEngineError, SyncError
 from hwsync.testing import EngineReference, assert_serves, require_vllm, vllm_env
+from hwsync.testing.trainer import lora_trainer, perturb
 
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 pytestmark = pytest.mark.vllm
 
 TOKEN = "correct horse battery staple"
@@ -94,27 +97,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineRefere
         yield ref
 
 
-def _trainer(path: Path, lora: bool) -> Any:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if not lora:
-        return model
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    return get_peft_model(model, cfg).eval()
-
-
-def _perturb(model: Any, gen: torch.Generator, base: bool) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-            elif base:
-                p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
-
-
 def test_wrong_token_is_rejected(server: tuple[str, Any]) -> None:
     address, _ = server
     with pytest.raises(SyncError, match="refused the token"):
@@ -126,18 +108,18 @@ def test_syncs_across_processes_verify_each(server: tuple[str, Any], reference: 
     address, _ = server
     engine = hwsync.connect(address, TOKEN, timeout_s=60)
     gen = torch.Generator().manual_seed(0)
-    model = _trainer(tiny_qwen3_moe_dir, lora=True)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     reports = []
     for step in range(6):
-        _perturb(model, gen, base=False)
+        perturb(model, gen, base=False)
         r = hwsync.sync(engine, model, bucket_mb=0.25)  # auto: hybrid on vLLM's CPU build, adapter on GPUs
         reports.append(r)
         assert r.mode == "server" and r.buckets >= 2
         assert assert_serves(engine, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
     assert reports[0].base_tensors > reports[1].base_tensors  # W0 once, then only what changes
-    full = _trainer(tiny_qwen3_moe_dir, lora=False)
+    full = lora_trainer(tiny_qwen3_moe_dir)
     for _ in range(2):
-        _perturb(full, gen, base=True)
+        perturb(full, gen, base=True)
         r = hwsync.sync(engine, full, strategy="full", bucket_mb=0.25)
         assert r.strategy == "full"
         assert assert_serves(engine, full, PROMPTS, atol=ATOL, reference=reference) <= ATOL
@@ -148,7 +130,7 @@ def test_sender_exception_and_killed_sender_leave_engine_stale_then_recover(
         server: tuple[str, Any], reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
     address, _ = server
     engine = hwsync.connect(address, TOKEN, timeout_s=60)
-    model = _trainer(tiny_qwen3_moe_dir, lora=False)
+    model = lora_trainer(tiny_qwen3_moe_dir)
 
     def boom(index: int, total: int) -> None:
         if index == 1:

@@ -20,7 +20,8 @@ import torch
 
 import hwsync
 from hwsync.errors import AdapterFormatError, VerifyError
-from hwsync.testing import EngineReference, assert_serves, close_llm, make_llm, require_vllm
+from hwsync.testing import EngineReference, assert_serves, patched_llm
+from hwsync.testing.trainer import lora_trainer, perturb
 
 pytestmark = pytest.mark.vllm
 
@@ -38,21 +39,8 @@ ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
     """One LoRA-enabled engine for the whole module (on the CPU build LoRA on attention: what it can serve)."""
-    require_vllm()
-    import hwsync.patches as patches
-
-    from hwsync import vllm_plugin
-
-    before = {n for n in patches.names() if patches.get(n).installed}
-    active = set(vllm_plugin.register()) - before  # what VLLM_PLUGINS=hwsync does in a vLLM process: MoE + enable_lora on CPU
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: multi-threaded weight copies spin (30x slower reloads here)
-    engine = make_llm(tiny_qwen3_moe_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **ENGINE)
-    yield engine
-    close_llm(engine)
-    torch.set_num_threads(threads)
-    for name in active:  # only construction needed them; leave the process as we found it
-        patches.get(name).uninstall()
+    with patched_llm(tiny_qwen3_moe_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **ENGINE) as engine:  # + what VLLM_PLUGINS=hwsync does
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -66,26 +54,6 @@ def _element_size(dtype_name: str) -> int:
     from hwsync.wire import dtype_from_name
 
     return torch.empty(0, dtype=dtype_from_name(dtype_name)).element_size()
-
-
-def _trainer(path: Path, targets: list[str] | None, parameters: list[str] | None = None, **lora: Any) -> Any:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if targets is None and parameters is None:
-        return model.eval()
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets or [], target_parameters=parameters, **lora)
-    return get_peft_model(model, cfg).eval()
-
-
-def _perturb(model: Any, gen: torch.Generator, *, base: bool) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-            elif base:
-                p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
 
 
 def _snapshot(model: Any, *, base: bool) -> dict[str, torch.Tensor]:
@@ -111,7 +79,7 @@ def _run_schedule(llm: Any, reference: EngineReference, model: Any, strategy: st
             assert snap is not None
             _restore(model, snap)  # switch back to the weights of step 4
         elif step != 8:  # step 8 syncs the same weights as step 7
-            _perturb(model, gen, base=base)
+            perturb(model, gen, base=base)
         report = hwsync.sync(llm, model, strategy=strategy)
         reports.append(report)
         assert report.strategy == strategy
@@ -129,7 +97,7 @@ def _run_schedule(llm: Any, reference: EngineReference, model: Any, strategy: st
 
 
 def test_full_20_syncs_lora_and_base_changes(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     reports = _run_schedule(llm, reference, model, "full", base=True, expect_lora=False)
     n_params = len(list(hwsync.merged.merged_named_weights(model)))
     assert all(r.tensors == n_params and r.lora_tensors == 0 for r in reports)
@@ -138,7 +106,7 @@ def test_full_20_syncs_lora_and_base_changes(llm: Any, reference: EngineReferenc
 def test_hybrid_20_syncs_sends_only_merged_experts_after_the_first(llm: Any, reference: EngineReference,
                                                                    tiny_qwen3_moe_dir: Path) -> None:
     info = hwsync.as_engine(llm).describe()
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     reports = _run_schedule(llm, reference, model, "hybrid", base=False, expect_lora=True)
     first, rest = reports[0], reports[1:]
     assert "base weights sent" in first.reason
@@ -163,7 +131,7 @@ def test_hybrid_20_syncs_sends_only_merged_experts_after_the_first(llm: Any, ref
 def test_adapter_20_syncs(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
     info = hwsync.as_engine(llm).describe()
     # experts get LoRA too where the engine has MoE-LoRA kernels (GPU); vLLM's CPU build has none
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if info.moe_lora else None)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if info.moe_lora else None)
     reports = _run_schedule(llm, reference, model, "adapter", base=False, expect_lora=True)
     assert reports[0].base_tensors > 0 and all(r.base_tensors == 0 for r in reports[1:])
     lora_size = _element_size(info.lora_dtype or info.dtype)
@@ -173,14 +141,14 @@ def test_adapter_20_syncs(llm: Any, reference: EngineReference, tiny_qwen3_moe_d
 
 def test_auto_asks_the_engine_and_says_why(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
     info = hwsync.as_engine(llm).describe()
-    plain = _trainer(tiny_qwen3_moe_dir, None)
+    plain = lora_trainer(tiny_qwen3_moe_dir, None)
     r = hwsync.sync(llm, plain)
     assert (r.strategy, r.reason) == ("full", "model has no LoRA adapter")
-    attn_only = _trainer(tiny_qwen3_moe_dir, ATTN)
+    attn_only = lora_trainer(tiny_qwen3_moe_dir, ATTN)
     r = hwsync.sync(llm, attn_only)
     assert r.strategy == "adapter" and "serves LoRA on every adapted module" in r.reason
     assert_serves(llm, attn_only, PROMPTS, atol=ATOL, reference=reference)
-    with_experts = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    with_experts = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     r = hwsync.sync(llm, with_experts)
     if info.moe_lora:
         assert r.strategy == "adapter"
@@ -201,9 +169,9 @@ def test_without_the_reload_fix_the_check_fails(llm: Any, tiny_qwen3_moe_dir: Pa
 
     if patches.get(PREPACK_FIX).probe().state != patches.APPLIES:
         pytest.skip(f"{PREPACK_FIX} does not apply on {type(current_platform).__name__}: nothing to prove here")
-    model = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if strategy != "adapter" else None)
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if strategy != "adapter" else None)
     gen = torch.Generator().manual_seed(7)
-    _perturb(model, gen, base=strategy == "full")
+    perturb(model, gen, base=strategy == "full")
     monkeypatch.setenv("HWSYNC_DISABLE_PATCHES", PREPACK_FIX)
     r = hwsync.sync(llm, model, strategy=strategy)
     assert r.base_tensors > 0  # the adapter's first sync carries W0 through the same reload
@@ -213,7 +181,7 @@ def test_without_the_reload_fix_the_check_fails(llm: Any, tiny_qwen3_moe_dir: Pa
     assert worst > 1e-3 and math.isfinite(worst)
     print(f"{strategy} without {PREPACK_FIX}: max |Δ logprob| = {worst:.3g} (detected)")
     monkeypatch.delenv("HWSYNC_DISABLE_PATCHES")
-    model2 = _trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if strategy != "adapter" else None)  # new base identity
-    _perturb(model2, gen, base=strategy == "full")
+    model2 = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if strategy != "adapter" else None)  # new base identity
+    perturb(model2, gen, base=strategy == "full")
     hwsync.sync(llm, model2, strategy=strategy)
     assert hwsync.verify(llm, model2, PROMPTS, atol=ATOL) <= ATOL

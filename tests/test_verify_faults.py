@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import hwsync
 from hwsync.errors import OptionError, VerifyError
-from hwsync.testing import close_llm, make_llm, on_cpu, require_vllm
+from hwsync.testing import on_cpu, patched_llm
 from hwsync.testing.faults import FAULTS, FaultInjector, applicable, campaign
+from hwsync.testing.trainer import lora_trainer
 
 pytestmark = pytest.mark.vllm
 
@@ -42,30 +42,12 @@ CAUGHT_BY = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
-    require_vllm()
-    import hwsync.patches as patches
-
-    from hwsync import vllm_plugin
-
-    before = {n for n in patches.names() if patches.get(n).installed}
-    active = set(vllm_plugin.register()) - before
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: multi-threaded weight copies spin
-    engine = make_llm(tiny_qwen3_moe_dir, **ENGINE)
-    yield engine
-    close_llm(engine)
-    torch.set_num_threads(threads)
-    for name in active:
-        patches.get(name).uninstall()
+    with patched_llm(tiny_qwen3_moe_dir, **ENGINE) as engine:  # + what VLLM_PLUGINS=hwsync does
+        yield engine
 
 
 def _trainer(path: Path, experts: bool) -> Any:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=ATTN, target_parameters=EXPERTS if experts else None)
-    return get_peft_model(model, cfg).eval()
+    return lora_trainer(path, ATTN, EXPERTS if experts else None)
 
 
 @pytest.mark.parametrize("strategy", ["full", "adapter", "hybrid"])

@@ -10,31 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from test_verify_faults import ENGINE, assert_campaign
 
-from hwsync.testing import close_llm, make_llm, require_vllm
+from hwsync.testing import patched_llm
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
-    require_vllm()
-    import hwsync.patches as patches
-
-    from hwsync import vllm_plugin
-
-    before = {n for n in patches.names() if patches.get(n).installed}
-    active = set(vllm_plugin.register()) - before
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = make_llm(tiny_qwen3_moe_dir, dtype="bfloat16", **ENGINE)
-    yield engine
-    close_llm(engine)
-    torch.set_num_threads(threads)
-    for name in active:
-        patches.get(name).uninstall()
+    with patched_llm(tiny_qwen3_moe_dir, dtype="bfloat16", **ENGINE) as engine:  # + what VLLM_PLUGINS=hwsync does
+        yield engine
 
 
 @pytest.mark.parametrize("strategy", ["full", "adapter", "hybrid"])

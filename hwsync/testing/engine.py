@@ -18,6 +18,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,9 @@ __all__ = [
     "CPU_LORA_TARGETS",
     "close_llm",
     "engine_args",
+    "engine_patches",
     "make_llm",
+    "patched_llm",
     "on_cpu",
     "require_vllm",
     "vllm_cpu_env",
@@ -172,3 +176,39 @@ def _has_linear_attention(model_dir: Path) -> bool:
         return False
     config = config.get("text_config", config)
     return "linear_attention" in (config.get("layer_types") or ())
+
+
+@contextmanager
+def engine_patches(threads: int | None = 1) -> Iterator[set[str]]:
+    """What ``VLLM_PLUGINS=hwsync`` does in a vLLM process (the probe-gated engine patches: MoE + ``enable_lora``
+    on vLLM's CPU build, ...), undone on exit for the patches this call installed; yields their names.
+    ``threads``: torch threads meanwhile (1: on 2 shared cores multi-threaded weight copies spin)."""
+    import torch
+
+    import hwsync.patches as patches
+    from hwsync import vllm_plugin
+
+    before = {n for n in patches.names() if patches.get(n).installed}
+    active = set(vllm_plugin.register()) - before
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield active
+    finally:
+        torch.set_num_threads(previous)
+        for name in active:
+            patches.get(name).uninstall()
+
+
+@contextmanager
+def patched_llm(model_dir: str | os.PathLike[str], **kwargs: Any) -> Iterator[Any]:
+    """A test module's engine: :func:`require_vllm`, then :func:`make_llm` under :func:`engine_patches`; closed on
+    exit (use it in a module-scoped fixture: one engine per module)."""
+    require_vllm()
+    with engine_patches():
+        llm = make_llm(model_dir, **kwargs)
+        try:
+            yield llm
+        finally:
+            close_llm(llm)
