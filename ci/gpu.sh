@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HWSYNC_PYTEST="${HWSYNC_PYTEST:-pytest}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit suite-a suite-b exact server swift swift-b qlora bench)
+PARTS=(unit suite-a suite-b exact server swift swift-b qlora multigpu bench)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -27,6 +27,7 @@ declare -A MODULES=(
     [swift]="tests/test_swift_grpo.py"
     [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
     [qlora]="tests/test_qlora.py"
+    [multigpu]="tests/test_multigpu_fsdp_tp.py"
 )
 declare -A ABOUT=(
     [unit]="every module no other part names: layouts, names, LoRA formats, merged view, patches, broadcast (cuda/multigpu), backend, doctor, ..."
@@ -37,6 +38,7 @@ declare -A ABOUT=(
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
+    [multigpu]="${MODULES[multigpu]} (2 GPUs: FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; fails without 2 GPUs)"
     [bench]="benchmarks/bench_sync.py --quick"
 )
 
@@ -62,6 +64,15 @@ run_part() {
         swift)
             "$PY" examples/grpo_tiny_moe.py --steps 4 --workdir "${TMPDIR:-/tmp}/hwsync-grpo-gpu" || rc=$?
             run_modules "${MODULES[swift]}" || rc=$? ;;
+        multigpu)
+            local gpus
+            gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+            if [ "${gpus:-0}" -lt 2 ]; then
+                echo "ci/gpu.sh multigpu: needs 2 GPUs, this machine has ${gpus:-0} (run it on nvidia-h200-x2)"
+                rc=1
+            else
+                run_modules "${MODULES[multigpu]}" || rc=$?
+            fi ;;
         bench) "$PY" benchmarks/bench_sync.py --quick ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
         *) run_modules "${MODULES[$part]}" || rc=$? ;;
     esac

@@ -46,8 +46,11 @@ SUPPORTED_LAYOUTS = {
         "DeepSpeed ZeRO-3": "gathered per bucket with deepspeed.zero.GatheredParameters (not run in hwsync's CI: "
                             "deepspeed is not installed there)",
         "FSDP1 (FullyShardedDataParallel)": "refused: flat parameters; use FSDP2 (fully_shard) or ZeRO-3",
-        "tensor/expert-parallel trainers (Megatron, DTensor TP)": "refused: parameters not sharded by FSDP; no gather "
-                                                                  "rule",
+        "DTensor tensor parallel / HSDP (Shard, Replicate placements)": "gathered like FSDP2 (full_tensor covers any "
+                                                                        "Shard/Replicate placement); not tested",
+        "Megatron-style TP/EP (plain tensors holding shards)": "not readable: the shard shapes do not match the "
+                                                               "engine's checkpoint shapes and the manifest check "
+                                                               "refuses them before anything is written",
     },
     "engine": {
         "colocate, TP=1": "one in-process worker per trainer rank (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
