@@ -93,9 +93,6 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool) -> None:
     for key, value in vllm_env().items():
         os.environ.setdefault(key, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher: the engine core in this process
-    # vLLM's CPU all-reduce names its shared memory after VLLM_DIST_IDENT (set by its own mp executor, empty under
-    # external_launcher): one name per run, so a run killed before cleanup cannot collide with the next
-    os.environ["VLLM_DIST_IDENT"] = _ident(port)
     if cuda:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -151,10 +148,6 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool) -> None:
         os._exit(0 if results.get("ok") else 1)
 
 
-def _ident(port: int) -> str:
-    return f"hwsync-tp-{port}"
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -165,16 +158,27 @@ def run(work: Path, model_dir: Path, *, cuda: bool) -> list[dict[str, Any]]:
     """Spawn the 2 ranks; their results (per rank: ``ok``, ``syncs`` or ``error``)."""
     import torch.multiprocessing as mp
 
+    import time
+
     error = None
     port = _free_port()
+    start = time.time()
     try:
         mp.start_processes(_child, args=(port, str(model_dir), str(work), cuda), nprocs=WORLD, join=True,
                            start_method="spawn")
     except Exception as e:  # noqa: BLE001 - the per-rank results carry the traceback
         error = e
-    finally:  # the ranks exit hard (os._exit): remove the shared memory their CPU all-reduce left behind
-        for leftover in Path("/dev/shm").glob(f"{_ident(port)}*"):
-            leftover.unlink(missing_ok=True)
+    finally:
+        # the ranks exit hard (os._exit): remove the shared memory their CPU all-reduce left behind. vLLM's CPU
+        # worker names it after the init method ("env://" under external_launcher: the same name every run), so a
+        # leftover would make the next run fail with "create shm in SHMManager failed. errno: 17"
+        shm = Path("/dev/shm")
+        for leftover in (shm.glob("*cpushm*") if shm.is_dir() else []):
+            try:
+                if leftover.stat().st_mtime >= start - 1:
+                    leftover.unlink()
+            except OSError:
+                pass
     results = []
     for r in range(WORLD):
         path = Path(work) / f"rank{r}.json"
