@@ -187,14 +187,22 @@ def run(work: Path, model_dir: Path, *, cuda: bool) -> list[dict[str, Any]]:
     return results
 
 
-class _NoLaunchEnv:
-    """The reference engine's process must not see torchrun-style variables (it is its own world)."""
+class _ReferenceEnv:
+    """The reference engine's process must not see torchrun-style variables (it is its own world), and its vLLM
+    worker processes load hwsync's plugin (``VLLM_PLUGINS=hwsync``: e.g. the CPU build's MoE + LoRA patch, which the
+    synced engine's workers -- the trainer processes -- registered themselves)."""
 
     def __enter__(self) -> None:
         self.saved = {k: os.environ.pop(k) for k in _LAUNCH_ENV if k in os.environ}
+        self.plugins = os.environ.get("VLLM_PLUGINS")
+        os.environ["VLLM_PLUGINS"] = "hwsync"
 
     def __exit__(self, *exc: object) -> None:
         os.environ.update(self.saved)
+        if self.plugins is None:
+            os.environ.pop("VLLM_PLUGINS", None)
+        else:
+            os.environ["VLLM_PLUGINS"] = self.plugins
 
 
 def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]:
@@ -203,7 +211,7 @@ def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]
     from hwsync.testing.reference import EngineReference, compare_logprobs
 
     diffs = []
-    with _NoLaunchEnv(), EngineReference(Path(work) / "reference", distributed_executor_backend="mp", daemon=False,
+    with _ReferenceEnv(), EngineReference(Path(work) / "reference", distributed_executor_backend="mp", daemon=False,
                                          **engine_kwargs(cuda)) as reference:
         for k, entry in enumerate(syncs):
             adapter = Path(entry["adapter"]) if entry.get("adapter") else None
