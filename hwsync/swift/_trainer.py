@@ -133,6 +133,7 @@ class HwsyncGRPOTrainer(GRPOTrainer):
                                  lora_name=SWIFT_LORA_NAME, lora_int_id=SWIFT_LORA_INT_ID)
         finally:
             torch.set_grad_enabled(grad_mode)  # the next backward needs autograd exactly as the trainer left it
+        assert report is not None  # a rank with an engine always gets its report
         self._hwsync_syncs += 1
         delta = shift = None
         tokens, mismatches = 0, []
