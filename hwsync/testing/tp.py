@@ -55,8 +55,13 @@ def _trainer(path: str, device: Any, cuda: bool) -> Any:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     modules, params = _targets(cuda)
     # alpha/r = 2: a power of two, so LoRA scaling rounds alike on both loading paths in bf16
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=modules, target_parameters=params, lora_dropout=0.0)
-    return get_peft_model(model, cfg).eval()
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=modules, target_parameters=params, lora_dropout=0.0,
+                     init_lora_weights=False)
+    # the same LoRA initialisation on every rank (as a trainer's synced init would give): fully_shard keeps each
+    # rank's shard of its own copy, so different copies would gather into a mixture the reference never sees
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        return get_peft_model(model, cfg).eval()
 
 
 def _shard(model: Any, device_type: str) -> Any:
