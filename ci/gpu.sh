@@ -38,7 +38,7 @@ declare -A ABOUT=(
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
-    [multigpu]="${MODULES[multigpu]} (2 GPUs: FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; fails without 2 GPUs)"
+    [multigpu]="${MODULES[multigpu]} (2 GPUs: FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; skipped on fewer GPUs)"
     [bench]="benchmarks/bench_sync.py --quick"
 )
 
@@ -68,8 +68,9 @@ run_part() {
             local gpus
             gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
             if [ "${gpus:-0}" -lt 2 ]; then
-                echo "ci/gpu.sh multigpu: needs 2 GPUs, this machine has ${gpus:-0} (run it on nvidia-h200-x2)"
-                rc=1
+                # skipped, not failed: `bash ci/gpu.sh` (every part) runs on one GPU too; the module itself fails on
+                # a machine that has the GPUs
+                echo "ci/gpu.sh multigpu: SKIPPED: needs 2 GPUs, this machine has ${gpus:-0} (run it on nvidia-h200-x2)"
             else
                 run_modules "${MODULES[multigpu]}" || rc=$?
             fi ;;
