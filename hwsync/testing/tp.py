@@ -16,6 +16,7 @@ stepped identically. Once the ranks are gone, :func:`check` starts fresh TP engi
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
@@ -159,6 +160,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _remove_cpu_shm(since: float) -> None:
+    """Remove vLLM CPU all-reduce segments created since ``since`` (vLLM 0.32 leaves them behind at exit)."""
+    shm = Path("/dev/shm")
+    for leftover in (shm.glob("*cpushm*") if shm.is_dir() else []):
+        try:
+            if leftover.stat().st_mtime >= since - 1:
+                leftover.unlink()
+        except OSError:
+            pass
+
+
 def run(work: Path, model_dir: Path, *, cuda: bool) -> list[dict[str, Any]]:
     """Spawn the 2 ranks; their results (per rank: ``ok``, ``syncs`` or ``error``)."""
     import torch.multiprocessing as mp
@@ -177,13 +189,7 @@ def run(work: Path, model_dir: Path, *, cuda: bool) -> list[dict[str, Any]]:
         # the ranks exit hard (os._exit): remove the shared memory their CPU all-reduce left behind. vLLM's CPU
         # worker names it after the init method ("env://" under external_launcher: the same name every run), so a
         # leftover would make the next run fail with "create shm in SHMManager failed. errno: 17"
-        shm = Path("/dev/shm")
-        for leftover in (shm.glob("*cpushm*") if shm.is_dir() else []):
-            try:
-                if leftover.stat().st_mtime >= start - 1:
-                    leftover.unlink()
-            except OSError:
-                pass
+        _remove_cpu_shm(start)
     results = []
     for r in range(WORLD):
         path = Path(work) / f"rank{r}.json"
@@ -213,11 +219,16 @@ class _ReferenceEnv:
 def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]:
     """Fresh TP=2 engines (``mp`` executor, same arguments) on the weights each sync delivered: the max
     |Δ logprob| per sync (raises :class:`~hwsync.testing.ReferenceMismatch` when greedy tokens differ)."""
+    import time
+
     from hwsync.testing.reference import EngineReference, compare_logprobs
 
     diffs = []
-    with _ReferenceEnv(), EngineReference(Path(work) / "reference", distributed_executor_backend="mp", daemon=False,
-                                         **engine_kwargs(cuda)) as reference:
+    start = time.time()
+    with _ReferenceEnv(), contextlib.ExitStack() as cleanup:
+        cleanup.callback(_remove_cpu_shm, start)  # after the reference engine is closed (callbacks run last-in first)
+        reference = cleanup.enter_context(EngineReference(Path(work) / "reference", distributed_executor_backend="mp",
+                                                          daemon=False, **engine_kwargs(cuda)))
         for k, entry in enumerate(syncs):
             adapter = Path(entry["adapter"]) if entry.get("adapter") else None
             want = reference._ask(Path(entry["checkpoint"]), adapter, PROMPTS, 4)
