@@ -32,6 +32,8 @@ def test_fsdp2_trainer_into_tp2_engine_is_exact(tmp_path: Path) -> None:
     syncs = results[0]["syncs"]
     assert [s["strategy"] for s in syncs] == tp.STRATEGIES
     assert [s["got"] for s in syncs] == [s["got"] for s in results[1]["syncs"]]  # one engine, same answers
+    for res in results:  # gathered bytes alive at once: <= 2 buckets (a bucket is at least the largest tensor)
+        assert all(s["peak_gathered_mb"] <= s["bound_mb"] for s in res["syncs"]), res["syncs"]
     assert syncs[1]["base_tensors"] > 0  # after a full sync, the base travels again
     assert syncs[2]["base_tensors"] == 0 and syncs[2]["lora_tensors"] > 0, syncs[2]  # steady: LoRA only
     diffs = tp.check(tmp_path, syncs, cuda=True)

@@ -122,6 +122,7 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool) -> None:
         sharded = _shard(copy.deepcopy(ref), device.type)
         llm = make_llm(model_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension",
                        distributed_executor_backend="external_launcher", **engine_kwargs(cuda))
+        largest = max(gather.global_nbytes(p) for p in sharded.parameters())
         for k, strategy in enumerate(STRATEGIES):
             base = strategy == "full"  # full syncs also move W0; adapter syncs keep it (steady state: LoRA only)
             _perturb(ref, k, base=base)
@@ -133,7 +134,8 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool) -> None:
                                      "base_tensors": report.base_tensors, "lora_tensors": report.lora_tensors,
                                      "mb": report.bytes / 1e6, "buckets": report.buckets,
                                      "seconds": round(report.seconds, 3),
-                                     "peak_gathered_mb": gather.stats.peak / 1e6, "got": got}
+                                     "peak_gathered_mb": gather.stats.peak / 1e6,
+                                     "bound_mb": 2 * max(BUCKET_MB * (1 << 20), largest) / 1e6, "got": got}
             if rank == 0:
                 root = Path(work) / "weights"
                 root.mkdir(exist_ok=True)
