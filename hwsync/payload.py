@@ -417,10 +417,16 @@ def _add_sharded(payload: Payload, model: nn.Module, send: Sequence[str], merged
     groups = gather.plan_groups(items, sizes, gather_bytes)
     payload.schedule = [gather.group_params(g) for g in groups]
 
+    wire = {s.name: s.dtype for s in payload.specs}
+
     def check(name: str, t: Tensor) -> Tensor:
         if t.is_meta:
             raise SyncError(f"internal: {name} was produced from a parameter that was not gathered")
-        return t
+        # cast to the wire dtype here, while the group is gathered: the bucket then holds wire-sized copies and the
+        # gathered tensor is released with its group (an fp32 trainer feeding a bf16 engine would otherwise keep
+        # twice a bucket of gathered fp32 tensors pending in the transport)
+        dtype = wire.get(name)
+        return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
     def produce_sharded(steps: Iterator[None]) -> Iterator[Tensor]:
         for group in groups:
