@@ -18,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HWSYNC_PYTEST="${HWSYNC_PYTEST:-pytest}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora bench verify)
+PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora multigpu bench verify)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -28,6 +28,7 @@ declare -A MODULES=(
     [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
     [qlora]="tests/test_qlora.py"
     [verify]="tests/test_verify_faults.py tests/test_verify_faults_bf16.py"
+    [multigpu]="tests/test_multigpu_fsdp_tp.py"
 )
 declare -A ABOUT=(
     [unit-a]="the first half (by name) of every module no other part names: backend, broadcast (cuda/multigpu), doctor, layouts, LoRA formats, merged view, names, ..."
@@ -39,6 +40,7 @@ declare -A ABOUT=(
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
+    [multigpu]="${MODULES[multigpu]} (2 GPUs: FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; skipped on fewer GPUs)"
     [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 (every strategy, exactness vs vLLM own loading)"
     [verify]="${MODULES[verify]} (no false alarm over 20 syncs per strategy, every injected fault caught), benchmarks/verify_table.py (healthy max vs faulty min per check, bf16 + fp32)"
 )
@@ -67,6 +69,16 @@ run_part() {
         swift)
             "$PY" examples/grpo_tiny_moe.py --steps 4 --workdir "${TMPDIR:-/tmp}/hwsync-grpo-gpu" || rc=$?
             run_modules "${MODULES[swift]}" || rc=$? ;;
+        multigpu)
+            local gpus
+            gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+            if [ "${gpus:-0}" -lt 2 ]; then
+                # skipped, not failed: `bash ci/gpu.sh` (every part) runs on one GPU too; the module itself fails on
+                # a machine that has the GPUs
+                echo "ci/gpu.sh multigpu: SKIPPED: needs 2 GPUs, this machine has ${gpus:-0} (run it on nvidia-h200-x2)"
+            else
+                run_modules "${MODULES[multigpu]}" || rc=$?
+            fi ;;
         bench) "$PY" benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
         verify)
             run_modules "${MODULES[verify]}" || rc=$?

@@ -76,8 +76,9 @@ def _plan(engine: Engine, model: nn.Module, request: Strategy, bucket_mb: float 
     if lora is not None and not isinstance(lora, Exception) and info.lora_enabled:
         info = engine.describe(lora.vllm_paths)
     choice = choose(request, lora, info)
-    payload = build_payload(model, choice, lora if choice.strategy is not Strategy.FULL else None, info)  # type: ignore[arg-type]
     mb = default_bucket_mb(info.device_type) if bucket_mb is None else bucket_mb
+    payload = build_payload(model, choice, lora if choice.strategy is not Strategy.FULL else None, info,  # type: ignore[arg-type]
+                            gather_bytes=max(1, int(mb * (1 << 20))))
     manifest = Manifest(
         version=info.version + 1,
         strategy=choice.strategy,
@@ -117,33 +118,39 @@ def sync(
     progress: ProgressFn | None = None,
     lora_name: str | None = None,
     lora_int_id: int | None = None,
-) -> SyncReport:
+) -> SyncReport | None:
     """Make ``target`` serve ``model``'s current weights; return what was sent.
 
     ``target`` is an in-process ``vllm.LLM`` (colocate) or a handle from :func:`hwsync.connect` (server mode).
-    ``model`` is a transformers model, PEFT-wrapped or not. ``strategy`` is ``"auto"``, ``"full"``, ``"adapter"``
+    ``model`` is a transformers model, PEFT-wrapped or not, plain or sharded (FSDP2 ``fully_shard`` / DeepSpeed
+    ZeRO-3: :mod:`hwsync.gather`). ``strategy`` is ``"auto"``, ``"full"``, ``"adapter"``
     or ``"hybrid"`` (:class:`hwsync.Strategy`); auto asks the engine what it can serve and the report says why.
     ``version`` must increase strictly (default: the engine's version + 1). The engine validates the whole manifest
     before writing anything; see :mod:`hwsync.receiver` for what an interrupted sync leaves behind.
     ``progress(bucket, num_buckets)`` is called before each bucket is handed over (raising aborts the sync).
     ``lora_name``/``lora_int_id`` install the adapter under a framework's own identity (ms-swift: ``swift_lora``/111)
     instead of hwsync's default; the report's ``lora_request`` carries it.
+
+    A sharded model is gathered bucket by bucket, collectively: **every rank** calls ``sync`` at the same point,
+    ranks with an engine pass it (several ranks may: colocated engines, one per rank or one tensor-parallel engine
+    over the ranks), ranks without one pass ``None`` (they take part in the gathers and return ``None``).
     """
-    engine = as_engine(target)
-    t0 = time.perf_counter()
+    from hwsync import gather
+
     request = Strategy.parse(strategy)
     mb = parse_bucket_mb(bucket_mb, "bucket_mb")
     key = f"{model_uuid(model)}:{request.value}:{mb}:{lora_name}:{lora_int_id}"
+    if gather.layout(model) != "plain":
+        return _sync_sharded(target, model, request, mb, key, version, progress, lora_name, lora_int_id)
+    if target is None:
+        raise OptionError(
+            "hwsync.sync(None, model) is for the ranks without an engine of a sharded (FSDP2 / ZeRO-3) trainer, "
+            "which take part in the gathers; this model is not sharded, so this rank has nothing to do: call "
+            "hwsync.sync only where an engine is")
+    engine = as_engine(target)
+    t0 = time.perf_counter()
     for attempt in range(2):
-        plan = _reusable(engine.plans.get(key), model) if attempt == 0 else None
-        planned = plan is None
-        if planned:
-            engine.plans.pop(key, None)
-            plan = _plan(engine, model, request, mb, lora_name, lora_int_id)
-        assert plan is not None
-        next_version = plan.synced_version + 1 if version is None else int(version)
-        # a reused plan is only valid on the engine as this trainer left it; a fresh one was just checked
-        manifest = plan.manifest.with_version(next_version, expect_version=None if planned else plan.synced_version)
+        plan, planned, manifest = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt)
         try:
             result = engine.send(manifest, plan.payload.produce, progress)
         except PlanChangedError:
@@ -157,6 +164,26 @@ def sync(
         break
     else:  # pragma: no cover - the loop either breaks or raises
         raise SyncError("internal: sync retry loop ended without a result")
+    return _finish(engine, model, key, plan, planned, manifest, result, t0, request, mb, lora_name, lora_int_id)
+
+
+def _prepare(engine: Engine, model: nn.Module, key: str, request: Strategy, mb: float | None, version: int | None,
+             lora_name: str | None, lora_int_id: int | None, attempt: int) -> tuple[_SyncPlan, bool, Manifest]:
+    plan = _reusable(engine.plans.get(key), model) if attempt == 0 else None
+    planned = plan is None
+    if planned:
+        engine.plans.pop(key, None)
+        plan = _plan(engine, model, request, mb, lora_name, lora_int_id)
+    assert plan is not None
+    next_version = plan.synced_version + 1 if version is None else int(version)
+    # a reused plan is only valid on the engine as this trainer left it; a fresh one was just checked
+    manifest = plan.manifest.with_version(next_version, expect_version=None if planned else plan.synced_version)
+    return plan, planned, manifest
+
+
+def _finish(engine: Engine, model: nn.Module, key: str, plan: _SyncPlan, planned: bool, manifest: Manifest,
+            result: Any, t0: float, request: Strategy, mb: float | None, lora_name: str | None,
+            lora_int_id: int | None, extra: str = "") -> SyncReport:
     report = SyncReport(
         strategy=manifest.strategy.value,
         tensors=len(manifest.specs),
@@ -164,7 +191,7 @@ def sync(
         seconds=time.perf_counter() - t0,
         buckets=len(manifest.buckets),
         version=manifest.version,
-        reason=plan.payload.reason + ("" if planned else "; plan reused"),
+        reason=plan.payload.reason + ("" if planned else "; plan reused") + extra,
         mode=engine.mode,
         base_tensors=len(manifest.base_specs),
         lora_tensors=len(manifest.lora_specs),
@@ -179,6 +206,83 @@ def sync(
     engine.plans[key] = plan
     report.log()
     return report
+
+
+def _sync_sharded(target: Any, model: nn.Module, request: Strategy, mb: float | None, key: str,
+                  version: int | None, progress: ProgressFn | None, lora_name: str | None,
+                  lora_int_id: int | None) -> SyncReport | None:
+    """One sync of a sharded model, run by every rank together (protocol: :mod:`hwsync.gather`)."""
+    from hwsync import gather
+
+    multi = gather.collective()
+    exchange = gather.exchange if multi else (lambda obj: [obj])
+    engine = as_engine(target) if target is not None else None
+    t0 = time.perf_counter()
+    done: SyncReport | None = None
+    for attempt in range(2):
+        state: Any = None  # this rank's (plan, planned, manifest) while it still has to sync
+        mine: list[list[str]] | None = None
+        failure: BaseException | None = None
+        if engine is not None and done is None:
+            try:
+                state = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt)
+                mine = state[0].payload.schedule
+                if mine is None:
+                    raise SyncError("internal: a sharded model's payload has no gather schedule")
+            except BaseException as e:  # every rank must hear of it before anyone enters a gather
+                failure, state = e, None
+        plans = exchange(("error", f"{type(failure).__name__}: {failure}") if failure is not None else
+                         ("plan", mine) if mine is not None else None)
+        bad = [(r, m[1]) for r, m in enumerate(plans) if m is not None and m[0] == "error"]
+        if bad:
+            if failure is not None:
+                raise failure
+            raise SyncError(f"hwsync.sync on rank {bad[0][0]} failed before gathering ({bad[0][1]}); every rank "
+                            "stops so none waits in a collective")
+        schedules: list[list[list[str]]] = []
+        for m in plans:
+            if m is not None and m[1] not in schedules:
+                schedules.append(m[1])
+        outcome: tuple[str, Any] | None = None
+        for sched in schedules:
+            steps = gather.run_groups(model, sched)
+            try:
+                if state is not None and outcome is None and sched == mine:
+                    plan, planned, manifest = state
+                    produce = plan.payload.produce_sharded
+                    assert produce is not None
+                    try:
+                        outcome = ("ok", engine.send(manifest, lambda: produce(steps), progress))  # type: ignore[union-attr]
+                    except PlanChangedError as e:
+                        engine.plans.pop(key, None)  # type: ignore[union-attr]
+                        outcome = ("retry", e)
+                    except BaseException as e:
+                        engine.plans.pop(key, None)  # type: ignore[union-attr]
+                        outcome = ("error", e)
+            finally:
+                gather.drain(steps)  # the rest of the schedule: every rank gathers every group
+        tag = None if outcome is None else (outcome[0], f"{type(outcome[1]).__name__}: {outcome[1]}"
+                                            if outcome[0] != "ok" else "")
+        results = exchange(tag)
+        if outcome is not None and outcome[0] == "error":
+            raise outcome[1]
+        failed = [(r, t[1]) for r, t in enumerate(results) if t is not None and t[0] == "error"]
+        if outcome is not None and outcome[0] == "ok":
+            plan, planned, manifest = state
+            extra = f"; sharded trainer: {len(mine or [])} gather groups"
+            done = _finish(engine, model, key, plan, planned, manifest, outcome[1], t0, request,  # type: ignore[arg-type]
+                           mb, lora_name, lora_int_id, extra)
+        if failed:
+            raise SyncError(f"hwsync.sync failed on rank {failed[0][0]} ({failed[0][1]})"
+                            + (f"; this rank's engine is at version {done.version}" if done else ""))
+        retry = [r for r, t in enumerate(results) if t is not None and t[0] == "retry"]
+        if not retry:
+            return done
+        if attempt:
+            if outcome is not None and outcome[0] == "retry":
+                raise outcome[1]
+            raise SyncError(f"rank {retry[0]}'s engine changed its plan twice during one sync")
+    raise SyncError("internal: sharded sync retry loop ended without a result")  # pragma: no cover
 
 
 def generate(target: Any, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:

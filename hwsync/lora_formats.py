@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from hwsync.errors import AdapterFormatError
+from hwsync.gather import read
 from hwsync.names.trainer import strip_peft_name
 
 __all__ = [
@@ -83,6 +84,9 @@ class LoraModule:
     scaling: float
     use_rslora: bool = False
     transposed: bool = False  # experts parameter stored [E, in, out] (PEFT: base layer ``is_transposed``)
+    sources: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    """Names (in the live model's ``named_parameters()``) of the A and B parameters read (sharded trainers gather
+    these); empty when not read from a live model."""
 
     def __post_init__(self) -> None:
         a, b = self.lora_A, self.lora_B
@@ -236,6 +240,7 @@ def extract_peft_lora(model: nn.Module, adapter_name: str = "default") -> LoraAd
         _check_config(cfg, adapter_name)
 
     modules: dict[str, LoraModule] = {}
+    param_names = {id(p): n for n, p in model.named_parameters()}
     for path, layer in model.named_modules():
         if not isinstance(layer, BaseTunerLayer):
             continue
@@ -254,11 +259,13 @@ def extract_peft_lora(model: nn.Module, adapter_name: str = "default") -> LoraAd
         lin_a, lin_b = layer.lora_A[adapter_name], layer.lora_B[adapter_name]
         if not isinstance(lin_a, nn.Linear):
             raise AdapterFormatError(f"{path}: {type(lin_a).__name__} LoRA (e.g. conv) is not supported; {_FULL_HINT}")
-        a, b = lin_a.weight.detach(), lin_b.weight.detach()
+        a, b = read(lin_a.weight), read(lin_b.weight)
+        sources = tuple(param_names.get(id(p), "") for p in (lin_a.weight, lin_b.weight))
         common = dict(
             alpha=float(layer.lora_alpha[adapter_name]),
             scaling=float(layer.scaling[adapter_name]),
             use_rslora=bool(layer.use_rslora.get(adapter_name, False)),
+            sources=sources,
         )
         owner = strip_peft_name(path)
         if isinstance(layer, ParamWrapper):

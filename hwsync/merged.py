@@ -10,7 +10,8 @@ writes to the model. Parameters without LoRA pass through as they are (``detach(
 Names are the trainer's runtime names without PEFT's wrappers (``base_model.model.``, ``.base_layer``,
 ``modules_to_save.<adapter>.``, ``.original_module``, ``_checkpoint_wrapped_module.``, ``_fsdp_wrapped_module.``,
 ``_orig_mod.``), e.g. ``model.layers.0.mlp.experts.gate_up_proj``. Buffers are not yielded (the trainer does not
-train them). Sharded parameters (FSDP / ZeRO-3) must be gathered by the caller.
+train them). Sharded parameters (FSDP2 / ZeRO-3) are read through :func:`hwsync.gather.full`: the caller gathers
+them (:func:`hwsync.gather.gathered`, :func:`read_sets` says which parameters each merged tensor reads).
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from hwsync.errors import AdapterFormatError
+from hwsync.errors import AdapterFormatError, UnsupportedSetupError
+from hwsync.gather import full, global_shape, param_kind, read
 from hwsync.names.trainer import strip_peft_name
 
-__all__ = ["merged_named_weights", "delta_weight", "plain_weight", "logical_shape", "is_quantized"]
+__all__ = ["merged_named_weights", "delta_weight", "plain_weight", "logical_shape", "is_quantized", "read_sets"]
 
 # Chunk the fp32 temporaries of stacked experts to about this many bytes.
 _CHUNK_BYTES = 256 << 20
@@ -138,8 +140,8 @@ def delta_weight(layer: nn.Module, adapter: str = "default", *, experts: slice |
     s = float(layer.scaling[adapter])
     if isinstance(layer, ParamWrapper) and layer.num_experts > 1:
         e = layer.num_experts
-        a = layer.lora_A[adapter].weight
-        b = layer.lora_B[adapter].weight
+        a = full(layer.lora_A[adapter].weight)
+        b = full(layer.lora_B[adapter].weight)
         a = a.reshape(e, -1, a.shape[-1])
         b = b.reshape(b.shape[0], -1, e)
         if experts is not None:
@@ -147,21 +149,22 @@ def delta_weight(layer: nn.Module, adapter: str = "default", *, experts: slice |
         spec = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
         return torch.einsum(spec, b.float(), a.float()) * s
     if isinstance(layer, Embedding) and adapter in layer.lora_embedding_A:
-        a, b = layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter]
+        a, b = full(layer.lora_embedding_A[adapter]), full(layer.lora_embedding_B[adapter])
         return (b.float() @ a.float()).T * s
     holder = getattr(layer, "lora_A", None)
     lin_a = holder[adapter] if holder is not None and adapter in holder else None
     if isinstance(lin_a, nn.Linear):  # lora.Linear, quantized Linear variants, 2-D ParamWrapper
-        w = layer.lora_B[adapter].weight.float() @ lin_a.weight.float()
+        w = full(layer.lora_B[adapter].weight).float() @ full(lin_a.weight).float()
         return (w.T if getattr(layer, "fan_in_fan_out", False) else w) * s
     # Conv and other LoRA layer types: PEFT's own math, lifted to fp32.
+    _refuse_sharded(layer, "its LoRA type")
     return layer.get_delta_weight(adapter).float()
 
 
 def _base_weight(layer: nn.Module, param: Tensor) -> Tensor:
     """The base weight as a floating tensor (dequantized for bnb / HQQ / torchao QLoRA bases)."""
     if param.is_floating_point() and type(param).__name__ not in ("Params4bit", "Int8Params"):
-        return param.detach()
+        return full(param).detach()
     from peft.utils.integrations import dequantize_module_weight
 
     return dequantize_module_weight(layer.get_base_layer()).detach()
@@ -177,20 +180,52 @@ def logical_shape(param: Tensor) -> tuple[int, ...]:
     state = getattr(param, "quant_state", None)
     if is_quantized(param) and state is not None and getattr(state, "shape", None) is not None:
         return tuple(int(d) for d in state.shape)
-    return tuple(param.shape)
+    return global_shape(param)  # a sharded (FSDP2 / ZeRO-3) parameter: its gathered shape
 
 
 def plain_weight(model: nn.Module, name: str, param: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """A parameter no adapter touches: as is, or dequantized when a QLoRA base quantized it (a 4-bit layer without
     LoRA is still a weight the engine needs in floating point)."""
     if not is_quantized(param):
-        return param.detach()
+        return read(param)
     from peft.utils.integrations import dequantize_module_weight
 
     module = model.get_submodule(name.rpartition(".")[0])
     with torch.no_grad():
         weight = dequantize_module_weight(module).detach()
     return weight.to(dtype) if dtype is not None else weight
+
+
+def _refuse_sharded(layer: nn.Module, what: str) -> None:
+    if any(param_kind(p) != "plain" for p in layer.parameters()):
+        raise UnsupportedSetupError(
+            f"{type(layer).__name__}: the merged view of {what} runs PEFT's own code on the layer's parameters, "
+            "which are sharded (FSDP2 / ZeRO-3) here; sync plain LoRA, or merge on an unsharded copy")
+
+
+def read_sets(model: nn.Module) -> dict[str, list[str]]:
+    """Merged-view name -> the names (in ``model.named_parameters()``) of every parameter computing it reads: the
+    base parameter and the LoRA factors (and LoRA biases) of the adapters merged into it."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    contrib, adapter_params, hidden = _collect(model)
+    out: dict[str, list[str]] = {}
+    for name, param in model.named_parameters():
+        pid = id(param)
+        if pid in adapter_params or pid in hidden:
+            continue
+        reads = [name]
+        for c in contrib.get(pid, []):
+            holders = [getattr(c.layer, attr, {}) for attr in ("lora_A", "lora_B", "lora_embedding_A",
+                                                               "lora_embedding_B", "lora_magnitude_vector")]
+            for h in holders:
+                if c.adapter not in h:
+                    continue
+                v = h[c.adapter]
+                for p in (v.parameters() if isinstance(v, nn.Module) else [v]):
+                    if id(p) in names:
+                        reads.append(names[id(p)])
+        out.setdefault(strip_peft_name(name), list(dict.fromkeys(reads)))
+    return out
 
 
 def _lora_dtype(layer: nn.Module, adapter: str) -> torch.dtype:
@@ -204,9 +239,9 @@ def _merge(param: Tensor, contribs: list[_Contribution], dtype: torch.dtype | No
     first = contribs[0]
     part = first.part
     if part == "bias":
-        out = param.detach().float()
+        out = full(param).detach().float()
         for c in contribs:
-            out = out + c.sign * c.layer.lora_B[c.adapter].bias.float() * float(c.layer.scaling[c.adapter])
+            out = out + c.sign * full(c.layer.lora_B[c.adapter].bias).float() * float(c.layer.scaling[c.adapter])
         return out.to(dtype or param.dtype)
 
     base = _base_weight(first.layer, param)
@@ -235,6 +270,7 @@ def _merge_variants(base: Tensor, contribs: list[_Contribution], out_dtype: torc
     """DoRA & co: PEFT's own ``merge_safe`` on a copy (it returns a new tensor and leaves the layer's weight alone)."""
     w = base.clone()
     for c in contribs:
+        _refuse_sharded(c.layer, "LoRA variants (DoRA & co)")
         if c.sign < 0:
             raise AdapterFormatError(
                 f"{type(c.layer).__name__}: adapter {c.adapter!r} is a merged-then-disabled LoRA variant; "

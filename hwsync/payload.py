@@ -47,6 +47,12 @@ class Payload:
     includes_base: bool = False
     current_base_key: Callable[[], str | None] = lambda: None
     """The base key as the trainer's weights are *now* (a steady-state sync resends the base when it changed)."""
+    schedule: list[list[str]] | None = None
+    """Sharded trainers (:mod:`hwsync.gather`): the parameter names gathered per group, in order; ``None`` when the
+    model is not sharded."""
+    produce_sharded: Callable[[Iterator[None]], Iterator[Tensor]] | None = None
+    """Sharded trainers: like ``produce``, advancing ``groups`` (:func:`hwsync.gather.run_groups` of ``schedule``)
+    once per group and reading the gathered tensors inside it."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,29 +181,36 @@ class TrainerLora:
 
 def read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora | None | AdapterFormatError:
     """The model's LoRA as it travels; ``None`` without PEFT; the error when it cannot be served as LoRA."""
-    from hwsync.lora_formats import extract_peft_lora, to_vllm_lora, to_wire
+    from hwsync.gather import placeholders
 
     if _peft_config(model) is None:
         return None
     try:
-        adapter = extract_peft_lora(model, _adapter_name(model))
-        cfg = _peft_config(model)
-        experts = [n for n, m in adapter.modules.items() if m.kind.value != "linear" or ".experts." in n]
-        dropout = float(getattr(cfg, "lora_dropout", 0.0) or 0.0)
-        if dropout > 0 and experts:
-            raise AdapterFormatError(
-                f"adapter {adapter.name!r} sets lora_dropout={dropout} and adapts MoE experts ({experts[0]}, ...): "
-                "expert LoRA cannot apply dropout (PEFT's ParamWrapper refuses it; vLLM serves none), so the trained "
-                "experts do not mean what the config says. Set lora_dropout=0 (ms-swift: --lora_dropout 0), or sync "
-                'merged weights with strategy="full"'
-            )
-        dtype = dtype_from_name(info.lora_dtype) if info.lora_dtype else None
-        tensors, meta = to_wire(adapter, dtype)
-        # where each module lands in vLLM's format (views only): what the engine is asked whether it serves
-        vllm_tensors, _ = to_vllm_lora(adapter, moe_format="3d" if info.moe_format == "3d" else "2d",
-                                       packed_modules_mapping=info.packed_modules_mapping or None, copy=False)
+        with placeholders():  # sharded parameters: shapes only (values are read, gathered, at every sync)
+            return _read_lora(model, info)
     except AdapterFormatError as e:
         return e
+
+
+def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
+    from hwsync.lora_formats import extract_peft_lora, to_vllm_lora, to_wire
+
+    adapter = extract_peft_lora(model, _adapter_name(model))
+    cfg = _peft_config(model)
+    experts = [n for n, m in adapter.modules.items() if m.kind.value != "linear" or ".experts." in n]
+    dropout = float(getattr(cfg, "lora_dropout", 0.0) or 0.0)
+    if dropout > 0 and experts:
+        raise AdapterFormatError(
+            f"adapter {adapter.name!r} sets lora_dropout={dropout} and adapts MoE experts ({experts[0]}, ...): "
+            "expert LoRA cannot apply dropout (PEFT's ParamWrapper refuses it; vLLM serves none), so the trained "
+            "experts do not mean what the config says. Set lora_dropout=0 (ms-swift: --lora_dropout 0), or sync "
+            'merged weights with strategy="full"'
+        )
+    dtype = dtype_from_name(info.lora_dtype) if info.lora_dtype else None
+    tensors, meta = to_wire(adapter, dtype)
+    # where each module lands in vLLM's format (views only): what the engine is asked whether it serves
+    vllm_tensors, _ = to_vllm_lora(adapter, moe_format="3d" if info.moe_format == "3d" else "2d",
+                                   packed_modules_mapping=info.packed_modules_mapping or None, copy=False)
     by_module: dict[str, list[str]] = {n: [] for n in adapter.modules}
     owners = _owners(list(adapter.modules))
     for path in lora_paths(vllm_tensors):
@@ -287,7 +300,8 @@ def _versions_digest(params: Mapping[str, Tensor], names: Sequence[str], reparam
     return f"{acc:x}"
 
 
-def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, info: EngineInfo) -> Payload:
+def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, info: EngineInfo,
+                  gather_bytes: int = 512 << 20) -> Payload:
     """Describe this sync's tensors and how to produce them (lazily, values read at produce time, so a payload
     can be produced again at every sync while the model's structure stays the same)."""
     from hwsync.merged import is_quantized, logical_shape, merged_named_weights, plain_weight
@@ -373,5 +387,75 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
             return None
         return f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
 
-    return Payload(strategy, reason, specs, produce, lora_config, lora_base_names, base_key, includes_base,
-                   current_base_key)
+    payload = Payload(strategy, reason, specs, produce, lora_config, lora_base_names, base_key, includes_base,
+                      current_base_key)
+    from hwsync.gather import layout
+
+    if layout(model) != "plain":
+        _add_sharded(payload, model, send, merged, raw_base, lora_modules, lora_dtype, gather_bytes)
+    return payload
+
+
+def _add_sharded(payload: Payload, model: nn.Module, send: Sequence[str], merged: set[str],
+                 raw_base: Mapping[str, tuple[str, Tensor]], lora_modules: Sequence[str],
+                 lora_dtype: torch.dtype | None, gather_bytes: int) -> None:
+    """The gather schedule of a sharded model: the payload's tensors in order, grouped so the parameters gathered
+    for one group stay within ``gather_bytes`` (one bucket); each group is read while gathered, then dropped."""
+    from hwsync import gather
+    from hwsync.lora_formats import extract_peft_lora
+    from hwsync.merged import merged_named_weights, plain_weight, read_sets
+
+    params = dict(model.named_parameters())
+    reads = read_sets(model) if any(n in merged for n in send) else {}
+    items: list[tuple[tuple[str, str], list[str]]] = []
+    for name in send:
+        items.append((("base", name), reads[name] if name in merged else [raw_base[name][0]]))
+    if lora_modules:
+        with gather.placeholders():
+            adapter = extract_peft_lora(model, _adapter_name(model))
+        for m in lora_modules:
+            sources = [s for s in adapter.modules[m].sources if s]
+            if len(sources) != 2:
+                raise SyncError(f"internal: LoRA module {m} has no parameter names to gather")
+            items.append((("lora", m), sources))
+    sizes = {n: gather.global_nbytes(params[n]) for _, names in items for n in names}
+    groups = gather.plan_groups(items, sizes, gather_bytes)
+    payload.schedule = [gather.group_params(g) for g in groups]
+
+    wire = {s.name: s.dtype for s in payload.specs}
+
+    def check(name: str, t: Tensor) -> Tensor:
+        if t.is_meta:
+            raise SyncError(f"internal: {name} was produced from a parameter that was not gathered")
+        # cast to the wire dtype here, while the group is gathered: the bucket then holds wire-sized copies and the
+        # gathered tensor is released with its group (an fp32 trainer feeding a bf16 engine would otherwise keep
+        # twice a bucket of gathered fp32 tensors pending in the transport)
+        dtype = wire.get(name)
+        return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+    def produce_sharded(steps: Iterator[None]) -> Iterator[Tensor]:
+        for group in groups:
+            next(steps)  # this group's parameters are gathered until the next step
+            in_group = {key[1] for key, _ in group if key[0] == "base" and key[1] in merged}
+            it = merged_named_weights(model, include=in_group.__contains__) if in_group else iter(())
+            adapter = None
+            for (kind, name), _ in group:
+                if kind == "base" and name in merged:
+                    got, t = next(it)
+                    if got != name:
+                        raise SyncError(f"internal: merged view yielded {got} where {name} was expected")
+                    yield check(name, t)
+                elif kind == "base":
+                    raw, param = raw_base[name]
+                    yield check(name, plain_weight(model, raw, param))
+                else:
+                    if adapter is None:
+                        with gather.placeholders():  # modules of other groups: shapes only, never produced
+                            adapter = extract_peft_lora(model, _adapter_name(model))
+                    f = adapter.modules[name].folded(lora_dtype)
+                    yield check(name, f.lora_A)
+                    yield check(name, f.lora_B)
+                    del f
+            del it, adapter
+
+    payload.produce_sharded = produce_sharded

@@ -140,6 +140,24 @@ def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
     HwsyncGRPOTrainer._hwsync_check_setup(ok)
 
 
+@pytest.mark.parametrize("over", [{"_is_fsdp2": True, "is_fsdp_enabled": True}, {"vllm_tensor_parallel_size": 2},
+                                  {"_is_fsdp2": True, "is_fsdp_enabled": True, "vllm_tensor_parallel_size": 2}])
+def test_trainer_takes_sharded_and_tp_setups_without_the_check(plugin, over):
+    """FSDP2 and colocated TP engines sync (hwsync.gather, the worker keeps its shard); only the logprob check is
+    not wired for them, and the refusal says so."""
+    from hwsync.errors import HwsyncError
+    from hwsync.swift._trainer import HwsyncGRPOTrainer
+
+    checked = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy="auto"))
+    with pytest.raises(HwsyncError, match="HWSYNC_VERIFY_EVERY=0"):
+        HwsyncGRPOTrainer._hwsync_check_setup(checked)
+    unchecked = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy="auto", verify_every=0))
+    HwsyncGRPOTrainer._hwsync_check_setup(unchecked)
+    fsdp1 = SimpleNamespace(**_setup(is_fsdp_enabled=True), hwsync_options=plugin.SwiftOptions(verify_every=0))
+    with pytest.raises(HwsyncError, match="FSDP1"):
+        HwsyncGRPOTrainer._hwsync_check_setup(fsdp1)
+
+
 # ------------------------------------------------------------------------------------------------------ summary
 def test_summary_pairs_each_step_with_the_sync_that_served_it(plugin):
     records = [

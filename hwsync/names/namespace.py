@@ -277,6 +277,22 @@ def _is(mod: Any, cls_name: str) -> bool:
     return any(c.__name__ == cls_name for c in type(mod).__mro__)
 
 
+def _loader_of(loader: Any, mod: Any) -> bool:
+    """Whether ``loader`` is one of ``mod``'s own loader methods. vLLM (0.32) records checkpoint-format parameters
+    for reloading with their bound loaders re-bound to a sentinel object (``reload.sanitize.layer_ref_sentinel``, so
+    the record does not keep the layer alive): a method of ``type(mod)`` bound to that sentinel is ``mod``'s."""
+    owner = getattr(loader, "__self__", None)
+    if owner is mod:
+        return True
+    try:
+        from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+    except Exception:  # noqa: BLE001 - older vLLM: no sanitized records
+        return False
+    func = getattr(loader, "__func__", None)
+    return owner is layer_ref_sentinel and func is not None and \
+        getattr(type(mod), getattr(func, "__name__", ""), None) is func
+
+
 def _param_spec(name: str, mod: Any, ref: Tensor) -> ParamSpec:
     """Shape, dtype and TP split of one parameter, from the vLLM layer that owns it."""
     shape, dtype = tuple(ref.shape), ref.dtype
@@ -287,7 +303,7 @@ def _param_spec(name: str, mod: Any, ref: Tensor) -> ParamSpec:
     if getattr(ref, "packed_dim", None) is not None or getattr(ref, "is_sharded_weight", False):
         return ParamSpec(name, shape, dtype, sharding_known=False)  # quantized packing: not ours to slice
     loader = getattr(ref, "weight_loader", None)
-    if tp_size > 1 and loader is not None and getattr(loader, "__self__", None) is not mod \
+    if tp_size > 1 and loader is not None and not _loader_of(loader, mod) \
             and getattr(loader, "__name__", "") != "default_weight_loader":
         # a loader set on the parameter itself (GDN's conv1d/A_log/dt_bias, ...) splits it its own way
         return ParamSpec(name, shape, dtype, sharding_known=False)

@@ -62,10 +62,16 @@ class HwsyncGRPOTrainer(GRPOTrainer):
     def _hwsync_check_setup(self) -> None:
         """Refuse, before the first rollout, the setups whose weights hwsync would read or write wrongly."""
         args = self.args
-        if self._is_fsdp2 or self.is_fsdp_enabled or (self.is_deepspeed_enabled and _zero3()):
+        verify = ENV["verify_every"]
+        if self.is_fsdp_enabled and not self._is_fsdp2:
             raise UnsupportedSetupError(
-                "hwsync syncs from the trainer's full (unsharded) parameters, but FSDP / DeepSpeed ZeRO-3 shard "
-                "them: train with DDP or ZeRO-1/2, or remove hwsync's --external_plugins to use ms-swift's gather path")
+                "FSDP1 (flat parameters) is not read by hwsync: use FSDP2 (fsdp_version 2: hwsync gathers its "
+                "DTensor parameters bucket by bucket), DeepSpeed ZeRO-3, or DDP / ZeRO-1/2")
+        if _sharded(self) and self.hwsync_options.verify_every:
+            raise UnsupportedSetupError(
+                f"FSDP2 / DeepSpeed ZeRO-3 with hwsync's logprob check: the check runs the trainer's forward on one "
+                f"rank's prompts, and a sharded forward needs every rank on the same prompts (not wired yet). Set "
+                f"{verify}=0 (the sync itself gathers bucket by bucket on every rank), or train with DDP / ZeRO-1/2")
         if args.sleep_level == 2:
             raise UnsupportedSetupError(
                 "--sleep_level 2 makes vLLM discard its weights behind hwsync's back (hwsync sends base weights once "
@@ -76,10 +82,11 @@ class HwsyncGRPOTrainer(GRPOTrainer):
                 "--vllm_enable_lora true (and --tuner_type lora), or use HWSYNC_STRATEGY=auto/full")
         if self.vllm_mode == "server":
             self.hwsync_options.server_credentials()  # both HWSYNC_SERVER and HWSYNC_TOKEN, or a clear error
-        elif self.vllm_tensor_parallel_size > 1:
+        elif self.vllm_tensor_parallel_size > 1 and self.hwsync_options.verify_every:
             raise UnsupportedSetupError(
-                "colocated engines sharded across ranks (--vllm_tensor_parallel_size > 1) are not wired to hwsync "
-                "yet (its check would send different prompts to the ranks of one engine): use "
+                "colocated engines sharded across ranks (--vllm_tensor_parallel_size > 1) sync (every rank feeds its "
+                "own worker the full tensors; the worker keeps its TP shard), but hwsync's logprob check would send "
+                f"different prompts to the ranks of one engine (not wired yet): set {verify}=0, or use "
                 "--vllm_tensor_parallel_size 1 (one engine per rank) or server mode (swift rollout with TP)")
 
     def _hwsync_engine(self) -> Any:
@@ -101,10 +108,20 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         if self.args.async_generate and not skip_async_check:
             self._wait_queue()
         # server mode: one engine, fed by rank 0 (DDP ranks hold the same weights); the other ranks wait for it in
-        # ms-swift's rollout gather. Colocate: every rank feeds its own engine.
+        # ms-swift's rollout gather -- or, with a sharded trainer (FSDP2 / ZeRO-3), take part in its gathers.
+        # Colocate: every rank feeds its own engine (or its own worker of a tensor-parallel engine).
         if self.vllm_mode == "colocate" or self.accelerator.is_main_process:
             with profiling_context(self, "hwsync_sync"):
                 self._hwsync_sync()
+        elif _sharded(self):
+            model = self.accelerator.unwrap_model(self.model)
+            opts = self.hwsync_options
+            grad_mode = torch.is_grad_enabled()
+            try:
+                hwsync_sync(None, model, strategy=opts.strategy, bucket_mb=opts.bucket_mb,
+                            lora_name=SWIFT_LORA_NAME, lora_int_id=SWIFT_LORA_INT_ID)
+            finally:
+                torch.set_grad_enabled(grad_mode)
         self._reset_vllm_cache()
 
     def _hwsync_sync(self) -> None:
@@ -117,6 +134,7 @@ class HwsyncGRPOTrainer(GRPOTrainer):
                                  lora_name=SWIFT_LORA_NAME, lora_int_id=SWIFT_LORA_INT_ID)
         finally:
             torch.set_grad_enabled(grad_mode)  # the next backward needs autograd exactly as the trainer left it
+        assert report is not None  # a rank with an engine always gets its report
         self._hwsync_syncs += 1
         if self._hwsync_gate is None:
             info = target.describe()
@@ -261,6 +279,11 @@ class HwsyncGRPOTrainer(GRPOTrainer):
                 text = format_summary(read_metrics(self._hwsync_log.path))
                 self._hwsync_log.write("summary", text=text)
                 logger.info("hwsync summary\n" + text)
+
+
+def _sharded(trainer: Any) -> bool:
+    """FSDP2 or DeepSpeed ZeRO-3: every rank takes part in each sync's gathers (:mod:`hwsync.gather`)."""
+    return bool(trainer._is_fsdp2 or (trainer.is_deepspeed_enabled and _zero3()))
 
 
 def _zero3() -> bool:

@@ -274,11 +274,13 @@ class EngineReference:
     merges (default: the experts when the engine serves no expert LoRA, else nothing). ``checkpoint_dtype`` casts the
     written checkpoints. ``base_checkpoint``: the directory an ``adapter`` reference engine starts from instead of a
     checkpoint of the trainer's ``W0`` (e.g. the pre-quantized checkpoint a 4-bit engine serves).
+    ``daemon=False`` lets the reference engine start worker processes (``distributed_executor_backend="mp"``, tensor
+    parallel); :meth:`close` (or the context manager) must then stop it.
     """
 
     def __init__(self, workdir: str | os.PathLike[str], *, hybrid_merged: Callable[[str], bool] | None = None,
                  checkpoint_dtype: Any = None, base_checkpoint: str | os.PathLike[str] | None = None,
-                 timeout_s: float = 600.0, **engine_kwargs: Any) -> None:
+                 timeout_s: float = 600.0, daemon: bool = True, **engine_kwargs: Any) -> None:
         self.checkpoint_dtype = checkpoint_dtype
         self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
         self.workdir = Path(workdir)
@@ -287,6 +289,7 @@ class EngineReference:
         self.engine.setdefault("skip_tokenizer_init", True)
         self.hybrid_merged = hybrid_merged
         self.timeout_s = timeout_s
+        self.daemon = daemon
         self._proc: Any = None
         self._conn: Any = None
         self._lora_id = 1000
@@ -380,7 +383,7 @@ class EngineReference:
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, torch.get_num_threads()), daemon=True,
+        self._proc = ctx.Process(target=_serve, args=(child, torch.get_num_threads()), daemon=self.daemon,
                                  name="hwsync-reference-engine")
         self._proc.start()
         child.close()
