@@ -19,7 +19,8 @@ __all__ = ["dry_run_load"]
 
 
 def dry_run_load(
-    model: torch.nn.Module, specs: Sequence[TensorSpec], names_plan: Any = None
+    model: torch.nn.Module, specs: Sequence[TensorSpec], names_plan: Any = None,
+    transformed: set[str] | None = None,
 ) -> tuple[dict[str, str], dict[str, tuple[int, int, set[str]]]]:
     """Route ``specs`` through the model's own ``load_weights``, writing nothing.
 
@@ -34,6 +35,9 @@ def dry_run_load(
     does not know, which shapes its loaders reject, and which layers would be only partly loaded.
     ``names_plan`` (a :class:`hwsync.names.Plan`) renames trainer names to the spellings vLLM's loader takes.
     Returns (trainer name -> engine layer path, {layer: (elements loaded, elements needed, names)} for partial layers).
+    ``transformed`` (optional) collects the trainer names whose tensor reached a weight loader as something other
+    than a view of what was yielded: the model's ``load_weights`` computed a new tensor from it (Llama 4 permutes
+    q/k for its rotary layout), so what the kernels read is not a re-layout of the trainer's values.
     """
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS, to_meta_tensor
@@ -43,6 +47,7 @@ def dry_run_load(
 
     path_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     current: list[str] = [""]
+    source: list[Tensor | None] = [None]
     loaded: dict[int, int] = {}
     names_of: dict[int, set[str]] = {}
     groups: dict[str, str] = {}
@@ -53,10 +58,12 @@ def dry_run_load(
             current[0] = sp.name
             meta = torch.empty(sp.shape, dtype=sp.dtype, device="meta")
             if names_plan is None:
+                source[0] = meta
                 yield sp.name, meta
                 continue
             for load_name, fn in names_plan.vllm_checkpoint_names(sp.name):
-                yield load_name, fn(meta) if fn is not None else meta
+                source[0] = fn(meta) if fn is not None else meta
+                yield load_name, source[0]
 
     def stand_in(layer: torch.nn.Module, name: str, t: Tensor, counted: bool) -> int:
         """Register ``t`` (a meta tensor) as ``layer.name`` with an intercepting loader; the elements a complete
@@ -66,6 +73,7 @@ def dry_run_load(
             original = original.__wrapped__
         t.weight_loader = _Intercept(layer, f"{path_of.get(id(layer), '?')}.{name}".lstrip("."), original,
                                      current, loaded if counted else {}, names_of, groups, path_of)
+        t.weight_loader.source, t.weight_loader.transformed = source, transformed
         layer.register_parameter(name, t)
         return get_tensor_load_numel(t) if counted else 0
 
@@ -142,8 +150,19 @@ class _LoaderFailed(Exception):
         self.param, self.loader, self.cause = param, loader, cause
 
 
+def _derived(t: Tensor, src: Tensor | None) -> bool:
+    """Whether ``t`` is ``src`` or a view of it (or of the tensor ``src`` is a view of): a pure re-layout."""
+    if src is None:
+        return False
+    roots = {id(src), id(src._base) if src._base is not None else id(src)}
+    return id(t) in roots or (t._base is not None and id(t._base) in roots)
+
+
 class _Intercept:
     """Stands in for one parameter's ``weight_loader`` during a dry run (see :func:`dry_run_load`)."""
+
+    source: list[Tensor | None] = [None]
+    transformed: set[str] | None = None
 
     def __init__(self, layer: torch.nn.Module, param: str, original: Any, current: list[str],
                  loaded: dict[int, int], names_of: dict[int, set[str]], groups: dict[str, str],
@@ -177,6 +196,10 @@ class _Intercept:
         except TypeError as e:
             raise _LoaderFailed(self.param, self.name, e) from e
         bound.apply_defaults()
+        if self.transformed is not None:
+            given = bound.arguments.get("loaded_weight", next(iter(list(bound.arguments.values())[1:2]), None))
+            if isinstance(given, Tensor) and not _derived(given, self.source[0]):
+                self.transformed.add(self.current[0])
         try:
             n, ret = get_numel_loaded(self.original, bound)
         except Exception as on_meta:  # noqa: BLE001  (loaders raise anything on meta data; decided on scratch)

@@ -57,19 +57,28 @@ def _base(w: Any, applier: Any, specs_in: list[Any], seed: int) -> dict[str, Any
     specs = [TensorSpec(n, tuple(s), dtype_from_name(d), "base") for n, s, d in specs_in]
     key = "base:" + json.dumps(specs_in)
     cache = w.__dict__.setdefault("_hwsync_fp_plans", {})
-    names_plan = cache.get(key)
-    if names_plan is None:
+    model = model_of(w)
+    cached = cache.get(key)
+    if cached is None:
+        from hwsync.vllm.dry_run import dry_run_load
+
         names_plan = applier._names_plan(specs, cast=True)
+        transformed: set[str] = set()  # computed by the model's load_weights, not laid out: no probe can follow
+        dry_run_load(model, specs, names_plan, transformed=transformed)
         cache.clear()
-        cache[key] = names_plan
+        cache[key] = cached = (names_plan, transformed)
+    names_plan, transformed = cached
     ns = names_plan.namespace
     live = {ns.params[c].name: t for c, t in ns.live.items()}
-    model = model_of(w)
     shapes = {s.name: s.shape for s in specs}
     dtypes = {s.name: s.dtype for s in specs}
     out: dict[str, Any] = {}
     for name, targets in names_plan.entries.items():
         if name in names_plan.skipped:
+            continue
+        if name in transformed:
+            out[name] = ("computed from the trainer's tensor by the model's own load_weights (not a re-layout, e.g. "
+                         "Llama 4's q/k rotary permutation): not fingerprinted")
             continue
         try:
             out[name] = _one_base(model, names_plan, name, targets, shapes[name], dtypes[name], live, seed)
@@ -91,6 +100,9 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
     for tg in targets:
         if tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
             raise _Unreadable("per-expert trainer tensors are not fingerprinted (fused expert tensors are)")
+        if tg.kind == "loader":  # the model's own checkpoint layout (Llama 4's [E, in, out] experts): only vLLM's
+            raise _Unreadable("tensors in the model's own checkpoint layout, converted by vLLM's loader, are not "
+                              "fingerprinted")
         module = _owner(model, tg.param)
         held = live.get(tg.param)
         if held is None:
