@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROMPTS", "STRATEGIES", "run", "check"]
+__all__ = ["PROMPTS", "STRATEGIES", "run", "check", "run_and_check"]
 
 WORLD = 2
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99], [11, 400, 23]]
@@ -236,4 +236,28 @@ def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]
             want = reference._ask(Path(entry["checkpoint"]), adapter, PROMPTS, 4)
             got = [(list(ids), list(vals)) for ids, vals in entry["got"]]
             diffs.append(compare_logprobs(got, want, f"TP=2 {entry['strategy']} sync {k + 1}"))
+    return diffs
+
+
+def run_and_check(work: Path, model_dir: Path, *, cuda: bool) -> list[float]:
+    """The whole scenario with its assertions (the CPU and the 2-GPU test share it): every rank ran every sync, both
+    workers of the one engine answered alike, gathered bytes stayed within 2 buckets, the adapter steady state sent
+    LoRA only, and each sync equals a fresh TP=2 engine within ``EXACT_ATOL``. Returns the per-sync |Δ logprob|."""
+    from hwsync.testing import EXACT_ATOL
+
+    results = run(work, model_dir, cuda=cuda)
+    for r, res in enumerate(results):
+        for entry in res.get("syncs", []):
+            print(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in entry.items() if k not in ("got",)))
+        assert res.get("ok"), f"rank {r}:\n{res.get('error')}"
+    syncs = results[0]["syncs"]
+    assert [s["strategy"] for s in syncs] == STRATEGIES
+    assert [s["got"] for s in syncs] == [s["got"] for s in results[1]["syncs"]]  # one engine, same answers
+    for res in results:  # gathered bytes alive at once: <= 2 buckets (a bucket is at least the largest tensor)
+        assert all(s["peak_gathered_mb"] <= s["bound_mb"] for s in res["syncs"]), res["syncs"]
+    assert syncs[1]["base_tensors"] > 0  # after a full sync, the base travels again
+    assert syncs[2]["base_tensors"] == 0 and syncs[2]["lora_tensors"] > 0, syncs[2]  # steady: LoRA only
+    diffs = check(work, syncs, cuda=cuda)
+    print(f"max |Δ logprob| per sync vs a fresh TP=2 engine: {diffs}")
+    assert all(d <= EXACT_ATOL for d in diffs), diffs
     return diffs
