@@ -4,7 +4,7 @@
 # the cuda/multigpu tests, the README's ms-swift GRPO job, the QLoRA tests and the sync benchmark.
 #
 #   bash ci/gpu.sh              # every part, in order (roughly 30-45 min on one H100: not measured yet)
-#   bash ci/gpu.sh suite-a      # one part; each is sized to finish well under 10 minutes on one H100
+#   bash ci/gpu.sh suite-a      # one part; each meant to fit one 10-minute device call (measured on an H100 so far: exact, bench, qlora; see ci/gpu-kit/README.md)
 #   bash ci/gpu.sh --list       # the parts and what they run
 #
 # Tests run one module per interpreter (ci/run_tests.py) with `pytest` (not `python -m pytest`: that puts the source
