@@ -19,6 +19,7 @@ import torch
 
 import hwsync
 from hwsync.testing import make_llm, require_vllm
+from hwsync.testing.trainer import lora_trainer, perturb
 
 pytestmark = pytest.mark.vllm
 
@@ -44,26 +45,8 @@ def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
 
 
 def _model(path: Path, lora: bool) -> Any:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).to("cuda" if CUDA else "cpu")
-    if not lora:
-        return model.eval()
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=ATTN,
-                     target_parameters=EXPERTS if CUDA else None)
-    return get_peft_model(model, cfg).eval()
-
-
-def _step(model: Any, seed: int) -> None:
-    g = torch.Generator(device="cuda" if CUDA else "cpu").manual_seed(seed)
-    lora = any("lora_" in n for n, _ in model.named_parameters())
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.05)
-            elif not lora:
-                p.mul_(1 + torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.02)
+    targets = (ATTN, EXPERTS if CUDA else None) if lora else (None, None)
+    return lora_trainer(path, *targets, dtype=DTYPE, lora_dropout=0.0).to("cuda" if CUDA else "cpu")
 
 
 def _runner(llm: Any) -> Any:
@@ -88,7 +71,7 @@ def test_base_written_in_place_equals_vllm_reload(llm: Any, tiny_qwen3_moe_dir: 
     model = _model(tiny_qwen3_moe_dir, lora=False)
     first = hwsync.sync(llm, model, strategy="full")
     assert "proven writable in place" in first.path or "through vLLM's reload" in first.path, first.path
-    _step(model, 1)
+    perturb(model, 1, base=True)
     second = hwsync.sync(llm, model, strategy="full")
     print(second.line())
     if CUDA:  # unquantized linears and Triton MoE read their parameters as stored
@@ -123,10 +106,10 @@ def _slot_buffers(llm: Any, lid: int) -> dict[str, torch.Tensor]:
 
 def test_adapter_rewritten_in_place_equals_vllm_activation(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
     model = _model(tiny_qwen3_moe_dir, lora=True)
-    _step(model, 2)
+    perturb(model, 2)
     installed = hwsync.sync(llm, model, strategy="adapter")
     assert "adapter: built by vLLM" in installed.path, installed.path
-    _step(model, 3)
+    perturb(model, 3)
     rewritten = hwsync.sync(llm, model, strategy="adapter")
     print(rewritten.line())
     assert "adapter: rewritten in place" in rewritten.path, rewritten.path
