@@ -163,23 +163,47 @@ def _timed_syncs(llm: Any, model: Any, strategy: str, warmup: int, n: int, **kw:
     return statistics.median(s for s, _ in reports[warmup:]), reports[-1][1]
 
 
-def _profile(llm: Any, model: Any, strategy: str) -> None:
-    """Where one steady-state sync spends its time (cProfile, top functions by cumulative time)."""
+def _profile(llm: Any, model: Any, strategy: str, syncs: int = 10) -> None:
+    """Where steady-state syncs spend their time: cProfile over ``syncs`` syncs (by cumulative and by own time), and
+    on CUDA the kernels they launch (torch.profiler: count and device time), so Python overhead and device work can
+    be told apart."""
     import cProfile
     import io
     import pstats
 
     import hwsync
 
-    _step(model, 999)
-    prof = cProfile.Profile()
-    prof.enable()
-    hwsync.sync(llm, model, strategy=strategy)
+    for i in range(2):
+        _step(model, 990 + i)
+        hwsync.sync(llm, model, strategy=strategy)
     _sync_device()
-    prof.disable()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    for i in range(syncs):
+        _step(model, 1000 + i)
+        prof.enable()
+        hwsync.sync(llm, model, strategy=strategy)
+        _sync_device()
+        prof.disable()
+    wall = (time.perf_counter() - t0) / syncs
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
-    print(f"\n### profile of one steady-state {strategy} sync\n" + out.getvalue())
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(20)
+    print(f"\n### profile of {syncs} steady-state {strategy} syncs (incl. trainer steps: {wall * 1e3:.2f} ms per "
+          f"step+sync under cProfile)\n" + out.getvalue())
+    if not _on_gpu():
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    _step(model, 2000)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        hwsync.sync(llm, model, strategy=strategy)
+        _sync_device()
+    launches = sum(e.count for e in tp.key_averages() if e.key.startswith(("cudaLaunchKernel", "cudaMemcpyAsync",
+                                                                           "cudaMemsetAsync", "cuLaunchKernel")))
+    print(f"### one {strategy} sync under torch.profiler: {launches} kernel launches / copies")
+    print(tp.key_averages().table(sort_by="device_time_total", row_limit=20))
 
 
 def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[list[dict[str, Any]], dict, Any]:

@@ -6,6 +6,9 @@
 #   bash ci/gpu.sh              # every part, in order (roughly 30-45 min on one H100: not measured yet)
 #   bash ci/gpu.sh suite-a      # one part; each meant to fit one 10-minute device call (measured on an H100 so far: exact, bench, qlora; see ci/gpu-kit/README.md)
 #   bash ci/gpu.sh --list       # the parts and what they run
+#   bash ci/gpu.sh -j verify exact swift   # those parts at the same time on one GPU (each logs to gpu-<part>.log;
+#                                          # engines take gpu_memory_utilization 0.15, the main job 0.5): a device
+#                                          # call's 10 minutes then cover several parts
 #
 # Tests run one module per interpreter (ci/run_tests.py) with `pytest` (not `python -m pytest`: that puts the source
 # tree first on sys.path, ahead of the installed package), CI=true (a vLLM test that cannot run fails instead of
@@ -41,7 +44,7 @@ declare -A ABOUT=(
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
     [multigpu]="${MODULES[multigpu]} (2 GPUs: FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; skipped on fewer GPUs)"
-    [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 (every strategy, exactness vs vLLM own loading)"
+    [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile (every strategy, exactness vs vLLM own loading)"
     [verify]="${MODULES[verify]} (no false alarm over 20 syncs per strategy, every injected fault caught), benchmarks/verify_table.py (healthy max vs faulty min per check, bf16 + fp32)"
 )
 
@@ -79,7 +82,7 @@ run_part() {
             else
                 run_modules "${MODULES[multigpu]}" || rc=$?
             fi ;;
-        bench) "$PY" benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
+        bench) "$PY" benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
         verify)
             run_modules "${MODULES[verify]}" || rc=$?
             "$PY" benchmarks/verify_table.py ${OUT:+--json "$OUT/verify_table.json"} || rc=$? ;;
@@ -89,6 +92,8 @@ run_part() {
     return $rc
 }
 
+jobs=0
+if [ "${1:-}" = "-j" ]; then jobs=1; shift; fi
 if [ "${1:-}" = "--list" ]; then
     for p in "${PARTS[@]}"; do printf '%-8s %s\n' "$p" "${ABOUT[$p]}"; done
     exit 0
@@ -97,7 +102,25 @@ selected=("${@:-${PARTS[@]}}")
 for p in "${selected[@]}"; do
     [ -n "${ABOUT[$p]:-}" ] || { echo "unknown part '$p'; parts: ${PARTS[*]}"; exit 2; }
 done
-if [ -n "${OUT:-}" ]; then
+if [ "$jobs" = 1 ]; then  # each part in its own process and log; this process prints their verdicts
+    logs="${OUT:-${TMPDIR:-/tmp}/hwsync-gpu-logs}"
+    mkdir -p "$logs"
+    pids=()
+    for p in "${selected[@]}"; do
+        HWSYNC_GPU_LOG=0 bash "${BASH_SOURCE[0]}" "$p" >"$logs/gpu-$p.log" 2>&1 &
+        pids+=($!)
+        sleep 20  # engines start one after another: each start checks the GPU's free memory
+    done
+    failed=()
+    for i in "${!selected[@]}"; do
+        wait "${pids[$i]}" || failed+=("${selected[$i]}")
+        grep -E '^(ok  |FAIL|=== ci/gpu.sh|[0-9]+ passed)' "$logs/gpu-${selected[$i]}.log"
+    done
+    echo "ci/gpu.sh -j: ${#selected[@]} part(s), failed: ${failed[*]:-none}"
+    [ ${#failed[@]} -eq 0 ]
+    exit
+fi
+if [ -n "${OUT:-}" ] && [ "${HWSYNC_GPU_LOG:-1}" = 1 ]; then
     mkdir -p "$OUT"
     exec > >(tee -a "$OUT/gpu-$(IFS=+; echo "${selected[*]}").log") 2>&1
 fi

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,8 +66,27 @@ class _SyncPlan:
 
 
 def _signature(model: nn.Module) -> tuple[Any, ...]:
-    """Cheap identity of the model's parameter set (objects and shapes): a new or reshaped parameter re-plans."""
-    return tuple((id(p), p.shape) for p in model.parameters())
+    """Cheap identity of the model's parameter set (objects and shapes) and active adapter: a new or reshaped
+    parameter, or another adapter made active, re-plans."""
+    from hwsync.gather import parameters
+
+    return repr(getattr(model, "active_adapter", None)), tuple((id(p), p.shape) for p in parameters(model))
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
+
+
+def _layout(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
+    """The model's :func:`hwsync.gather.layout` and :func:`_signature`: one walk of the model per sync (the layout
+    is looked at again only when the signature changes, e.g. after ``fully_shard``)."""
+    from hwsync.gather import layout
+
+    signature = _signature(model)
+    known = _LAYOUTS.get(model)
+    if known is None or known[0] != signature:
+        known = (signature, layout(model))
+        _LAYOUTS[model] = known
+    return known[1], signature
 
 
 def _plan(engine: Engine, model: nn.Module, request: Strategy, bucket_mb: float | None, lora_name: str | None,
@@ -93,10 +113,10 @@ def _plan(engine: Engine, model: nn.Module, request: Strategy, bucket_mb: float 
     return _SyncPlan(_signature(model), payload, manifest, synced_version=info.version)
 
 
-def _reusable(plan: _SyncPlan | None, model: nn.Module) -> _SyncPlan | None:
+def _reusable(plan: _SyncPlan | None, model: nn.Module, signature: tuple[Any, ...]) -> _SyncPlan | None:
     """``plan`` if it still describes ``model``; for adapter/hybrid plans that carried the base, the steady-state
     variant without it (the engine holds that base now), unless the base changed since."""
-    if plan is None or plan.signature != _signature(model):
+    if plan is None or plan.signature != signature:
         return None
     payload = plan.payload
     if payload.strategy is Strategy.FULL:
@@ -140,8 +160,10 @@ def sync(
     request = Strategy.parse(strategy)
     mb = parse_bucket_mb(bucket_mb, "bucket_mb")
     key = f"{model_uuid(model)}:{request.value}:{mb}:{lora_name}:{lora_int_id}"
-    if gather.layout(model) != "plain":
-        return _sync_sharded(target, model, request, mb, key, version, progress, lora_name, lora_int_id)
+    kind, signature = _layout(model)
+    if kind != "plain":
+        return _sync_sharded(target, model, request, mb, key, version, progress, lora_name, lora_int_id,
+                             signature)
     if target is None:
         raise OptionError(
             "hwsync.sync(None, model) is for the ranks without an engine of a sharded (FSDP2 / ZeRO-3) trainer, "
@@ -150,7 +172,7 @@ def sync(
     engine = as_engine(target)
     t0 = time.perf_counter()
     for attempt in range(2):
-        plan, planned, manifest = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt)
+        plan, planned, manifest = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt, signature)
         try:
             result = engine.send(manifest, plan.payload.produce, progress)
         except PlanChangedError:
@@ -168,8 +190,9 @@ def sync(
 
 
 def _prepare(engine: Engine, model: nn.Module, key: str, request: Strategy, mb: float | None, version: int | None,
-             lora_name: str | None, lora_int_id: int | None, attempt: int) -> tuple[_SyncPlan, bool, Manifest]:
-    plan = _reusable(engine.plans.get(key), model) if attempt == 0 else None
+             lora_name: str | None, lora_int_id: int | None, attempt: int,
+             signature: tuple[Any, ...]) -> tuple[_SyncPlan, bool, Manifest]:
+    plan = _reusable(engine.plans.get(key), model, signature) if attempt == 0 else None
     planned = plan is None
     if planned:
         engine.plans.pop(key, None)
@@ -210,7 +233,7 @@ def _finish(engine: Engine, model: nn.Module, key: str, plan: _SyncPlan, planned
 
 def _sync_sharded(target: Any, model: nn.Module, request: Strategy, mb: float | None, key: str,
                   version: int | None, progress: ProgressFn | None, lora_name: str | None,
-                  lora_int_id: int | None) -> SyncReport | None:
+                  lora_int_id: int | None, signature: tuple[Any, ...]) -> SyncReport | None:
     """One sync of a sharded model, run by every rank together (protocol: :mod:`hwsync.gather`)."""
     from hwsync import gather
 
@@ -225,7 +248,7 @@ def _sync_sharded(target: Any, model: nn.Module, request: Strategy, mb: float | 
         failure: BaseException | None = None
         if engine is not None and done is None:
             try:
-                state = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt)
+                state = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt, signature)
                 mine = state[0].payload.schedule
                 if mine is None:
                     raise SyncError("internal: a sharded model's payload has no gather schedule")

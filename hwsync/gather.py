@@ -91,6 +91,26 @@ def param_kind(t: Any) -> str:
     return Layout.PLAIN
 
 
+def parameters(model: nn.Module) -> list[Tensor]:
+    """``list(model.parameters())`` (same order, shared parameters once) in one iterative walk: about twice as fast
+    as torch's nested generators, and it runs at every sync."""
+    out: list[Tensor] = []
+    seen: set[int] = set()
+    visited: set[int] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in visited:
+            continue
+        visited.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return out
+
+
 def layout(model: nn.Module) -> str:
     """``"plain"``, ``"fsdp2"`` or ``"zero3"``; a clear error for sharded layouts hwsync cannot read."""
     if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):

@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from hwsync.errors import AdapterFormatError
+from hwsync.errors import AdapterFormatError, SyncError
 from hwsync.gather import read
 from hwsync.names.trainer import strip_peft_name
 
@@ -49,6 +49,7 @@ __all__ = [
     "LoraModule",
     "LoraAdapter",
     "extract_peft_lora",
+    "PeftLoraReader",
     "from_peft_state_dict",
     "to_vllm_lora",
     "from_vllm_lora",
@@ -222,14 +223,9 @@ def _stack_param_wrapper(a: Tensor, b: Tensor, num_experts: int) -> tuple[Tensor
     return a.reshape(num_experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, num_experts).permute(2, 0, 1)
 
 
-def extract_peft_lora(model: nn.Module, adapter_name: str = "default") -> LoraAdapter:
-    """Read adapter ``adapter_name`` from a live PEFT model (no copy: tensors are detached views of its weights).
-
-    Per-module rank/alpha/scaling come from the layers themselves, so ``rank_pattern``/``alpha_pattern``, rsLoRA
-    and the transformers-5 conversion (2r, 2α for fused experts) are already resolved. Clone the tensors if the
-    trainer keeps stepping while you hold them.
-    """
-    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+def _peft_layers(model: nn.Module, adapter_name: str) -> list[tuple[str, nn.Module]]:
+    """The LoRA layers of ``adapter_name`` (module path, layer), checked to be plain LoRA: one walk of the model."""
+    from peft.tuners.lora.layer import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     configs = getattr(model, "peft_config", None)
@@ -238,9 +234,7 @@ def extract_peft_lora(model: nn.Module, adapter_name: str = "default") -> LoraAd
         raise AdapterFormatError(f"model has no adapter {adapter_name!r}; it has {sorted(configs)}")
     if cfg is not None:
         _check_config(cfg, adapter_name)
-
-    modules: dict[str, LoraModule] = {}
-    param_names = {id(p): n for n, p in model.named_parameters()}
+    layers = []
     for path, layer in model.named_modules():
         if not isinstance(layer, BaseTunerLayer):
             continue
@@ -256,33 +250,53 @@ def extract_peft_lora(model: nn.Module, adapter_name: str = "default") -> LoraAd
             )
         if layer.lora_bias.get(adapter_name, False) or getattr(layer, "fan_in_fan_out", False):
             raise AdapterFormatError(f"{path}: lora_bias / fan_in_fan_out adapters are not plain LoRA; {_FULL_HINT}")
-        lin_a, lin_b = layer.lora_A[adapter_name], layer.lora_B[adapter_name]
-        if not isinstance(lin_a, nn.Linear):
-            raise AdapterFormatError(f"{path}: {type(lin_a).__name__} LoRA (e.g. conv) is not supported; {_FULL_HINT}")
-        a, b = read(lin_a.weight), read(lin_b.weight)
-        sources = tuple(param_names.get(id(p), "") for p in (lin_a.weight, lin_b.weight))
-        common = dict(
-            alpha=float(layer.lora_alpha[adapter_name]),
-            scaling=float(layer.scaling[adapter_name]),
-            use_rslora=bool(layer.use_rslora.get(adapter_name, False)),
-            sources=sources,
-        )
-        owner = strip_peft_name(path)
-        if isinstance(layer, ParamWrapper):
-            pname = layer.parameter_name
-            name = f"{owner}.{pname}"
-            if layer.num_experts > 1:
-                sa, sb = _stack_param_wrapper(a, b, layer.num_experts)
-                kind = _experts_kind(name, pname)
-                transposed = not layer._did_swap_in_out_features
-                modules[name] = LoraModule(name, kind, sa, sb, transposed=transposed, **common)
-                continue
-            modules[name] = LoraModule(name, LoraKind.LINEAR, a, b, **common)
-            continue
-        name = f"{owner}.weight"
-        modules[name] = LoraModule(name, LoraKind.LINEAR, a, b, **common)
-    if not modules:
+        if not isinstance(layer.lora_A[adapter_name], nn.Linear):
+            raise AdapterFormatError(f"{path}: {type(layer.lora_A[adapter_name]).__name__} LoRA (e.g. conv) is not "
+                                     f"supported; {_FULL_HINT}")
+        layers.append((path, layer))
+    if not layers:
         raise AdapterFormatError(f"model has no LoRA layers for adapter {adapter_name!r}")
+    return layers
+
+
+def _layer_module(path: str, layer: nn.Module, adapter_name: str,
+                  sources: tuple[str, str] = ("", "")) -> LoraModule:
+    """The :class:`LoraModule` of one PEFT LoRA layer, its tensors read now (views of the weights)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    a, b = read(layer.lora_A[adapter_name].weight), read(layer.lora_B[adapter_name].weight)
+    common = dict(
+        alpha=float(layer.lora_alpha[adapter_name]),
+        scaling=float(layer.scaling[adapter_name]),
+        use_rslora=bool(layer.use_rslora.get(adapter_name, False)),
+        sources=sources,
+    )
+    owner = strip_peft_name(path)
+    if isinstance(layer, ParamWrapper):
+        pname = layer.parameter_name
+        name = f"{owner}.{pname}"
+        if layer.num_experts > 1:
+            sa, sb = _stack_param_wrapper(a, b, layer.num_experts)
+            return LoraModule(name, _experts_kind(name, pname), sa, sb,
+                              transposed=not layer._did_swap_in_out_features, **common)
+        return LoraModule(name, LoraKind.LINEAR, a, b, **common)
+    return LoraModule(f"{owner}.weight", LoraKind.LINEAR, a, b, **common)
+
+
+def extract_peft_lora(model: nn.Module, adapter_name: str = "default") -> LoraAdapter:
+    """Read adapter ``adapter_name`` from a live PEFT model (no copy: tensors are detached views of its weights).
+
+    Per-module rank/alpha/scaling come from the layers themselves, so ``rank_pattern``/``alpha_pattern``, rsLoRA
+    and the transformers-5 conversion (2r, 2α for fused experts) are already resolved. Clone the tensors if the
+    trainer keeps stepping while you hold them.
+    """
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    modules: dict[str, LoraModule] = {}
+    for path, layer in _peft_layers(model, adapter_name):
+        sources = tuple(param_names.get(id(getattr(layer, f)[adapter_name].weight), "") for f in ("lora_A", "lora_B"))
+        m = _layer_module(path, layer, adapter_name, sources)  # type: ignore[arg-type]
+        modules[m.name] = m
+    cfg = (getattr(model, "peft_config", None) or {}).get(adapter_name)
     return LoraAdapter(
         modules,
         r=int(_cfg_get(cfg, "r", max(m.rank for m in modules.values()))),
@@ -290,6 +304,35 @@ def extract_peft_lora(model: nn.Module, adapter_name: str = "default") -> LoraAd
         use_rslora=bool(_cfg_get(cfg, "use_rslora", False)),
         name=adapter_name,
     )
+
+
+class PeftLoraReader:
+    """The current A/B of chosen LoRA modules of a live PEFT model, without walking the model at every sync.
+
+    Resolved once (the same walk and checks as :func:`extract_peft_lora`); a read then touches only the layers it
+    holds. It is only valid while the model keeps these layers: hwsync re-plans (and builds a new reader) when the
+    model's parameter set or active adapter changes."""
+
+    def __init__(self, model: nn.Module, adapter_name: str, modules: Sequence[str]) -> None:
+        layers = {}
+        for path, layer in _peft_layers(model, adapter_name):
+            m = _layer_module(path, layer, adapter_name)
+            layers[m.name] = (path, layer)
+        missing = [m for m in modules if m not in layers]
+        if missing:
+            raise AdapterFormatError(f"the trainer's adapter {adapter_name!r} has no LoRA module {missing[0]}")
+        self.adapter_name = adapter_name
+        self._layers = [(m, *layers[m]) for m in modules]
+
+    def read(self, dtype: torch.dtype | None) -> list[Tensor]:
+        """A and B (scaling folded, in ``dtype``) of every module, in order."""
+        out: list[Tensor] = []
+        for name, path, layer in self._layers:
+            if self.adapter_name not in layer.lora_A:
+                raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
+            f = _layer_module(path, layer, self.adapter_name).folded(dtype)
+            out += [f.lora_A, f.lora_B]
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -221,22 +221,6 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
     return TrainerLora(adapter, tensors, meta, by_module)
 
 
-def read_lora_tensors(model: nn.Module, dtype: torch.dtype | None, modules: Sequence[str]) -> list[Tensor]:
-    """The current A and B (scaling folded) of ``modules``, in manifest order: the per-sync part of
-    :func:`read_lora` (no conversion to vLLM's format: the engine does that)."""
-    from hwsync.lora_formats import extract_peft_lora
-
-    adapter = extract_peft_lora(model, _adapter_name(model))
-    out: list[Tensor] = []
-    for name in modules:
-        mod = adapter.modules.get(name)
-        if mod is None:
-            raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
-        f = mod.folded(dtype)
-        out += [f.lora_A, f.lora_B]
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # payloads
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,8 +349,14 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
 
     send_set = set(send)
     merged_send = [n for n in send if n in merged]
+    reader: list[Any] = []  # resolved at the first produce, then reused: no walk of the model per sync
+
     def lora_values() -> list[Tensor]:
-        return read_lora_tensors(model, lora_dtype, lora_modules)  # the values as of now: produced at every sync
+        if not reader:
+            from hwsync.lora_formats import PeftLoraReader
+
+            reader.append(PeftLoraReader(model, _adapter_name(model), lora_modules))
+        return reader[0].read(lora_dtype)  # the values as of now: produced at every sync
 
     def produce() -> Iterator[Tensor]:
         it = merged_named_weights(model, include=lambda n: n in send_set and n in merged) if merged_send else iter(())

@@ -12,9 +12,11 @@ structure only changes values, so :class:`SlotWriter` replays that pipeline as g
   other than 1, which hwsync never sends) leaves non-index values and disables the fast path.
 * **Checked once, on real data.** After the first install through vLLM's path, the gathers are run on the same
   tensors and must reproduce the installed adapter's tensors exactly.
-* **Per sync:** one concatenation of the new tensors, one ``index_select`` into each of the installed adapter's
-  tensors (so the adapter vLLM holds stays current, e.g. for re-activation), then vLLM's own ``set_lora`` per module
-  writes the slot (TP slicing included).
+* **Per sync:** one copy into each of the installed adapter's tensors (so the adapter vLLM holds stays current, e.g.
+  for re-activation), then vLLM's own ``set_lora`` per module writes the slot (TP slicing included). Where a gather
+  is a strided view of one tensor (stacking, splitting, slicing and permuting all are; found at trace time) the copy
+  reads that view directly; otherwise (vLLM's zero fill, elements from several tensors) it is an ``index_select``
+  from the concatenated tensors.
 """
 from __future__ import annotations
 
@@ -32,12 +34,48 @@ logger = logging.getLogger("hwsync.vllm")
 
 
 @dataclass(frozen=True)
+class _View:
+    """A gather that is ``flat(keys[source]).as_strided(shape, strides, offset)``."""
+
+    source: int
+    strides: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
 class _Gather:
     module: str
     field: str  # "lora_a" | "lora_b"
     position: int | None  # index in a packed list, None for a plain tensor
     index: Tensor  # int64, into the concatenated tensors (+1 zero element at the end)
     shape: tuple[int, ...]
+    view: _View | None = None
+
+
+def _strided(index: Tensor, shape: tuple[int, ...], starts: Sequence[int], sizes: Sequence[int]) -> _View | None:
+    """``index`` (positions in the concatenated tensors) as a strided view of one of them, if it is one."""
+    if index.numel() == 0:
+        return None
+    lo, hi = int(index.min()), int(index.max())
+    source = next((k for k, (s, n) in enumerate(zip(starts, sizes)) if s <= lo and hi < s + n), None)
+    if source is None:
+        return None
+    local = index.reshape(shape) - starts[source]
+    origin = (0,) * len(shape)
+    offset = int(local[origin]) if shape else int(local)
+    strides = []
+    for d, n in enumerate(shape):
+        step = [0] * len(shape)
+        step[d] = 1 if n > 1 else 0
+        strides.append(int(local[tuple(step)]) - offset if n > 1 else 0)
+    expect = torch.full(shape, offset, dtype=torch.int64)
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        view = [1] * len(shape)
+        view[d] = n
+        expect += (torch.arange(n, dtype=torch.int64) * st).view(view)
+    if not torch.equal(expect, local):
+        return None
+    return _View(source, tuple(strides), offset)
 
 
 def _slots(weights: Any, field: str) -> list[tuple[int | None, Tensor]]:
@@ -68,12 +106,16 @@ class SlotWriter:
 
         ``build(tensors)`` is the applier's ``LoRAModel.from_lora_tensors`` call (same helper, mapper, prefixes)."""
         codes: dict[str, Tensor] = {}
+        starts: list[int] = []
+        sizes: list[int] = []
         offset = 1
         for k, shape in zip(keys, shapes):
             n = 1
             for s in shape:
                 n *= s
             codes[k] = torch.arange(offset, offset + n, dtype=torch.float64).reshape(shape)
+            starts.append(offset - 1)
+            sizes.append(n)
             offset += n
         total = offset - 1
         if total >= 1 << 52:
@@ -96,7 +138,8 @@ class SlotWriter:
                         return f"{name}.{field}: vLLM transforms adapter values (not only moves them)"
                     index = values.to(torch.int64) - 1
                     index[index < 0] = total  # vLLM's zero fill -> the zero appended after the tensors
-                    gathers.append(_Gather(name, field, pos, index.to(device), tuple(t.shape)))
+                    view = _strided(index, tuple(t.shape), starts, sizes)
+                    gathers.append(_Gather(name, field, pos, index.to(device), tuple(t.shape), view))
         modules = tuple(m for m in manager.modules if m in lm.loras)
         return cls(tuple(keys), total, tuple(gathers), modules)
 
@@ -108,34 +151,51 @@ class SlotWriter:
             raise ValueError("adapter tensors do not match the traced structure")
         return flat
 
+    def _sources(self, tensors: Mapping[str, Tensor], dst: Tensor) -> Any:
+        """``values(gather)``: the tensor (possibly a strided view) holding that gather's new values."""
+        flat: list[Tensor] = []
+        sources: dict[int, Tensor] = {}
+
+        def values(g: _Gather) -> Tensor:
+            if g.view is not None:
+                src = sources.get(g.view.source)
+                if src is None:
+                    t = tensors[self.keys[g.view.source]].detach()
+                    src = sources[g.view.source] = t.reshape(-1).to(device=dst.device, dtype=dst.dtype)
+                return src.as_strided(g.shape, g.view.strides, g.view.offset)
+            if not flat:
+                flat.append(self._flat(tensors, dst.dtype, dst.device))
+            return flat[0].index_select(0, g.index.to(dst.device)).view(g.shape)
+
+        return values
+
     def matches(self, lora_model: Any, tensors: Mapping[str, Tensor]) -> bool:
         """Whether the gathers reproduce ``lora_model`` (installed by vLLM's path) from ``tensors`` exactly."""
         for g in self.gathers:
             weights = lora_model.loras.get(g.module)
             if weights is None or tuple(_get(weights, g).shape) != g.shape:
                 return False
-        flat = None
+        if sum(t.numel() for t in tensors.values()) != self.numel:
+            return False
+        values = None
         for g in self.gathers:
             dst = _get(lora_model.loras[g.module], g)
-            if flat is None:
-                flat = self._flat(tensors, dst.dtype, dst.device)
-            if not torch.equal(flat.index_select(0, g.index.to(dst.device)).view(g.shape), dst):
+            values = values or self._sources(tensors, dst)
+            if not torch.equal(values(g), dst):
                 return False
         return True
 
     def write(self, manager: Any, lora_model: Any, tensors: Mapping[str, Tensor]) -> None:
         """Rewrite the installed adapter's tensors, then its slot with vLLM's own ``set_lora``."""
         slot = manager.lora_index_to_id.index(lora_model.id)
-        flat = None
+        if sum(t.numel() for t in tensors.values()) != self.numel:
+            raise ValueError("adapter tensors do not match the traced structure")
+        values = None
         with torch.no_grad():
             for g in self.gathers:
                 dst = _get(lora_model.loras[g.module], g)
-                if flat is None:
-                    flat = self._flat(tensors, dst.dtype, dst.device)
-                if dst.is_contiguous():
-                    torch.index_select(flat, 0, g.index, out=dst.view(-1))
-                else:
-                    dst.copy_(flat.index_select(0, g.index).view(g.shape))
+                values = values or self._sources(tensors, dst)
+                dst.copy_(values(g))
             for name in self.modules:
                 weights = lora_model.loras[name]
                 manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
