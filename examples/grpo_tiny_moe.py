@@ -285,7 +285,9 @@ def _wait_until_serving(server: subprocess.Popen, port: int, deadline: float | N
 
     while True:
         if server.poll() is not None:
-            raise RuntimeError(f"swift rollout exited ({server.returncode}) before serving; see {log}")
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
+            raise RuntimeError(f"swift rollout exited ({server.returncode}) before serving; see {log}; its last "
+                               f"lines:\n{tail}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/", timeout=5) as reply:
                 if reply.status == 200:

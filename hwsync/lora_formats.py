@@ -122,7 +122,13 @@ class LoraModule:
     def folded(self, dtype: torch.dtype | None = None) -> LoraModule:
         """Same ΔW with scaling 1 (scale folded into B in fp32, one rounding to ``dtype``)."""
         dt = dtype or self.lora_B.dtype
-        b = self.lora_B.to(dt) if self.scaling == 1 else (self.lora_B.float() * self.scaling).to(dt)
+        if self.scaling == 1:
+            b = self.lora_B.to(dt)
+        elif self.lora_B.dtype == dt and dt in (torch.float32, torch.bfloat16, torch.float16):
+            # one kernel: 16-bit floats are multiplied in fp32 (torch's opmath) and rounded once, exactly as below
+            b = self.lora_B * self.scaling
+        else:
+            b = (self.lora_B.float() * self.scaling).to(dt)
         return LoraModule(self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed)
 
 

@@ -137,15 +137,19 @@ GATES: dict[tuple[str, str], Gate] = {
     # bf16 engine vs fp32 trainer: bf16 rounding, near-tie expert-routing flips and the greedy paths they change
     # (CPU healthy max over 60 syncs: mean 0.32, p90 0.40, mean |Δp| 0.029, max 6.2)
     ("cpu", "bfloat16"): Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05),
-    # CUDA fp32: the fused-MoE Triton matmuls run in TF32 (healthy max 0.007-0.49 measured on an H200)
+    # CUDA fp32: the fused-MoE Triton matmuls run in TF32. Measured on an H100 (vLLM 0.32, 20 healthy full syncs,
+    # benchmarks/verify_table.py): healthy max mean 0.017, p90 0.0079, mean |Δp| 0.0012; the faults the gate sees
+    # start at mean 0.56
     ("cuda", "float32"): Gate(mean_abs=0.1, p90_abs=0.3, mean_prob=0.02),
-    # CUDA bf16: as CPU bf16 (healthy max 0.05-1.9 measured on an H200)
-    ("cuda", "bfloat16"): Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05),
+    # CUDA bf16, H100, 60 healthy syncs (full/adapter/hybrid): mean <= 0.26, mean |Δp| <= 0.013, but p90 of one
+    # 36-token sample reached 0.98 once (a routing flip early in a greedy continuation moves every later token): p90
+    # is a loose backstop here, mean and mean |Δp| carry the gate; faults it sees start at mean 0.64, |Δp| 0.047
+    ("cuda", "bfloat16"): Gate(mean_abs=0.5, p90_abs=2.0, mean_prob=0.05),
 }
 """Per (device type, dtype). The exact content checks carry the fine-grained detection everywhere; this gate catches
 what fingerprints cannot see (a kernel fed the right tensor in the wrong layout, an unreadable module) and gross
 numeric faults. Override per call with ``gate=`` or process-wide with ``HWSYNC_VERIFY_GATE=mean,p90,prob[,max]``."""
-_LOOSEST = Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05)
+_LOOSEST = Gate(mean_abs=0.5, p90_abs=2.0, mean_prob=0.05)
 
 
 def parse_gate(text: str, var: str = "HWSYNC_VERIFY_GATE") -> Gate:

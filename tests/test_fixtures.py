@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -338,6 +339,12 @@ def test_vllm_serves_qwen3_5_moe(request: pytest.FixtureRequest, tiny_qwen3_5_mo
         request.applymarker(pytest.mark.xfail(
             strict=True, raises=type(err),
             reason=f"vLLM 0.32 cannot load Qwen3.5 without torchvision: {type(err).__name__}: {err}"))
+    elif not on_cpu() and importlib.util.find_spec("flashinfer") is None:
+        # measured on an H100 (vLLM 0.32, the device kit): the engine starts, the first forward's GDN layer imports
+        # flashinfer -> ModuleNotFoundError; the kit leaves flashinfer out (size), see ci/gpu-kit/README.md
+        request.applymarker(pytest.mark.xfail(
+            strict=True, raises=ModuleNotFoundError,
+            reason="vLLM 0.32's CUDA gated-delta-net (Qwen3.5 linear attention) kernels need flashinfer, not installed"))
     importlib.import_module("vllm.model_executor.models.qwen3_5")  # raises the root cause, not vLLM's summary
 
     from transformers import AutoModelForCausalLM

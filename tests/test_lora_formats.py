@@ -97,6 +97,49 @@ def test_extract_equals_peft_delta(peft_model) -> None:
         assert gu.rank == 2 and math.isclose(gu.scaling, 4 / math.sqrt(2))
 
 
+def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> None:
+    """The per-sync reader (resolved once) gives extract_peft_lora's folded tensors, bit for bit, and sees the
+    optimizer's in-place updates without a new walk; a module removed since is one clear error."""
+    from hwsync.errors import SyncError
+    from hwsync.lora_formats import PeftLoraReader
+
+    _, pm = peft_model
+    names = list(extract_peft_lora(pm).modules)
+    reader = PeftLoraReader(pm, "default", names)
+    for step in range(2):
+        want = [t for n in names for f in [extract_peft_lora(pm).modules[n].folded(torch.bfloat16)]
+                for t in (f.lora_A, f.lora_B)]
+        got = reader.read(torch.bfloat16)
+        assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_" in n:
+                    p.add_(0.01 * (step + 1))
+    layer = next(m for m in pm.modules() if isinstance(m, LoraLayer) and "default" in m.lora_A)
+    saved = layer.lora_A.pop("default")
+    try:
+        with pytest.raises(SyncError, match="lost module"):
+            reader.read(None)
+    finally:
+        layer.lora_A["default"] = saved
+    with pytest.raises(AdapterFormatError, match="no LoRA module"):
+        PeftLoraReader(pm, "default", [*names, "model.layers.9.self_attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_folding_rounds_once_in_one_kernel(dtype) -> None:
+    """folded() multiplies a 16-bit B in its own dtype (torch computes in fp32 and rounds once): the same bits as
+    the fp32 product rounded, on every device here."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        b = torch.randn(64, 96, device=device).to(dtype)
+        for scaling in (2.0, 0.7, 1 / 3, 4 / math.sqrt(2)):
+            m = LoraModule("x.weight", LoraKind.LINEAR, torch.randn(8, 96, device=device).to(dtype), b[:, :8],
+                           alpha=8.0, scaling=scaling)
+            want = (m.lora_B.float() * scaling).to(dtype)
+            assert torch.equal(m.folded(dtype).lora_B, want), (device, dtype, scaling)
+
+
 def test_saved_state_dict_equals_peft_delta(peft_model) -> None:
     _, pm = peft_model
     ad = from_peft_state_dict(get_peft_model_state_dict(pm), pm.peft_config["default"])

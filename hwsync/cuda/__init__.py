@@ -33,6 +33,6 @@ class CudaBackend(AcceleratorBackend):
         return f"torch has CUDA support but no GPU is visible{suffix}: check the driver with nvidia-smi"
 
     def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
-        from hwsync.cuda.link import NcclLink
+        from hwsync.cuda.link import open_cuda_link
 
-        return NcclLink(store, spec, rank, device)
+        return open_cuda_link(store, spec, rank, device)

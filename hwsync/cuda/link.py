@@ -8,7 +8,9 @@ not take the rollout engine with it): the receiver reports the timeout, marks th
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 import os
 from typing import Any
 
@@ -17,9 +19,36 @@ import torch.distributed as dist
 
 from hwsync.transport.base import LinkSpec
 
-__all__ = ["NcclLink"]
+__all__ = ["NcclLink", "peer_devices", "open_cuda_link"]
 
 _HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+logger = logging.getLogger("hwsync.transport")
+
+
+def peer_devices(store: Any, spec: LinkSpec, rank: int, ident: str) -> list[str]:
+    """Every rank's device identity (``ident`` of this one), exchanged through the group's store prefix."""
+    ps = dist.PrefixStore(spec.prefix + "devices/", store)
+    ps.set(str(rank), ident)
+    keys = [str(r) for r in range(spec.world_size)]
+    ps.wait(keys, datetime.timedelta(seconds=spec.timeout_s))
+    return [ps.get(k).decode() for k in keys]
+
+
+def open_cuda_link(store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Any:
+    """An NCCL link, unless two ranks of the group run on the same GPU (a trainer and a server-mode engine sharing
+    one device): NCCL refuses that ("invalid usage"), so every rank then agrees on a gloo link through host
+    memory instead -- correct, not fast; give the engine its own GPU for NCCL."""
+    from hwsync.cpu.link import GlooLink
+
+    ident = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+    devices = peer_devices(store, spec, rank, ident)
+    if len(set(devices)) < len(devices):
+        if rank == 0:
+            logger.warning("hwsync: the trainer and an engine worker share one GPU; NCCL cannot connect two "
+                           "processes on one device, so the data plane goes through host memory (gloo). Put the "
+                           "engine on its own GPU for NCCL speed.")
+        return GlooLink(store, dataclasses.replace(spec, prefix=spec.prefix + "gloo/"), rank)
+    return NcclLink(store, spec, rank, device)
 
 
 class _Pending:
