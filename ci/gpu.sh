@@ -3,7 +3,7 @@
 # every vLLM-marked module on CUDA (engine settings from hwsync.testing.engine_args: bf16 with LoRA, fp32 without),
 # the cuda/multigpu tests, the README's ms-swift GRPO job, the QLoRA tests and the sync benchmark.
 #
-#   bash ci/gpu.sh              # every part, in order (roughly 30-45 min on one H100: not measured yet)
+#   bash ci/gpu.sh              # every part, in order (~45-60 min on one H100, from the parts' times in ci/gpu-kit/README.md)
 #   bash ci/gpu.sh suite-a      # one part; each meant to fit one 10-minute device call (measured on an H100 so far: exact, bench, qlora; see ci/gpu-kit/README.md)
 #   bash ci/gpu.sh --list       # the parts and what they run
 #   bash ci/gpu.sh -j verify exact swift   # those parts at the same time on one GPU (each logs to gpu-<part>.log;
