@@ -5,6 +5,8 @@ reaches the store can guess where to join. Collectives run on NCCL's own stream 
 (so a bucket packed just before is complete), which lets the sender pack bucket b+1 while bucket b is on the wire.
 The NCCL watchdog is told not to tear the process down when a transfer times out (a trainer that dies mid-sync must
 not take the rollout engine with it): the receiver reports the timeout, marks the engine stale and closes the group.
+Ranks that share one GPU (a server-mode engine beside its trainer on a single-GPU machine) cannot form an NCCL group;
+:func:`open_cuda_link` sees that from the ranks' GPU UUIDs and forms a gloo group through host memory instead.
 """
 from __future__ import annotations
 
