@@ -70,7 +70,9 @@ def _signature(model: nn.Module) -> tuple[Any, ...]:
     parameter, or another adapter made active, re-plans."""
     from hwsync.gather import parameters
 
-    return repr(getattr(model, "active_adapter", None)), tuple((id(p), p.shape) for p in parameters(model))
+    active = getattr(model, "active_adapter", None)  # PEFT: a str (transformers' own mixin: a method, ignored)
+    active = tuple(active) if isinstance(active, (list, tuple)) else active if isinstance(active, str) else None
+    return active, tuple((id(p), p.shape) for p in parameters(model))
 
 
 _LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
