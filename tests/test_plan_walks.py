@@ -5,6 +5,7 @@ them are in test_sync_inplace / test_sync_strategies / test_sync_exact."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +55,20 @@ def test_strided_views_reproduce_the_gather(case: str) -> None:
     assert torch.equal(src.as_strided(tuple(gather.shape), view.strides, view.offset), flat[gather])
 
 
+def test_strided_reads_of_tensors_received_at_an_offset() -> None:
+    """Server mode hands the writer views into one received bucket: the strided read must count from the view, not
+    from the bucket's start (a bug caught by test_attacks: every in-place adapter rewrite fell back to vLLM's path)."""
+    from hwsync.vllm.lora_slots import SlotWriter, _View
+
+    bucket = torch.arange(100.0)
+    a, b = bucket[10:34].view(2, 3, 4), bucket[50:60].view(2, 5)
+    writer = SlotWriter(("a", "b"), 34, (), ())
+    read = writer._sources({"a": a, "b": b}, torch.empty(0))
+    got = read(_View(1, (1, 5), 0), (5, 2), None)
+    assert torch.equal(got, b.T)
+    assert torch.equal(read(_View(0, (1, 4, 12), 0), (4, 3, 2), None), a.permute(2, 1, 0))
+
+
 def test_gathers_that_are_not_views_keep_the_index() -> None:
     starts, sizes = [0, 24], [24, 10]
     across = torch.tensor([22, 23, 24, 25])  # two source tensors
@@ -90,3 +105,81 @@ def test_ranks_learn_whether_they_share_a_device() -> None:
             t.join(60)
         assert seen[0] == seen[1] == idents
         assert (len(set(seen[0])) < 2) is shared
+
+
+def _moe_lora_layer(cls: type, max_loras: int, e: int, r: int, h: int, i: int, three_d: bool) -> Any:
+    """vLLM's real MoE-LoRA layer class with its per-slot buffers, assembled on CPU without a GPU engine (vLLM's CPU
+    build never builds one): what ``create_lora_weights`` allocates, at tp=1, so its real ``set_lora`` runs here."""
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    layer.tp_size, layer.tp_rank, layer.fully_sharded, layer._base_model = 1, 0, False, "Qwen3MoeForCausalLM"
+    layer._w13_slices = 1 if three_d else 2
+    layer.adapter_enabled = torch.zeros(max_loras + 1, dtype=torch.int)
+    z = torch.zeros
+    if three_d:
+        layer.w13_lora_a_stacked = (z(max_loras, e, r, h),)
+        layer.w13_lora_b_stacked = (z(max_loras, e, 2 * i, r),)
+    else:
+        layer.w13_lora_a_stacked = (z(max_loras, e, r, h), z(max_loras, e, r, h))
+        layer.w13_lora_b_stacked = (z(max_loras, e, i, r), z(max_loras, e, i, r))
+    layer.w2_lora_a_stacked = (z(max_loras, e, r, i),)
+    layer.w2_lora_b_stacked = (z(max_loras, e, h, r),)
+    return layer
+
+
+@pytest.mark.parametrize("three_d", [False, True], ids=["2d", "3d"])
+def test_slot_blocks_reproduce_vllms_moe_set_lora(three_d: bool) -> None:
+    """The slot trace (:func:`hwsync.vllm.lora_slots._trace_blocks`) run on vLLM's own ``FusedMoEWithLoRA`` /
+    ``FusedMoE3DWithLoRA.set_lora`` (rank 4 adapter in rank-8 slots, slot 1 of 2): the traced blocks, read from new
+    adapter tensors, leave the slot exactly as vLLM's ``set_lora`` of the same tensors does."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.lora.layers.fused_moe import FusedMoE3DWithLoRA, FusedMoEWithLoRA
+
+    from hwsync.vllm.lora_slots import SlotWriter, _trace_blocks
+
+    e, r, max_r, h, i, slot = 4, 4, 8, 32, 16, 1
+    cls = FusedMoE3DWithLoRA if three_d else FusedMoEWithLoRA
+    # the trainer's wire tensors (keys) and how vLLM's construction hands them to set_lora (2-D: w1, w2, w3 lists;
+    # 3-D: w13, w2), built here as views -- what the adapter trace finds for PEFT's layout
+    shapes = {"gate_up.A": (e, r, h), "gate_up.B": (e, 2 * i, r), "down.A": (e, r, i), "down.B": (e, h, r)}
+    keys = list(shapes)
+    starts, sizes, offset = [], [], 0
+    for k in keys:
+        starts.append(offset)
+        sizes.append(int(torch.tensor(shapes[k]).prod()))
+        offset += sizes[-1]
+
+    def as_lora(t: dict[str, torch.Tensor]) -> Any:
+        if three_d:
+            a, b = [t["gate_up.A"], t["down.A"]], [t["gate_up.B"], t["down.B"]]
+        else:
+            a = [t["gate_up.A"], t["down.A"], t["gate_up.A"]]
+            b = [t["gate_up.B"][:, :i], t["down.B"], t["gate_up.B"][:, i:]]
+        return SimpleNamespace(lora_a=a, lora_b=b)
+
+    codes, start = {}, 1
+    for k in keys:
+        n = int(torch.tensor(shapes[k]).prod())
+        codes[k] = torch.arange(start, start + n, dtype=torch.float64).reshape(shapes[k])
+        start += n
+    live = _moe_lora_layer(cls, 2, e, max_r, h, i, three_d)
+    manager = SimpleNamespace(lora_index_to_id=[7, 111], modules={"m.experts": live})
+    blocks = _trace_blocks(manager, SimpleNamespace(loras={"m.experts": as_lora(codes)}), ["m.experts"], slot,
+                           starts, sizes)
+    assert not isinstance(blocks, str), blocks
+    assert all(torch.count_nonzero(t) == 0 for v in (live.w13_lora_a_stacked, live.w2_lora_b_stacked) for t in v)
+
+    torch.manual_seed(0)
+    writer = SlotWriter(tuple(keys), offset, (), ("m.experts",), slot, tuple(blocks))
+    reference = _moe_lora_layer(cls, 2, e, max_r, h, i, three_d)
+    for step in range(2):
+        new = {k: torch.randn(shapes[k]) for k in keys}
+        reference.set_lora(slot, **vars(as_lora(new)))
+        read = writer._sources(new, live.w2_lora_a_stacked[0])
+        for b in blocks:
+            writer._slot_block(manager, b, slot).copy_(read(b.view, b.shape, None))
+        for attr in ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked"):
+            for ours, theirs in zip(getattr(live, attr), getattr(reference, attr)):
+                assert torch.equal(ours, theirs), (step, attr)

@@ -402,7 +402,8 @@ class VllmApplier:
             installed = manager.get_adapter(lid)
             if installed is not None and getattr(installed, "_hwsync_signature", None) == signature:
                 writer.write(manager, installed, tensors)
-                self.last_lora_path = "adapter: rewritten in place"
+                self.last_lora_path = "adapter: rewritten in place" + (
+                    "; slots written directly" if writer.blocks else "; slots by vLLM's set_lora")
                 return name, lid
         try:
             if lid <= 0:
@@ -464,8 +465,18 @@ class VllmApplier:
         from hwsync.vllm.lora_slots import SlotWriter
 
         keys = list(tensors)
-        writer = SlotWriter.trace(manager, build, keys, [tuple(tensors[k].shape) for k in keys],
-                                  getattr(self.worker.model_runner, "device", torch.device("cpu")))
+        slot = manager.lora_index_to_id.index(installed.id) if installed.id in manager.lora_index_to_id else None
+        try:
+            writer = SlotWriter.trace(manager, build, keys, [tuple(tensors[k].shape) for k in keys],
+                                      getattr(self.worker.model_runner, "device", torch.device("cpu")), slot)
+        finally:
+            if slot is not None:
+                # the trace ran each layer's set_lora on stand-ins of the per-slot tensors it found; should a layer
+                # keep slot state elsewhere, the trace wrote there: vLLM's own set_lora puts the slot back
+                with torch.no_grad():
+                    for name, weights in installed.loras.items():
+                        if name in manager.modules:
+                            manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
         if isinstance(writer, str):
             logger.info("hwsync: adapter updates go through vLLM's adapter construction: %s", writer)
             return None
@@ -473,6 +484,9 @@ class VllmApplier:
             logger.warning("hwsync: the traced adapter layout does not reproduce vLLM's; adapter updates stay on "
                            "vLLM's construction path")
             return None
+        why = writer.check_blocks(manager, tensors)
+        if why:
+            logger.info("hwsync: adapter slots are rewritten by vLLM's set_lora: %s", why)
         return writer
 
     def drop_lora(self, lora_int_id: int) -> None:
