@@ -174,7 +174,8 @@ def sync(
     engine = as_engine(target)
     t0 = time.perf_counter()
     for attempt in range(2):
-        plan, planned, manifest = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt, signature)
+        plan, planned, manifest = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt,
+                                           signature)
         try:
             result = engine.send(manifest, plan.payload.produce, progress)
         except PlanChangedError:
@@ -250,7 +251,8 @@ def _sync_sharded(target: Any, model: nn.Module, request: Strategy, mb: float | 
         failure: BaseException | None = None
         if engine is not None and done is None:
             try:
-                state = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt, signature)
+                state = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt,
+                                 signature)
                 mine = state[0].payload.schedule
                 if mine is None:
                     raise SyncError("internal: a sharded model's payload has no gather schedule")

@@ -72,7 +72,7 @@ def _strided(index: Tensor, shape: tuple[int, ...], starts: Sequence[int], sizes
     strides = []
     for d, n in enumerate(shape):
         step = [0] * len(shape)
-        step[d] = 1 if n > 1 else 0
+        step[d] = 1
         strides.append(int(local[tuple(step)]) - offset if n > 1 else 0)
     expect = torch.full(shape, offset, dtype=torch.int64)
     for d, (n, st) in enumerate(zip(shape, strides)):
