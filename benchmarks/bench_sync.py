@@ -258,7 +258,8 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         print(f"{strategy}: {report.line()}")
         rows.append({"strategy": strategy, "tensors": report.tensors, "MB": report.bytes / 1e6,
                      "seconds": seconds, "GB/s": report.bytes / 1e9 / seconds, "copy_s": copy,
-                     "x_copy": seconds / copy, "of_which_cache_reset_s": reset, "vllm_path_s": vllm_seconds, "speedup_vs_vllm": vllm_seconds / seconds,
+                     "x_copy": seconds / copy, "of_which_cache_reset_s": reset, "vllm_path_s": vllm_seconds,
+                     "speedup_vs_vllm": vllm_seconds / seconds,
                      "Δ_vs_vllm_path": exact, "Δ_repeat_vllm": repeat, "Δ_vs_trainer": trainer_gap})
         hwsync.sync(llm, model, strategy=strategy)  # leave the engine on hwsync's own state for the next strategy
     return rows, served, llm

@@ -156,6 +156,11 @@ def server_env() -> dict[str, str]:
     return {"HWSYNC_SERVER": f"127.0.0.1:{free_port()}", "HWSYNC_TOKEN": secrets.token_hex(16)}
 
 
+def file_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a log ("" if it was never written)."""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
 @dataclass
 class JobResult:
     returncode: int
@@ -183,7 +188,7 @@ class JobResult:
         return load_file(str(files[-1]))
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return file_tail(self.log, lines)
 
     @property
     def summary(self) -> str:
@@ -285,9 +290,8 @@ def _wait_until_serving(server: subprocess.Popen, port: int, deadline: float | N
 
     while True:
         if server.poll() is not None:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
             raise RuntimeError(f"swift rollout exited ({server.returncode}) before serving; see {log}; its last "
-                               f"lines:\n{tail}")
+                               f"lines:\n{file_tail(log, 30)}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/", timeout=5) as reply:
                 if reply.status == 200:

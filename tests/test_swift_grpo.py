@@ -33,7 +33,7 @@ def run_main_job(tmp_path: Path, model: Path, *, gspo: bool = False, server: boo
                          rollout=job.rollout_args(model, port) if server else None, timeout_s=1200)
     if result.returncode != 0:
         rollout_log = out / "rollout.log"
-        extra = f"\nrollout log tail:\n{rollout_log.read_text()[-3000:]}" if rollout_log.exists() else ""
+        extra = f"\nrollout log tail:\n{job.file_tail(rollout_log, 40)}" if rollout_log.exists() else ""
         pytest.fail(f"swift exited {result.returncode}; log tail:\n{result.log_tail()}{extra}", pytrace=False)
     return result
 
