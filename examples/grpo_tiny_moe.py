@@ -84,9 +84,11 @@ def prepare(workdir: Path, seed: int = 0) -> tuple[Path, Path]:
     return model, data
 
 
-# the vLLM engine, as `swift rlhf` (colocate) and `swift rollout` (server) both take it
+# the vLLM engine, as `swift rlhf` (colocate) and `swift rollout` (server) both take it; on a GPU the engine may claim
+# half of it, or HWSYNC_EXAMPLE_GPU_UTIL of it (`ci/gpu.sh -j` runs several jobs side by side on one GPU)
 ENGINE_ARGS = [
-    "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256", "--vllm_gpu_memory_utilization", "0.5",
+    "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
+    "--vllm_gpu_memory_utilization", os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.5"),
     "--vllm_engine_kwargs", json.dumps({"num_gpu_blocks_override": 64}),
 ]
 def rollout_model_args() -> list[str]:
