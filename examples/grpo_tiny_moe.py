@@ -245,8 +245,10 @@ def run_job(args: list[str], output_dir: Path, *, env: dict[str, str] | None = N
             server = stack.enter_context(rollout_server(rollout, output_dir / "rollout.log", full_env, deadline))
             peak.watch(server.pid)
         with log.open("w") as out:
+            # torch.distributed's default port (29500) is taken when two jobs run side by side (seen on an H100)
+            trainer_env = {"MASTER_PORT": str(free_port()), **full_env}
             proc = subprocess.Popen([swift_exe(full_env), *args[1:]], stdout=out, stderr=subprocess.STDOUT,
-                                    env=full_env)
+                                    env=trainer_env)
             peak.watch(proc.pid)
             try:
                 rc = proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.perf_counter()))

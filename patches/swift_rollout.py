@@ -14,7 +14,9 @@ reference to the engine: ``--external_plugins`` are imported before the engine e
 with PyNccl, which vLLM's CPU build disables silently (no NCCL library): the trainer "syncs" and the engine keeps
 serving the old weights.
 
-The wrapper calls the original, then :func:`hwsync.swift._server.serve_rollout_engine` on the engine it returns,
+The wrapper keeps vLLM's engine core in the worker process (:func:`hwsync.swift._server.keep_engine_in_process`:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM's GPU default would otherwise not be), calls the original, then
+:func:`hwsync.swift._server.serve_rollout_engine` on the engine it returns,
 which starts :func:`hwsync.serve` when ``HWSYNC_SERVER`` is set (and does nothing otherwise). Installed by the
 hwsync ms-swift plugin (``hwsync.swift.install``) in the processes that import it; the probe says *not needed*
 unless ``HWSYNC_SERVER`` asks for hwsync's server.
@@ -104,9 +106,10 @@ class SwiftRolloutServePatch(Patch):
 
         @functools.wraps(build)
         def get_infer_engine(*args: Any, **kwargs: Any) -> Any:
-            engine = build(*args, **kwargs)
-            from hwsync.swift._server import serve_rollout_engine
+            from hwsync.swift._server import keep_engine_in_process, serve_rollout_engine
 
+            keep_engine_in_process()
+            engine = build(*args, **kwargs)
             serve_rollout_engine(engine)
             return engine
 

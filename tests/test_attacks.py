@@ -839,9 +839,13 @@ def _forge(base: Baseline, kind: str) -> bool:
 
     thread = threading.Thread(target=receive)
     thread.start()
-    from hwsync.cpu.link import GlooLink
+    from hwsync.transport.base import open_link
 
-    link = GlooLink(store, spec, 0)
+    # join as a trainer on this machine would (CUDA: the GPU identity exchange first, then NCCL -- or gloo, as here,
+    # when the engine shares the GPU): only the data key is missing
+    cpu = engine.describe().device_type == "cpu"
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    link = open_link(store, spec, 0, device)
     size = max(b.nbytes for b in manifest.buckets)
     tensors = list(plan.payload.produce())
     replay = None
@@ -874,7 +878,7 @@ def _forge(base: Baseline, kind: str) -> bool:
         head = _HEAD.pack(status, index, v) + tag
         buf[size: size + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         try:
-            link.broadcast(buf, 0).wait()
+            link.broadcast(buf.to(link.device), 0).wait()
         except Exception:  # noqa: BLE001 - the engine left the group
             break
         thread.join(timeout=0.5)
@@ -885,6 +889,37 @@ def _forge(base: Baseline, kind: str) -> bool:
     sock.close()
     err = result[0] if result else None
     return isinstance(err, SyncError)
+
+
+def test_a_peer_that_never_joins_the_data_plane_is_a_refused_sync(base: Baseline) -> None:
+    """The control channel said "go" but nobody joins the data-plane group (a trainer that died, or a client that
+    skips the GPU identity exchange): one SyncError after the link timeout, nothing applied, engine not stale."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hwsync.api import _plan
+    from hwsync.server.protocol import group_prefix
+    from hwsync.transport.base import LinkSpec
+    from hwsync.wire import Strategy
+
+    engine = hwsync.as_engine(base.llm)
+    before = engine.state()
+    plan = _plan(base.remote, base.model, Strategy.FULL, BUCKET_MB, None, None)
+    manifest = plan.manifest.with_version(before["version"] + 1, None)
+    sock = socket.create_server(("127.0.0.1", 0))
+    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.fileno(), use_libuv=True, timeout=datetime.timedelta(seconds=20))
+    spec = LinkSpec("127.0.0.1", store.port, group_prefix(b"\6" * 32), 2, 3.0)
+    try:
+        with engine.lock, pytest.raises(SyncError, match="could not join the trainer's data-plane group"):
+            engine.prepare(manifest)
+            engine.receive_remote(manifest, spec, 1, b"E" * 32, spec.prefix + "abort")
+    finally:
+        sock.close()
+    after = engine.state()
+    assert not after["stale"] and after["version"] == before["version"], after
+    record("nobody joins the data plane", refused=True, half=half_applied(base.llm, base.sig), attack=False)
 
 
 @pytest.mark.parametrize("kind", ["wrong key", "random tag", "forged abort", "out of step",

@@ -6,6 +6,7 @@ end; the test that ms-swift is untouched without the plugin runs in a fresh inte
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -224,3 +225,23 @@ def test_swift_rollout_serve_patch_only_when_server_mode_is_asked(plugin, monkey
         assert SwiftRolloutDeploy.__dict__["get_infer_engine"] is original
     finally:
         patch.probe(refresh=True)  # the cached probe must reflect this process's real environment again
+
+
+def test_served_rollout_engine_stays_in_the_worker_process(plugin, monkeypatch):
+    """vLLM's GPU default moves the engine core into a child process, out of hwsync's server's reach (seen on an
+    H100: swift rollout exited before serving); server mode keeps it in-process, and refuses an explicit 1."""
+    from hwsync.errors import UnsupportedSetupError
+    from hwsync.swift._server import keep_engine_in_process
+
+    monkeypatch.delenv("HWSYNC_SERVER", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    keep_engine_in_process()  # not server mode: vLLM's default stays
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    monkeypatch.setenv("HWSYNC_SERVER", "127.0.0.1:29555")
+    monkeypatch.setenv("HWSYNC_TOKEN", "t" * 32)
+    keep_engine_in_process()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(UnsupportedSetupError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1 moves vLLM's engine core"):
+        keep_engine_in_process()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"

@@ -123,3 +123,26 @@ def test_adapter_rewritten_in_place_equals_vllm_activation(llm: Any, tiny_qwen3_
     assert not different, (f"slot buffers differ from vLLM's activation in {different[:6]} (max |Δ| "
                            f"{max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in different):.3g})")
     assert ours_out == _logprobs(llm, reference.lora_request)
+
+
+def test_direct_off_applies_to_a_cached_plan(llm: Any, tiny_qwen3_moe_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HWSYNC_DIRECT=0`` set after the plan was made (and proven) still routes every write through vLLM's own
+    path: on an H100 the cached plan kept writing in place, so an injected post-processing failure never fired."""
+    base = _model(tiny_qwen3_moe_dir, lora=False)
+    for step in range(2):
+        perturb(base, 10 + step, base=True)
+        hwsync.sync(llm, base, strategy="full")
+    proven = hwsync.sync(llm, base, strategy="full")
+    model = _model(tiny_qwen3_moe_dir, lora=True)
+    for step in range(2):
+        perturb(model, 20 + step)
+        adapter = hwsync.sync(llm, model, strategy="adapter")
+    assert "adapter: rewritten in place" in adapter.path, adapter.path
+    monkeypatch.setenv("HWSYNC_DIRECT", "0")
+    perturb(base, 12, base=True)
+    off = hwsync.sync(llm, base, strategy="full")
+    assert "base: 0 in place" in off.path, (proven.path, off.path)
+    perturb(model, 22)
+    off = hwsync.sync(llm, model, strategy="adapter")
+    assert "adapter: built by vLLM" in off.path, off.path

@@ -20,11 +20,33 @@ from hwsync.swift._engine_view import LLMEngineView
 from hwsync.errors import UnsupportedSetupError
 from hwsync.swift._options import ENV, SwiftOptions
 
-__all__ = ["connect_to_rollout_engine", "guard_generation", "serve_rollout_engine"]
+__all__ = ["connect_to_rollout_engine", "guard_generation", "keep_engine_in_process", "serve_rollout_engine"]
 
 logger = get_logger()
 
 _servers: list[Any] = []  # the sync servers of this process (kept alive with it)
+
+
+_IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+def keep_engine_in_process() -> None:
+    """Before ``swift rollout`` builds its engine: keep vLLM's engine core in the rollout worker when hwsync serves it.
+
+    hwsync's server writes into the model of the process it runs in; vLLM (on GPUs, by default) would move the
+    engine core, and with it the model, into a child process out of reach. Unset -> set to 0 (logged); set to 1
+    -> one error before the engine is built."""
+    if SwiftOptions.from_env().server is None:
+        return
+    value = os.environ.get(_IN_PROCESS)
+    if value is None:
+        os.environ[_IN_PROCESS] = "0"
+        logger.info(f"hwsync: {_IN_PROCESS}=0 for swift rollout's engine (hwsync serves syncs into it in-process)")
+    elif value.strip() not in ("0", "false", "False"):
+        raise UnsupportedSetupError(
+            f"{ENV['server']} is set, so hwsync serves syncs into swift rollout's engine from its worker process, "
+            f"but {_IN_PROCESS}={value} moves vLLM's engine core (and the model) into a child process: unset "
+            f"{_IN_PROCESS} or set it to 0 for `swift rollout`")
 
 
 def serve_rollout_engine(engine: Any) -> Any:
@@ -38,7 +60,7 @@ def serve_rollout_engine(engine: Any) -> Any:
         raise UnsupportedSetupError(
             f"hwsync serves syncs into swift rollout's in-process LLMEngine, but this one is a "
             f"{type(llm_engine).__name__}: drop --vllm_use_async_engine, and run the engine in the rollout worker "
-            "(VLLM_ENABLE_V1_MULTIPROCESSING=0 on CPU)")
+            f"({_IN_PROCESS}=0)")
     dp_rank = int(os.environ.get("SWIFT_ROLLOUT_DP_RANK", "0") or 0)
     if dp_rank > 0:
         raise UnsupportedSetupError(

@@ -317,10 +317,11 @@ class VllmApplier:
         from hwsync.vllm.direct import Calibration, DirectWriter
 
         calibration = None
-        direct = plan.direct
+        enabled = _direct_enabled()  # read per sync: a cached plan must not outlive HWSYNC_DIRECT=0
+        direct = plan.direct if enabled else None
         if direct is not None:
             weights = direct.split(weights)
-        elif plan.eligible and not plan.calibrated:
+        elif enabled and plan.eligible and not plan.calibrated:
             calibration = Calibration(plan.names, plan.eligible, self._live(plan))
             weights = _observed(weights, calibration)
         try:
@@ -398,7 +399,7 @@ class VllmApplier:
         manager = lora_manager_of(self.worker)
         signature = _lora_signature(tensors, config)
         writer = self._slot_writers.get(signature)
-        if writer is not None and replaces == lid and lid in manager.lora_index_to_id:
+        if writer is not None and replaces == lid and lid in manager.lora_index_to_id and _direct_enabled():
             installed = manager.get_adapter(lid)
             if installed is not None and getattr(installed, "_hwsync_signature", None) == signature:
                 writer.write(manager, installed, tensors)

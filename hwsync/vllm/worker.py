@@ -110,7 +110,14 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
     from hwsync.transport.seal import Sealer
 
     m = _manifest(manifest)
-    link, store = _link(worker, spec, first_rank + rank(worker))
+    try:
+        link, store = _link(worker, spec, first_rank + rank(worker))
+    except Exception as e:  # noqa: BLE001 - a peer that never joins (or joins wrong) is a refused sync, not a crash
+        from hwsync.errors import SyncError
+
+        raise SyncError(f"could not join the trainer's data-plane group ({type(e).__name__}: {str(e)[:300]}); "
+                        "nothing was applied. Check that the trainer reaches the engine's data host/port and "
+                        "runs the same hwsync version") from e
 
     def abort_reason() -> str:
         try:
