@@ -7,7 +7,8 @@
 #   4. drop torchvision/torchaudio/torchcodec/triton: they are pulled in transitively, are built against
 #      other torch versions and break `import vllm`/`import transformers` on a CPU-only torch;
 #   5. hwsync itself, editable, with its test and lint extras;
-#   6. vllm-ascend's released source (the sdist, not installed) for the tests that run its code on CPU
+#   6. deepspeed (the ZeRO-3 trainer tests on CPU);
+#   7. vllm-ascend's released source (the sdist, not installed) for the tests that run its code on CPU
 #      (ci/fetch-vllm-ascend.sh).
 # Idempotent: a step whose pins are already satisfied is skipped, so a second run takes seconds.
 #
@@ -75,6 +76,12 @@ else
     "${PIP[@]}" -e ".[test,lint]" "$TORCH_PIN"
     echo "$want_stamp" > "$stamp"
 fi
+
+# DeepSpeed for the ZeRO-3 cases of tests/test_gather.py (CPU accelerator over gloo). DS_BUILD_OPS=0: no op is built
+# at install (its sdist builds in seconds); the one op the CPU accelerator needs is compiled at first use.
+DS_PIN="deepspeed==0.19.8"
+if satisfied "$DS_PIN"; then step "$DS_PIN: already installed"; else
+    step "installing $DS_PIN"; DS_BUILD_OPS=0 "${PIP[@]}" "$DS_PIN" "$TORCH_PIN"; fi
 
 step "vllm-ascend sdist for tests/test_vllm_ascend_released_code_on_cpu.py"
 HWSYNC_VENV="$VENV" HWSYNC_PYTHON="$PYTHON" bash "$REPO/ci/fetch-vllm-ascend.sh"

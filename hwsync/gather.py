@@ -43,8 +43,8 @@ SUPPORTED_LAYOUTS = {
         "single / DDP / ZeRO-1/2": "full parameters on every rank; each rank with an engine streams them",
         "FSDP2 (fully_shard, DTensor)": "gathered per bucket with DTensor.full_tensor(); all ranks call hwsync.sync "
                                         "(ranks without an engine pass None)",
-        "DeepSpeed ZeRO-3": "gathered per bucket with deepspeed.zero.GatheredParameters (not run in hwsync's CI: "
-                            "deepspeed is not installed there)",
+        "DeepSpeed ZeRO-3": "gathered per bucket with deepspeed.zero.GatheredParameters (CI: 2 gloo ranks on "
+                            "DeepSpeed's CPU accelerator, exact; not run on GPUs)",
         "FSDP1 (FullyShardedDataParallel)": "refused: flat parameters; use FSDP2 (fully_shard) or ZeRO-3",
         "DTensor tensor parallel / HSDP (Shard, Replicate placements)": "gathered like FSDP2 (full_tensor covers any "
                                                                         "Shard/Replicate placement); not tested",

@@ -1,11 +1,13 @@
-"""Sharded trainers on the CPU: FSDP2 (``fully_shard``) of a tiny PEFT MoE model on 2 gloo ranks.
+"""Sharded trainers on the CPU: FSDP2 (``fully_shard``) and DeepSpeed ZeRO-3 of a tiny PEFT MoE model on 2 gloo ranks.
 
 What each rank streams bucket by bucket (:mod:`hwsync.gather`) equals what the unsharded model streams (merged view
 included, bit for bit in fp32), an adapter sync gathers only LoRA parameters, the gathered bytes alive at once stay
 within 2 buckets and never reach the model's size, and ``hwsync.sync`` runs the collective protocol: rank 0 syncs
 into an engine handle, rank 1 passes ``None``; an abort on rank 0 reaches every rank without a hang.
 
-Two ranks are spawned once per module; every case runs on both and reports back, one pytest test per case.
+Two ranks are spawned once per sharding; every case runs on both and reports back, one pytest test per case.
+ZeRO-3 runs DeepSpeed's CPU accelerator over gloo (``deepspeed.initialize`` with stage 3, every parameter
+partitioned); its first start compiles DeepSpeed's small shared-memory op with the system C++ compiler (~1 min).
 The engine here is ``make_recorder()``, an :class:`hwsync.engine.Engine` that keeps what it receives: these tests are
 about the trainer side; the vLLM side of a sharded sync is the 2-GPU test (tests/test_multigpu_fsdp_tp.py).
 """
@@ -44,7 +46,15 @@ def tiny_peft() -> Any:
     return get_peft_model(model, cfg)
 
 
-def shard(model: Any) -> Any:
+def shard(model: Any, how: str = "fsdp2") -> Any:
+    if how == "zero3":
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  # every parameter partitioned (DeepSpeed keeps small ones whole by default)
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        return engine.module
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -56,11 +66,12 @@ def shard(model: Any) -> Any:
 
 
 def step(model: Any, k: int) -> None:
-    """A deterministic "optimizer step" on the LoRA factors (in place, shard-local under FSDP2)."""
+    """A deterministic "optimizer step" on the LoRA factors (in place, shard-local under FSDP2 and ZeRO-3, whose
+    shard is ``ds_tensor``: a ZeRO-3 parameter's own data is empty outside a gather)."""
     with torch.no_grad():
         for n, p in model.named_parameters():
             if ".lora_" in n:
-                p.mul_(1.0 + 0.01 * k).add_(0.001 * k)
+                getattr(p, "ds_tensor", p).mul_(1.0 + 0.01 * k).add_(0.001 * k)
 
 
 def info(**kw: Any) -> Any:
@@ -259,17 +270,23 @@ def case_refusals(ref: Any, sharded: Any, rank: int) -> dict[str, Any]:
     return out
 
 
-def child(rank: int, port: int, out_dir: str) -> None:
+def child(rank: int, port: int, out_dir: str, how: str) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
+    if how == "zero3":
+        import deepspeed
+
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        deepspeed.init_distributed(dist_backend="gloo")  # takes over the group above
     results: dict[str, Any] = {}
     try:
         ref = tiny_peft()
-        sharded = shard(copy.deepcopy(ref))
+        sharded = shard(copy.deepcopy(ref), how)
         for case in CASES:
             try:
                 if case == "full":
@@ -279,7 +296,7 @@ def child(rank: int, port: int, out_dir: str) -> None:
                 elif case == "adapter_steady":
                     res = compare(ref, sharded, "adapter", steady=True)
                 elif case == "sync":
-                    res = case_sync(copy.deepcopy(ref), shard(copy.deepcopy(ref)), rank)
+                    res = case_sync(copy.deepcopy(ref), shard(copy.deepcopy(ref), how), rank)
                 elif case == "abort":
                     res = case_abort(ref, sharded, rank)
                 else:
@@ -301,14 +318,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+@pytest.fixture(scope="module", params=["fsdp2", "zero3"])
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     pytest.importorskip("peft")
     import torch.multiprocessing as mp
 
-    out = tmp_path_factory.mktemp("gather")
+    how = request.param
+    if how == "zero3" and not os.environ.get("CI"):
+        pytest.importorskip("deepspeed")  # CI installs it (ci/install.sh): a missing deepspeed fails there
+    out = tmp_path_factory.mktemp(f"gather-{how}")
     try:
-        mp.start_processes(child, args=(_free_port(), str(out)), nprocs=WORLD, join=True, start_method="spawn")
+        mp.start_processes(child, args=(_free_port(), str(out), how), nprocs=WORLD, join=True, start_method="spawn")
     except Exception as e:  # noqa: BLE001 - the per-case results say which case failed
         print(f"ranks failed: {e}")
     got = []
