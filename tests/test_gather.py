@@ -278,6 +278,7 @@ def child(rank: int, port: int, out_dir: str, how: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     if how == "zero3":
+        os.environ["DS_ACCELERATOR"] = "cpu"  # these ranks are CPU/gloo ranks, also on a machine with GPUs
         import deepspeed
 
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
