@@ -42,7 +42,7 @@ def keep_engine_in_process() -> None:
     if value is None:
         os.environ[_IN_PROCESS] = "0"
         logger.info(f"hwsync: {_IN_PROCESS}=0 for swift rollout's engine (hwsync serves syncs into it in-process)")
-    elif value.strip() not in ("0", "false", "False"):
+    elif value.strip() != "0":  # vLLM reads it as bool(int(value))
         raise UnsupportedSetupError(
             f"{ENV['server']} is set, so hwsync serves syncs into swift rollout's engine from its worker process, "
             f"but {_IN_PROCESS}={value} moves vLLM's engine core (and the model) into a child process: unset "
