@@ -798,16 +798,25 @@ def test_third_process_on_the_data_plane(base: Baseline, mode: str) -> None:
     base.restore()
 
 
-def _forge(base: Baseline, kind: str) -> bool:
-    """Be rank 0 of the engine's data-plane group (as if the rendezvous had been won) without the data key, and send
-    buckets of the manifest's shapes. True when the engine refused before any loader saw them."""
+def _data_plane(tag: bytes, timeout_s: float) -> tuple[socket.socket, Any, Any]:
+    """A store of our own and a 2-rank data-plane spec on it (the trainer's side of a sync, without the trainer)."""
     import datetime
 
     import torch.distributed as dist
 
-    from hwsync.api import _plan
     from hwsync.server.protocol import group_prefix
     from hwsync.transport.base import LinkSpec
+
+    sock = socket.create_server(("127.0.0.1", 0))
+    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                          master_listen_fd=sock.fileno(), use_libuv=True, timeout=datetime.timedelta(seconds=20))
+    return sock, store, LinkSpec("127.0.0.1", store.port, group_prefix(tag * 32), 2, timeout_s)
+
+
+def _forge(base: Baseline, kind: str) -> bool:
+    """Be rank 0 of the engine's data-plane group (as if the rendezvous had been won) without the data key, and send
+    buckets of the manifest's shapes. True when the engine refused before any loader saw them."""
+    from hwsync.api import _plan
     from hwsync.transport.buckets import TRAILER_BYTES, _HEAD
     from hwsync.transport.seal import Sealer
     from hwsync.wire import Strategy
@@ -821,10 +830,7 @@ def _forge(base: Baseline, kind: str) -> bool:
     plan = _plan(base.remote, evil, Strategy.FULL, BUCKET_MB, None, None)
     version = engine.state()["version"] + 1
     manifest = plan.manifest.with_version(version, None)
-    sock = socket.create_server(("127.0.0.1", 0))
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.fileno(), use_libuv=True, timeout=datetime.timedelta(seconds=20))
-    spec = LinkSpec("127.0.0.1", store.port, group_prefix(b"\7" * 32), 2, 5.0)
+    sock, store, spec = _data_plane(b"\7", 5.0)
     engine_key, attacker_key = b"E" * 32, b"A" * 32
     result: list[BaseException | None] = []
 
@@ -894,23 +900,14 @@ def _forge(base: Baseline, kind: str) -> bool:
 def test_a_peer_that_never_joins_the_data_plane_is_a_refused_sync(base: Baseline) -> None:
     """The control channel said "go" but nobody joins the data-plane group (a trainer that died, or a client that
     skips the GPU identity exchange): one SyncError after the link timeout, nothing applied, engine not stale."""
-    import datetime
-
-    import torch.distributed as dist
-
     from hwsync.api import _plan
-    from hwsync.server.protocol import group_prefix
-    from hwsync.transport.base import LinkSpec
     from hwsync.wire import Strategy
 
     engine = hwsync.as_engine(base.llm)
     before = engine.state()
     plan = _plan(base.remote, base.model, Strategy.FULL, BUCKET_MB, None, None)
     manifest = plan.manifest.with_version(before["version"] + 1, None)
-    sock = socket.create_server(("127.0.0.1", 0))
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.fileno(), use_libuv=True, timeout=datetime.timedelta(seconds=20))
-    spec = LinkSpec("127.0.0.1", store.port, group_prefix(b"\6" * 32), 2, 3.0)
+    sock, store, spec = _data_plane(b"\6", 3.0)
     try:
         with engine.lock, pytest.raises(SyncError, match="could not join the trainer's data-plane group"):
             engine.prepare(manifest)
