@@ -21,7 +21,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HWSYNC_PYTEST="${HWSYNC_PYTEST:-pytest}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora multigpu bench verify)
+PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora multigpu multigpu-z3 bench verify)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -31,7 +31,8 @@ declare -A MODULES=(
     [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
     [qlora]="tests/test_qlora.py"
     [verify]="tests/test_verify_faults.py tests/test_verify_faults_bf16.py"
-    [multigpu]="tests/test_multigpu_fsdp_tp.py"
+    [multigpu]="tests/test_multigpu_fsdp_tp.py tests/test_server_tp.py"
+    [multigpu-z3]="tests/test_multigpu_fsdp_tp.py"
 )
 declare -A ABOUT=(
     [unit-a]="the first half (by name) of every module no other part names: backend, broadcast (cuda/multigpu), doctor, layouts, LoRA formats, merged view, names, ..."
@@ -39,12 +40,13 @@ declare -A ABOUT=(
     [suite-a]="${MODULES[suite-a]}"
     [suite-b]="${MODULES[suite-b]} (20 syncs per strategy, faults, versions)"
     [exact]="${MODULES[exact]} (every strategy x MoE-LoRA format, 10 syncs each, == vLLM's own loading)"
-    [server]="${MODULES[server]} (engine in another process)"
+    [server]="${MODULES[server]} (engine in another process; on GPU 1 when there are 2: NCCL data plane)"
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
-    [multigpu]="${MODULES[multigpu]} (2 GPUs: FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; skipped on fewer GPUs)"
-    [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile (every strategy, exactness vs vLLM own loading)"
+    [multigpu]="${MODULES[multigpu]} (2 GPUs: an FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; server mode into a TP=2 engine; skipped on fewer GPUs)"
+    [multigpu-z3]="${MODULES[multigpu-z3]} -k zero3 (2 GPUs: the same with a DeepSpeed ZeRO-3 trainer; skipped on fewer GPUs)"
+    [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile [--server with 2 GPUs] (every strategy, exactness vs vLLM own loading; server mode vs the colocated engine)"
     [verify]="${MODULES[verify]} (no false alarm over 20 syncs per strategy, every injected fault caught), benchmarks/verify_table.py (healthy max vs faulty min per check, bf16 + fp32)"
 )
 
@@ -57,10 +59,11 @@ unit_modules() {  # $1 = a|b: that half (by name) of the test modules no other p
     if [ "$1" = a ]; then echo "${out[*]:0:$half}"; else echo "${out[*]:$half}"; fi
 }
 
-run_modules() {  # $1: space-separated module paths
+run_modules() {  # $1: space-separated module paths; the rest: pytest arguments
     local mods
     read -r -a mods <<<"$1"
-    "$PY" ci/run_tests.py --modules="$(IFS=,; echo "${mods[*]}")"
+    shift
+    "$PY" ci/run_tests.py --modules="$(IFS=,; echo "${mods[*]}")" "$@"
 }
 
 run_part() {
@@ -72,17 +75,23 @@ run_part() {
         swift)
             "$PY" examples/grpo_tiny_moe.py --steps 4 --workdir "${TMPDIR:-/tmp}/hwsync-grpo-gpu" || rc=$?
             run_modules "${MODULES[swift]}" || rc=$? ;;
-        multigpu)
+        multigpu|multigpu-z3)
             local gpus
             gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
             if [ "${gpus:-0}" -lt 2 ]; then
                 # skipped, not failed: `bash ci/gpu.sh` (every part) runs on one GPU too; the module itself fails on
                 # a machine that has the GPUs
-                echo "ci/gpu.sh multigpu: SKIPPED: needs 2 GPUs, this machine has ${gpus:-0} (run it on nvidia-h200-x2)"
+                echo "ci/gpu.sh $part: SKIPPED: needs 2 GPUs, this machine has ${gpus:-0} (run it on nvidia-h200-x2)"
+            elif [ "$part" = multigpu ]; then
+                run_modules "${MODULES[multigpu]}" -k "not zero3" || rc=$?
             else
-                run_modules "${MODULES[multigpu]}" || rc=$?
+                run_modules "${MODULES[multigpu-z3]}" -k zero3 || rc=$?
             fi ;;
-        bench) "$PY" benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
+        bench)
+            local server=()
+            # server mode (engine on GPU 1, trainer on GPU 0, NCCL data plane) where a second GPU exists
+            [ "$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)" -ge 2 ] && server=(--server)
+            "$PY" benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile "${server[@]}" ${OUT:+--json "$OUT/bench_sync.json"} || rc=$? ;;
         verify)
             run_modules "${MODULES[verify]}" || rc=$?
             "$PY" benchmarks/verify_table.py ${OUT:+--json "$OUT/verify_table.json"} || rc=$? ;;
@@ -106,9 +115,16 @@ if [ "$jobs" = 1 ]; then  # each part in its own process and log; this process p
     logs="${OUT:-${TMPDIR:-/tmp}/hwsync-gpu-logs}"
     mkdir -p "$logs"
     pids=()
+    ngpu=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+    spread=0
     for p in "${selected[@]}"; do
-        # the main job's engine takes 0.15 of the GPU instead of 0.5, as the tests' engines do
-        HWSYNC_GPU_LOG=0 HWSYNC_EXAMPLE_GPU_UTIL=0.15 bash "${BASH_SOURCE[0]}" "$p" >"$logs/gpu-$p.log" 2>&1 &
+        # the main job's engine takes 0.15 of the GPU instead of 0.5, as the tests' engines do. With several GPUs,
+        # parts that use one GPU go round-robin over them (multigpu*, server and bench use two and see every GPU)
+        gpu_env=()
+        if [ "${ngpu:-0}" -ge 2 ] && [[ " multigpu multigpu-z3 server bench " != *" $p "* ]]; then
+            gpu_env=(CUDA_VISIBLE_DEVICES=$((spread % ngpu))); spread=$((spread + 1))
+        fi
+        env "${gpu_env[@]}" HWSYNC_GPU_LOG=0 HWSYNC_EXAMPLE_GPU_UTIL=0.15 bash "${BASH_SOURCE[0]}" "$p" >"$logs/gpu-$p.log" 2>&1 &
         pids+=($!)
         sleep 20  # engines start one after another: each start checks the GPU's free memory
     done

@@ -1,6 +1,7 @@
 """Server mode: the engine in its own process (``hwsync.serve``), the trainer here (``hwsync.connect``).
 
-Control over a token-authenticated ``TCPStore``, tensors over a gloo group. The engine process loads hwsync through
+Control over a token-authenticated ``TCPStore``, tensors over the backend's data plane (gloo on CPU and on one GPU;
+NCCL with 2 GPUs, where the engine gets GPU 1). The engine process loads hwsync through
 vLLM's plugin entry point (``VLLM_PLUGINS=hwsync``), as a ``vllm serve`` deployment would. Engine settings per
 platform come from ``hwsync.testing.engine_args``; "the engine serves these weights" is
 ``hwsync.testing.assert_serves`` (engine == trainer within 1e-4 on the CPU build, engine == vLLM's own loading of the
@@ -8,12 +9,9 @@ same weights within 1e-6 elsewhere).
 """
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import textwrap
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,8 @@ import torch
 
 import hwsync
 from hwsync.errors import StaleEngineError, SyncError
-from hwsync.testing import EngineReference, assert_serves, require_vllm, vllm_env
+from hwsync.testing import EngineReference, assert_serves, require_vllm
+from hwsync.testing.served import served_engine
 from hwsync.testing.trainer import lora_trainer, perturb
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -34,17 +33,6 @@ TOKEN = "correct horse battery staple"
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ATOL = 1e-4
 ENGINE_ARGS = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
-
-ENGINE = textwrap.dedent("""
-    import json, sys
-    import hwsync
-    from hwsync.testing import make_llm
-    llm = make_llm(sys.argv[1], worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **json.loads(sys.argv[4]))
-    with hwsync.serve(llm, "127.0.0.1:0", sys.argv[2], timeout_s=120) as server:
-        print("HWSYNC_ADDRESS", server.address, flush=True)
-        server.wait(timeout=float(sys.argv[3]))
-    print("HWSYNC_BYE", flush=True)
-""")
 
 DYING_TRAINER = textwrap.dedent("""
     import os, sys, torch
@@ -65,30 +53,11 @@ DYING_TRAINER = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def server(tiny_qwen3_moe_dir: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     require_vllm()
-    env = {**os.environ, **vllm_env(plugins=("hwsync",)), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(tiny_qwen3_moe_dir), TOKEN, "600",
-                             json.dumps(ENGINE_ARGS)], env=env, stdout=subprocess.PIPE, text=True)
-    address = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("HWSYNC_ADDRESS"):
-            address = line.split()[1]
-            break
-    if address is None:
-        proc.kill()
-        pytest.fail(f"engine process exited ({proc.wait()}) before serving")
-    # keep draining the engine's stdout (vLLM logs there): a full pipe would block the engine mid-sync
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    try:
-        yield address, proc
-    finally:
-        if proc.poll() is None:
-            try:
-                hwsync.connect(address, TOKEN, timeout_s=30).shutdown()
-                proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001
-                proc.kill()
-                proc.wait()
+    # with 2 GPUs the engine gets its own (the trainer stays on GPU 0): the data plane is then NCCL between GPUs;
+    # on one GPU it is the gloo fallback of the CUDA link, on CPU gloo
+    env = {"CUDA_VISIBLE_DEVICES": "1"} if torch.cuda.device_count() >= 2 else {}
+    with served_engine(tiny_qwen3_moe_dir, TOKEN, ENGINE_ARGS, env=env) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -227,6 +227,7 @@ def _serve(conn: Any, threads: int) -> None:
     from hwsync.testing.engine import close_llm, make_llm
 
     vllm_plugin.register()  # what VLLM_PLUGINS=hwsync does: e.g. MoE + enable_lora on vLLM's CPU build
+    os.environ["VLLM_PLUGINS"] = "hwsync"  # ... and in the engine's worker processes (mp executor, TP > 1)
     llm, key = None, None
     while True:
         msg = conn.recv()

@@ -26,7 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROMPTS", "STRATEGIES", "run", "check", "run_and_check"]
+__all__ = ["PROMPTS", "STRATEGIES", "TRAINERS", "run", "check", "run_and_check"]
 
 WORLD = 2
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99], [11, 400, 23]]
@@ -65,7 +65,19 @@ def _trainer(path: str, device: Any, cuda: bool) -> Any:
         return get_peft_model(model, cfg).eval()
 
 
-def _shard(model: Any, device_type: str) -> Any:
+TRAINERS = ("fsdp2", "zero3")
+
+
+def _shard(model: Any, device_type: str, trainer: str = "fsdp2") -> Any:
+    """``fsdp2``: ``fully_shard`` per decoder layer and the root; ``zero3``: DeepSpeed stage 3 with every parameter
+    partitioned (its default keeps small ones whole), no optimizer (the scenario steps the shards itself)."""
+    if trainer == "zero3":
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        return engine.module
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -77,18 +89,20 @@ def _shard(model: Any, device_type: str) -> Any:
 
 
 def _perturb(model: Any, k: int, *, base: bool) -> None:
-    """The same deterministic change on the sharded and the unsharded copy (elementwise: shard-local)."""
+    """The same deterministic change on the sharded and the unsharded copy (elementwise: shard-local; a ZeRO-3
+    parameter's shard is its ``ds_tensor``, its own data is empty outside a gather)."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
+            p = getattr(p, "ds_tensor", p)
             if "lora_" in name:
                 p.mul_(1.0 + 0.05 * (k + 1)).add_(0.002 * (k + 1))
             elif base:
                 p.mul_(1.0 + 0.001 * (k + 1))
 
 
-def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool) -> None:
+def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -108,6 +122,12 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool) -> None:
         torch.set_num_threads(1)
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=900))
+    if trainer == "zero3":
+        if not cuda:
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # takes over the group above
     results: dict[str, Any] = {"syncs": []}
     out = Path(work) / f"rank{rank}.json"
     try:
@@ -119,7 +139,7 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool) -> None:
 
         vllm_plugin.register()
         ref = _trainer(model_dir, device, cuda)  # unsharded copy: the weights the reference engine loads
-        sharded = _shard(copy.deepcopy(ref), device.type)
+        sharded = _shard(copy.deepcopy(ref), device.type, trainer)
         llm = make_llm(model_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension",
                        distributed_executor_backend="external_launcher", **engine_kwargs(cuda))
         largest = max(gather.global_nbytes(p) for p in sharded.parameters())
@@ -173,8 +193,11 @@ def _remove_cpu_shm(since: float) -> None:
             pass
 
 
-def run(work: Path, model_dir: Path, *, cuda: bool) -> list[dict[str, Any]]:
-    """Spawn the 2 ranks; their results (per rank: ``ok``, ``syncs`` or ``error``)."""
+def run(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2") -> list[dict[str, Any]]:
+    """Spawn the 2 ranks (``trainer``: ``fsdp2`` or ``zero3``); their results (per rank: ``ok``, ``syncs`` or
+    ``error``)."""
+    if trainer not in TRAINERS:
+        raise ValueError(f"trainer={trainer!r}: one of {TRAINERS}")
     import torch.multiprocessing as mp
 
     import time
@@ -183,7 +206,7 @@ def run(work: Path, model_dir: Path, *, cuda: bool) -> list[dict[str, Any]]:
     port = _free_port()
     start = time.time()
     try:
-        mp.start_processes(_child, args=(port, str(model_dir), str(work), cuda), nprocs=WORLD, join=True,
+        mp.start_processes(_child, args=(port, str(model_dir), str(work), cuda, trainer), nprocs=WORLD, join=True,
                            start_method="spawn")
     except Exception as e:  # noqa: BLE001 - the per-rank results carry the traceback
         error = e
@@ -201,21 +224,13 @@ def run(work: Path, model_dir: Path, *, cuda: bool) -> list[dict[str, Any]]:
 
 
 class _ReferenceEnv:
-    """The reference engine's process must not see torchrun-style variables (it is its own world), and its vLLM
-    worker processes load hwsync's plugin (``VLLM_PLUGINS=hwsync``: e.g. the CPU build's MoE + LoRA patch, which the
-    synced engine's workers -- the trainer processes -- registered themselves)."""
+    """The reference engine's process must not see torchrun-style variables (it is its own world)."""
 
     def __enter__(self) -> None:
         self.saved = {k: os.environ.pop(k) for k in _LAUNCH_ENV if k in os.environ}
-        self.plugins = os.environ.get("VLLM_PLUGINS")
-        os.environ["VLLM_PLUGINS"] = "hwsync"
 
     def __exit__(self, *exc: object) -> None:
         os.environ.update(self.saved)
-        if self.plugins is None:
-            os.environ.pop("VLLM_PLUGINS", None)
-        else:
-            os.environ["VLLM_PLUGINS"] = self.plugins
 
 
 def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]:
@@ -239,16 +254,16 @@ def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]
     return diffs
 
 
-def run_and_check(work: Path, model_dir: Path, *, cuda: bool) -> list[float]:
+def run_and_check(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2") -> list[float]:
     """The whole scenario with its assertions (the CPU and the 2-GPU test share it): every rank ran every sync, both
     workers of the one engine answered alike, gathered bytes stayed within 2 buckets, the adapter steady state sent
     LoRA only, and each sync equals a fresh TP=2 engine within ``EXACT_ATOL``. Returns the per-sync |Δ logprob|."""
     from hwsync.testing import EXACT_ATOL
 
-    results = run(work, model_dir, cuda=cuda)
+    results = run(work, model_dir, cuda=cuda, trainer=trainer)
     for r, res in enumerate(results):
         for entry in res.get("syncs", []):
-            print(f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in entry.items() if k not in ("got",)))
+            print(f"{trainer} rank {r}: " + ", ".join(f"{k}={v}" for k, v in entry.items() if k not in ("got",)))
         assert res.get("ok"), f"rank {r}:\n{res.get('error')}"
     syncs = results[0]["syncs"]
     assert [s["strategy"] for s in syncs] == STRATEGIES
