@@ -6,10 +6,13 @@ Modules that each build and destroy engines therefore interfere when they share 
 pytest process, later modules see "pipeline model parallel group is not initialized" or an engine built without the
 patch an earlier module removed. One interpreter per module is what a user's program (one trainer, one engine) is.
 
-    python ci/run_tests.py [--modules=tests/a.py,tests/b.py] [pytest args...]   # e.g. -k sync, -m "not slow", -x
+    python ci/run_tests.py [--modules=tests/a.py,tests/b.py] [--jobs=N] [pytest args...]   # e.g. -k sync, -x
 
-``--modules`` runs only those modules (in that order). ``HWSYNC_PYTEST`` replaces the pytest command
-(default ``<this python> -m pytest``; the GPU job uses ``pytest``, see ci/gpu.sh).
+``--modules`` runs only those modules (in that order). ``--jobs`` (or ``HWSYNC_TEST_JOBS``; default: 2 where the
+machine has 2 or more cores) runs that many modules side by side: most modules are one engine and one trainer on one
+thread, so CI's 2 cores take two at once. Modules in :data:`ALONE` (2-rank scenarios: two processes of their own,
+and timing they assert on) run with nothing beside them. ``HWSYNC_PYTEST`` replaces the pytest command (default
+``<this python> -m pytest``; the GPU job uses ``pytest`` and one job, see ci/gpu.sh).
 """
 from __future__ import annotations
 
@@ -19,9 +22,13 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# 2-rank scenarios (each rank a process that also drives an engine worker): alone, first
+ALONE = ("tests/test_fsdp_tp_cpu.py", "tests/test_server_tp.py", "tests/test_gather.py",
+         "tests/test_multigpu_fsdp_tp.py")
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
 
@@ -31,16 +38,22 @@ def main(argv: list[str]) -> int:
     if only:
         argv = [a for a in argv if not a.startswith("--modules=")]
         modules = [m for a in only for m in a.split("=", 1)[1].split(",") if m]
+    jobs = [a for a in argv if a.startswith("--jobs=")]
+    argv = [a for a in argv if not a.startswith("--jobs=")]
+    n_jobs = int(jobs[-1].split("=", 1)[1] if jobs else os.environ.get("HWSYNC_TEST_JOBS")
+                 or (2 if (os.cpu_count() or 1) >= 2 else 1))
     pytest_cmd = shlex.split(os.environ.get("HWSYNC_PYTEST", "")) or [sys.executable, "-m", "pytest"]
     totals: dict[str, int] = {}
     failed_modules: list[str] = []
     start = time.monotonic()
-    for module in modules:
+
+    def run(module: str) -> tuple[str, float, subprocess.CompletedProcess[str]]:
         t0 = time.monotonic()
-        proc = subprocess.run(
-            [*pytest_cmd, "-q", "-p", "no:cacheprovider", "-rfE", module, *argv],
-            cwd=ROOT, capture_output=True, text=True,
-        )
+        proc = subprocess.run([*pytest_cmd, "-q", "-p", "no:cacheprovider", "-rfE", module, *argv],
+                              cwd=ROOT, capture_output=True, text=True)
+        return module, time.monotonic() - t0, proc
+
+    def report(module: str, seconds: float, proc: subprocess.CompletedProcess[str]) -> None:
         out = proc.stdout + proc.stderr
         tail = [ln for ln in out.splitlines() if COUNTS.search(ln)]
         summary = tail[-1].strip("= ") if tail else "no summary"
@@ -48,10 +61,24 @@ def main(argv: list[str]) -> int:
             kind = "errors" if kind.startswith("error") else kind
             totals[kind] = totals.get(kind, 0) + int(n)
         ok = proc.returncode == 0 or (proc.returncode == 5 and "deselected" in summary)
-        print(f"{'ok  ' if ok else 'FAIL'} {module:<48} {time.monotonic() - t0:6.1f}s  {summary}", flush=True)
+        print(f"{'ok  ' if ok else 'FAIL'} {module:<48} {seconds:6.1f}s  {summary}", flush=True)
         if not ok:
             failed_modules.append(module)
             print(out[-6000:], flush=True)
+
+    # the 2-rank scenarios first, each alone; then the rest, n_jobs at a time, in name order
+    queue = [m for m in modules if m in ALONE] + [m for m in modules if m not in ALONE] if n_jobs > 1 else list(modules)
+    running: dict[Future[tuple[str, float, subprocess.CompletedProcess[str]]], str] = {}
+    with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
+        while queue or running:
+            while queue and len(running) < n_jobs:
+                if running and (queue[0] in ALONE or any(m in ALONE for m in running.values())):
+                    break
+                running[pool.submit(run, queue[0])] = queue.pop(0)
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                running.pop(f)
+                report(*f.result())
     print(f"\nmodules: {len(modules)}, failed: {failed_modules or 'none'}; {time.monotonic() - start:.0f}s")
     passed, failed = totals.get("passed", 0), totals.get("failed", 0) + totals.get("errors", 0)
     extra = f", {totals['skipped']} skipped" if totals.get("skipped") else ""

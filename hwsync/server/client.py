@@ -193,13 +193,12 @@ class RemoteEngine(Engine):
                 link = self._link[1] if self._link is not None else open_link(store, spec, 0,
                                                                              self._device(self._device_type))
                 self._link = (group_id, link)
+                # the reason is in the store before the ABORT reaches any engine worker: every worker reports it
                 send_buckets(manifest, bucket_lists(manifest, produce, progress), link,
-                             pool_of(self._owner, link.device), Sealer(data_key))
+                             pool_of(self._owner, link.device), Sealer(data_key),
+                             on_abort=lambda e: publish_abort(store, spec, e))
             except BaseException as e:
-                try:
-                    store.set(spec.prefix + "abort", f"{type(e).__name__}: {e}"[:2000])
-                except Exception:  # noqa: BLE001
-                    pass
+                publish_abort(store, spec, e)  # a failure before the stream (e.g. joining the link) too
                 results = self._collect()
                 self._drop_link()
                 if isinstance(results, BaseException):
@@ -229,3 +228,13 @@ def connect(address: str | Sequence[str], token: str, *, timeout_s: float = DEFA
     engines reach this trainer on for the data plane (default: the one this process reaches the first engine from).
     """
     return RemoteEngine(address, token, timeout_s=timeout_s, data_host=data_host)
+
+
+def publish_abort(store: Any, spec: LinkSpec, error: BaseException) -> None:
+    """Why the trainer aborted, where the engine workers look for it (first reason wins)."""
+    try:
+        key = spec.prefix + "abort"
+        if not store.check([key]):
+            store.set(key, f"{type(error).__name__}: {error}"[:2000])
+    except Exception:  # noqa: BLE001 - the reason is a courtesy; the abort itself is what counts
+        pass

@@ -106,8 +106,10 @@ def _write_trailer(buf: Tensor, size: int, status: int, index: int, version: int
     _trailer(buf, size).copy_(data, non_blocking=False)
 
 
-def send_buckets(manifest: Manifest, lists: BucketLists, link: Link, pool: _Pool, sealer: Sealer) -> None:
-    """Sender side: pack and broadcast every bucket (rank 0 of ``link``); on a failure, send ``ABORT`` and raise."""
+def send_buckets(manifest: Manifest, lists: BucketLists, link: Link, pool: _Pool, sealer: Sealer,
+                 on_abort: Callable[[BaseException], None] | None = None) -> None:
+    """Sender side: pack and broadcast every bucket (rank 0 of ``link``); on a failure, send ``ABORT`` and raise.
+    ``on_abort(error)`` runs before the ``ABORT`` goes out (e.g. to publish the reason the receivers then read)."""
     size = max((b.nbytes for b in manifest.buckets), default=0)
     inflight: list[tuple[Tensor, Transfer]] = []
     for bucket in manifest.buckets:
@@ -119,7 +121,12 @@ def send_buckets(manifest: Manifest, lists: BucketLists, link: Link, pool: _Pool
             pack(buf, bucket.offsets, tensors, [s.dtype for s in specs])
             tag = sealer.seal(buf[: bucket.nbytes], bucket.index, manifest.version)
             _write_trailer(buf, size, _OK, bucket.index, manifest.version, tag)
-        except BaseException:
+        except BaseException as e:
+            if on_abort is not None:
+                try:
+                    on_abort(e)
+                except Exception:  # noqa: BLE001 - the reason is a courtesy; the abort itself must go out
+                    pass
             _write_trailer(buf, size, _ABORT, bucket.index, manifest.version,
                            sealer.seal(buf[:0], -1 - bucket.index, manifest.version))  # an abort is sealed too
             link.broadcast(buf[: size + TRAILER_BYTES], 0).wait()

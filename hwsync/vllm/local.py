@@ -16,7 +16,7 @@ from torch import Tensor
 
 from hwsync.capabilities import check_vllm_supported
 from hwsync.engine import Engine, ProgressFn
-from hwsync.errors import SyncError
+from hwsync.errors import SyncError, from_wire
 from hwsync.transport.base import LinkSpec
 from hwsync.transport.buckets import bucket_lists
 from hwsync.vllm import worker
@@ -44,8 +44,14 @@ class LocalEngine(Engine):
         return executor is not None and hasattr(executor, "driver_worker")
 
     def rpc_all(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """``fn(worker, *args)`` on every worker (functions of :mod:`hwsync.vllm.worker`), results in rank order."""
-        return list(self.llm.collective_rpc(fn, args=args))
+        """``fn(worker, *args)`` on every worker (functions of :mod:`hwsync.vllm.worker`), results in rank order.
+        Every worker answers before anything is raised (:func:`hwsync.vllm.worker.answered`); then the first
+        failure in rank order is raised, with its hwsync error type."""
+        replies = list(self.llm.collective_rpc(worker.answered, args=(self.in_process, fn, *args)))
+        for status, value in replies:
+            if status != "ok":
+                raise value if isinstance(value, BaseException) else from_wire(value)
+        return [value for _, value in replies]
 
     def rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self.rpc_all(fn, *args)[0]

@@ -17,13 +17,35 @@ from torch import Tensor
 from hwsync.receiver import Receiver
 from hwsync.wire import Manifest
 
-__all__ = ["check_servable", "describe", "prepare", "rank", "receive", "receive_remote", "receiver_of", "state"]
+__all__ = ["answered", "check_servable", "describe", "prepare", "rank", "receive", "receive_remote", "receiver_of",
+           "state"]
 
 
 def _worker(obj: Any) -> Any:
     """The worker itself, also when vLLM hands its ``WorkerWrapperBase`` (in-process callables)."""
     inner = obj.__dict__.get("worker") if hasattr(obj, "__dict__") else None
     return inner if inner is not None else obj
+
+
+def answered(worker: Any, local: bool, fn: Any, *args: Any) -> tuple[str, Any]:
+    """``fn(worker, *args)`` as ``("ok", result)`` or ``("error", error)``: a worker always answers.
+
+    vLLM's multiprocess executor raises at the first failed reply and leaves the other workers' replies in their
+    queues, where the next ``collective_rpc`` reads them as its own (seen on a TP=2 engine: a failed sync's leftover
+    error answered the next ``state()``). ``local``: this is the caller's process (the exception object itself goes
+    back); otherwise it travels as :func:`hwsync.errors.to_wire` data, which keeps hwsync's error types."""
+    try:
+        return "ok", fn(worker, *args)
+    except Exception as e:  # noqa: BLE001 - re-raised by the caller (hwsync.vllm.local.LocalEngine.rpc_all)
+        if local:
+            return "error", e
+        import logging
+
+        from hwsync.errors import to_wire
+
+        logging.getLogger("hwsync.worker").debug("hwsync: %s failed on worker rank %d", getattr(fn, "__name__", fn),
+                                                 rank(worker), exc_info=True)
+        return "error", to_wire(e)
 
 
 def receiver_of(worker: Any) -> Receiver:
