@@ -74,7 +74,8 @@ def main(argv: list[str]) -> int:
             while queue and len(running) < n_jobs:
                 if running and (queue[0] in ALONE or any(m in ALONE for m in running.values())):
                     break
-                running[pool.submit(run, queue[0])] = queue.pop(0)
+                module = queue.pop(0)
+                running[pool.submit(run, module)] = module
             done, _ = wait(running, return_when=FIRST_COMPLETED)
             for f in done:
                 running.pop(f)

@@ -279,3 +279,44 @@ def test_vllm_plugin_entry_point_and_patch_selection() -> None:
     names = vllm_plugin.engine_patches()
     assert "vllm_cpu_moe_lora" in names  # needed before an engine is built
     assert "vllm_cpu_moe_prepack" not in names  # held by the receiver around its own reloads only
+
+
+def test_nccl_transfer_past_its_deadline_aborts_the_group() -> None:
+    """A peer that dies mid-collective leaves NCCL's kernel spinning: the link's wait polls against its deadline,
+    aborts the communicator and raises instead of hanging the engine (the CUDA link's logic, on a never-finishing
+    stand-in for NCCL's work object; the real path ran in tests/test_sync_server.py on 2 GPUs)."""
+    import time
+
+    from hwsync.cuda.link import NcclLink, _Pending
+
+    class Stuck:
+        waited = False
+
+        def is_completed(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            self.waited = True
+
+    class Group:
+        aborted = 0
+
+        def abort(self) -> None:
+            self.aborted += 1
+
+    link = NcclLink.__new__(NcclLink)  # no process group: only the deadline logic is under test
+    link.timeout_s, link.pg = 0.2, Group()
+    group = link.pg
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="aborted"):
+        _Pending(Stuck(), link).wait()
+    assert 0.2 <= time.monotonic() - t0 < 5
+    assert group.aborted == 1 and link.pg is None  # the communicator is aborted, the link closed
+
+    class Done(Stuck):
+        def is_completed(self) -> bool:
+            return True
+
+    done = Done()
+    _Pending(done, link).wait()
+    assert done.waited  # a finished collective still orders the current stream after it

@@ -4,7 +4,8 @@ The group is formed through the engine's control store under a prefix derived fr
 reaches the store can guess where to join. Collectives run on NCCL's own stream after the caller's current stream
 (so a bucket packed just before is complete), which lets the sender pack bucket b+1 while bucket b is on the wire.
 The NCCL watchdog is told not to tear the process down when a transfer times out (a trainer that dies mid-sync must
-not take the rollout engine with it): the receiver reports the timeout, marks the engine stale and closes the group.
+not take the rollout engine with it); instead each wait polls against the link's deadline and aborts the communicator
+past it (:class:`_Pending`), so the receiver reports the timeout, marks the engine stale and forms a fresh group next.
 Ranks that share one GPU (a server-mode engine beside its trainer on a single-GPU machine) cannot form an NCCL group;
 :func:`open_cuda_link` sees that from the ranks' GPU UUIDs and forms a gloo group through host memory instead.
 """
@@ -14,6 +15,7 @@ import dataclasses
 import datetime
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -54,11 +56,27 @@ def open_cuda_link(store: Any, spec: LinkSpec, rank: int, device: torch.device) 
 
 
 class _Pending:
-    def __init__(self, work: Any) -> None:
+    """An NCCL collective in flight. :meth:`wait` orders the current stream after it, but first polls it from the host
+    against the link's deadline: a peer that died mid-sync leaves the collective spinning on the GPU forever (the
+    stream, and every host read of a received buffer, would hang with it), and NCCL's own timeout only logs with the
+    watchdog's teardown turned off. Past the deadline the communicator is aborted (which frees the GPU) and the wait
+    raises, so the receiver reports the timeout, turns stale and keeps serving its other requests."""
+
+    def __init__(self, work: Any, link: NcclLink) -> None:
         self.work = work
+        self.link = link
 
     def wait(self) -> None:
-        self.work.wait()  # NCCL: the current stream waits for the collective; the host does not block
+        deadline = time.monotonic() + self.link.timeout_s
+        pause = 0.0
+        while not self.work.is_completed():
+            if time.monotonic() > deadline:
+                self.link.close()
+                raise TimeoutError(f"NCCL transfer not completed after {self.link.timeout_s:g} s (the peer is gone "
+                                   "or stalled); the data-plane group was aborted")
+            time.sleep(pause)
+            pause = min(0.001, pause + 0.00005)  # spin first: a bucket usually lands within microseconds
+        self.work.wait()
 
 
 class NcclLink:
@@ -68,6 +86,7 @@ class NcclLink:
         self.rank = rank
         self.world_size = spec.world_size
         self.device = torch.device(device)
+        self.timeout_s = float(spec.timeout_s)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
         saved = os.environ.get(_HANDLING)
@@ -86,7 +105,7 @@ class NcclLink:
         opts.rootRank = src
         opts.rootTensor = 0
         with torch.cuda.device(self.device):
-            return _Pending(self.pg.broadcast([tensor], opts))
+            return _Pending(self.pg.broadcast([tensor], opts), self)
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
