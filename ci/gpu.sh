@@ -19,6 +19,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 export CI=true HWSYNC_BACKEND=cuda
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # no NVLink multicast
 export HWSYNC_PYTEST="${HWSYNC_PYTEST:-pytest}" HWSYNC_TEST_JOBS="${HWSYNC_TEST_JOBS:-1}"  # parts share GPUs already (-j)
+# a module that hangs is killed (with its engines) before the device call ends, and shows which tests finished
+export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 PY="${PYTHON:-python3}"
 
 PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora multigpu multigpu-z3 bench verify)

@@ -12,13 +12,15 @@ patch an earlier module removed. One interpreter per module is what a user's pro
 machine has 2 or more cores) runs that many modules side by side: most modules are one engine and one trainer on one
 thread, so CI's 2 cores take two at once. Modules in :data:`ALONE` (2-rank scenarios: two processes of their own,
 and timing they assert on) run with nothing beside them. ``HWSYNC_PYTEST`` replaces the pytest command (default
-``<this python> -m pytest``; the GPU job uses ``pytest`` and one job, see ci/gpu.sh).
+``<this python> -m pytest``; the GPU job uses ``pytest`` and one job, see ci/gpu.sh). ``HWSYNC_MODULE_TIMEOUT``
+(seconds) kills a module that runs longer (with its child processes) and prints what it had done.
 """
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -47,11 +49,23 @@ def main(argv: list[str]) -> int:
     failed_modules: list[str] = []
     start = time.monotonic()
 
+    limit = float(os.environ.get("HWSYNC_MODULE_TIMEOUT") or 0) or None
+
     def run(module: str) -> tuple[str, float, subprocess.CompletedProcess[str]]:
         t0 = time.monotonic()
-        proc = subprocess.run([*pytest_cmd, "-q", "-p", "no:cacheprovider", "-rfE", module, *argv],
-                              cwd=ROOT, capture_output=True, text=True)
-        return module, time.monotonic() - t0, proc
+        # with a time limit, -v: a module cut off still shows which of its tests finished
+        cmd = [*pytest_cmd, "-q", "-p", "no:cacheprovider", "-rfE", *(["-v"] if limit else []), module, *argv]
+        with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) as p:
+            try:
+                out, _ = p.communicate(timeout=limit)
+                code = p.returncode
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)  # the module's engines and ranks too
+                out, _ = p.communicate()
+                out += f"\n{module}: killed after {limit:g} s (HWSYNC_MODULE_TIMEOUT): 1 failed"
+                code = 124
+        return module, time.monotonic() - t0, subprocess.CompletedProcess(cmd, code, out, "")
 
     def report(module: str, seconds: float, proc: subprocess.CompletedProcess[str]) -> None:
         out = proc.stdout + proc.stderr

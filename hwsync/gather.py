@@ -36,28 +36,33 @@ from torch import Tensor, nn
 from hwsync.errors import SyncError, UnsupportedSetupError
 
 __all__ = ["Layout", "layout", "is_sharded", "full", "read", "global_shape", "placeholders", "gathered", "plan_groups",
-           "GatherStats", "stats", "run_groups", "collective", "SUPPORTED_LAYOUTS"]
+           "GatherStats", "stats", "run_groups", "collective", "rank0_value", "SUPPORTED_LAYOUTS"]
 
 SUPPORTED_LAYOUTS = {
     "trainer": {
         "single / DDP / ZeRO-1/2": "full parameters on every rank; each rank with an engine streams them",
         "FSDP2 (fully_shard, DTensor)": "gathered per bucket with DTensor.full_tensor(); all ranks call hwsync.sync "
-                                        "(ranks without an engine pass None)",
-        "DeepSpeed ZeRO-3": "gathered per bucket with deepspeed.zero.GatheredParameters (CI: 2 gloo ranks on "
-                            "DeepSpeed's CPU accelerator, exact; not run on GPUs)",
+                                        "(ranks without an engine pass None); run on 2 gloo ranks (CI) and 2 GPUs",
+        "DeepSpeed ZeRO-3": "gathered per bucket with deepspeed.zero.GatheredParameters; run on 2 gloo ranks (CI, "
+                            "DeepSpeed's CPU accelerator) and on 2 GPUs into a TP=2 engine",
         "FSDP1 (FullyShardedDataParallel)": "refused: flat parameters; use FSDP2 (fully_shard) or ZeRO-3",
         "DTensor tensor parallel / HSDP (Shard, Replicate placements)": "gathered like FSDP2 (full_tensor covers any "
                                                                         "Shard/Replicate placement); not tested",
         "Megatron-style TP/EP (plain tensors holding shards)": "not readable: the shard shapes do not match the "
                                                                "engine's checkpoint shapes and the manifest check "
                                                                "refuses them before anything is written",
+        "hwsync.verify from a sharded trainer": "every rank calls it with the same prompts (its trainer forward and "
+                                                "content gathers are collective); ms-swift colocate wires it, "
+                                                "server mode refuses it by name",
     },
     "engine": {
         "colocate, TP=1": "one in-process worker per trainer rank (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
         "colocate, TP>1 (external_launcher)": "each trainer rank feeds its own in-process worker the full tensors; "
-                                              "vLLM's loaders / hwsync.layouts slice its TP shard",
-        "server, TP>=1 / several engines": "hwsync.serve in the engine process, every worker joins the data plane; "
-                                           "one hwsync.connect per engine",
+                                              "vLLM's loaders / hwsync.layouts slice its TP shard (run: TP=2 on CPU "
+                                              "and on 2 GPUs); verify: logprob gate only (workers hold shards)",
+        "server, TP>=1 / several engines": "hwsync.serve in the engine process, every worker joins the data plane "
+                                           "(run: TP=2 on CPU and on 2 GPUs); one hwsync.connect for several "
+                                           "engines (not run); swift rollout: one engine (data parallel refused)",
     },
 }
 
@@ -335,3 +340,15 @@ def exchange(obj: Any) -> list[Any]:
 def drain(it: Iterable[Any]) -> None:
     for _ in it:
         pass
+
+
+def rank0_value(value: Any) -> Any:
+    """``value`` as rank 0 of the default process group has it, on every rank (a collective: every rank calls it);
+    ``value`` itself without an initialized group of more than one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box: list[Any] = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

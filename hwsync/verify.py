@@ -298,7 +298,9 @@ def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[
     return out
 
 
-def _content_checks(engine: Any, model: nn.Module, seed: int) -> tuple[list[Check], list[str]]:
+def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tuple[list[Check], list[str]]:
+    """The exact checks. Every early return depends only on what every rank of a sharded trainer sees alike (the
+    plan, the engine kind, its worker count), so either all ranks gather the reference tensors or none does."""
     from hwsync.wire import Strategy
 
     plan = last_plan(engine, model)
@@ -307,6 +309,8 @@ def _content_checks(engine: Any, model: nn.Module, seed: int) -> tuple[list[Chec
     fp = getattr(engine, "fingerprints", None)
     if fp is None:
         return [], [f"content: {type(engine).__name__} cannot read fingerprints back (logprob gate only)"]
+    if info.workers > 1:  # each worker holds a TP shard, the trainer's fingerprints cover whole tensors
+        return [], [f"content: the engine runs {info.workers} workers (tensor parallel shards): logprob gate only"]
     request, lora_req, want, dtypes = _expected(engine, model, plan, seed)
     got = fp(request)
     if got is None:
@@ -399,11 +403,11 @@ def check(
     engine = as_engine(target)
     checks: list[Check] = []
     skipped: list[str] = []
+    info = engine.describe()
     if content:
-        got, why = _content_checks(engine, model, seed)
+        got, why = _content_checks(engine, model, seed, info)
         checks += got
         skipped += why
-    info = engine.describe()
     g = gate or gate_for(info.device_type, info.dtype)
     a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4,
                   batch=batch)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 WORLD = 2
-CASES = ("full", "adapter_first", "adapter_steady", "sync", "abort", "refusals")
+CASES = ("full", "adapter_first", "adapter_steady", "sync", "abort", "refusals", "rank0_value")
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
@@ -300,6 +300,10 @@ def child(rank: int, port: int, out_dir: str, how: str) -> None:
                     res = case_sync(copy.deepcopy(ref), shard(copy.deepcopy(ref), how), rank)
                 elif case == "abort":
                     res = case_abort(ref, sharded, rank)
+                elif case == "rank0_value":  # the swift plugin's check prompts: rank 0's on every rank
+                    from hwsync.gather import rank0_value
+
+                    res = {"got": rank0_value([[1, 2, 3], [4, 5]] if rank == 0 else [[9, 9]])}
                 else:
                     res = case_refusals(ref, sharded, rank)
                 results[case] = {"ok": True, **res}
@@ -395,3 +399,9 @@ def test_refusals(results: list[dict[str, Any]]) -> None:
         assert "not sharded" in res["none_unsharded"]
         assert "without being gathered" in res["ungathered"]
         assert "FSDP1" in res["fsdp1"] and "fully_shard" in res["fsdp1"]
+
+
+def test_rank0_value_is_rank_zeros_everywhere(results: list[dict[str, Any]]) -> None:
+    """The swift plugin's check prompts: every rank scores rank 0's (one TP engine's ranks generate alike; a sharded
+    forward runs on every rank at once)."""
+    assert [r["got"] for r in _case(results, "rank0_value")] == [[[1, 2, 3], [4, 5]]] * 2

@@ -103,20 +103,23 @@ ZERO3 = {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
 def test_grpo_colocate_deepspeed_zero3(tmp_path, tiny_qwen3_moe_dir):
     """The README job with a DeepSpeed ZeRO-3 trainer (`--deepspeed <stage-3 config>`, one rank): the plugin syncs
     from the partitioned parameters (gathered bucket by bucket), and the engine samples from the trained policy.
-    hwsync.verify is off: its content check reads the trainer's weights unsharded (the plugin refuses verify with a
-    sharded trainer and names HWSYNC_VERIFY_EVERY=0); the rollout check (engine vs trainer on the sampled tokens)
-    stays on."""
+    hwsync.verify runs after every sync from the sharded trainer: its content checks gather the reference tensors
+    bucket by bucket like the sync, its trainer forward runs under ZeRO-3; the rollout check (engine vs trainer on
+    the sampled tokens) too."""
     config = tmp_path / "zero3.json"
     config.write_text(json.dumps(ZERO3))
     data = job.write_dataset(tmp_path / "arith.jsonl")
     out = tmp_path / "zero3"
     extra = ["--deepspeed", str(config)] + ([] if job._has_gpu() else ["--fp16", "false", "--bf16", "false"])
     result = job.run_job(job.swift_args(tiny_qwen3_moe_dir, data, out, steps=STEPS, extra=extra), out,
-                         env={"HWSYNC_STRATEGY": "auto", "HWSYNC_VERIFY_EVERY": "0"}, timeout_s=1200)
+                         env={"HWSYNC_STRATEGY": "auto", "HWSYNC_VERIFY_EVERY": "1"}, timeout_s=1200)
     assert result.returncode == 0, result.log_tail(60)
     syncs, steps = result.syncs, result.steps
     assert len(steps) == STEPS and len(syncs) == STEPS, (len(steps), len(syncs))
     assert all("sharded trainer" in s["reason"] for s in syncs), syncs
+    checked = [s for s in syncs if s["verify_ok"] is not None]  # the first sync precedes the first rollout's prompts
+    assert len(checked) >= STEPS - 1 and all(s["verify_ok"] for s in checked), checked
+    assert not any(s["verify_skipped"] for s in checked), checked  # the content checks ran, not only the gate
     assert {s["strategy"] for s in syncs} == ({"adapter"} if _moe_lora() else {"hybrid"}), syncs
     assert all(s["bytes"] < syncs[0]["bytes"] for s in syncs[1:]), syncs
     assert all(s["rollout_max_abs_dlogp"] is not None for s in steps), steps

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -124,11 +125,10 @@ def _setup(**over):
 
 
 @pytest.mark.parametrize("over,strategy,match", [
-    ({"_is_fsdp2": True}, "auto", "FSDP"),
+    ({"_is_fsdp2": True, "vllm_mode": "server"}, "auto", "server mode"),
     ({"sleep_level": 2}, "auto", "sleep_level 2"),
     ({"rollout_enable_lora": False}, "hybrid", "--vllm_enable_lora true"),
     ({"rollout_enable_lora": False}, "adapter", "--vllm_enable_lora true"),
-    ({"vllm_tensor_parallel_size": 2}, "auto", "--vllm_tensor_parallel_size 1"),
 ])
 def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
     from hwsync.errors import HwsyncError
@@ -143,17 +143,18 @@ def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
 
 @pytest.mark.parametrize("over", [{"_is_fsdp2": True, "is_fsdp_enabled": True}, {"vllm_tensor_parallel_size": 2},
                                   {"_is_fsdp2": True, "is_fsdp_enabled": True, "vllm_tensor_parallel_size": 2}])
-def test_trainer_takes_sharded_and_tp_setups_without_the_check(plugin, over):
-    """FSDP2 and colocated TP engines sync (hwsync.gather, the worker keeps its shard); only the logprob check is
-    not wired for them, and the refusal says so."""
+def test_trainer_takes_sharded_and_tp_setups_with_the_check(plugin, over):
+    """Colocate: FSDP2 and TP engines sync (hwsync.gather, the worker keeps its shard) and are checked after the
+    sync (every rank scores rank 0's prompts). Server mode with a sharded trainer: the check is refused, by name."""
     from hwsync.errors import HwsyncError
     from hwsync.swift._trainer import HwsyncGRPOTrainer
 
     checked = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy="auto"))
-    with pytest.raises(HwsyncError, match="HWSYNC_VERIFY_EVERY=0"):
-        HwsyncGRPOTrainer._hwsync_check_setup(checked)
-    unchecked = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy="auto", verify_every=0))
-    HwsyncGRPOTrainer._hwsync_check_setup(unchecked)
+    HwsyncGRPOTrainer._hwsync_check_setup(checked)
+    if over.get("_is_fsdp2"):
+        served = SimpleNamespace(**_setup(**over, vllm_mode="server"), hwsync_options=plugin.SwiftOptions())
+        with pytest.raises(HwsyncError, match="HWSYNC_VERIFY_EVERY=0"):
+            HwsyncGRPOTrainer._hwsync_check_setup(served)
     fsdp1 = SimpleNamespace(**_setup(is_fsdp_enabled=True), hwsync_options=plugin.SwiftOptions(verify_every=0))
     with pytest.raises(HwsyncError, match="FSDP1"):
         HwsyncGRPOTrainer._hwsync_check_setup(fsdp1)

@@ -67,11 +67,12 @@ class HwsyncGRPOTrainer(GRPOTrainer):
             raise UnsupportedSetupError(
                 "FSDP1 (flat parameters) is not read by hwsync: use FSDP2 (fsdp_version 2: hwsync gathers its "
                 "DTensor parameters bucket by bucket), DeepSpeed ZeRO-3, or DDP / ZeRO-1/2")
-        if _sharded(self) and self.hwsync_options.verify_every:
+        if _sharded(self) and self.hwsync_options.verify_every and self.vllm_mode == "server":
             raise UnsupportedSetupError(
-                f"FSDP2 / DeepSpeed ZeRO-3 with hwsync's logprob check: the check runs the trainer's forward on one "
-                f"rank's prompts, and a sharded forward needs every rank on the same prompts (not wired yet). Set "
-                f"{verify}=0 (the sync itself gathers bucket by bucket on every rank), or train with DDP / ZeRO-1/2")
+                f"FSDP2 / DeepSpeed ZeRO-3 in server mode with hwsync's check after the sync: only rank 0 talks to "
+                f"the engine, but the check's trainer forward (and its content gathers) need every rank (not wired "
+                f"for server mode; colocate mode runs it). Set {verify}=0 (the sync itself gathers bucket by bucket "
+                f"on every rank), or use colocate mode")
         if args.sleep_level == 2:
             raise UnsupportedSetupError(
                 "--sleep_level 2 makes vLLM discard its weights behind hwsync's back (hwsync sends base weights once "
@@ -82,12 +83,6 @@ class HwsyncGRPOTrainer(GRPOTrainer):
                 "--vllm_enable_lora true (and --tuner_type lora), or use HWSYNC_STRATEGY=auto/full")
         if self.vllm_mode == "server":
             self.hwsync_options.server_credentials()  # both HWSYNC_SERVER and HWSYNC_TOKEN, or a clear error
-        elif self.vllm_tensor_parallel_size > 1 and self.hwsync_options.verify_every:
-            raise UnsupportedSetupError(
-                "colocated engines sharded across ranks (--vllm_tensor_parallel_size > 1) sync (every rank feeds its "
-                "own worker the full tensors; the worker keeps its TP shard), but hwsync's logprob check would send "
-                f"different prompts to the ranks of one engine (not wired yet): set {verify}=0, or use "
-                "--vllm_tensor_parallel_size 1 (one engine per rank) or server mode (swift rollout with TP)")
 
     def _hwsync_engine(self) -> Any:
         """The sync target: ms-swift's in-process vLLM engine (colocate) or hwsync's server in ``swift rollout``."""
@@ -189,8 +184,16 @@ class HwsyncGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ observe
     def _fast_infer(self, samples: list[Any]) -> list[Any]:
         if self._hwsync_probe is None:
-            self._hwsync_probe = self._hwsync_prompt_ids(samples)
+            self._hwsync_probe = self._same_on_every_rank(self._hwsync_prompt_ids(samples))
         return super()._fast_infer(samples)
+
+    def _same_on_every_rank(self, probe: list[list[int]]) -> list[list[int]]:
+        """Rank 0's check prompts on every rank (colocate: every rank calls this at its first rollout). The ranks of
+        one tensor-parallel engine must generate the same prompts, and a sharded trainer's forward (FSDP2 / ZeRO-3)
+        runs on every rank at once, so each rank's check must score as many prompts as the others."""
+        from hwsync.gather import rank0_value
+
+        return probe if self.vllm_mode != "colocate" else list(rank0_value(probe))
 
     def _hwsync_prompt_ids(self, samples: list[Any]) -> list[list[int]]:
         """Token ids of the first distinct prompts, as the chat template renders them for generation."""

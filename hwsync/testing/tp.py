@@ -134,6 +134,7 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
         import hwsync
         from hwsync import gather, vllm_plugin
         from hwsync.api import as_engine
+        from hwsync.verify import check as verify_check
         from hwsync.testing.engine import make_llm
         from hwsync.testing.reference import write_adapter, write_checkpoint
 
@@ -150,12 +151,18 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
             gather.stats.reset()
             report = hwsync.sync(llm, sharded, strategy=strategy, bucket_mb=BUCKET_MB)
             got = as_engine(llm).logprobs(PROMPTS, 4)  # SPMD: both ranks generate the same prompts
+            # hwsync.verify from the sharded trainer: both ranks at once (the sharded forward is collective; the
+            # ranks of the one engine generate the same prompts); content checks skip a TP engine, the gate runs
+            verdict = verify_check(llm, sharded, PROMPTS)
             entry: dict[str, Any] = {"strategy": report.strategy, "reason": report.reason,
                                      "base_tensors": report.base_tensors, "lora_tensors": report.lora_tensors,
                                      "mb": report.bytes / 1e6, "buckets": report.buckets,
                                      "seconds": round(report.seconds, 3),
                                      "peak_gathered_mb": gather.stats.peak / 1e6,
-                                     "bound_mb": 2 * max(BUCKET_MB * (1 << 20), largest) / 1e6, "got": got}
+                                     "bound_mb": 2 * max(BUCKET_MB * (1 << 20), largest) / 1e6, "got": got,
+                                     "verify_ok": verdict.ok, "verify": verdict.message() if not verdict.ok else
+                                     f"passed (mean |Δ| {verdict.agreement.mean_abs_diff:.2g}); "
+                                     f"{'; '.join(verdict.skipped)}"}
             if rank == 0:
                 root = Path(work) / "weights"
                 root.mkdir(exist_ok=True)
@@ -270,6 +277,8 @@ def run_and_check(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fs
     assert [s["got"] for s in syncs] == [s["got"] for s in results[1]["syncs"]]  # one engine, same answers
     for res in results:  # gathered bytes alive at once: <= 2 buckets (a bucket is at least the largest tensor)
         assert all(s["peak_gathered_mb"] <= s["bound_mb"] for s in res["syncs"]), res["syncs"]
+    for res in results:  # hwsync.verify from the sharded trainer passed on every rank after every sync
+        assert all(s["verify_ok"] for s in res["syncs"]), [s["verify"] for s in res["syncs"]]
     assert syncs[1]["base_tensors"] > 0  # after a full sync, the base travels again
     assert syncs[2]["base_tensors"] == 0 and syncs[2]["lora_tensors"] > 0, syncs[2]  # steady: LoRA only
     diffs = check(work, syncs, cuda=cuda)
