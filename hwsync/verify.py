@@ -253,7 +253,26 @@ def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, It
     fresh = dataclasses.replace(info, base_key=None, stale=False)  # as if nothing were on the engine: all of it
     trainer_lora = lora if strategy is not Strategy.FULL else None
     payload = build_payload(model, choice, trainer_lora, fresh)  # type: ignore[arg-type]
-    return payload, zip(payload.specs, payload.produce())
+    return payload, _pairs(model, payload)
+
+
+def _pairs(model: nn.Module, payload: Any) -> Iterator[tuple[Any, torch.Tensor]]:
+    """``(spec, tensor)`` over the payload; a sharded model's tensors are read group by group inside its gathers,
+    as a sync reads them (a collective: every rank iterates to the end, also when the caller stops early)."""
+    from hwsync import gather
+
+    if payload.produce_sharded is None:
+        yield from zip(payload.specs, payload.produce())
+        return
+    schedules = gather.exchange(payload.schedule) if gather.collective() else [payload.schedule]
+    if any(s != schedules[0] for s in schedules):
+        raise VerifyError("the trainer's ranks planned different gather schedules for the check (different engines "
+                          "or strategies per rank): verify with the same engine setup on every rank")
+    steps = gather.run_groups(model, payload.schedule)
+    try:
+        yield from zip(payload.specs, payload.produce_sharded(steps))
+    finally:
+        gather.drain(steps)
 
 
 def _expected(engine: Any, model: nn.Module, plan: Any, seed: int
