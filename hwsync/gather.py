@@ -347,7 +347,7 @@ def rank0_value(value: Any) -> Any:
     ``value`` itself without an initialized group of more than one rank."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not collective():
         return value
     box: list[Any] = [value]
     dist.broadcast_object_list(box, src=0)
