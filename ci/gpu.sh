@@ -9,6 +9,8 @@
 #   bash ci/gpu.sh -j verify exact swift   # those parts at the same time on one GPU (each logs to gpu-<part>.log;
 #                                          # engines take gpu_memory_utilization 0.15, the main job 0.5): a device
 #                                          # call's 10 minutes then cover several parts
+#   HWSYNC_TEST_JOBS=4 bash ci/gpu.sh --modules tests/a.py,tests/b.py   # just those modules, 4 side by side
+#                                          # (test engines keep a fixed KV budget, so neighbours do not disturb them)
 #
 # Tests run one module per interpreter (ci/run_tests.py) with `pytest` (not `python -m pytest`: that puts the source
 # tree first on sys.path, ahead of the installed package), CI=true (a vLLM test that cannot run fails instead of
@@ -103,6 +105,13 @@ run_part() {
     return $rc
 }
 
+if [ "${1:-}" = "--modules" ]; then  # a re-run of chosen modules with the GPU job's settings
+    [ -n "${2:-}" ] || { echo "usage: bash ci/gpu.sh --modules tests/a.py,tests/b.py [pytest args]"; exit 2; }
+    only=$2; shift 2
+    if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; exec > >(tee -a "$OUT/gpu-modules.log") 2>&1; fi
+    "$PY" ci/run_tests.py --modules="$only" "$@"
+    exit
+fi
 jobs=0
 if [ "${1:-}" = "-j" ]; then jobs=1; shift; fi
 if [ "${1:-}" = "--list" ]; then

@@ -84,13 +84,19 @@ def prepare(workdir: Path, seed: int = 0) -> tuple[Path, Path]:
     return model, data
 
 
-# the vLLM engine, as `swift rlhf` (colocate) and `swift rollout` (server) both take it; on a GPU the engine may claim
-# half of it, or HWSYNC_EXAMPLE_GPU_UTIL of it (`ci/gpu.sh -j` runs several jobs side by side on one GPU)
-ENGINE_ARGS = [
-    "--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
-    "--vllm_gpu_memory_utilization", os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.5"),
-    "--vllm_engine_kwargs", json.dumps({"num_gpu_blocks_override": 64}),
-]
+def engine_args() -> list[str]:
+    """The vLLM engine, as `swift rlhf` (colocate) and `swift rollout` (server) both take it. On a GPU the engine may
+    claim half of it, or HWSYNC_EXAMPLE_GPU_UTIL of it (`ci/gpu.sh -j` runs several jobs side by side on one GPU), and
+    its KV cache is a fixed 256 MiB: vLLM then skips its profiling-based sizing, whose check fails when another process
+    on the GPU frees memory while this engine starts."""
+    kwargs: dict[str, Any] = {"num_gpu_blocks_override": 64}
+    if _has_gpu():
+        kwargs["kv_cache_memory_bytes"] = 256 << 20
+    return ["--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
+            "--vllm_gpu_memory_utilization", os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.5"),
+            "--vllm_engine_kwargs", json.dumps(kwargs)]
+
+
 def rollout_model_args() -> list[str]:
     # fp32 on vLLM's CPU build; bf16 on GPUs, whose vLLM LoRA kernels take only fp16/bf16 (ms-swift starts the engine
     # in the model's dtype)
@@ -108,7 +114,7 @@ def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: b
     ``server_port``: rollouts from the ``swift rollout`` server on that port instead of a colocated engine)."""
     plugins = [str(REWARD_PLUGIN)] + ([str(plugin_path())] if plugin else [])
     if server_port is None:
-        vllm = ["--vllm_mode", "colocate", "--vllm_enable_lora", "true", *ENGINE_ARGS]
+        vllm = ["--vllm_mode", "colocate", "--vllm_enable_lora", "true", *engine_args()]
     else:
         vllm = ["--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server_port),
                 "--vllm_server_group_port", str(free_port())]
@@ -139,7 +145,7 @@ def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: b
 def rollout_args(model: Path, port: int) -> list[str]:
     """``swift rollout`` for server mode: the same engine, LoRA enabled, with the hwsync plugin."""
     return ["swift", "rollout", "--model", str(model), *rollout_model_args(), "--vllm_enable_lora", "true",
-            "--vllm_max_lora_rank", "8", *ENGINE_ARGS, "--external_plugins", str(plugin_path()),
+            "--vllm_max_lora_rank", "8", *engine_args(), "--external_plugins", str(plugin_path()),
             "--host", "127.0.0.1", "--port", str(port)]
 
 
