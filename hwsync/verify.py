@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from hwsync.api import as_engine
-from hwsync.errors import OptionError, VerifyError
+from hwsync.engine import Engine
+from hwsync.errors import OptionError, SyncError, UnsupportedSetupError, VerifyError
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
 
 __all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "check", "engine_logprobs", "gate_for",
@@ -235,6 +236,27 @@ def last_plan(engine: Any, model: nn.Module) -> Any:
     return max(plans, key=lambda p: p.synced_version) if plans else None
 
 
+@dataclass(frozen=True)
+class _Synced:
+    """What the checks need of the trainer's last sync plan (plain data: it crosses ranks)."""
+
+    version: int
+    strategy: Any
+    lora_int_id: int | None
+
+    @classmethod
+    def of(cls, plan: Any) -> _Synced | None:
+        if plan is None or isinstance(plan, _Synced):
+            return plan
+        return cls(plan.synced_version, plan.manifest.strategy, plan.manifest.lora_int_id)
+
+
+def _last_synced(engine: Any, model: nn.Module) -> _Synced | None:
+    if isinstance(engine, _OnRank0):
+        return engine.ask(lambda e: _Synced.of(last_plan(e, model)))
+    return _Synced.of(last_plan(engine, model))
+
+
 def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, Iterator[tuple[Any, torch.Tensor]]]:
     """``(payload, (spec, tensor) pairs)``: every tensor a from-scratch sync of ``plan``'s strategy would send now
     (merged view for merged names, W0 for frozen ones, folded LoRA A/B), lazily, as the engine should hold them."""
@@ -248,7 +270,7 @@ def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, It
     lora = read_lora(model, info)
     if lora is not None and not isinstance(lora, Exception) and info.lora_enabled:
         info = engine.describe(lora.vllm_paths)
-    strategy = plan.manifest.strategy
+    strategy = _Synced.of(plan).strategy  # type: ignore[union-attr]
     choice = choose(strategy, lora, info)
     fresh = dataclasses.replace(info, base_key=None, stale=False)  # as if nothing were on the engine: all of it
     trainer_lora = lora if strategy is not Strategy.FULL else None
@@ -322,7 +344,7 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tupl
     plan, the engine kind, its worker count), so either all ranks gather the reference tensors or none does."""
     from hwsync.wire import Strategy
 
-    plan = last_plan(engine, model)
+    plan = _last_synced(engine, model)
     if plan is None:
         return [], ["content: this model was never synced to this engine through hwsync.sync (no trainer plan)"]
     fp = getattr(engine, "fingerprints", None)
@@ -339,14 +361,14 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tupl
     problems = []
     if got["stale"]:
         problems.append("the engine is stale (an interrupted sync left part of the weights written)")
-    if got["version"] != plan.synced_version:
+    if got["version"] != plan.version:
         problems.append(f"the engine is at v{got['version']}, the trainer's last sync of this model left "
-                        f"v{plan.synced_version} (another sync or a restart since)")
-    full = plan.manifest.strategy is Strategy.FULL
+                        f"v{plan.version} (another sync or a restart since)")
+    full = plan.strategy is Strategy.FULL
     if lora_req:
         from hwsync.vllm.applier import LORA_INT_ID
 
-        lid = plan.manifest.lora_int_id if plan.manifest.lora_int_id is not None else LORA_INT_ID
+        lid = plan.lora_int_id if plan.lora_int_id is not None else LORA_INT_ID
         if got["lora_int_id"] is None:
             problems.append(f"no adapter is installed (the trainer's last sync installed adapter id {lid})")
         elif got["lora_int_id"] != lid:
@@ -411,6 +433,11 @@ def check(
 ) -> VerifyReport:
     """Run every check and return the report (nothing raised for a failed check; see :func:`verify`).
 
+    ``target`` as for :func:`hwsync.sync`: an engine that spans several (``hwsync.connect([a, b])``) has each
+    checked, every check's detail naming its engine. A sharded trainer (FSDP2 / ZeRO-3) calls this on every rank
+    with the same prompts: each rank passes its engine (colocate), or rank 0 passes it and the others ``None``
+    (server mode): then only rank 0 queries the engine and its answers are shared (:class:`_OnRank0`).
+
     * **Content** (exact, no numerics; engines driven in this process through :func:`hwsync.sync`): the engine's
       state (not stale, at the trainer's version, serving the adapter id the trainer installed), then fingerprints
       of what its kernels read (base weights, LoRA slots, the installed adapter) against the trainer's tensors
@@ -419,7 +446,17 @@ def check(
       against the gate of this device/dtype (:data:`GATES`, or ``gate``). ``atol`` adds the strict gate of earlier
       versions: max |Δ| <= atol and every greedy token the trainer's argmax (CPU fp32 only).
     """
-    engine = as_engine(target)
+    engine = _engine_for(target, model)
+    parts = _parts(engine)
+    reports = [_check_one(p, model, prompt_token_ids, max_tokens=max_tokens, gate=gate, atol=atol, content=content,
+                          seed=seed, batch=batch) for p in parts]
+    if len(reports) == 1:
+        return reports[0]
+    return _combined(reports, [_address(p) for p in parts])
+
+
+def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequence[int]], *, max_tokens: int,
+               gate: Gate | None, atol: float | None, content: bool, seed: int, batch: bool) -> VerifyReport:
     checks: list[Check] = []
     skipped: list[str] = []
     info = engine.describe()
@@ -447,6 +484,125 @@ def check(
                                 f"greedy tokens differ at {len(a.greedy_mismatches)} position(s), e.g. "
                                 f"{a.greedy_mismatches[0]}", _HINT))
     return VerifyReport(tuple(checks), a, g, tuple(skipped))
+
+
+def _combined(reports: Sequence[VerifyReport], addresses: Sequence[str]) -> VerifyReport:
+    """One report over several engines: every engine's checks (named as usual, their details naming the engine);
+    the agreement of the engine farthest from the trainer."""
+    import dataclasses
+
+    checks = tuple(dataclasses.replace(c, detail=f"engine {a}: {c.detail}")
+                   for r, a in zip(reports, addresses) for c in r.checks)
+    skipped = tuple(f"engine {a}: {why}" for r, a in zip(reports, addresses) for why in r.skipped)
+    agreements = [r.agreement for r in reports if r.agreement is not None]
+    worst = max(agreements, key=lambda a: math.inf if a.max_abs_diff != a.max_abs_diff else a.max_abs_diff,
+                default=None)
+    return VerifyReport(checks, worst, reports[0].gate, skipped)
+
+
+def _parts(engine: Engine) -> list[Engine]:
+    parts = getattr(engine, "parts", None)
+    return list(parts()) if parts is not None else [engine]
+
+
+def _address(engine: Engine) -> str:
+    if isinstance(engine, _OnRank0):
+        return str(engine.ask(lambda e: getattr(e, "address", "")))
+    return str(getattr(engine, "address", ""))
+
+
+def _engine_for(target: Any, model: nn.Module) -> Engine:
+    """``target`` as an engine handle; for a sharded trainer whose rank 0 alone passes one (server mode: the other
+    ranks pass ``None``), an :class:`_OnRank0` on every rank. Collective for sharded models on several ranks."""
+    from hwsync import gather
+
+    if not (gather.collective() and gather.is_sharded(model)):
+        if target is None:
+            raise OptionError("hwsync.verify(None, model) is for the ranks without an engine of a sharded (FSDP2 / "
+                              "ZeRO-3) trainer whose rank 0 holds it; here there is nothing to check: pass the engine")
+        return as_engine(target)
+    engine, error = None, None
+    try:
+        engine = as_engine(target) if target is not None else None
+    except Exception as e:  # noqa: BLE001 - every rank hears of it before anyone waits in a collective
+        error = e
+    seen = gather.exchange((target is not None, None if error is None else f"{type(error).__name__}: {error}"))
+    failed = next(((r, why) for r, (_, why) in enumerate(seen) if why), None)
+    if failed is not None:
+        if error is not None:
+            raise error
+        raise SyncError(f"hwsync.verify failed on rank {failed[0]} ({failed[1]}); every rank stops")
+    holders = [r for r, (has, _) in enumerate(seen) if has]
+    if len(holders) == len(seen):
+        assert engine is not None
+        return engine  # colocate: every rank checks its own engine (or its worker of one TP engine)
+    if holders != [0]:
+        raise UnsupportedSetupError(
+            f"hwsync.verify from a sharded trainer: ranks {holders} passed an engine, the others None. Either every "
+            "rank passes its engine (colocate), or rank 0 alone does (server mode: the other ranks pass None)")
+    return _OnRank0(engine)
+
+
+class _OnRank0(Engine):
+    """The engine of a sharded trainer whose rank 0 alone holds it (server mode), as every rank sees it.
+
+    Each query runs on rank 0 and its answer -- or its error -- is broadcast (:func:`hwsync.gather.rank0_value`),
+    so every rank takes the same path through :func:`check`: the same content gathers, the same trainer forwards on
+    the engine's token ids, the same verdict. Queries only (a collective: every rank makes each call)."""
+
+    mode = "server"
+
+    def __init__(self, inner: Engine | None) -> None:
+        super().__init__()
+        self.inner = inner  # rank 0's handle; None on the other ranks
+        has = self.ask(lambda e: getattr(e, "fingerprints", None) is not None)
+        self.fingerprints = self._fingerprints if has else None
+
+    def ask(self, fn: Any) -> Any:
+        """``fn(engine)`` on rank 0, its result (or error) on every rank."""
+        from hwsync.errors import from_wire, to_wire
+        from hwsync.gather import rank0_value
+
+        out: Any = None
+        error: BaseException | None = None
+        if self.inner is not None:
+            try:
+                out = ("ok", fn(self.inner))
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error, out = e, ("error", to_wire(e))
+        out = rank0_value(out)
+        if error is not None:
+            raise error
+        if out is None:
+            raise SyncError("internal: rank 0 holds no engine for hwsync.verify")
+        if out[0] == "error":
+            raise from_wire(out[1])
+        return out[1]
+
+    def describe(self, lora_paths: Sequence[str] = ()) -> Any:
+        return self.ask(lambda e: e.describe(lora_paths))
+
+    def state(self) -> dict[str, Any]:
+        return self.ask(lambda e: e.state())
+
+    def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        return self.ask(lambda e: e.logprobs(prompts, max_tokens))
+
+    def _fingerprints(self, request: dict[str, Any]) -> Any:
+        return self.ask(lambda e: e.fingerprints(request))
+
+    def parts(self) -> list[Engine]:
+        count = self.ask(lambda e: len(_parts(e)))
+        if count == 1:
+            return [self]
+        inner = _parts(self.inner) if self.inner is not None else [None] * count
+        return [_OnRank0(p) for p in inner]  # type: ignore[arg-type]
+
+    def send(self, manifest: Any, produce: Any, progress: Any) -> dict[str, Any]:
+        raise UnsupportedSetupError("internal: hwsync.verify's view of rank 0's engine does not sync")
+
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        raise UnsupportedSetupError("internal: hwsync.verify's view of rank 0's engine does not generate")
 
 
 def verify(

@@ -720,6 +720,9 @@ def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
         "logprobs huge token": {"op": "logprobs", "args": {"prompts": [[10**12]], "max_tokens": 1}},
         "prepare garbage": {"op": "prepare", "args": {"manifest": {"version": 1}}},
         "describe garbage": {"op": "describe", "args": {"lora_paths": 5}},
+        "fingerprints garbage": {"op": "fingerprints", "args": {"base": "x", "seed": "y"}},
+        "fingerprints of no such weight": {"op": "fingerprints",
+                                           "args": {"base": [["model.no_such.weight", [4, 4], "float32"]]}},
     }
     for name, body in bodies.items():
         t0 = time.perf_counter()
@@ -733,6 +736,20 @@ def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
                half=after["version"] != before["version"] or half_applied(base.llm, base.sig))
     assert _call(channel, {"op": "state"})["ok"]  # the connection survived every refusal
     channel.close()
+
+    # one of several engines (confirm): after its go it takes nothing but the trainer's commit or cancel
+    for name, then in {"anything but a commit": lambda ch: ch.send({"op": "state"}),
+                       "no commit (the trainer stalls)": lambda ch: None}.items():
+        channel = _authenticated(base.server.address)
+        channel.send(sync_args(confirm=True))
+        assert channel.recv()["result"]["go"], name
+        then(channel)
+        with pytest.raises((ConnectionError, OSError)):  # the connection is dropped (after the 2 s timeout)
+            channel.recv()
+        channel.close()
+        after = base.remote.state()  # the engine's lock is free again, nothing was applied
+        record("malformed requests (token holder)", refused=True,
+               half=after["version"] != before["version"] or after["stale"] or half_applied(base.llm, base.sig))
 
 
 # -- the data plane ----------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import hwsync
 from hwsync.errors import StaleEngineError, SyncError
 from hwsync.testing import EngineReference, assert_serves, on_cpu, require_vllm
 from hwsync.testing.served import served_engine
-from hwsync.testing.trainer import lora_trainer, perturb
+from hwsync.testing.trainer import fail_at, lora_trainer, perturb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -77,12 +77,8 @@ def test_failed_sync_leaves_every_worker_stale_then_recovers(served: str, refere
     model = lora_trainer(tiny_qwen3_moe_dir)
     perturb(model, 7, base=True)
 
-    def boom(index: int, total: int) -> None:
-        if index == 1:
-            raise RuntimeError("optimizer blew up")
-
     with pytest.raises(SyncError, match="optimizer blew up.*engine is stale"):
-        hwsync.sync(engine, model, strategy="full", bucket_mb=0.05, progress=boom)
+        hwsync.sync(engine, model, strategy="full", bucket_mb=0.05, progress=fail_at(1))
     with pytest.raises(StaleEngineError):
         engine.logprobs(PROMPTS, 2)
     hwsync.sync(engine, model, strategy="full", bucket_mb=0.05)

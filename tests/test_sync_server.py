@@ -23,7 +23,7 @@ import hwsync
 from hwsync.errors import StaleEngineError, SyncError
 from hwsync.testing import EngineReference, assert_serves, require_vllm
 from hwsync.testing.served import served_engine
-from hwsync.testing.trainer import lora_trainer, perturb
+from hwsync.testing.trainer import fail_at, lora_trainer, perturb
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -102,12 +102,8 @@ def test_sender_exception_and_killed_sender_leave_engine_stale_then_recover(
     engine = hwsync.connect(address, TOKEN, timeout_s=60)
     model = lora_trainer(tiny_qwen3_moe_dir)
 
-    def boom(index: int, total: int) -> None:
-        if index == 1:
-            raise RuntimeError("optimizer blew up")
-
     with pytest.raises(SyncError, match="optimizer blew up.*engine is stale"):
-        hwsync.sync(engine, model, strategy="full", bucket_mb=0.25, progress=boom)
+        hwsync.sync(engine, model, strategy="full", bucket_mb=0.25, progress=fail_at(1))
     with pytest.raises(StaleEngineError):
         hwsync.verify(engine, model, PROMPTS)
     hwsync.sync(engine, model, strategy="full", bucket_mb=0.25)

@@ -1,9 +1,11 @@
 """Trainer side of server mode: :func:`connect` returns the :class:`RemoteEngine` handle ``hwsync.sync`` drives.
 
-One handle may span several engines (data parallel: ``connect(["host1:p", "host2:p"], token)``): every sync is
-validated by each of them first, then its buckets travel once, by broadcast, to every worker of every engine (one
-data-plane group: the trainer at rank 0, each engine's workers after it; tensor-parallel workers take their shards
-on arrival). The trainer hosts the group's rendezvous store, bound to the interface it reaches the engines from;
+One handle may span several engines (data parallel: ``connect(["host1:p", "host2:p"], token)``): every engine
+validates a sync's manifest and says go while holding its lock, and only once all of them have does the trainer
+commit (one refusal: the others are cancelled, nothing is applied anywhere); then the buckets travel once, by
+broadcast, to every worker of every engine (one data-plane group: the trainer at rank 0, each engine's workers after
+it; tensor-parallel workers take their shards on arrival). An abort reaches every worker of every engine.
+:func:`hwsync.verify` checks each engine (:meth:`RemoteEngine.parts`). The trainer hosts the group's rendezvous store, bound to the interface it reaches the engines from;
 where the group meets is secret (a random id sent encrypted to each engine), and every bucket is sealed with a fresh
 per-sync key (:mod:`hwsync.transport.seal`).
 """
@@ -33,6 +35,7 @@ __all__ = ["RemoteEngine", "connect"]
 class _Conn:
     def __init__(self, address: str, token: str, timeout_s: float) -> None:
         self.address = address
+        self.label = ""  # "engine <address>: " in front of its errors when a handle spans several engines
         host, port = split_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=min(timeout_s, 30.0))
@@ -50,7 +53,8 @@ class _Conn:
         except (ConnectionError, OSError) as e:
             raise SyncError(f"lost the engine at {self.address} ({e})") from None
         if not rep.get("ok"):
-            raise from_wire(rep.get("error") or {})
+            error = dict(rep.get("error") or {})
+            raise from_wire({**error, "message": self.label + str(error.get("message", "remote error"))})
         return rep.get("result")
 
     def call(self, op: str, args: dict[str, Any]) -> Any:
@@ -69,8 +73,13 @@ class RemoteEngine(Engine):
         addrs = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addrs:
             raise SyncError("connect() needs at least one engine address")
+        if len(set(addrs)) != len(addrs):
+            raise SyncError(f"connect() got the same engine address twice ({', '.join(addrs)}): list each engine once")
         self.timeout_s = float(timeout_s)
         self.conns = [_Conn(a, token, self.timeout_s) for a in addrs]
+        if len(self.conns) > 1:
+            for conn in self.conns:
+                conn.label = f"engine {conn.address}: "
         self.data_host = data_host or self.conns[0].local_host
         self._store: Any = None
         self._link: tuple[bytes, Link] | None = None
@@ -104,9 +113,32 @@ class RemoteEngine(Engine):
         return out
 
     def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """Greedy logprobs from the first engine (:func:`hwsync.verify` asks each engine through :meth:`parts`)."""
         out = self.conns[0].call("logprobs", {"prompts": [list(map(int, p)) for p in prompts],
                                               "max_tokens": max_tokens})
         return [(list(ids), list(vals)) for ids, vals in out]
+
+    def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """Content fingerprints of what the engine's kernels read (:mod:`hwsync.vllm.fingerprint`), for
+        :func:`hwsync.verify`; ``None`` from an engine with several workers. One engine per handle: see :meth:`parts`."""
+        if len(self.conns) > 1:
+            raise UnsupportedSetupError("fingerprints come from one engine: ask each of RemoteEngine.parts()")
+        return self.conns[0].call("fingerprints", request)
+
+    def parts(self) -> list[RemoteEngine]:
+        """One handle per engine (itself when it spans one), over the same connections and lock, for queries:
+        :func:`hwsync.verify` checks every engine. They do not sync (that is this handle's job)."""
+        if len(self.conns) == 1:
+            return [self]
+        views = []
+        for conn in self.conns:
+            view = object.__new__(_EngineView)
+            Engine.__init__(view)
+            view.lock, view.plans = self.lock, self.plans  # the trainer's plans hold for every engine alike
+            view.conns, view.timeout_s, view.data_host = [conn], self.timeout_s, self.data_host
+            view._store, view._link, view._workers, view._device_type, view._owner = None, None, None, "cpu", {}
+            views.append(view)
+        return views
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
         raise UnsupportedSetupError(
@@ -153,18 +185,13 @@ class RemoteEngine(Engine):
             if self._workers is None:
                 self.describe()
             assert self._workers is not None
-            if len(self.conns) > 1:  # every engine validates before any of them waits for the data plane
-                for conn in self.conns:
-                    conn.request("prepare", {"manifest": manifest.to_json()})
-                first_error = self._collect()
-                if isinstance(first_error, BaseException):
-                    raise first_error
             store = self._rendezvous_store()
             held = self._link[0] if self._link is not None else secrets.token_bytes(32)
             fresh = secrets.token_bytes(32)
             data_key = secrets.token_bytes(32)
             world = 1 + sum(self._workers)
             firsts = [1 + sum(self._workers[:k]) for k in range(len(self.conns))]
+            several = len(self.conns) > 1
             for conn, first in zip(self.conns, firsts):
                 ch = conn.channel
                 conn.request("sync", {
@@ -174,20 +201,22 @@ class RemoteEngine(Engine):
                     "new_group_id": ch.seal_secret("new_group", fresh),
                     "data_key": ch.seal_secret("data", data_key),
                     "timeout": self.timeout_s,
+                    "confirm": several,  # several engines: each waits for the commit below before the data plane
                 })
-            go = self._collect()
-            if isinstance(go, BaseException):
-                # (several engines: one refused after all validated -- another trainer synced in between; those
-                # that said go give up on the data plane after the timeout and turn stale)
+            answers = self._answers()
+            refusal = next((v for ok, v in answers if not ok), None)
+            if refusal is not None:
+                # nothing was written anywhere: the engines that said go are cancelled (and answer that)
+                self._verdict([c for c, (ok, _) in zip(self.conns, answers) if ok], "cancel",
+                              {"reason": str(refusal)[:500]})
                 self._drop_link()
-                raise go
-            reuse = all(g.get("reuse") for g in go)
+                raise refusal
+            reuse = all(go.get("reuse") for _, go in answers)  # every engine still holds this trainer's group
+            if several:
+                self._verdict(self.conns, "commit", {"reuse": reuse}, wait=False)
             if not reuse:
                 self._drop_link()
             group_id = held if reuse else fresh
-            if any(g.get("reuse") for g in go) and not reuse:
-                raise SyncError("the engines hold different data-plane groups (another trainer synced some of them); "
-                                "sync again")
             spec = LinkSpec(self.data_host, store.port, group_prefix(group_id), world, self.timeout_s)
             try:
                 link = self._link[1] if self._link is not None else open_link(store, spec, 0,
@@ -210,15 +239,39 @@ class RemoteEngine(Engine):
                 raise results
             return results[0]
 
-    def _collect(self) -> list[Any] | BaseException:
-        results: list[Any] = []
-        first_error: BaseException | None = None
-        for conn in self.conns:
+    def _verdict(self, conns: Sequence[_Conn], op: str, args: dict[str, Any], wait: bool = True) -> None:
+        """Send ``commit`` / ``cancel`` to engines waiting after their go; ``wait``: read the (cancelled) sync's
+        reply so each channel stays in step."""
+        for conn in conns:
+            conn.request(op, args)
+        if wait:
+            self._answers(conns)
+
+    def _answers(self, conns: Sequence[_Conn] | None = None) -> list[tuple[bool, Any]]:
+        """One reply from each engine, in order: ``(True, result)`` or ``(False, error)``."""
+        out: list[tuple[bool, Any]] = []
+        for conn in self.conns if conns is None else conns:
             try:
-                results.append(conn.reply())
+                out.append((True, conn.reply()))
             except BaseException as e:  # noqa: BLE001
-                first_error = first_error or e
-        return first_error if first_error is not None else results
+                out.append((False, e))
+        return out
+
+    def _collect(self) -> list[Any] | BaseException:
+        answers = self._answers()
+        return next((v for ok, v in answers if not ok), None) or [v for _, v in answers]
+
+
+class _EngineView(RemoteEngine):
+    """One engine of a :class:`RemoteEngine` that spans several (:meth:`RemoteEngine.parts`): queries only."""
+
+    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
+             progress: ProgressFn | None) -> dict[str, Any]:
+        raise UnsupportedSetupError("sync through the handle hwsync.connect returned (it feeds every engine at once), "
+                                    "not through one of its parts()")
+
+    def close(self) -> None:
+        """The connection belongs to the handle that spans every engine."""
 
 
 def connect(address: str | Sequence[str], token: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import select
 import socket
 import threading
 from collections.abc import Callable, Mapping
@@ -172,6 +173,10 @@ class SyncServer:
             self.engine.prepare(Manifest.from_json(args["manifest"]))
         return True
 
+    def _fingerprints(self, channel: Channel, args: Mapping[str, Any]) -> Any:
+        """Content fingerprints for :func:`hwsync.verify` (``None`` with several workers: each holds a shard)."""
+        return self.engine.fingerprints(dict(args))
+
     def _shutdown_op(self, channel: Channel, args: Mapping[str, Any]) -> Any:
         self._shutdown.set()
         return True
@@ -195,10 +200,12 @@ class SyncServer:
         with self.engine.lock:
             self.engine.prepare(manifest)  # raises -> error reply; nothing written, no transfer started
             reuse = self._held == held
+            channel.send({"ok": True, "result": {"go": True, "reuse": reuse}})
+            if args.get("confirm"):  # one of several engines: nothing moves until every engine said go
+                reuse = self._await_commit(channel, manifest, timeout) and reuse
             gid = held if reuse else fresh
             spec = LinkSpec(host=str(group["host"]), port=int(group["port"]), prefix=group_prefix(gid),
                             world_size=world, timeout_s=timeout)
-            channel.send({"ok": True, "result": {"go": True, "reuse": reuse}})
             self._held = None
             try:
                 result = self.engine.receive_remote(manifest, spec, first_rank, data_key,
@@ -208,12 +215,39 @@ class SyncServer:
             self._held = gid
             return result
 
+    @staticmethod
+    def _await_commit(channel: Channel, manifest: Manifest, timeout: float) -> bool:
+        """One sync into several engines (data parallel): after saying go, wait -- engine lock held, nothing
+        written -- for the trainer's verdict, sent once every engine has validated the manifest: ``commit`` (and
+        whether the engines may keep their held data-plane group) or ``cancel`` (another engine refused: nothing is
+        applied anywhere). No verdict within the transfer timeout, or anything else on the channel: this
+        connection is dropped, nothing applied."""
+        ready, _, _ = select.select([channel.sock], [], [], timeout)
+        try:
+            if not ready:
+                raise SyncError(f"no commit within {timeout:g} s")
+            msg = channel.recv()
+        except (ConnectionError, OSError, SyncError) as e:
+            channel.close()  # the trainer is gone or out of step: this connection is done
+            raise SyncError(f"sync v{manifest.version}: the trainer's commit did not arrive ({e}); nothing was "
+                            "applied") from None
+        args = msg.get("args") if isinstance(msg.get("args"), dict) else {}
+        if msg.get("op") == "commit":
+            return args.get("reuse") is True
+        if msg.get("op") == "cancel":
+            raise SyncError(f"sync v{manifest.version} cancelled by the trainer before any byte was sent "
+                            f"({str(args.get('reason', ''))[:500]}); nothing was applied")
+        channel.close()
+        raise SyncError(f"sync v{manifest.version}: expected the trainer's commit, got {str(msg.get('op'))[:40]!r}; "
+                        "nothing was applied")
+
 
 SyncServer.OPS = {
     "describe": SyncServer._describe,
     "state": SyncServer._state,
     "logprobs": SyncServer._logprobs,
     "prepare": SyncServer._prepare,
+    "fingerprints": SyncServer._fingerprints,
     "sync": SyncServer._sync,
     "shutdown": SyncServer._shutdown_op,
 }

@@ -10,11 +10,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENGINE_SCRIPT", "served_engine"]
+__all__ = ["ENGINE_SCRIPT", "served_engine", "served_engines"]
 
 ENGINE_SCRIPT = textwrap.dedent("""
     import json, sys
@@ -34,30 +34,59 @@ def served_engine(model_dir: str | os.PathLike[str], token: str, engine_kwargs: 
     """Start the engine process and yield ``(address, process)`` once it serves; on exit ask it to shut down (kill
     it if it does not). ``env`` is added to this process's environment plus :func:`~hwsync.testing.vllm_env` with
     the hwsync plugin (so every vLLM worker process, e.g. a TP engine's, loads it too)."""
-    import hwsync
+    with served_engines(model_dir, token, [engine_kwargs], env=env, serve_s=serve_s) as served:
+        yield served[0]
+
+
+@contextlib.contextmanager
+def served_engines(model_dir: str | os.PathLike[str], token: str, engine_kwargs: Sequence[Mapping[str, Any]], *,
+                   env: Mapping[str, str] | None = None, serve_s: float = 600) -> Iterator[list[tuple[str, Any]]]:
+    """:func:`served_engine` for several engines (one process each, one per ``engine_kwargs``), started side by
+    side: data-parallel engines for one ``hwsync.connect([...])``. Yields ``[(address, process), ...]``."""
     from hwsync.testing.engine import vllm_env
 
     full_env = {**os.environ, **vllm_env(plugins=("hwsync",)), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, str(Path(model_dir)), token, str(serve_s),
-                             json.dumps(dict(engine_kwargs))], env=full_env, stdout=subprocess.PIPE, text=True)
-    address = None
+    procs: list[subprocess.Popen[str]] = []
+    served: list[tuple[str, Any]] = []
+    try:
+        for kwargs in engine_kwargs:
+            procs.append(subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, str(Path(model_dir)), token,
+                                           str(serve_s), json.dumps(dict(kwargs))], env=full_env,
+                                          stdout=subprocess.PIPE, text=True))
+        for proc in procs:
+            served.append((_address_of(proc), proc))
+        yield served
+    finally:
+        for proc, (address, _) in zip(procs, served + [("", None)] * (len(procs) - len(served))):
+            _stop(proc, address, token)
+
+
+def _address_of(proc: subprocess.Popen[str]) -> str:
+    """The address the engine process prints once it serves; then its stdout keeps being drained (vLLM logs there:
+    a full pipe would block the engine mid-sync)."""
     assert proc.stdout is not None
+    address = None
     for line in proc.stdout:
         if line.startswith("HWSYNC_ADDRESS"):
             address = line.split()[1]
             break
     if address is None:
-        proc.kill()
         raise RuntimeError(f"engine process exited ({proc.wait()}) before serving")
-    # keep draining the engine's stdout (vLLM logs there): a full pipe would block the engine mid-sync
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    return address
+
+
+def _stop(proc: subprocess.Popen[str], address: str, token: str) -> None:
+    """Ask the engine to shut down; kill it if it cannot be asked or does not."""
+    import hwsync
+
+    if proc.poll() is not None:
+        return
     try:
-        yield address, proc
-    finally:
-        if proc.poll() is None:
-            try:
-                hwsync.connect(address, token, timeout_s=30).shutdown()
-                proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001 - a hung engine is killed
-                proc.kill()
-                proc.wait()
+        if not address:
+            raise RuntimeError("never served")
+        hwsync.connect(address, token, timeout_s=30).shutdown()
+        proc.wait(timeout=60)
+    except Exception:  # noqa: BLE001 - a hung engine is killed
+        proc.kill()
+        proc.wait()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["lora_trainer", "perturb"]
+__all__ = ["fail_at", "lora_trainer", "perturb"]
 
 
 def lora_trainer(path: str | Path, targets: list[str] | None = None, parameters: list[str] | None = None, *,
@@ -26,6 +26,17 @@ def lora_trainer(path: str | Path, targets: list[str] | None = None, parameters:
     lora = {"r": 4, "lora_alpha": 8, **lora}
     cfg = LoraConfig(target_modules=targets or [], target_parameters=parameters, **lora)
     return get_peft_model(model, cfg).eval()
+
+
+def fail_at(bucket: int, message: str = "optimizer blew up") -> Any:
+    """A sync ``progress`` callback that raises ``RuntimeError(message)`` before bucket ``bucket`` is handed over:
+    the sender failing mid-sync (earlier buckets are already applied, so the engine turns stale)."""
+
+    def progress(index: int, total: int) -> None:
+        if index == bucket:
+            raise RuntimeError(message)
+
+    return progress
 
 
 def perturb(model: Any, gen: torch.Generator | int, *, base: bool = False, lora_scale: float = 0.05,
