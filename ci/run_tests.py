@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # 2-rank scenarios (each rank a process that also drives an engine worker): alone, first
 ALONE = ("tests/test_fsdp_tp_cpu.py", "tests/test_server_tp.py", "tests/test_gather.py",
-         "tests/test_multigpu_fsdp_tp.py")
+         "tests/test_multigpu_fsdp_tp.py", "tests/test_server_sharded.py")
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
 

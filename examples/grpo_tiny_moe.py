@@ -3,6 +3,7 @@
     python examples/grpo_tiny_moe.py                 # GRPO, vLLM colocated, HWSYNC_STRATEGY=auto
     python examples/grpo_tiny_moe.py --gspo          # GSPO: --importance_sampling_level sequence
     python examples/grpo_tiny_moe.py --server        # vLLM in a `swift rollout` process, trainer in another
+    python examples/grpo_tiny_moe.py --server --engines 2   # swift rollout --vllm_data_parallel_size 2
     python examples/grpo_tiny_moe.py --steps 8 -- --learning_rate 5e-3   # anything after -- goes to swift
 
 Everything is made on the spot in ``--workdir``: a random tiny Qwen3-MoE checkpoint with a Qwen-style chat template
@@ -142,11 +143,12 @@ def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: b
     return args + list(extra or [])
 
 
-def rollout_args(model: Path, port: int) -> list[str]:
-    """``swift rollout`` for server mode: the same engine, LoRA enabled, with the hwsync plugin."""
+def rollout_args(model: Path, port: int, engines: int = 1) -> list[str]:
+    """``swift rollout`` for server mode: the same engine, LoRA enabled, with the hwsync plugin (``engines``:
+    ``--vllm_data_parallel_size``, one engine per swift worker process)."""
     return ["swift", "rollout", "--model", str(model), *rollout_model_args(), "--vllm_enable_lora", "true",
             "--vllm_max_lora_rank", "8", *engine_args(), "--external_plugins", str(plugin_path()),
-            "--host", "127.0.0.1", "--port", str(port)]
+            "--vllm_data_parallel_size", str(engines), "--host", "127.0.0.1", "--port", str(port)]
 
 
 def free_port() -> int:
@@ -157,11 +159,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_env() -> dict[str, str]:
-    """What both server-mode processes need: where hwsync's sync server listens, and the shared secret."""
+def server_env(engines: int = 1) -> dict[str, str]:
+    """What both server-mode processes need: where hwsync's sync servers listen (one address per data-parallel
+    engine), and the shared secret."""
     import secrets
 
-    return {"HWSYNC_SERVER": f"127.0.0.1:{free_port()}", "HWSYNC_TOKEN": secrets.token_hex(16)}
+    return {"HWSYNC_SERVER": ",".join(f"127.0.0.1:{free_port()}" for _ in range(engines)),
+            "HWSYNC_TOKEN": secrets.token_hex(16)}
 
 
 def file_tail(path: Path, lines: int) -> str:
@@ -383,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
     parser.add_argument("--gspo", action="store_true", help="GSPO: --importance_sampling_level sequence")
     parser.add_argument("--server", action="store_true", help="vLLM in a `swift rollout` process (server mode)")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="with --server: swift rollout's --vllm_data_parallel_size (default 1)")
     parser.add_argument("--workdir", type=Path, default=None, help="where model, data and outputs go (default: tmp)")
     opts = parser.parse_args(argv)
 
@@ -400,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     port = free_port() if opts.server else None
     result = run_job(swift_args(model, data, out, steps=opts.steps, gspo=opts.gspo, server_port=port, extra=extra),
-                     out, env=server_env() if opts.server else None,
-                     rollout=rollout_args(model, port) if opts.server else None)
+                     out, env=server_env(opts.engines) if opts.server else None,
+                     rollout=rollout_args(model, port, opts.engines) if opts.server else None)
 
     print()
     print(result.summary)

@@ -3,8 +3,9 @@
 ``swift_rollout_cpu``: ``RolloutArguments._check_device_count`` counts CUDA / NPU / MUSA devices only and refuses
 to start with fewer than ``vllm_data_parallel_size * vllm_tensor_parallel_size`` of them, so ``swift rollout``
 cannot start on a CPU-only machine although vLLM's CPU build serves fine there (``ValueError: local_device_count (0)
-must be greater than or equal to ...``). On the CPU platform the wrapper accepts one engine (dp = tp = 1), the only
-layout vLLM's CPU build runs in-process; anything else still goes to the original check.
+must be greater than or equal to ...``). On the CPU platform the wrapper accepts engines of one worker (tp = 1; any
+``--vllm_data_parallel_size``: ms-swift runs each data-parallel engine in a process of its own), the layout vLLM's
+CPU build runs in-process; anything else still goes to the original check.
 
 ``swift_rollout_serve``: give hwsync's sync server the engine ``swift rollout`` builds.
 
@@ -69,8 +70,8 @@ class SwiftRolloutCpuPatch(Patch):
 
         @functools.wraps(original)
         def _check_device_count(self: Any) -> None:
-            if self.vllm_data_parallel_size * self.vllm_tensor_parallel_size == 1 and _cpu_only():
-                return  # one in-process engine on CPU: nothing to count
+            if self.vllm_tensor_parallel_size == 1 and _cpu_only():
+                return  # in-process engines on CPU (one per data-parallel worker process): nothing to count
             original(self)
 
         return _check_device_count
@@ -110,7 +111,8 @@ class SwiftRolloutServePatch(Patch):
 
             keep_engine_in_process()
             engine = build(*args, **kwargs)
-            serve_rollout_engine(engine)
+            rollout_args = args[0] if args else kwargs.get("args")  # swift's RolloutArguments
+            serve_rollout_engine(engine, getattr(rollout_args, "vllm_data_parallel_size", None))
             return engine
 
         return staticmethod(get_infer_engine)

@@ -40,8 +40,26 @@ def test_options_defaults_and_values(plugin):
     assert gate == Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05)
 
 
+def test_server_lists_one_address_per_rollout_engine(plugin):
+    """``swift rollout --vllm_data_parallel_size N``: HWSYNC_SERVER lists N addresses, engine k serves on the k-th,
+    the trainer connects to all of them."""
+    from hwsync.errors import UnsupportedSetupError
+    from hwsync.swift._server import rollout_address
+
+    opts = plugin.SwiftOptions.from_env({"HWSYNC_SERVER": "127.0.0.1:29555, 10.0.0.2:29555", "HWSYNC_TOKEN": "t"})
+    assert opts.servers == ["127.0.0.1:29555", "10.0.0.2:29555"]
+    assert [rollout_address(opts, k, 2) for k in range(2)] == opts.servers
+    with pytest.raises(UnsupportedSetupError, match="lists 2 address.*runs 3 data-parallel.*one host:port per engine"):
+        rollout_address(opts, 0, 3)
+    one = plugin.SwiftOptions.from_env({"HWSYNC_SERVER": "127.0.0.1:29555"})
+    assert one.servers == ["127.0.0.1:29555"] and rollout_address(one, 0, 1) == "127.0.0.1:29555"
+    with pytest.raises(UnsupportedSetupError, match="lists 1 address"):
+        rollout_address(one, 1, 2)
+
+
 @pytest.mark.parametrize("var,value", [
-    ("HWSYNC_STRATEGY", "fastest"), ("HWSYNC_BUCKET_MB", "0"), ("HWSYNC_BUCKET_MB", "lots"),
+    ("HWSYNC_SERVER", "127.0.0.1"), ("HWSYNC_SERVER", "127.0.0.1:1,127.0.0.1"),
+    ("HWSYNC_SERVER", "127.0.0.1:1,127.0.0.1:1"), ("HWSYNC_STRATEGY", "fastest"), ("HWSYNC_BUCKET_MB", "0"), ("HWSYNC_BUCKET_MB", "lots"),
     ("HWSYNC_VERIFY_EVERY", "-1"), ("HWSYNC_VERIFY_EVERY", "1.5"), ("HWSYNC_VERIFY_ATOL", "nan"),
     ("HWSYNC_VERIFY_PROMPTS", "0"), ("HWSYNC_VERIFY_GATE", "0.5"), ("HWSYNC_VERIFY_GATE", "0.5,0.8,-1"),
     ("HWSYNC_VERIFY_GATE", "a,b,c"),
@@ -125,7 +143,7 @@ def _setup(**over):
 
 
 @pytest.mark.parametrize("over,strategy,match", [
-    ({"_is_fsdp2": True, "vllm_mode": "server"}, "auto", "server mode"),
+    ({"_is_fsdp2": True, "vllm_mode": "server"}, "auto", "HWSYNC_SERVER and HWSYNC_TOKEN"),
     ({"sleep_level": 2}, "auto", "sleep_level 2"),
     ({"rollout_enable_lora": False}, "hybrid", "--vllm_enable_lora true"),
     ({"rollout_enable_lora": False}, "adapter", "--vllm_enable_lora true"),
@@ -144,17 +162,18 @@ def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
 @pytest.mark.parametrize("over", [{"_is_fsdp2": True, "is_fsdp_enabled": True}, {"vllm_tensor_parallel_size": 2},
                                   {"_is_fsdp2": True, "is_fsdp_enabled": True, "vllm_tensor_parallel_size": 2}])
 def test_trainer_takes_sharded_and_tp_setups_with_the_check(plugin, over):
-    """Colocate: FSDP2 and TP engines sync (hwsync.gather, the worker keeps its shard) and are checked after the
-    sync (every rank scores rank 0's prompts). Server mode with a sharded trainer: the check is refused, by name."""
+    """FSDP2 and TP engines sync (hwsync.gather, the worker keeps its shard) and are checked after the sync (every
+    rank scores rank 0's prompts), in colocate and in server mode (there rank 0 alone queries the engine: tested
+    for real in tests/test_server_sharded.py)."""
     from hwsync.errors import HwsyncError
     from hwsync.swift._trainer import HwsyncGRPOTrainer
 
     checked = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy="auto"))
     HwsyncGRPOTrainer._hwsync_check_setup(checked)
     if over.get("_is_fsdp2"):
-        served = SimpleNamespace(**_setup(**over, vllm_mode="server"), hwsync_options=plugin.SwiftOptions())
-        with pytest.raises(HwsyncError, match="HWSYNC_VERIFY_EVERY=0"):
-            HwsyncGRPOTrainer._hwsync_check_setup(served)
+        credentials = {"server": "127.0.0.1:29555,127.0.0.1:29556", "token": "t" * 32}
+        served = SimpleNamespace(**_setup(**over, vllm_mode="server"), hwsync_options=plugin.SwiftOptions(**credentials))
+        HwsyncGRPOTrainer._hwsync_check_setup(served)
     fsdp1 = SimpleNamespace(**_setup(is_fsdp_enabled=True), hwsync_options=plugin.SwiftOptions(verify_every=0))
     with pytest.raises(HwsyncError, match="FSDP1"):
         HwsyncGRPOTrainer._hwsync_check_setup(fsdp1)
@@ -181,7 +200,8 @@ def test_summary_pairs_each_step_with_the_sync_that_served_it(plugin):
 @pytest.mark.vllm
 def test_swift_rollout_cpu_patch_lets_swift_rollout_start_on_cpu(plugin):
     """Without the patch ms-swift refuses one CPU engine (it counts CUDA/NPU/MUSA devices only); with it, it
-    accepts dp = tp = 1 and still refuses what vLLM's CPU build cannot run in-process."""
+    accepts engines of one worker (tp = 1, any dp: one process per data-parallel engine) and still refuses what
+    vLLM's CPU build cannot run in-process (tp > 1)."""
     import hwsync.patches as patches
     import hwsync.patches.swift_rollout  # noqa: F401
     from swift.arguments.deploy_args import RolloutArguments
@@ -192,15 +212,17 @@ def test_swift_rollout_cpu_patch_lets_swift_rollout_start_on_cpu(plugin):
         pytest.skip("swift rollout's device count is only wrong on vLLM's CPU build")
 
     one = SimpleNamespace(vllm_data_parallel_size=1, vllm_tensor_parallel_size=1)
-    two = SimpleNamespace(vllm_data_parallel_size=2, vllm_tensor_parallel_size=1)
+    dp2 = SimpleNamespace(vllm_data_parallel_size=2, vllm_tensor_parallel_size=1)
+    tp2 = SimpleNamespace(vllm_data_parallel_size=1, vllm_tensor_parallel_size=2)
     patch = patches.get("swift_rollout_cpu")
     assert patch.probe(refresh=True).state == patches.APPLIES, patch.probe().reason
     with pytest.raises(ValueError, match="local_device_count"):
         RolloutArguments._check_device_count(one)
     with patch:
         RolloutArguments._check_device_count(one)
+        RolloutArguments._check_device_count(dp2)
         with pytest.raises(ValueError, match="local_device_count"):
-            RolloutArguments._check_device_count(two)
+            RolloutArguments._check_device_count(tp2)
     with pytest.raises(ValueError, match="local_device_count"):  # undone on exit
         RolloutArguments._check_device_count(one)
 

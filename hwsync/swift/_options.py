@@ -53,7 +53,9 @@ class SwiftOptions:
     metrics_path: str | None = None
     """JSONL file for per-sync / per-step records; ``None`` = ``<output_dir>/hwsync_metrics.jsonl``."""
     server: str | None = None
-    """Server mode: ``host:port`` of hwsync's sync server in ``swift rollout`` (it listens, the trainer connects)."""
+    """Server mode: ``host:port`` of hwsync's sync server in ``swift rollout`` (it listens, the trainer connects);
+    with ``--vllm_data_parallel_size N``, N of them, comma-separated: data-parallel rank k serves on the k-th, and
+    the trainer feeds all N with one broadcast (:attr:`servers`)."""
     token: str | None = field(default=None, repr=False)
     """Server mode: the shared secret both sides read; requests signed with another token are refused."""
     verify_gate: Gate | None = None
@@ -84,6 +86,11 @@ class SwiftOptions:
             verify_gate=parse_gate(g, ENV["verify_gate"]) if (g := raw("verify_gate")) else None,
         )
 
+    @property
+    def servers(self) -> list[str]:
+        """The addresses of :attr:`server`, one per ``swift rollout`` data-parallel engine."""
+        return [a.strip() for a in self.server.split(",")] if self.server else []
+
     def server_credentials(self) -> tuple[str, str]:
         """``(address, token)`` for server mode; :class:`OptionError` saying what to set when either is missing."""
         if not self.server or not self.token:
@@ -97,15 +104,21 @@ class SwiftOptions:
 
 
 def _address(text: str | None) -> str | None:
+    """``host:port``, or several comma-separated (one per data-parallel engine), each once."""
     if text is None:
         return None
-    try:
-        host, port = split_address(text)
-    except HwsyncError:
-        port = 0
-    if not 0 < port < 65536:
-        raise OptionError(f"{ENV['server']}={text!r}: write it as host:port, e.g. 127.0.0.1:29555")
-    return text
+    addresses = [a.strip() for a in text.split(",")]
+    for address in addresses:
+        try:
+            host, port = split_address(address)
+        except HwsyncError:
+            port = 0
+        if not 0 < port < 65536:
+            raise OptionError(f"{ENV['server']}={text!r}: write it as host:port, e.g. 127.0.0.1:29555, or one "
+                              "host:port per swift rollout data-parallel engine, comma-separated")
+    if len(set(addresses)) != len(addresses):
+        raise OptionError(f"{ENV['server']}={text!r} names an address twice: one host:port per engine")
+    return ",".join(addresses)
 
 
 def _number(text: str | None, var: str, kind: type, *, minimum: float, default: float | None = None,

@@ -20,7 +20,8 @@ from hwsync.swift._engine_view import LLMEngineView
 from hwsync.errors import UnsupportedSetupError
 from hwsync.swift._options import ENV, SwiftOptions
 
-__all__ = ["connect_to_rollout_engine", "guard_generation", "keep_engine_in_process", "serve_rollout_engine"]
+__all__ = ["connect_to_rollout_engine", "guard_generation", "keep_engine_in_process", "rollout_address",
+           "serve_rollout_engine"]
 
 logger = get_logger()
 
@@ -49,30 +50,45 @@ def keep_engine_in_process() -> None:
             f"{_IN_PROCESS} or set it to 0 for `swift rollout`")
 
 
-def serve_rollout_engine(engine: Any) -> Any:
-    """Serve hwsync syncs into ``swift rollout``'s engine when ``HWSYNC_SERVER`` is set; returns the server or None."""
+def serve_rollout_engine(engine: Any, data_parallel_size: int | None = None) -> Any:
+    """Serve hwsync syncs into ``swift rollout``'s engine when ``HWSYNC_SERVER`` is set; returns the server or None.
+
+    ``swift rollout --vllm_data_parallel_size N`` builds N engines, one per worker process (``SWIFT_ROLLOUT_DP_RANK``
+    = k): ``HWSYNC_SERVER`` then lists N addresses and engine k serves on the k-th (``data_parallel_size``: N, from
+    swift's arguments, checked against the list)."""
     opts = SwiftOptions.from_env()
     if opts.server is None:
         return None
-    address, token = opts.server_credentials()
+    _, token = opts.server_credentials()
+    dp_rank = int(os.environ.get("SWIFT_ROLLOUT_DP_RANK", "0") or 0)
+    dp_size = max(data_parallel_size or 1, dp_rank + 1)
+    address = rollout_address(opts, dp_rank, dp_size)
     llm_engine = getattr(engine, "engine", None)
     if not hasattr(llm_engine, "model_executor"):
         raise UnsupportedSetupError(
             f"hwsync serves syncs into swift rollout's in-process LLMEngine, but this one is a "
             f"{type(llm_engine).__name__}: drop --vllm_use_async_engine, and run the engine in the rollout worker "
             f"({_IN_PROCESS}=0)")
-    dp_rank = int(os.environ.get("SWIFT_ROLLOUT_DP_RANK", "0") or 0)
-    if dp_rank > 0:
-        raise UnsupportedSetupError(
-            f"{ENV['server']} names one sync server, but swift rollout started data-parallel engine #{dp_rank}: "
-            "use --vllm_data_parallel_size 1")
     from hwsync.server import serve
 
     server = serve(LLMEngineView.of(llm_engine), address, token)
     _servers.append(server)
     guard_generation(engine, server.engine)
-    logger.info(f"hwsync: serving weight syncs into swift rollout's engine on {server.address}")
+    logger.info(f"hwsync: serving weight syncs into swift rollout's engine on {server.address}"
+                + (f" (data-parallel engine {dp_rank} of {dp_size})" if dp_size > 1 else ""))
     return server
+
+
+def rollout_address(opts: SwiftOptions, dp_rank: int, dp_size: int) -> str:
+    """Where data-parallel engine ``dp_rank`` of ``dp_size`` serves: the ``dp_rank``-th of ``HWSYNC_SERVER``'s
+    addresses, which must be one per engine."""
+    addresses = opts.servers
+    if len(addresses) != dp_size:
+        raise UnsupportedSetupError(
+            f"{ENV['server']} lists {len(addresses)} address(es), but swift rollout runs {dp_size} data-parallel "
+            f"engine(s) (--vllm_data_parallel_size): list one host:port per engine, comma-separated (engine k serves "
+            f"on the k-th), and give swift rlhf the same list")
+    return addresses[dp_rank]
 
 
 def guard_generation(engine: Any, handle: Any) -> None:
@@ -93,8 +109,9 @@ def guard_generation(engine: Any, handle: Any) -> None:
 
 
 def connect_to_rollout_engine(opts: SwiftOptions) -> Any:
-    """The trainer's handle on the engine served by :func:`serve_rollout_engine` (``HWSYNC_SERVER`` / ``_TOKEN``)."""
-    address, token = opts.server_credentials()
+    """The trainer's handle on the engine(s) served by :func:`serve_rollout_engine` (``HWSYNC_SERVER`` /
+    ``_TOKEN``): every data-parallel engine, fed by one broadcast per sync."""
+    _, token = opts.server_credentials()
     from hwsync.server import connect
 
-    return connect(address, token)
+    return connect(opts.servers, token)

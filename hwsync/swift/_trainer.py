@@ -62,17 +62,10 @@ class HwsyncGRPOTrainer(GRPOTrainer):
     def _hwsync_check_setup(self) -> None:
         """Refuse, before the first rollout, the setups whose weights hwsync would read or write wrongly."""
         args = self.args
-        verify = ENV["verify_every"]
         if self.is_fsdp_enabled and not self._is_fsdp2:
             raise UnsupportedSetupError(
                 "FSDP1 (flat parameters) is not read by hwsync: use FSDP2 (fsdp_version 2: hwsync gathers its "
                 "DTensor parameters bucket by bucket), DeepSpeed ZeRO-3, or DDP / ZeRO-1/2")
-        if _sharded(self) and self.hwsync_options.verify_every and self.vllm_mode == "server":
-            raise UnsupportedSetupError(
-                f"FSDP2 / DeepSpeed ZeRO-3 in server mode with hwsync's check after the sync: only rank 0 talks to "
-                f"the engine, but the check's trainer forward (and its content gathers) need every rank (not wired "
-                f"for server mode; colocate mode runs it). Set {verify}=0 (the sync itself gathers bucket by bucket "
-                f"on every rank), or use colocate mode")
         if args.sleep_level == 2:
             raise UnsupportedSetupError(
                 "--sleep_level 2 makes vLLM discard its weights behind hwsync's back (hwsync sends base weights once "
@@ -102,36 +95,28 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         """Make the rollout engine serve the current policy (replaces ms-swift's full/adapter sync paths)."""
         if self.args.async_generate and not skip_async_check:
             self._wait_queue()
-        # server mode: one engine, fed by rank 0 (DDP ranks hold the same weights); the other ranks wait for it in
-        # ms-swift's rollout gather -- or, with a sharded trainer (FSDP2 / ZeRO-3), take part in its gathers.
-        # Colocate: every rank feeds its own engine (or its own worker of a tensor-parallel engine).
-        if self.vllm_mode == "colocate" or self.accelerator.is_main_process:
+        # server mode: the engine(s) fed by rank 0 (DDP ranks hold the same weights); the other ranks wait for it in
+        # ms-swift's rollout gather -- or, with a sharded trainer (FSDP2 / ZeRO-3), take part in its gathers and in
+        # the check after it (rank 0 alone queries the engine). Colocate: every rank feeds its own engine (or its
+        # own worker of a tensor-parallel engine).
+        if self.vllm_mode == "colocate" or self.accelerator.is_main_process or _sharded(self):
             with profiling_context(self, "hwsync_sync"):
                 self._hwsync_sync()
-        elif _sharded(self):
-            model = self.accelerator.unwrap_model(self.model)
-            opts = self.hwsync_options
-            grad_mode = torch.is_grad_enabled()
-            try:
-                hwsync_sync(None, model, strategy=opts.strategy, bucket_mb=opts.bucket_mb,
-                            lora_name=SWIFT_LORA_NAME, lora_int_id=SWIFT_LORA_INT_ID)
-            finally:
-                torch.set_grad_enabled(grad_mode)
         self._reset_vllm_cache()
 
     def _hwsync_sync(self) -> None:
         opts = self.hwsync_options
         model = self.accelerator.unwrap_model(self.model)
-        target = self._hwsync_engine()
+        # None: a rank of a sharded trainer in server mode without the engine (rank 0 holds it)
+        target = self._hwsync_engine() if self.vllm_mode == "colocate" or self.accelerator.is_main_process else None
         grad_mode = torch.is_grad_enabled()
         try:
             report = hwsync_sync(target, model, strategy=opts.strategy, bucket_mb=opts.bucket_mb,
                                  lora_name=SWIFT_LORA_NAME, lora_int_id=SWIFT_LORA_INT_ID)
         finally:
             torch.set_grad_enabled(grad_mode)  # the next backward needs autograd exactly as the trainer left it
-        assert report is not None  # a rank with an engine always gets its report
         self._hwsync_syncs += 1
-        if self._hwsync_gate is None:
+        if self._hwsync_gate is None and target is not None:
             info = target.describe()
             self._hwsync_gate = opts.verify_gate or gate_for(info.device_type, info.dtype)
         delta = shift = verdict = None
@@ -140,15 +125,23 @@ class HwsyncGRPOTrainer(GRPOTrainer):
             t0 = time.perf_counter()
             # hwsync.verify: exact content fingerprints + this platform's logprob gate (+ the strict max |Δ| check
             # when HWSYNC_VERIFY_ATOL is set); one prompt per engine call (vLLM 0.32's LoRA prompt logprobs)
-            verdict = verify_check(target, model, self._hwsync_probe, gate=self._hwsync_gate,
+            # (ranks without the engine: the same check, rank 0's answers -- and without a gate of their own the
+            # platform's, from the engine rank 0 describes: the same gate)
+            verdict = verify_check(target, model, self._hwsync_probe, gate=self._hwsync_gate or opts.verify_gate,
                                    atol=opts.verify_atol, batch=False)
             a = verdict.agreement
             delta, tokens, mismatches = a.max_abs_diff, a.tokens, list(a.greedy_mismatches)
             shift = self._hwsync_policy_shift(model)
-            logger.info(f"hwsync: verify after sync v{report.version}: {'passed' if verdict.ok else 'FAILED'} "
+            logger.info(f"hwsync: verify after sync v{report.version if report else '?'}: "
+                        f"{'passed' if verdict.ok else 'FAILED'} "
                         f"({'; '.join(f'{c.name} ok' if c.ok else f'{c.name} FAILED' for c in verdict.checks)}); "
                         f"mean |Δ logprob| {a.mean_abs_diff:.2e}, max {delta:.2e} over {tokens} tokens "
                         f"({time.perf_counter() - t0:.2f}s)")
+        if report is None:  # a rank without the engine: rank 0 records and reports; the same verdict stops it too
+            if verdict is not None and not verdict.ok:
+                raise VerifyError(f"after the sync (step {self.state.global_step}; checked by rank 0's engine): "
+                                  f"{verdict.message()}")
+            return
         record = dict(step=self.state.global_step, strategy=report.strategy, reason=report.reason, mode=report.mode,
                       version=report.version, tensors=report.tensors, base_tensors=report.base_tensors,
                       lora_tensors=report.lora_tensors, bytes=report.bytes, mb=report.bytes / 1e6,
@@ -188,12 +181,12 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         return super()._fast_infer(samples)
 
     def _same_on_every_rank(self, probe: list[list[int]]) -> list[list[int]]:
-        """Rank 0's check prompts on every rank (colocate: every rank calls this at its first rollout). The ranks of
-        one tensor-parallel engine must generate the same prompts, and a sharded trainer's forward (FSDP2 / ZeRO-3)
-        runs on every rank at once, so each rank's check must score as many prompts as the others."""
+        """Rank 0's check prompts on every rank (every rank calls this at its first rollout). The ranks of one
+        tensor-parallel engine must generate the same prompts, and a sharded trainer's forward (FSDP2 / ZeRO-3)
+        runs on every rank at once, also in server mode, so each rank's check must score the same prompts."""
         from hwsync.gather import rank0_value
 
-        return probe if self.vllm_mode != "colocate" else list(rank0_value(probe))
+        return list(rank0_value(probe)) if self.vllm_mode == "colocate" or _sharded(self) else probe
 
     def _hwsync_prompt_ids(self, samples: list[Any]) -> list[list[int]]:
         """Token ids of the first distinct prompts, as the chat template renders them for generation."""

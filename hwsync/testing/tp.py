@@ -26,7 +26,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROMPTS", "STRATEGIES", "TRAINERS", "run", "check", "run_and_check"]
+__all__ = ["PROMPTS", "STRATEGIES", "TRAINERS", "check", "free_port", "init_rank", "peft_trainer", "run",
+           "run_and_check", "shard", "step"]
 
 WORLD = 2
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99], [11, 400, 23]]
@@ -48,7 +49,7 @@ def _targets(cuda: bool) -> tuple[list[str], list[str] | None]:
     return (ATTN, EXPERTS) if cuda else (ATTN, None)
 
 
-def _trainer(path: str, device: Any, cuda: bool) -> Any:
+def peft_trainer(path: str, device: Any, cuda: bool) -> Any:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -68,7 +69,7 @@ def _trainer(path: str, device: Any, cuda: bool) -> Any:
 TRAINERS = ("fsdp2", "zero3")
 
 
-def _shard(model: Any, device_type: str, trainer: str = "fsdp2") -> Any:
+def shard(model: Any, device_type: str, trainer: str = "fsdp2") -> Any:
     """``fsdp2``: ``fully_shard`` per decoder layer and the root; ``zero3``: DeepSpeed stage 3 with every parameter
     partitioned (its default keeps small ones whole), no optimizer (the scenario steps the shards itself)."""
     if trainer == "zero3":
@@ -88,7 +89,7 @@ def _shard(model: Any, device_type: str, trainer: str = "fsdp2") -> Any:
     return model
 
 
-def _perturb(model: Any, k: int, *, base: bool) -> None:
+def step(model: Any, k: int, *, base: bool) -> None:
     """The same deterministic change on the sharded and the unsharded copy (elementwise: shard-local; a ZeRO-3
     parameter's shard is its ``ds_tensor``, its own data is empty outside a gather)."""
     import torch
@@ -102,17 +103,14 @@ def _perturb(model: Any, k: int, *, base: bool) -> None:
                 p.mul_(1.0 + 0.001 * (k + 1))
 
 
-def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer: str) -> None:
+def init_rank(rank: int, port: int, *, cuda: bool, trainer: str = "fsdp2") -> Any:
+    """This process as trainer rank ``rank`` of :data:`WORLD` (torchrun's variables, NCCL on GPU ``rank`` or gloo on
+    CPU; ``zero3``: DeepSpeed takes the group over, with its CPU accelerator on CPU); returns the rank's device."""
     import torch
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from hwsync.testing.engine import vllm_env
-
-    for key, value in vllm_env().items():
-        os.environ.setdefault(key, value)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher: the engine core in this process
     if cuda:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -124,10 +122,22 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=900))
     if trainer == "zero3":
         if not cuda:
-            os.environ["DS_ACCELERATOR"] = "cpu"
+            os.environ["DS_ACCELERATOR"] = "cpu"  # CPU/gloo ranks, also on a machine with GPUs
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")  # takes over the group above
+    return device
+
+
+def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer: str) -> None:
+    import torch.distributed as dist
+
+    from hwsync.testing.engine import vllm_env
+
+    for key, value in vllm_env().items():
+        os.environ.setdefault(key, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # external_launcher: the engine core in this process
+    device = init_rank(rank, port, cuda=cuda, trainer=trainer)
     results: dict[str, Any] = {"syncs": []}
     out = Path(work) / f"rank{rank}.json"
     try:
@@ -139,15 +149,15 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
         from hwsync.testing.reference import write_adapter, write_checkpoint
 
         vllm_plugin.register()
-        ref = _trainer(model_dir, device, cuda)  # unsharded copy: the weights the reference engine loads
-        sharded = _shard(copy.deepcopy(ref), device.type, trainer)
+        ref = peft_trainer(model_dir, device, cuda)  # unsharded copy: the weights the reference engine loads
+        sharded = shard(copy.deepcopy(ref), device.type, trainer)
         llm = make_llm(model_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension",
                        distributed_executor_backend="external_launcher", **engine_kwargs(cuda))
         largest = max(gather.global_nbytes(p) for p in sharded.parameters())
         for k, strategy in enumerate(STRATEGIES):
             base = strategy == "full"  # full syncs also move W0; adapter syncs keep it (steady state: LoRA only)
-            _perturb(ref, k, base=base)
-            _perturb(sharded, k, base=base)
+            step(ref, k, base=base)
+            step(sharded, k, base=base)
             gather.stats.reset()
             report = hwsync.sync(llm, sharded, strategy=strategy, bucket_mb=BUCKET_MB)
             got = as_engine(llm).logprobs(PROMPTS, 4)  # SPMD: both ranks generate the same prompts
@@ -183,7 +193,7 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
         os._exit(0 if results.get("ok") else 1)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -210,7 +220,7 @@ def run(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2") -> l
     import time
 
     error = None
-    port = _free_port()
+    port = free_port()
     start = time.time()
     try:
         mp.start_processes(_child, args=(port, str(model_dir), str(work), cuda, trainer), nprocs=WORLD, join=True,
