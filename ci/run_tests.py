@@ -14,6 +14,8 @@ thread, so CI's 2 cores take two at once. Modules in :data:`ALONE` (2-rank scena
 and timing they assert on) run with nothing beside them. ``HWSYNC_PYTEST`` replaces the pytest command (default
 ``<this python> -m pytest``; the GPU job uses ``pytest`` and one job, see ci/gpu.sh). ``HWSYNC_MODULE_TIMEOUT``
 (seconds) kills a module that runs longer (with its child processes) and prints what it had done.
+``HWSYNC_TEST_LOG`` (a file) receives the whole output of every failed module (the console shows its last 6,000
+characters; the GPU job brings this file back from the device).
 """
 from __future__ import annotations
 
@@ -53,8 +55,8 @@ def main(argv: list[str]) -> int:
 
     def run(module: str) -> tuple[str, float, subprocess.CompletedProcess[str]]:
         t0 = time.monotonic()
-        # with a time limit, -v: a module cut off still shows which of its tests finished
-        cmd = [*pytest_cmd, "-q", "-p", "no:cacheprovider", "-rfE", *(["-v"] if limit else []), module, *argv]
+        # with a time limit, -v (instead of -q): a module cut off still shows which of its tests finished
+        cmd = [*pytest_cmd, "-v" if limit else "-q", "-p", "no:cacheprovider", "-rfE", module, *argv]
         with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) as p:
             try:
@@ -79,6 +81,9 @@ def main(argv: list[str]) -> int:
         if not ok:
             failed_modules.append(module)
             print(out[-6000:], flush=True)
+            if os.environ.get("HWSYNC_TEST_LOG"):
+                with open(os.environ["HWSYNC_TEST_LOG"], "a") as f:
+                    f.write(f"\n===== {module} ({seconds:.0f} s): {summary}\n{out}\n")
 
     # the 2-rank scenarios first, each alone; then the rest, n_jobs at a time, in name order
     queue = [m for m in modules if m in ALONE] + [m for m in modules if m not in ALONE] if n_jobs > 1 else list(modules)

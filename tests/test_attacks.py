@@ -235,6 +235,10 @@ def test_recover_itself_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch,
     assert "restoring the engine's layers after a failed reload failed too" in caplog.text
     assert observe(base.llm) is None
     record("receiver: recovery fails", refused=True, half=half_applied(base.llm, base.sig), attack=False)
+    # layers may hold placeholders now: the recovering sync goes through vLLM's reload only (an in-place write
+    # would land in a placeholder; on CUDA every base tensor is otherwise written in place)
+    r = hwsync.sync(base.remote, base.model, strategy="full", bucket_mb=BUCKET_MB)
+    assert r.path.startswith("base: 0 in place"), r.path
     base.restore()
 
 

@@ -25,7 +25,9 @@ PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ATOL = 1e-4
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+# LoRA served on attention only, on every platform: then `hybrid` sends the experts merged (base bytes), which the
+# interrupted-sync test needs (an engine serving expert LoRA, as vLLM does on GPUs by default, gets LoRA only)
+ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "lora_target_modules": ["qkv_proj", "o_proj"]}
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +182,34 @@ def test_adapter_identity_per_call(llm: Any, reference: EngineReference, tiny_qw
     worker = llm.llm_engine.model_executor.driver_worker
     assert 111 not in worker.model_runner.lora_manager.list_adapters()
     assert assert_serves(llm, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
+
+
+def test_prefix_cache_is_reset_while_a_request_holds_kv(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    """A request left in the engine (e.g. by a generate that raised) holds KV blocks, and vLLM then declines to reset
+    its prefix cache: without the reset, a prompt cached under the old weights is served from that KV after the
+    sync. The sync preempts such requests so the reset happens."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, detokenize=False)
+    prompt = {"prompt_token_ids": [(7 * i) % 199 + 1 for i in range(300)]}  # > 2 KV blocks on every platform
+
+    def served() -> list[float]:
+        out = llm.generate([prompt], greedy, lora_request=hwsync.as_engine(llm).lora_request, use_tqdm=False)
+        return [next(iter(lp.values())).logprob for lp in out[0].outputs[0].logprobs]
+
+    model = lora_trainer(tiny_qwen3_moe_dir)
+    perturb(model, 11, base=True)
+    hwsync.sync(llm, model, strategy="full")
+    served()  # the prompt's blocks are cached under these weights
+    engine = llm.llm_engine
+    engine.add_request("hwsync-left-over", {"prompt_token_ids": [3, 4, 5] * 50}, SamplingParams(max_tokens=500))
+    engine.step()  # scheduled: it holds KV blocks now
+    try:
+        assert not llm.reset_prefix_cache()  # what vLLM does on its own while a request holds blocks
+        perturb(model, 12, base=True)
+        hwsync.sync(llm, model, strategy="full")
+    finally:
+        engine.abort_request(["hwsync-left-over"])
+    after_sync = served()
+    assert llm.reset_prefix_cache()
+    assert max(abs(a - b) for a, b in zip(after_sync, served())) <= ATOL  # no KV of the old weights was reused

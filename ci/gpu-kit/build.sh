@@ -115,6 +115,10 @@ zip -q -d "$bnb" 'bitsandbytes/libbitsandbytes_cuda1[12]*.so' 'bitsandbytes/libb
     'bitsandbytes/libbitsandbytes_xpu*.so' >/dev/null 2>&1 || true
 unzip -l "$bnb" | grep -q 'libbitsandbytes_cuda130.so' || { echo "[kit] $bnb has no CUDA 13.0 library"; exit 1; }
 
+# vllm-ascend's released sdist, which tests/test_vllm_ascend_released_code_on_cpu.py reads (the device has no network;
+# env.sh points HWSYNC_VLLM_ASCEND_SDIST at it)
+bash "$here/../fetch-vllm-ascend.sh" "$C/vllm-ascend" >/dev/null
+cp "$C"/vllm-ascend/vllm_ascend-*.tar.gz "$K/kit/"
 cp "$here/device-install.sh" "$here/check_env.py" "$K/kit/"
 printf '%s\n' "${carried[@]}" | sort > "$K/kit/CARRIED.txt"
 echo "vllm==$VLLM_VERSION" >> "$K/kit/CARRIED.txt"

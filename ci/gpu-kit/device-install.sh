@@ -36,6 +36,7 @@ export PATH=/tmp/gk/bin:$PATH                          # hwsync, swift, vllm con
 export VLLM_USE_FLASHINFER_SAMPLER=0                   # flashinfer is not carried; vLLM's native sampler is used
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export HWSYNC_BACKEND=cuda
+for f in /tmp/gk/kit/vllm_ascend-*.tar.gz; do export HWSYNC_VLLM_ASCEND_SDIST=$f; done  # the released vllm-ascend
 ENV
 . "$GK/env.sh"
 python3 "$GK/kit/check_env.py" ${1:+--quick}

@@ -149,6 +149,9 @@ class VllmApplier:
         self.worker = worker
         self._namespace: Any = None
         self._slot_writers: dict[str, Any] = {}  # adapter structure -> SlotWriter (None: vLLM's path only)
+        # a failed reload whose restoration failed too left layers holding placeholders (``meta``) instead of their
+        # kernel tensors: until one vLLM reload has run to the end, nothing is written in place (see _recover)
+        self._layers_unrestored = False
         self.last_lora_path = ""
 
     # -- facts ----------------------------------------------------------------------------------------------------
@@ -317,7 +320,9 @@ class VllmApplier:
         from hwsync.vllm.direct import Calibration, DirectWriter
 
         calibration = None
-        enabled = _direct_enabled()  # read per sync: a cached plan must not outlive HWSYNC_DIRECT=0
+        # read per sync: a cached plan must not outlive HWSYNC_DIRECT=0; and after a failed restoration only vLLM's
+        # reload puts the layers' kernel tensors back (an in-place write would land in a placeholder)
+        enabled = _direct_enabled() and not self._layers_unrestored
         direct = plan.direct if enabled else None
         if direct is not None:
             weights = direct.split(weights)
@@ -333,6 +338,7 @@ class VllmApplier:
         except BaseException:
             self._recover()
             raise
+        self._layers_unrestored = False
         plan.syncs += 1
         in_place = len(direct.names) if direct is not None else 0
         path = f"base: {in_place} in place, {len(plan.groups) - in_place} through vLLM's reload"
@@ -381,8 +387,9 @@ class VllmApplier:
             with _quiet_partial_reload(), torch.no_grad():
                 finalize_layerwise_reload(model_of(self.worker), self.vllm_config.model_config)
         except Exception as e:  # noqa: BLE001 - the original error is what the caller must see
-            logger.warning("hwsync: restoring the engine's layers after a failed reload failed too: %s: %s",
-                           type(e).__name__, e)
+            self._layers_unrestored = True
+            logger.warning("hwsync: restoring the engine's layers after a failed reload failed too: %s: %s; the "
+                           "next sync goes through vLLM's reload only", type(e).__name__, e)
         try:
             self.worker.model_runner.reset_lora_state()
         except Exception as e:  # noqa: BLE001

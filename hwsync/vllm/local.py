@@ -83,8 +83,22 @@ class LocalEngine(Engine):
         return results[0] if len(results) == 1 else None
 
     def reset_cache(self) -> None:
-        """KV computed with old weights (or an adapter id whose weights changed) must not be reused."""
-        self.llm.reset_prefix_cache()
+        """KV computed with old weights (or an adapter id whose weights changed) must not be reused.
+
+        vLLM declines the reset while a request holds KV blocks (returns ``False``: an in-process request left
+        unfinished, e.g. by a generate that raised), and its cached blocks would then keep serving the old weights'
+        KV. Such requests are preempted (their KV is recomputed under the new weights) and the reset repeated; a
+        reset that still fails is a :class:`~hwsync.errors.SyncError`."""
+        if self.llm.reset_prefix_cache():
+            return
+        try:
+            done = self.llm.reset_prefix_cache(reset_running_requests=True)
+        except RuntimeError as e:  # vLLM: requests waiting for a remote KV transfer cannot be preempted
+            raise SyncError(f"the weights were written but vLLM could not reset its prefix cache ({e}); cached KV "
+                            "of the old weights could be reused: do not serve from this engine") from e
+        if not done:
+            raise SyncError("the weights were written but vLLM could not reset its prefix cache even after "
+                            "preempting its running requests: do not serve from this engine")
 
     def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
              progress: ProgressFn | None) -> dict[str, Any]:
