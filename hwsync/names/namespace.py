@@ -102,6 +102,15 @@ class ExpertGroup:
     vllm_fused_down: str | None = None
     fused_transposed: bool = False  # vLLM expects fused checkpoint tensors as [E, H, 2I] / [E, I, H]
     unwritable: str | None = None
+    streamed: tuple[str, ...] = ()
+    """Leaves of this layer's parameters (``w13_weight``, ``w13_bias``, ...) that the model's own loader also takes
+    one expert at a time, as ``{prefix}.{e}.{leaf}``, through the layer's weight loader (vLLM's GPT-OSS loader,
+    whose fused names bypass every weight loader): see :func:`_streamed_leaves`."""
+
+    @property
+    def module(self) -> str:
+        """Live path of the module owning the stacked parameters (``...mlp.experts.routed_experts``)."""
+        return self.w13.rsplit(".", 1)[0] if "." in self.w13 else ""
 
     @property
     def fused_gate_up_names(self) -> frozenset[str]:
@@ -127,6 +136,10 @@ class Namespace:
     mappers: tuple[tuple[str, Any], ...] = ()  # (module scope, vLLM WeightsMapper), outermost first
     trainer_renames: tuple[Any, ...] = ()  # reversed transformers renames (runtime -> checkpoint)
     aliases: dict[str, str] = field(default_factory=dict)  # tied canonical alias -> canonical owner
+    reprocessed_aliases: tuple[str, ...] = ()
+    """Tied aliases held by a *different* module than their owner (LFM2-MoE's ``ParallelLMHead.tie_weights``): that
+    module derives its own kernel data after loading (vLLM's CPU build packs the LM head), which vLLM's reload redoes
+    only for a layer it loads, so a sync of the owner also hands the alias to the loader."""
     num_hidden_layers: int | None = None
     architecture: str = ""
     model_type: str | None = None
@@ -135,6 +148,7 @@ class Namespace:
     def __post_init__(self) -> None:
         self._by_live = {spec.name: spec for spec in self.params.values()}
         self._group_of_param = {n: g for g in self.expert_groups.values() for n in (g.w13, g.w2)}
+        self._group_of_module = {g.module: g for g in self.expert_groups.values()}
         self._roots = sorted(
             {n[: -len(tail)] for n in self.params for tail in ("lm_head.weight", "model.embed_tokens.weight")
              if n.endswith(tail) and (len(n) == len(tail) or n[-len(tail) - 1] == ".")} - {""}
@@ -165,6 +179,7 @@ class Namespace:
             h.update(repr([(s, _mapper_repr(m)) for s, m in self.mappers]).encode())
             h.update(repr([_mapper_repr(r) for r in self.trainer_renames]).encode())
             h.update(repr(sorted(self.aliases.items())).encode())
+            h.update(repr(self.reprocessed_aliases).encode())
             self._signature = h.hexdigest()[:16]
         return self._signature
 
@@ -173,6 +188,10 @@ class Namespace:
 
     def group_of(self, live_name: str) -> ExpertGroup | None:
         return self._group_of_param.get(live_name)
+
+    def group_owning(self, live_name: str) -> ExpertGroup | None:
+        """The MoE layer ``live_name`` (any of its parameters: weights, biases, scales) belongs to."""
+        return self._group_of_module.get(live_name.rsplit(".", 1)[0] if "." in live_name else "")
 
 
 def _mapper_repr(m: Any) -> str:
@@ -219,11 +238,17 @@ def namespace_from_vllm_model(
             groups[group.prefix] = group
 
     aliases: dict[str, str] = {}
+    reprocessed: list[str] = []
     first: dict[int, str] = {}
+    owner_name: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owner = first.setdefault(id(p), _canonical(name))
+        owner_name.setdefault(id(p), name)
         if owner != _canonical(name):
             aliases[_canonical(name)] = owner
+            mod_of = lambda n: model.get_submodule(n.rpartition(".")[0]) if "." in n else model  # noqa: E731
+            if mod_of(name) is not mod_of(owner_name[id(p)]):
+                reprocessed.append(_canonical(name))
 
     mappers: dict[int, tuple[str, Any]] = {}
     for mod_name, mod in model.named_modules():  # parents before children
@@ -247,6 +272,7 @@ def namespace_from_vllm_model(
         mappers=tuple(sorted(mappers.values(), key=lambda sm: (_depth(sm[0]), sm[0]))),
         trainer_renames=_trainer_renames(model_type),
         aliases=aliases,
+        reprocessed_aliases=tuple(reprocessed),
         num_hidden_layers=getattr(text, "num_hidden_layers", None),
         architecture=type(model).__name__,
         model_type=model_type,
@@ -369,8 +395,9 @@ def _expert_group(
     if getattr(cfg, "is_act_and_mul", True) is False:
         shard, unwritable = None, "non-gated experts (w13 holds only up): write through vLLM's weight_loader"
     names = _expert_names(model, mod)
+    prefix = _experts_prefix(mod_name, getattr(mod, "layer_name", None))
     return ExpertGroup(
-        prefix=_experts_prefix(mod_name, getattr(mod, "layer_name", None)),
+        prefix=prefix,
         w13=f"{mod_name}.w13_weight" if mod_name else "w13_weight",
         w2=f"{mod_name}.w2_weight" if mod_name else "w2_weight",
         gate=names["w1"], up=names["w3"], down=names["w2"],
@@ -384,7 +411,40 @@ def _expert_group(
         vllm_fused_down=names.get("fused_w2"),
         fused_transposed=bool(getattr(mod, "is_fused_checkpoint_transposed", False)),
         unwritable=unwritable,
+        streamed=_streamed_leaves(model, mod_name, mod, prefix),
     )
+
+
+def _streamed_leaves(model: Any, mod_name: str, mod: Any, prefix: str) -> tuple[str, ...]:
+    """Parameters of one MoE layer that the model's own loader takes one expert at a time (``{prefix}.{e}.{leaf}``).
+
+    vLLM 0.32's GPT-OSS loader copies its fused expert tensors (``gate_up_proj`` ...) with ``param.copy_``, out of
+    sight of the layerwise reload, but also parses per-expert keys (``_get_streamed_expert_info``) and hands those to
+    the layer's weight loader, which the reload does see. The model's own parser is asked, for each parameter of this
+    layer, whether expert 0's key reaches it; nothing is assumed about a model without such a parser.
+    """
+    leaves = tuple(p for p, _ in mod.named_parameters(recurse=False))
+    parts = mod_name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        owner_name = ".".join(parts[:cut])
+        owner = model.get_submodule(owner_name) if owner_name else model
+        parse = getattr(type(owner), "_get_streamed_expert_info", None)
+        if not callable(parse):
+            continue
+        head = owner_name + "." if owner_name else ""
+        if not (prefix.startswith(head) and mod_name.startswith(head)):
+            return ()
+        params = {f"{mod_name[len(head):]}.{leaf}": None for leaf in leaves}
+        out = []
+        for leaf, param in zip(leaves, params):
+            try:
+                found = parse(f"{prefix[len(head):]}.0.{leaf}", params)
+            except Exception:  # noqa: BLE001  (a parser that cannot answer: no per-expert route assumed)
+                found = None
+            if isinstance(found, tuple) and len(found) >= 2 and found[0] == 0 and found[1] == param:
+                out.append(leaf)
+        return tuple(out)
+    return ()
 
 
 def _experts_prefix(mod_name: str, layer_name: str | None) -> str:

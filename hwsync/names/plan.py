@@ -31,8 +31,11 @@ class Target:
     (``shard_id`` "q"/"k"/"v", an index, or a tuple of consecutive indices), ``"expert"`` one expert's
     ``w1``/``w3``/``w2`` (or ``w13`` = its fused gate_up) of a stacked MoE parameter, ``"experts"`` all experts
     of a fused transformers tensor (``shard_id`` "w13"/"w2", ``expert_ids`` None = all), ``"loader"`` the whole
-    parameter in the model's own checkpoint layout, which only vLLM's loader converts (GPT-OSS experts): written
-    through vLLM's reload path only.
+    parameter in the model's own checkpoint layout, which only vLLM's loader converts (GPT-OSS experts, Llama 4's
+    ``[E, in, out]`` experts): written through vLLM's reload path only (one expert at a time where the model's loader
+    takes per-expert keys, :attr:`hwsync.names.ExpertGroup.streamed`). ``"routed"``: a name no declaration places,
+    handed to vLLM's loader under its checkpoint spelling (``resolve(route_unknown=True)``); ``param`` is empty until
+    :meth:`Plan.bind_routed` turns it into ``"loader"`` targets on the parameters the loader wrote.
     """
 
     param: str
@@ -48,10 +51,13 @@ class _Resolution:
     expected: tuple[int, ...] | None  # None: vLLM splits it in a way hwsync cannot read (TP with a custom loader)
     dtype: torch.dtype
     alias: bool = False  # reached through a tied alias (lm_head -> embed_tokens)
+    note: str = ""  # why a "routed" name resolved to nothing statically (the error if vLLM's loader takes it nowhere)
+    checkpoint: bool = False  # load_name is the exact checkpoint spelling: vLLM's loader takes it as is
 
 
 class _ExpertSlice:
-    """Picklable transform: one expert's gate, up or down out of a fused transformers tensor."""
+    """Picklable transform: one expert's gate, up or down (or, for any other ``part``, the whole expert) out of a
+    fused transformers tensor."""
 
     def __init__(self, expert: int, part: str) -> None:
         self.expert, self.part = expert, part
@@ -169,7 +175,7 @@ class Plan:
         t = dst.get(tg.param)
         if t is None:
             return "not among the given receiver parameters (pass params=the vLLM model or its named_parameters())"
-        if tg.kind == "loader":
+        if tg.kind in ("loader", "routed"):
             return ("vLLM's loader converts this tensor's checkpoint layout; use vllm_checkpoint_names() + "
                     "reload_weights")
         if tg.kind in ("expert", "experts"):
@@ -215,13 +221,23 @@ class Plan:
         if res is None:
             raise KeyError(f"{name!r} is not in this plan's manifest")
         tg = res.targets[0]
+        also = [(a, None) for a in self.namespace.reprocessed_aliases  # tied, in another module: reload it too
+                if tg.kind == "param" and self.namespace.aliases[a] == _canon(tg.param) and not res.alias]
+        if res.checkpoint:
+            return [(res.load_name, None), *also]
+        if tg.kind == "loader":
+            owner = self.namespace.group_owning(tg.param)
+            leaf = tg.param.rsplit(".", 1)[-1]
+            if owner is not None and leaf in owner.streamed:  # the model's loader takes it one expert at a time
+                return [(f"{owner.prefix}.{e}.{leaf}", _ExpertSlice(e, "expert")) for e in range(owner.num_experts)]
+            return [(res.load_name, None)]
         if tg.kind != "experts":
             if tg.kind == "expert" and tg.shard_id == "w13":  # per-expert fused gate_up: split for any loader
                 g = self.namespace.group_of(tg.param)
                 assert g is not None
                 stem = res.load_name.rsplit(".", 2)[0]
                 return [(f"{stem}.{g.gate}.weight", _Chunk(0)), (f"{stem}.{g.up}.weight", _Chunk(1))]
-            return [(res.load_name, None)]
+            return [(res.load_name, None), *also]
         g = self.namespace.group_of(tg.param)
         assert g is not None
         leaf = res.load_name.rsplit(".", 1)
@@ -252,6 +268,19 @@ class Plan:
             for load_name, fn in self.vllm_checkpoint_names(name):
                 yield load_name, (fn(t) if fn is not None else t)
 
+    # -- routed names (resolve(route_unknown=True)) ---------------------------------------------------------------
+    def routed(self) -> dict[str, str]:
+        """Names not yet bound to receiver parameters -> why they resolved to nothing statically."""
+        return {n: self._resolutions[n].note for n, ts in self.entries.items() if any(t.kind == "routed" for t in ts)}
+
+    def bind_routed(self, name: str, params: Iterable[str]) -> None:
+        """Record where vLLM's own loader put a routed name: ``"loader"`` targets (reload path only)."""
+        targets = tuple(Target(p, "loader") for p in sorted(set(params)))
+        if not targets:
+            raise ValueError(f"{name}: no receiver parameter to bind")
+        self.entries[name] = targets
+        self._resolutions[name] = dataclasses.replace(self._resolutions[name], targets=targets)
+
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def unwritten(self) -> list[str]:
         """Receiver parameters (live names) that no trainer name in the manifest writes completely."""
@@ -262,6 +291,10 @@ class Plan:
         if ns.signature != self.namespace.signature:
             raise ResolutionError("cannot rebind a plan to a receiver with a different namespace; resolve again")
         return dataclasses.replace(self, namespace=ns)
+
+
+def _canon(live_name: str) -> str:
+    return ".".join(p for p in live_name.split(".") if p != "base_layer")
 
 
 class _Chunk:
@@ -276,6 +309,8 @@ class _Chunk:
 
 def _atoms(ns: Namespace, tg: Target) -> list[tuple[str, Any]]:
     """The disjoint pieces of the receiver a target writes (to detect two trainer names writing one place)."""
+    if tg.kind == "routed":  # not placed yet: vLLM's loader decides (bound after the dry run)
+        return []
     if tg.kind == "loader":
         g = ns.group_of(tg.param)
         if g is not None:

@@ -50,6 +50,7 @@ def resolve(
     skip_adapter_tensors: bool = False,
     cast: bool = False,
     require_complete: bool = False,
+    route_unknown: bool = False,
 ) -> Plan:
     """Resolve a whole manifest against a receiver namespace; raise one ResolutionError listing every problem.
 
@@ -59,7 +60,11 @@ def resolve(
     (``lora_A``/``lora_B``) are skipped instead of refused (merge them first, see :mod:`hwsync.merged`, or sync
     them as an adapter, see :mod:`hwsync.lora_formats`). ``cast``: accept a floating dtype different from the
     receiver's (the copy casts); by default dtypes must match. ``require_complete``: also refuse a manifest that
-    leaves any receiver parameter (or part of one) unwritten.
+    leaves any receiver parameter (or part of one) unwritten. ``route_unknown``: a name that resolves to no receiver
+    parameter is not refused here but left to the model's own loader, spelled the checkpoint way (transformers'
+    renames reversed), as a ``"routed"`` target: models rename inside ``load_weights`` where no declaration shows it
+    (Ernie 4.5's ``moe_statics``, Granite-MoE-hybrid's ``router.layer``). The caller must find where vLLM's loader
+    puts it (:func:`hwsync.vllm.dry_run.dry_run_load` binds it with :meth:`Plan.bind_routed`) or refuse it.
     """
     problems: list[str] = []
     entries: dict[str, tuple[Target, ...]] = {}
@@ -104,6 +109,10 @@ def resolve(
             problems.append(f"{name!r}: {message}; pass allow_skip_prefixes=({skip_prefix!r},) to skip it")
         elif kind == "missing" and allowed(name, clean):
             skipped[name] = "no receiver parameter (allowed by allow_skip_prefixes)"
+        elif kind == "missing" and route_unknown:
+            res = _Resolution((Target("", "routed"),), _renamed(ns, clean), None, dtype,
+                              note=f"{name!r} {list(shape)} {_dt(dtype)}: {message}")
+            entries[name], resolutions[name] = res.targets, res
         else:
             problems.append(f"{name!r} {list(shape)} {_dt(dtype)}: {message}")
 
@@ -181,7 +190,15 @@ def _resolve_one(ns: Namespace, clean: str, shape: tuple[int, ...], shapes: Mapp
         spellings = [renamed, *_rooted_spellings(ns, clean), *_rooted_spellings(ns, renamed)]
         found, dropped = _try_spellings(ns, [x for x in dict.fromkeys(spellings) if x != clean], shape, shapes)
     if len(found) == 1:
-        return next(iter(found.values()))
+        res = next(iter(found.values()))
+        renamed = _renamed(ns, clean)
+        if res.load_name == clean and renamed != clean and _map(ns, renamed) is not None \
+                and not _try_spellings(ns, [renamed], shape, shapes)[0]:
+            # the checkpoint spells it in a way no declaration places (Granite-MoE-hybrid's fused experts are
+            # ``input_linear.weight`` on disk): the model's load_weights renames it itself, so that spelling is the
+            # one its loader takes (the dry run checks it)
+            return dataclasses.replace(res, load_name=renamed, checkpoint=True)
+        return res
     if len(found) > 1:
         options = "; ".join(f"{r.load_name} -> {_describe(t)}" for t, r in found.items())
         return ("ambiguous", f"ambiguous: it fits several receiver parameters ({options}); send it under the "

@@ -119,8 +119,12 @@ def _vllm_spellings(names_plan: Any, weights: Iterator[tuple[str, Tensor]]) -> I
 
 def vllm_reload(runner: Any, weights: Any) -> None:
     """vLLM's own weight-update path (``reload_weights`` in checkpoint format), with the probe-gated fixes it needs
-    held around it (the CPU MoE prepack): the trusted reference the faster paths are checked against."""
-    with _quiet_partial_reload(), _patch_scope(_PREPACK_PATCH), torch.no_grad():
+    held around it (the CPU MoE prepack) and, on a LoRA engine, the parameter names the model's loader was written
+    against (:mod:`hwsync.vllm.lora_view`): the trusted reference the faster paths are checked against."""
+    from hwsync.vllm.lora_view import checkpoint_names
+
+    with _quiet_partial_reload(), _patch_scope(_PREPACK_PATCH), checkpoint_names(runner.get_model()), \
+            torch.no_grad():
         runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
 
@@ -138,8 +142,33 @@ class Plan:
     """Trainer name -> why it always goes through vLLM's reload."""
     direct: Any = None
     """:class:`hwsync.vllm.direct.DirectWriter` for the names proven equal to vLLM's own load path (else ``None``)."""
+    raw: Any = None
+    """:class:`hwsync.vllm.direct.DirectWriter` for the names the model's ``load_weights`` copies itself, which vLLM's
+    reload cannot see (:func:`hwsync.vllm.dry_run.dry_run_load`): written in place on every sync (else ``None``)."""
     calibrated: bool = False
     syncs: int = 0
+
+
+def _check_routed_dtypes(names_plan: Any, routed: Mapping[str, str], cast: bool) -> None:
+    """Names placed by vLLM's loader (resolve(route_unknown=True)) get the dtype check resolution gives every other
+    name: a floating tensor whose engine parameter holds another dtype is refused unless the manifest allows casts
+    (Granite-MoE-hybrid's ``A_log`` arrives in the engine's bf16, vLLM keeps ``A`` in fp32: precision already lost)."""
+    from hwsync.names.plan import _error
+
+    ns = names_plan.namespace
+    problems = []
+    for name in routed:
+        dtype = names_plan.manifest[name][1]
+        for tg in names_plan.entries.get(name, ()):
+            try:
+                held = ns.spec_of(tg.param).dtype
+            except KeyError:
+                continue
+            if held != dtype and not (cast and held.is_floating_point and dtype.is_floating_point):
+                problems.append(f"{name!r} -> {tg.param}: dtype does not fit: receiver holds "
+                                f"{dtype_name(held)}, got {dtype_name(dtype)}")
+    if problems:
+        raise _error(problems, "nothing was written", len(names_plan.manifest), ns)
 
 
 class VllmApplier:
@@ -152,6 +181,7 @@ class VllmApplier:
         # a failed reload whose restoration failed too left layers holding placeholders (``meta``) instead of their
         # kernel tensors: until one vLLM reload has run to the end, nothing is written in place (see _recover)
         self._layers_unrestored = False
+        self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
         self.last_lora_path = ""
 
     # -- facts ----------------------------------------------------------------------------------------------------
@@ -233,6 +263,12 @@ class VllmApplier:
             return f"no MoE-LoRA kernels on this platform: {moe['reason']}"
         return None
 
+    @property
+    def lora_row_orders(self) -> dict[str, Tensor]:
+        """LoRA module (trainer path) -> the row order this engine's loader gives its base weight, applied to the
+        module's B on every adapter install (:meth:`_learn_row_orders`; empty for most models)."""
+        return dict(self._row_orders)
+
     # -- validation -----------------------------------------------------------------------------------------------
     def validate(self, manifest: Manifest) -> Plan:
         plan = Plan()
@@ -249,13 +285,18 @@ class VllmApplier:
 
         if self._namespace is None:
             self._namespace = namespace_from_vllm_model(model_of(self.worker))
-        return resolve({sp.name: (sp.shape, sp.dtype) for sp in specs}, self._namespace, cast=cast)
+        return resolve({sp.name: (sp.shape, sp.dtype) for sp in specs}, self._namespace, cast=cast,
+                       route_unknown=True)  # the dry run places (or refuses) what no declaration shows
 
-    def _resolve_base(self, specs: Sequence[TensorSpec], *, require_complete: bool, cast: bool = True) -> Plan:
+    def _resolve_base(self, specs: Sequence[TensorSpec], *, require_complete: bool, cast: bool = True,
+                      transformed: set[str] | None = None) -> Plan:
         from hwsync.vllm.dry_run import dry_run_load
 
         names_plan = self._names_plan(specs, cast)
-        groups, partial = dry_run_load(model_of(self.worker), specs, names_plan)
+        raw: dict[str, str] = {}
+        routed = names_plan.routed()
+        groups, partial = dry_run_load(model_of(self.worker), specs, names_plan, raw=raw, transformed=transformed)
+        _check_routed_dtypes(names_plan, routed, cast)
         if require_complete and partial:
             layer, (got, total, names) = next(iter(partial.items()))
             raise ResolutionError(
@@ -264,10 +305,17 @@ class VllmApplier:
                 "a sync must carry all tensors of every layer it touches (all of q/k/v, all experts of a MoE block)"
             )
         plan = Plan(groups, names_plan)
+        if raw and require_complete:
+            from hwsync.vllm.direct import DirectWriter, raw_writable
+
+            raw_writable(model_of(self.worker), names_plan, raw)  # refuses before any write
+            plan.raw = DirectWriter(names_plan, frozenset(raw), self._live(plan))
         if require_complete and _direct_enabled():
             from hwsync.vllm.direct import eligible_names
 
             plan.eligible, plan.ineligible = eligible_names(model_of(self.worker), names_plan)
+            for name in raw:
+                plan.eligible.pop(name, None)
         return plan
 
     def _peft_helper(self, config: Mapping[str, Any]) -> Any:
@@ -291,8 +339,15 @@ class VllmApplier:
 
         manager = lora_manager_of(self.worker)
         packed = {k: list(v) for k, v in manager.packed_modules_mapping.items() if k != "experts"}
-        return to_vllm_lora(from_wire(tensors, meta), moe_format="3d" if getattr(manager, "_is_3d_moe_model", False)
-                            else "2d", packed_modules_mapping=packed or None, copy=False)
+        out, config = to_vllm_lora(from_wire(tensors, meta), moe_format="3d" if getattr(manager, "_is_3d_moe_model",
+                                                                                           False)
+                                   else "2d", packed_modules_mapping=packed or None, copy=False)
+        for key, t in out.items():  # rows the model's loader reorders in the base weight (_learn_row_orders)
+            perm = self._row_orders.get(key.removeprefix("base_model.model.").removesuffix(".lora_B.weight")) \
+                if key.endswith(".lora_B.weight") else None
+            if perm is not None and not t.is_meta:
+                out[key] = t.index_select(0, perm.to(t.device))
+        return out, config
 
     def _validate_lora(self, manifest: Manifest) -> None:
         manager = lora_manager_of(self.worker)
@@ -311,7 +366,30 @@ class VllmApplier:
                                      'Use strategy="hybrid" (merged weights there) or "full"')
         if manifest.lora_base_names:
             specs = [TensorSpec(n, tuple(shape), torch.float32) for n, shape in manifest.lora_base_names.items()]
-            self._resolve_base(specs, require_complete=False)  # names and shapes of what the LoRA adapts
+            transformed: set[str] = set()
+            plan = self._resolve_base(specs, require_complete=False, transformed=transformed)  # what the LoRA adapts
+            self._learn_row_orders(plan.names, [sp for sp in specs if sp.name in transformed])
+
+    def _learn_row_orders(self, names_plan: Any, specs: Sequence[TensorSpec]) -> None:
+        """Base weights the model's loader transforms before storing them (Llama 4 permutes q/k rows for its rotary
+        layout) while vLLM hands the LoRA of the same module to the kernels as given: the LoRA would not follow its
+        weight. Where the transform is a reordering of rows, the adapter's B gets the same reordering
+        (:meth:`to_vllm_format`), so the engine serves the trainer's ΔW; anything else is refused here."""
+        from hwsync.vllm.dry_run import row_orders
+
+        todo = [sp for sp in specs if sp.name.removesuffix(".weight") not in self._row_orders]
+        if not todo:
+            return
+        found = row_orders(model_of(self.worker), todo, names_plan)
+        bad = {n: why for n, why in found.items() if isinstance(why, str)}
+        if bad:
+            name, why = next(iter(bad.items()))
+            raise AdapterFormatError(
+                f"vLLM's loader transforms the base weight of {len(bad)} LoRA-adapted module(s), e.g. {name} ({why}), "
+                "but serves their LoRA untransformed: the engine would not serve the trainer's policy. Adapt other "
+                'modules, or sync these merged (strategy="full")')
+        self._row_orders.update({n.removesuffix(".weight"): perm for n, perm in found.items()
+                                 if not isinstance(perm, str)})
 
     # -- base weights ---------------------------------------------------------------------------------------------
     def load_base(self, plan: Plan, weights: Iterator[tuple[str, Tensor]]) -> str:
@@ -324,13 +402,16 @@ class VllmApplier:
         # reload puts the layers' kernel tensors back (an in-place write would land in a placeholder)
         enabled = _direct_enabled() and not self._layers_unrestored
         direct = plan.direct if enabled else None
+        if plan.raw is not None:  # vLLM's reload cannot write these at all (HWSYNC_DIRECT=0 included)
+            weights = plan.raw.split(weights)
         if direct is not None:
             weights = direct.split(weights)
         elif enabled and plan.eligible and not plan.calibrated:
             calibration = Calibration(plan.names, plan.eligible, self._live(plan))
             weights = _observed(weights, calibration)
+        written = set(direct.names if direct is not None else ()) | set(plan.raw.names if plan.raw is not None else ())
         try:
-            if direct is not None and direct.names.issuperset(plan.groups):
+            if written.issuperset(plan.groups) and not self._layers_unrestored:
                 for name, _t in weights:  # everything is written in place: vLLM's reload is not needed at all
                     raise SyncError(f"internal: {name} was not written in place")
             else:
@@ -340,8 +421,10 @@ class VllmApplier:
             raise
         self._layers_unrestored = False
         plan.syncs += 1
-        in_place = len(direct.names) if direct is not None else 0
+        in_place = len(written)
         path = f"base: {in_place} in place, {len(plan.groups) - in_place} through vLLM's reload"
+        if plan.raw is not None:
+            path += f" ({len(plan.raw.names)} in place because vLLM's loader copies them where its reload cannot see)"
         if calibration is not None:
             plan.calibrated = True
             proven = calibration.proven()

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from hwsync.layouts import w2_from_fused, w13_from_fused
 
-__all__ = ["Calibration", "DirectWriter", "why_not_direct"]
+__all__ = ["Calibration", "DirectWriter", "raw_writable", "why_not_direct"]
 
 logger = logging.getLogger("hwsync.vllm")
 
@@ -94,7 +94,7 @@ def eligible_names(model: torch.nn.Module, names_plan: Any) -> tuple[dict[str, s
     for name, targets in names_plan.entries.items():
         reason = None
         for tg in targets:
-            if tg.kind == "loader":
+            if tg.kind in ("loader", "routed"):
                 reason = "in the model's own checkpoint layout, which only vLLM's loader converts"
             elif tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
                 reason = "per-expert tensors (only whole fused expert tensors are written in place)"
@@ -109,6 +109,28 @@ def eligible_names(model: torch.nn.Module, names_plan: Any) -> tuple[dict[str, s
         else:
             why[name] = reason
     return out, why
+
+
+def raw_writable(model: torch.nn.Module, names_plan: Any, raw: dict[str, str]) -> None:
+    """Refuse (one :class:`~hwsync.errors.ResolutionError`, before any write) names the model's loader copies
+    itself (``raw``, see :func:`hwsync.vllm.dry_run.dry_run_load`) where hwsync cannot write them in place: a kernel
+    that reads a processed copy, or a split hwsync cannot read. vLLM's reload cannot write them either."""
+    from hwsync.errors import ResolutionError
+
+    mla = mla_consumed_modules(model)
+    problems = []
+    for name in sorted(raw):
+        for tg in names_plan.entries[name]:
+            why = why_not_direct(_owner(model, tg.param), tg.param, mla)
+            if why is None and not names_plan.namespace.spec_of(tg.param).sharding_known:
+                why = "vLLM shards it with a loader hwsync cannot read"
+            if why is not None:
+                problems.append(f"{name} -> {tg.param}: {why}")
+    if problems:
+        raise ResolutionError(
+            f"{len(problems)} tensor(s) are written by the model's own load_weights with a plain copy, which vLLM's "
+            f"reload_weights cannot see, and hwsync cannot write them in place either: {'; '.join(problems[:3])}. "
+            "Sync them with a fresh engine (restart vLLM from a checkpoint) or leave them out of the sync")
 
 
 def _checksum(x: Tensor) -> tuple[float, float]:

@@ -20,7 +20,7 @@ __all__ = ["dry_run_load"]
 
 def dry_run_load(
     model: torch.nn.Module, specs: Sequence[TensorSpec], names_plan: Any = None,
-    transformed: set[str] | None = None,
+    transformed: set[str] | None = None, raw: dict[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[str, tuple[int, int, set[str]]]]:
     """Route ``specs`` through the model's own ``load_weights``, writing nothing.
 
@@ -38,108 +38,246 @@ def dry_run_load(
     ``transformed`` (optional) collects the trainer names whose tensor reached a weight loader as something other
     than a view of what was yielded: the model's ``load_weights`` computed a new tensor from it (Llama 4 permutes
     q/k for its rotary layout), so what the kernels read is not a re-layout of the trainer's values.
+
+    A name that reaches no weight loader may still be written by the model's ``load_weights`` itself, with a plain
+    ``param.copy_`` (GPT-OSS's attention sinks): vLLM's layerwise reload never sees such a write (it lands on the
+    ``meta`` stand-in), so a reload leaves the old value in place. With ``names_plan``, such names get a second pass:
+    their resolved parameters become zero-filled scratch tensors (everything else stays ``meta``), a probe tensor
+    goes through ``load_weights``, and the name is accepted only if the model's own code left exactly what
+    :meth:`hwsync.names.Plan.apply` writes from the same probe. Those names are returned in ``raw`` (trainer name ->
+    engine parameters), to be written in place by hwsync (:mod:`hwsync.vllm.applier`); any other name no loader
+    took is refused. Without ``raw`` they are refused too.
     """
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS, to_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors, \
-        get_tensor_load_numel
-
-    path_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
-    current: list[str] = [""]
-    source: list[Tensor | None] = [None]
-    loaded: dict[int, int] = {}
-    names_of: dict[int, set[str]] = {}
     groups: dict[str, str] = {}
-    saved: list[tuple[torch.nn.Module, dict[str, Tensor], dict[str, Tensor], set[str]]] = []
-
-    def weights() -> Iterator[tuple[str, Tensor]]:
-        for sp in specs:
-            current[0] = sp.name
-            meta = torch.empty(sp.shape, dtype=sp.dtype, device="meta")
-            if names_plan is None:
-                source[0] = meta
-                yield sp.name, meta
-                continue
-            for load_name, fn in names_plan.vllm_checkpoint_names(sp.name):
-                source[0] = fn(meta) if fn is not None else meta
-                yield load_name, source[0]
-
-    def stand_in(layer: torch.nn.Module, name: str, t: Tensor, counted: bool) -> int:
-        """Register ``t`` (a meta tensor) as ``layer.name`` with an intercepting loader; the elements a complete
-        load of the layer needs from it (0 for tensors vLLM's reload does not count, e.g. e_score_correction_bias)."""
-        original = getattr(t, "weight_loader", None)
-        while getattr(original, "__name__", "") == "online_process_loader":  # left by a past reload
-            original = original.__wrapped__
-        t.weight_loader = _Intercept(layer, f"{path_of.get(id(layer), '?')}.{name}".lstrip("."), original,
-                                     current, loaded if counted else {}, names_of, groups, path_of)
-        t.weight_loader.source, t.weight_loader.transformed = source, transformed
-        layer.register_parameter(name, t)
-        return get_tensor_load_numel(t) if counted else 0
-
-    needed: dict[int, int] = {}
-    try:
-        for layer in model.modules():
-            params, buffers = get_layer_params_buffers(layer)
-            non_persistent = set(layer._non_persistent_buffers_set)
-            saved.append((layer, params, buffers, non_persistent))
-            r_params, r_buffers = get_layerwise_info(layer).restore_metadata
-            for name in set(get_layer_tensors(layer)) | set(r_params) | set(r_buffers):
-                if name not in SKIP_TENSORS and hasattr(layer, name):
-                    delattr(layer, name)
-            total = 0
-            for name, meta in r_params.items():
-                if name not in SKIP_TENSORS:
-                    total += stand_in(layer, name, to_meta_tensor(restore_layer_refs(meta, layer)),
-                                      name not in SKIP_LOAD_TENSORS)
-            for name, meta in r_buffers.items():
-                if name not in SKIP_TENSORS:
-                    layer.register_buffer(name, to_meta_tensor(restore_layer_refs(meta, layer)),
-                                          persistent=name not in non_persistent)
-            # Parameters vLLM leaves live across a reload (bias, e_score_correction_bias; or a layer without reload
-            # metadata): a meta copy keeps their loaders (and attributes) off the serving tensors.
-            for name, p in list(layer._parameters.items()):
-                if p is not None and not p.is_meta:
-                    total += stand_in(layer, name, to_meta_tensor(p), name not in SKIP_LOAD_TENSORS)
-            needed[id(layer)] = total
-        try:
-            with torch.no_grad():
-                model.load_weights(weights())
-        except _LoaderFailed as e:
-            raise ResolutionError(
-                f"{current[0]}: the engine cannot load this tensor into {e.param} (loader {e.loader}: "
-                f"{type(e.cause).__name__}: {e.cause}). Check the name (trainer naming: transformers runtime names, "
-                "PEFT prefixes allowed) and the shape against the model vLLM serves"
-            ) from e.cause
-        except (KeyError, ValueError, AssertionError, RuntimeError, IndexError, TypeError, NotImplementedError,
-                AttributeError) as e:
-            raise ResolutionError(
-                f"{current[0]}: the engine cannot load this tensor ({type(e).__name__}: {e}). Check the name "
-                "(trainer naming: transformers runtime names, PEFT prefixes allowed) and the shape against the "
-                "model vLLM serves"
-            ) from e
-    finally:
-        for layer, params, buffers, non_persistent in saved:
-            for name in list(get_layer_tensors(layer)):
-                delattr(layer, name)
-            for name, p in params.items():
-                layer.register_parameter(name, p)
-            for name, b in buffers.items():
-                layer.register_buffer(name, b, persistent=name not in non_persistent)
+    run = _DryRun(model, groups, transformed)
     skipped = getattr(names_plan, "skipped", {})
+    routed = names_plan.routed() if names_plan is not None and hasattr(names_plan, "routed") else {}
+    try:
+        run.load([(sp.name, _pieces(names_plan, sp.name, torch.empty(sp.shape, dtype=sp.dtype, device="meta")))
+                  for sp in specs])
+    except ResolutionError as e:
+        if run.current[0] not in routed:
+            raise
+        raise ResolutionError(f"1 problem(s) resolving {len(specs)} trainer tensor(s); nothing was written:\n  - "
+                              f"{routed[run.current[0]]} (and vLLM's own loader refuses it: {e})") from e
+    for name in routed:  # names only vLLM's loader could place: where it put them
+        if run.params_of.get(name):
+            names_plan.bind_routed(name, run.params_of[name])
     unknown = [sp.name for sp in specs if sp.name not in groups and sp.name not in skipped]
+    if any(n in routed for n in unknown):
+        notes = [routed[n] for n in unknown if n in routed]
+        raise ResolutionError(
+            f"{len(notes)} tensor(s) resolve to no engine parameter and vLLM's own loader takes them nowhere either; "
+            "nothing was written:\n" + "\n".join(f"  - {x}" for x in notes[:40]))
+    copied = _raw_copies(model, [sp for sp in specs if sp.name in unknown], names_plan) \
+        if unknown and names_plan is not None and raw is not None else {}
+    unknown = [n for n in unknown if n not in copied]
     if unknown:
         raise ResolutionError(
             f"{len(unknown)} tensor(s) map to no engine parameter, e.g. {unknown[:3]}: vLLM would silently drop them. "
             "Send only weights of the served model (trainer naming), or sync the model vLLM was started with"
         )
+    if raw is not None:
+        raw.update(copied)
+        for name, params in copied.items():
+            groups.setdefault(name, params.split(",")[0].rpartition(".")[0])
     by_layer = {id(m): m for m in model.modules()}
     partial = {
-        path_of.get(lid, "?"): (n, needed.get(lid, 0), names_of.get(lid, set()))
-        for lid, n in loaded.items()
-        if n < needed.get(lid, 0) and lid in by_layer
+        run.path_of.get(lid, "?"): (n, run.needed.get(lid, 0), run.names_of.get(lid, set()))
+        for lid, n in run.loaded.items()
+        if n < run.needed.get(lid, 0) and lid in by_layer
     }
     return groups, partial
+
+
+def _pieces(names_plan: Any, name: str, t: Tensor) -> list[tuple[str, Tensor]]:
+    """``(vLLM spelling, tensor)`` pairs for trainer tensor ``t``, as :meth:`hwsync.names.Plan.vllm_weights` renames."""
+    if names_plan is None:
+        return [(name, t)]
+    return [(load_name, fn(t) if fn is not None else t) for load_name, fn in names_plan.vllm_checkpoint_names(name)]
+
+
+class _DryRun:
+    """One pass of the model's ``load_weights`` over stand-in parameters (see :func:`dry_run_load`)."""
+
+    def __init__(self, model: torch.nn.Module, groups: dict[str, str], transformed: set[str] | None,
+                 captured: dict[str, list[Tensor]] | None = None) -> None:
+        self.model, self.groups, self.transformed, self.captured = model, groups, transformed, captured
+        self.path_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.current: list[str] = [""]
+        self.source: list[Tensor | None] = [None]
+        self.loaded: dict[int, int] = {}
+        self.names_of: dict[int, set[str]] = {}
+        self.needed: dict[int, int] = {}
+        self.params_of: dict[str, set[str]] = {}  # trainer name -> engine parameters its loads reached
+
+    def _stand_in(self, layer: torch.nn.Module, name: str, t: Tensor, counted: bool) -> int:
+        """Register ``t`` as ``layer.name`` with an intercepting loader; the elements a complete load of the layer
+        needs from it (0 for tensors vLLM's reload does not count, e.g. e_score_correction_bias)."""
+        from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+
+        original = getattr(t, "weight_loader", None)
+        while getattr(original, "__name__", "") == "online_process_loader":  # left by a past reload
+            original = original.__wrapped__
+        t.weight_loader = _Intercept(layer, f"{self.path_of.get(id(layer), '?')}.{name}".lstrip("."), original,
+                                     self.current, self.loaded if counted else {}, self.names_of, self.groups,
+                                     self.path_of)
+        t.weight_loader.source, t.weight_loader.transformed = self.source, self.transformed
+        t.weight_loader.captured, t.weight_loader.params_of = self.captured, self.params_of
+        layer.register_parameter(name, t)
+        return get_tensor_load_numel(t) if counted else 0
+
+    def load(self, weights: Sequence[tuple[str, list[tuple[str, Tensor]]]],
+             scratch: dict[str, Tensor] | None = None) -> None:
+        """Swap every layer to stand-ins (``scratch``: live parameter name -> the real tensor to stand in for it
+        instead of ``meta``), feed ``weights`` (trainer name, its vLLM spellings) to ``load_weights``, put every
+        layer back."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS, SKIP_TENSORS, to_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
+
+        from hwsync.vllm.lora_view import checkpoint_names
+
+        scratch = scratch or {}
+        stood: set[int] = set()  # scratch stand-ins already registered (not to be wrapped again as "live")
+
+        def meta_or_scratch(layer: torch.nn.Module, name: str, meta: Tensor) -> Tensor:
+            real = scratch.get(f"{self.path_of.get(id(layer), '')}.{name}".lstrip("."))
+            if real is None:
+                return meta
+            stand = torch.nn.Parameter(real, requires_grad=False)
+            stand.__dict__.update(meta.__dict__)
+            stood.add(id(stand))
+            return stand
+
+        def feed() -> Iterator[tuple[str, Tensor]]:
+            for name, pieces in weights:
+                self.current[0] = name
+                for load_name, t in pieces:
+                    self.source[0] = t
+                    yield load_name, t
+
+        saved: list[tuple[torch.nn.Module, dict[str, Tensor], dict[str, Tensor], set[str]]] = []
+        try:
+            for layer in self.model.modules():
+                params, buffers = get_layer_params_buffers(layer)
+                non_persistent = set(layer._non_persistent_buffers_set)
+                saved.append((layer, params, buffers, non_persistent))
+                r_params, r_buffers = get_layerwise_info(layer).restore_metadata
+                for name in set(get_layer_tensors(layer)) | set(r_params) | set(r_buffers):
+                    if name not in SKIP_TENSORS and hasattr(layer, name):
+                        delattr(layer, name)
+                total = 0
+                for name, meta in r_params.items():
+                    if name not in SKIP_TENSORS:
+                        stand = meta_or_scratch(layer, name, to_meta_tensor(restore_layer_refs(meta, layer)))
+                        total += self._stand_in(layer, name, stand, name not in SKIP_LOAD_TENSORS)
+                for name, meta in r_buffers.items():
+                    if name not in SKIP_TENSORS:
+                        layer.register_buffer(name, to_meta_tensor(restore_layer_refs(meta, layer)),
+                                              persistent=name not in non_persistent)
+                # Parameters vLLM leaves live across a reload (bias, e_score_correction_bias; or a layer without
+                # reload metadata): a meta copy keeps their loaders (and attributes) off the serving tensors.
+                for name, p in list(layer._parameters.items()):
+                    if p is not None and not p.is_meta and id(p) not in stood:
+                        stand = meta_or_scratch(layer, name, to_meta_tensor(p))
+                        total += self._stand_in(layer, name, stand, name not in SKIP_LOAD_TENSORS)
+                self.needed[id(layer)] = total
+            try:
+                with torch.no_grad(), checkpoint_names(self.model):  # the names a reload will present (LoRA)
+                    self.model.load_weights(feed())
+            except _LoaderFailed as e:
+                raise ResolutionError(
+                    f"{self.current[0]}: the engine cannot load this tensor into {e.param} (loader {e.loader}: "
+                    f"{type(e.cause).__name__}: {e.cause}). Check the name (trainer naming: transformers runtime "
+                    "names, PEFT prefixes allowed) and the shape against the model vLLM serves"
+                ) from e.cause
+            except (KeyError, ValueError, AssertionError, RuntimeError, IndexError, TypeError, NotImplementedError,
+                    AttributeError) as e:
+                raise ResolutionError(
+                    f"{self.current[0]}: the engine cannot load this tensor ({type(e).__name__}: {e}). Check the "
+                    "name (trainer naming: transformers runtime names, PEFT prefixes allowed) and the shape against "
+                    "the model vLLM serves"
+                ) from e
+        finally:
+            for layer, params, buffers, non_persistent in saved:
+                for name in list(get_layer_tensors(layer)):
+                    delattr(layer, name)
+                for name, p in params.items():
+                    layer.register_parameter(name, p)
+                for name, b in buffers.items():
+                    layer.register_buffer(name, b, persistent=name not in non_persistent)
+
+
+def _probe(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """Distinct, nonzero values exact in every floating dtype (k/256, k = 1..251): where each element lands shows."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return ((torch.arange(n, dtype=torch.int64) % 251 + 1).to(torch.float32) / 256).to(dtype).reshape(tuple(shape))
+
+
+def _raw_copies(model: torch.nn.Module, specs: Sequence[TensorSpec], names_plan: Any) -> dict[str, str]:
+    """The names among ``specs`` (which reached no weight loader) that the model's ``load_weights`` copies into
+    their resolved parameters itself, exactly as hwsync's writer would (see :func:`dry_run_load`): name -> live
+    parameters (comma-separated)."""
+    candidates = [sp for sp in specs if sp.dtype.is_floating_point and sp.name in names_plan.entries
+                  and all(tg.kind in ("param", "packed") for tg in names_plan.entries[sp.name])]
+    if not candidates:
+        return {}
+    live = {names_plan.namespace.params[c].name: t for c, t in names_plan.namespace.live.items()}
+    params = sorted({tg.param for sp in candidates for tg in names_plan.entries[sp.name]})
+    if any(p not in live for p in params):
+        return {}
+    scratch = {p: torch.zeros(live[p].shape, dtype=live[p].dtype, device=live[p].device) for p in params}
+    expected = {p: torch.zeros_like(t) for p, t in scratch.items()}
+    probes = [(sp.name, _probe(sp.shape, sp.dtype)) for sp in candidates]
+    try:
+        names_plan.apply(probes, expected)
+    except ResolutionError:
+        return {}
+    _DryRun(model, {}, None).load([(name, _pieces(names_plan, name, t)) for name, t in probes], scratch)
+    out: dict[str, str] = {}
+    for sp in candidates:
+        targets = [tg.param for tg in names_plan.entries[sp.name]]
+        if all(bool(expected[p].ne(0).any()) and torch.equal(scratch[p], expected[p]) for p in targets):
+            out[sp.name] = ",".join(dict.fromkeys(targets))
+    return out
+
+
+def row_orders(model: torch.nn.Module, specs: Sequence[TensorSpec], names_plan: Any) -> dict[str, Tensor | str]:
+    """How the model's ``load_weights`` reorders the rows of each of ``specs`` (trainer names whose tensor it
+    transforms, see ``transformed`` of :func:`dry_run_load`) before its weight loader sees it: name -> the row index
+    ``perm`` with ``loaded = trainer[perm]`` (Llama 4's q/k rotary permutation), or a string saying why it is no row
+    reordering. A LoRA delta ``B @ A`` of that weight follows the same reordering as ``B[perm] @ A``.
+
+    Traced on an index-valued probe (``float64``, every element its own flat index) through the same stand-in pass
+    as :func:`dry_run_load`: nothing live is touched."""
+    out: dict[str, Tensor | str] = {}
+    probes: list[tuple[str, list[tuple[str, Tensor]]]] = []
+    for sp in specs:
+        if len(sp.shape) != 2 or sp.shape[0] * sp.shape[1] >= 1 << 52:
+            out[sp.name] = f"{list(sp.shape)}: not a matrix hwsync can trace"
+            continue
+        probe = torch.arange(sp.shape[0] * sp.shape[1], dtype=torch.float64).reshape(tuple(sp.shape))
+        probes.append((sp.name, _pieces(names_plan, sp.name, probe)))
+    captured: dict[str, list[Tensor]] = {}
+    if probes:
+        _DryRun(model, {}, None, captured).load(probes)
+    for name, _pieces_of in probes:
+        rows, cols = (int(x) for x in next(sp.shape for sp in specs if sp.name == name))
+        got = captured.get(name, [])
+        if len(got) != 1 or tuple(got[0].shape) != (rows, cols) or got[0].dtype != torch.float64:
+            out[name] = "the model's loader hands its weight loaders something other than one reordered matrix"
+            continue
+        perm = (got[0][:, 0] // cols).to(torch.int64)
+        expected = torch.arange(rows * cols, dtype=torch.float64).reshape(rows, cols)
+        if sorted(perm.tolist()) != list(range(rows)) or not torch.equal(got[0], expected[perm]):
+            out[name] = "the model's loader computes this weight from the checkpoint (not a reordering of its rows)"
+            continue
+        out[name] = perm
+    return out
 
 
 class _LoaderFailed(Exception):
@@ -163,6 +301,8 @@ class _Intercept:
 
     source: list[Tensor | None] = [None]
     transformed: set[str] | None = None
+    captured: dict[str, list[Tensor]] | None = None
+    params_of: dict[str, set[str]] | None = None
 
     def __init__(self, layer: torch.nn.Module, param: str, original: Any, current: list[str],
                  loaded: dict[int, int], names_of: dict[int, set[str]], groups: dict[str, str],
@@ -196,10 +336,11 @@ class _Intercept:
         except TypeError as e:
             raise _LoaderFailed(self.param, self.name, e) from e
         bound.apply_defaults()
-        if self.transformed is not None:
-            given = bound.arguments.get("loaded_weight", next(iter(list(bound.arguments.values())[1:2]), None))
-            if isinstance(given, Tensor) and not _derived(given, self.source[0]):
-                self.transformed.add(self.current[0])
+        given = bound.arguments.get("loaded_weight", next(iter(list(bound.arguments.values())[1:2]), None))
+        if self.transformed is not None and isinstance(given, Tensor) and not _derived(given, self.source[0]):
+            self.transformed.add(self.current[0])
+        if self.captured is not None and isinstance(given, Tensor):
+            self.captured.setdefault(self.current[0], []).append(given.detach().clone())
         try:
             n, ret = get_numel_loaded(self.original, bound)
         except Exception as on_meta:  # noqa: BLE001  (loaders raise anything on meta data; decided on scratch)
@@ -208,6 +349,8 @@ class _Intercept:
             except Exception as e:  # noqa: BLE001  (the loader's own refusal, reported with the parameter)
                 raise _LoaderFailed(self.param, self.name, e) from on_meta
         key = id(self.layer)
+        if self.params_of is not None:
+            self.params_of.setdefault(self.current[0], set()).add(self.param)
         self.loaded[key] = self.loaded.get(key, 0) + n
         self.names_of.setdefault(key, set()).add(self.current[0])
         self.groups.setdefault(self.current[0], self.path_of.get(key, "?"))

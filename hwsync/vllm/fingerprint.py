@@ -64,7 +64,7 @@ def _base(w: Any, applier: Any, specs_in: list[Any], seed: int) -> dict[str, Any
 
         names_plan = applier._names_plan(specs, cast=True)
         transformed: set[str] = set()  # computed by the model's load_weights, not laid out: no probe can follow
-        dry_run_load(model, specs, names_plan, transformed=transformed)
+        dry_run_load(model, specs, names_plan, transformed=transformed, raw={})  # raw copies: read as written
         cache.clear()
         cache[key] = cached = (names_plan, transformed)
     names_plan, transformed = cached
@@ -100,7 +100,7 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
     for tg in targets:
         if tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
             raise _Unreadable("per-expert trainer tensors are not fingerprinted (fused expert tensors are)")
-        if tg.kind == "loader":  # the model's own checkpoint layout (Llama 4's [E, in, out] experts): only vLLM's
+        if tg.kind in ("loader", "routed"):  # the model's own checkpoint layout (Llama 4's [E, in, out] experts): only vLLM's
             raise _Unreadable("tensors in the model's own checkpoint layout, converted by vLLM's loader, are not "
                               "fingerprinted")
         module = _owner(model, tg.param)
