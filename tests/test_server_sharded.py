@@ -80,6 +80,8 @@ def _rank(rank: int, port: int, address: str, model_dir: str, out: str, trainer:
         except StaleEngineError as e:
             results["stale"] = f"{type(e).__name__}: {e}"
         results["recovered"] = sync_and_check("full")
+        if trainer == "fsdp2":  # the ms-swift plugin's step (layout-independent; one trainer is enough)
+            results["plugin"] = _plugin_syncs(rank, engine, sharded)
         results["ok"] = True
     except Exception:  # noqa: BLE001 - reported to the parent
         results["ok"] = False
@@ -87,6 +89,33 @@ def _rank(rank: int, port: int, address: str, model_dir: str, out: str, trainer:
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(results, default=str))
         os._exit(0 if results.get("ok") else 1)  # no teardown hang with a peer gone
+
+
+def _plugin_syncs(rank: int, engine: Any, model: Any) -> dict[str, Any]:
+    """Two syncs through the ms-swift plugin's own step (``HwsyncGRPOTrainer._hwsync_sync``) on both ranks, rank 1
+    without the engine as in a ``swift rlhf --vllm_mode server --fsdp fsdp2`` run (which cannot run here: accelerate
+    on CPU sees torchrun's ranks as one process, or, with --use_cpu, as MULTI_CPU, which wraps neither FSDP nor
+    DeepSpeed). The trainer object holds what that step reads; everything it calls is the plugin's and hwsync's."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from hwsync.swift._options import SwiftOptions
+    from hwsync.swift._trainer import HwsyncGRPOTrainer
+
+    trainer = HwsyncGRPOTrainer.__new__(HwsyncGRPOTrainer)  # not a whole GRPO run: its step, on real ranks
+    trainer.__dict__.update(
+        hwsync_options=SwiftOptions(strategy="adapter", verify_atol=ATOL), vllm_mode="server", model=model,
+        accelerator=SimpleNamespace(is_main_process=rank == 0, unwrap_model=lambda m: m), _is_fsdp2=True,
+        _hwsync_target=engine, _hwsync_syncs=0, _hwsync_gate=None, _hwsync_probe=None, _hwsync_probe_ref=None,
+        _hwsync_log=None, state=SimpleNamespace(global_step=0), _metrics={"train": defaultdict(list)})
+    trainer._hwsync_probe = trainer._same_on_every_rank(PROMPTS if rank == 0 else [[7, 7]])
+    shifts = []
+    for k in range(2):
+        tp.step(model, 20 + k, base=False)
+        trainer._hwsync_sync()
+        shifts.append(trainer._hwsync_policy_shift(model))
+    return {"syncs": trainer._hwsync_syncs, "probe": trainer._hwsync_probe, "shifts": shifts,
+            "verified": list(trainer._metrics["train"]["hwsync/verify_max_abs_dlogp"])}
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +162,11 @@ def test_sharded_trainer_checks_a_served_engine_on_every_rank(trainer: str, addr
     for r in ranks:
         assert "stale" in r["stale"] and r["stale"].startswith("StaleEngineError"), r["stale"]
         assert r["recovered"]["ok"]
+    if trainer == "fsdp2":  # the plugin's step: both ranks synced and checked (rank 0 records the verdict)
+        p0, p1 = r0["plugin"], r1["plugin"]
+        assert p0["syncs"] == p1["syncs"] == 2 and p0["probe"] == p1["probe"] == PROMPTS
+        assert p0["shifts"] == p1["shifts"] and p0["shifts"][-1] > 0
+        assert len(p0["verified"]) == 2 and max(p0["verified"]) <= ATOL and p1["verified"] == []
     print(f"{trainer}: max |Δ logprob| per healthy check {[c['max'] for c in r0['checks']]}; "
           f"fault caught by {r0['fault']['failed']} (max {r0['fault']['max']:.3g}); recovered "
           f"{r0['recovered']['max']:.2g}")
