@@ -52,17 +52,24 @@ SUPPORTED_LAYOUTS = {
                                                                "engine's checkpoint shapes and the manifest check "
                                                                "refuses them before anything is written",
         "hwsync.verify from a sharded trainer": "every rank calls it with the same prompts (its trainer forward and "
-                                                "content gathers are collective); ms-swift colocate wires it, "
-                                                "server mode refuses it by name",
+                                                "content gathers are collective); colocate: each rank passes its "
+                                                "engine; server mode: rank 0 passes it, the others None (rank 0 "
+                                                "alone queries it, the answers are shared); ms-swift wires both "
+                                                "(run: FSDP2 / ZeRO-3 on 2 gloo ranks against a served engine)",
     },
     "engine": {
         "colocate, TP=1": "one in-process worker per trainer rank (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
         "colocate, TP>1 (external_launcher)": "each trainer rank feeds its own in-process worker the full tensors; "
                                               "vLLM's loaders / hwsync.layouts slice its TP shard (run: TP=2 on CPU "
                                               "and on 2 GPUs); verify: logprob gate only (workers hold shards)",
-        "server, TP>=1 / several engines": "hwsync.serve in the engine process, every worker joins the data plane "
-                                           "(run: TP=2 on CPU and on 2 GPUs); one hwsync.connect for several "
-                                           "engines (not run); swift rollout: one engine (data parallel refused)",
+        "server, TP>=1": "hwsync.serve in the engine process, every worker joins the data plane (run: TP=2 on CPU "
+                         "and on 2 GPUs); verify: content checks on single-worker engines, the gate on TP ones; "
+                         "swift rollout --vllm_tensor_parallel_size > 1: not run (vLLM's CPU build: ms-swift's "
+                         "device count refuses it)",
+        "server, several engines (data parallel)": "hwsync.connect([a, b, ...]): one broadcast feeds every engine, "
+                                                   "committed only once each validated (run: 2 CPU engines); swift "
+                                                   "rollout --vllm_data_parallel_size N: HWSYNC_SERVER lists N "
+                                                   "addresses (run: N=2 on CPU); not with --vllm_use_async_engine",
     },
 }
 
