@@ -1,10 +1,16 @@
 """The family matrix: every MoE architecture both transformers and vLLM know (enumerated from their registries, plus
 two dense controls with and without attention biases), a tiny local checkpoint each, one real vLLM engine each,
-``SYNCS`` syncs per strategy the engine serves, every sync checked against transformers (``hwsync.verify``).
+``SYNCS`` syncs per strategy the engine serves, every sync checked: against transformers (``hwsync.verify``) on vLLM's
+CPU build, against vLLM's own loading of the same weights (``hwsync.testing.EngineReference``, one reference process
+for the module) where vLLM and transformers disagree before any sync, for the families whose sync takes a
+model-specific route (GPT-OSS, Llama 4: both), and for every family off the CPU build (see
+``hwsync.testing.families``).
 
-A family vLLM here cannot serve, or on which vLLM and transformers already disagree before any sync, is recorded with
-the reason (the README table shows it); any hwsync failure fails the test. ``HWSYNC_FAMILY_RESULTS=<file>`` keeps the
-results for ``python -m hwsync.testing.family_matrix --from <file> --write-readme``.
+A family vLLM here cannot serve is recorded with the reason (the README table shows it); any hwsync failure fails
+the test. ``HWSYNC_FAMILY_RESULTS=<file>`` keeps the results for ``python -m hwsync.testing.family_matrix --from
+<file> --write-readme``; ``HWSYNC_FAMILIES`` (names, or ``cpu-unserved``) narrows the families;
+``HWSYNC_FAMILY_REFERENCE=engine`` checks every family against vLLM's own loading on CPU too (the GPU mode);
+``HWSYNC_FAMILY_SYNCS`` sets the syncs per strategy (default 3).
 """
 from __future__ import annotations
 
@@ -25,9 +31,9 @@ _RESULTS: list[Any] = []
 
 def _families() -> list[Any]:
     try:
-        from hwsync.testing.families import enumerate_families
+        from hwsync.testing.families import enumerate_families, selected_families
 
-        return enumerate_families()
+        return selected_families(enumerate_families())
     except ImportError:  # no vLLM: the test below skips (or fails on CI) through require_vllm
         return []
 
@@ -52,18 +58,27 @@ def engine_patches() -> Iterator[None]:
         patches.get(name).uninstall()
     out = os.environ.get("HWSYNC_FAMILY_RESULTS")
     if out and _RESULTS:
-        from hwsync.testing.families import write_results
+        from hwsync.testing.families import syncs_per_strategy, write_results
 
-        write_results(_RESULTS, out)
+        write_results(_RESULTS, out, syncs_per_strategy())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """vLLM's own loading of the synced weights: one reference process for every family that needs it."""
+    from hwsync.testing import EngineReference
+
+    with EngineReference(tmp_path_factory.mktemp("family-reference")) as ref:
+        yield ref
 
 
 def test_enumeration_comes_from_both_registries() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from vllm.model_executor.models.registry import ModelRegistry
 
-    from hwsync.testing.families import DENSE_CONTROLS
+    from hwsync.testing.families import DENSE_CONTROLS, enumerate_families
 
-    names = {f.name for f in FAMILIES}
+    names = {f.name for f in enumerate_families()}
     assert {"mixtral", "qwen3_moe", "deepseek_v2", "gpt_oss"} <= names  # well-known MoE families are found
     assert set(DENSE_CONTROLS) <= names and "qwen3" not in names  # dense models only as the named controls
     served = set(ModelRegistry.get_supported_archs())
@@ -74,20 +89,30 @@ def test_enumeration_comes_from_both_registries() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
-def test_family(family: Any, tmp_path: Path) -> None:
-    from hwsync.testing.families import SYNCS, run_family
+def test_family(family: Any, tmp_path: Path, reference: Any) -> None:
+    from hwsync.testing import EXACT_ATOL, on_cpu
+    from hwsync.testing.families import ATOL, ENGINE_REFERENCE_TOO, REFERENCE_ENV, run_family, syncs_per_strategy
 
-    result = run_family(family, tmp_path, syncs=SYNCS)
+    result = run_family(family, tmp_path, syncs=syncs_per_strategy(), reference=reference)
     _RESULTS.append(result)
-    summary = {s: (e["status"], e.get("max_diff"), e["detail"]) for s, e in result.strategies.items()}
+    summary = {s: (e["status"], e.get("against"), e.get("max_diff"), e.get("engine_diff"), e["detail"])
+               for s, e in result.strategies.items()}
     print(f"{family.name}: {summary} ({result.seconds:.1f}s)")
     assert set(result.strategies) == {"full", "adapter", "hybrid"}  # every cell has an outcome and a reason
     failed = {s: e["detail"] for s, e in result.strategies.items() if e["status"] == "fail"}
     assert not failed, f"{family.name}: hwsync sync failed: {failed}"
     for s, e in result.strategies.items():
-        assert e["status"] in {"pass", "not_served", "differs", "config", "known"} and (e["status"] == "pass" or e["detail"])
+        assert e["status"] in {"pass", "not_served", "config", "known"} and (e["status"] == "pass" or e["detail"])
+        if e["status"] == "pass":  # each reference it was checked against held, every sync
+            assert e["against"] in {"transformers", "vllm", "both"}
+            assert e["against"] == "vllm" or e["max_diff"] <= ATOL
+            assert e["against"] == "transformers" or e["engine_diff"] <= EXACT_ATOL
     if family.note:  # the dense controls are always served and always exact
         assert result.strategies["full"]["status"] == "pass"
+    if family.name in ENGINE_REFERENCE_TOO and on_cpu() and os.environ.get(REFERENCE_ENV, "auto") == "auto":
+        # the model-specific routes (GPT-OSS sinks and per-expert loads, Llama 4's q/k row order) equal both
+        # transformers and a fresh engine, for every strategy
+        assert {s: e["against"] for s, e in result.strategies.items()} == dict.fromkeys(result.strategies, "both")
 
 
 def test_dry_run_names_the_parameter_of_a_loader_it_cannot_run(tmp_path: Path) -> None:
@@ -129,3 +154,48 @@ def test_dry_run_names_the_parameter_of_a_loader_it_cannot_run(tmp_path: Path) -
         assert verify(llm, changed, PROMPTS) <= 1e-4
     finally:
         close_llm(llm)
+
+
+def test_checkpoint_names_view_hides_lora_wrappers_only_inside_the_block() -> None:
+    """vLLM 0.32's GPT-OSS / Llama 4 loaders index ``dict(self.named_parameters())`` by checkpoint names; a LoRA
+    wrapper (``base_layer`` child) moves the names. The view gives them back for the block, then is gone."""
+    from torch import nn
+
+    from hwsync.vllm.lora_view import checkpoint_names
+
+    class Wrapper(nn.Module):  # the shape of vLLM's BaseLayerWithLoRA: the original layer as ``base_layer``
+        def __init__(self, layer: nn.Module) -> None:
+            super().__init__()
+            self.base_layer = layer
+
+    model = nn.Module()
+    model.attn = nn.Module()
+    model.attn.qkv_proj = Wrapper(nn.Linear(4, 6))
+    model.attn.o_proj = nn.Linear(2, 4)
+    model.norm = nn.LayerNorm(4)
+    plain = dict(model.named_parameters())
+    assert "attn.qkv_proj.base_layer.weight" in plain
+    with checkpoint_names(model) as changed:
+        seen = dict(model.named_parameters())
+        inner = dict(model.attn.named_parameters())
+        assert changed == 2  # the model and attn: the modules above the wrapper
+        assert set(seen) == {n.replace(".base_layer", "") for n in plain}
+        assert seen["attn.qkv_proj.weight"] is plain["attn.qkv_proj.base_layer.weight"]
+        assert "qkv_proj.weight" in inner  # every module above the wrapper; the wrapper keeps its own tree
+        assert "base_layer.weight" in dict(model.attn.qkv_proj.named_parameters())
+        assert dict(model.norm.named_parameters()).keys() == {"weight", "bias"}  # untouched
+    assert dict(model.named_parameters()).keys() == plain.keys()  # back to the module tree's own names
+    with checkpoint_names(nn.Linear(2, 2)) as changed:  # no wrapper anywhere: nothing changes
+        assert changed == 0
+
+
+def test_engine_reference_mode_runs_on_cpu(tmp_path: Path, reference: Any) -> None:
+    """The GPU mode (every family against vLLM's own loading, HWSYNC_FAMILY_REFERENCE=engine) on the CPU build: the
+    same code the GPU job runs, on the dense control with biases, one sync per strategy."""
+    from hwsync.testing import EXACT_ATOL
+    from hwsync.testing.families import Family, run_family
+
+    result = run_family(Family("qwen2", "Qwen2ForCausalLM"), tmp_path, syncs=1, reference=reference, mode="engine")
+    for strategy, e in result.strategies.items():
+        assert e["status"] == "pass" and e["against"] == "vllm", (strategy, e)
+        assert e["engine_diff"] <= EXACT_ATOL and e["max_diff"] is None

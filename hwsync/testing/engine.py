@@ -31,6 +31,8 @@ __all__ = [
     "make_llm",
     "patched_llm",
     "on_cpu",
+    "register_architecture",
+    "register_in_process",
     "require_vllm",
     "vllm_cpu_env",
     "vllm_env",
@@ -102,6 +104,33 @@ def engine_args(model_dir: str | os.PathLike[str] | None = None, **overrides: An
     if model_dir is not None:
         args["model"] = str(Path(model_dir))
     return args
+
+
+def register_in_process(model_dir: str | os.PathLike[str]) -> Any:
+    """On vLLM's CPU build, register the checkpoint's architecture class in this process (the same class): vLLM
+    otherwise inspects each architecture it has not seen in a fresh subprocess (~15 s each with a cold cache). Returns
+    the class, or ``None`` when vLLM cannot import it (the engine start then says why). Nothing on other platforms,
+    where the subprocess keeps CUDA out of the parent."""
+    if not on_cpu():
+        return None
+    try:
+        arch = (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
+    except (OSError, ValueError):
+        return None
+    return register_architecture(arch) if arch else None
+
+
+def register_architecture(arch: str) -> Any:
+    """:func:`register_in_process` for an architecture name; the class (``None`` when vLLM cannot import it)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    try:
+        cls = ModelRegistry._try_load_model_cls(arch)  # noqa: SLF001  (the registry's own class lookup)
+    except Exception:  # noqa: BLE001  (the engine start reports the import failure)
+        return None
+    if cls is not None and on_cpu():
+        ModelRegistry.register_model(arch, cls)  # same class, inspected here (no CUDA to protect on CPU)
+    return cls
 
 
 def make_llm(model_dir: str | os.PathLike[str], **kwargs: Any) -> Any:

@@ -1,5 +1,5 @@
 """The family matrix: every MoE architecture that both the installed transformers and vLLM know, as a tiny local
-checkpoint, synced into a real vLLM engine with each strategy the engine serves and checked against transformers.
+checkpoint, synced into a real vLLM engine with each strategy the engine serves and checked after every sync.
 
 The family list is *enumerated*, not hand-picked: a transformers causal-LM model type whose architecture name vLLM's
 ``ModelRegistry`` also serves, and whose default config declares routed experts (``num_experts``,
@@ -9,13 +9,26 @@ dense controls are added: Qwen2 (attention q/k/v biases) and Llama (no biases).
 :func:`tiny_config` shrinks the family's own default config generically (hidden 64, head_dim 32, 2 layers, 4 experts,
 each field only where the config has it); :data:`FIXUPS` holds the few per-family corrections a generic shrink cannot
 guess, each with its reason. :func:`run_family` builds the checkpoint, starts one engine, syncs ``full`` (and
-``adapter`` / ``hybrid`` where the engine serves LoRA) ``SYNCS`` times each and compares logprobs with the trainer
-(``hwsync.verify``: the engine's own tokens scored by transformers in fp32). Outcomes:
+``adapter`` / ``hybrid`` where the engine serves LoRA) ``SYNCS`` times each and checks every sync against a
+reference (:func:`references`):
 
-* ``pass``: every sync within ``ATOL``;
+* **transformers** (the trainer's own fp32 forward, ``hwsync.verify`` within ``ATOL``): on vLLM's CPU build, for
+  every family whose unsynced engine already agrees with transformers;
+* **vLLM's own loading of the same weights** (:class:`hwsync.testing.EngineReference`: a fresh engine on a checkpoint
+  of the synced weights, the adapter as a ``LoRARequest``; within ``EXACT_ATOL``): on the CPU build for families on
+  which vLLM and transformers disagree before any sync, and for :data:`ENGINE_REFERENCE_TOO` (families whose sync
+  takes a model-specific route) besides transformers; on every other platform for every family (GPU kernels never
+  match transformers within 1e-4: TF32 fused MoE, bf16 LoRA). ``HWSYNC_FAMILY_REFERENCE=engine`` forces it on CPU.
+
+Outcomes (``status``):
+
+* ``pass``: every sync within the tolerance of its reference(s); ``against`` says which (``transformers``,
+  ``vllm``, ``both``), ``max_diff`` / ``engine_diff`` the worst |Δ logprob| against each, ``base_diff`` how far vLLM and
+  transformers were apart before any sync;
 * ``not_served``: vLLM here cannot serve the family or the strategy at all (engine start or its first forward fails
   before hwsync is involved, or vLLM has no LoRA for the model), with vLLM's reason;
-* ``differs``: vLLM and transformers disagree on the *unsynced* checkpoint already (outside hwsync), with the Δ;
+* ``differs``: vLLM and transformers disagree on the *unsynced* checkpoint already and no engine reference was
+  available to check the syncs against (outside hwsync), with the Δ;
 * ``config``: the generic shrink gives no valid tiny config for this family (the reason says which field);
 * ``known``: a sync refused for a reason outside hwsync listed in :data:`KNOWN_FAILURES`;
 * ``fail``: a sync or its check failed (an hwsync bug unless the reason says otherwise).
@@ -26,6 +39,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import time
 import traceback
@@ -33,8 +47,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ATOL", "DENSE_CONTROLS", "FIXUPS", "Family", "FamilyResult", "PROMPTS", "SYNCS", "enumerate_families",
-           "make_family_checkpoint", "run_family", "tiny_config"]
+__all__ = ["ATOL", "DENSE_CONTROLS", "ENGINE_REFERENCE_TOO", "FIXUPS", "Family", "FamilyResult", "PROMPTS", "SYNCS",
+           "enumerate_families", "make_family_checkpoint", "references", "run_family", "selected_families",
+           "syncs_per_strategy", "tiny_config"]
 
 ATOL = 1e-4
 SYNCS = 3
@@ -55,6 +70,8 @@ FIXUPS: dict[str, dict[str, Any]] = {
     "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
     # vLLM reads fields transformers' config does not declare: give them the values of the tiny model
     "glm4_moe": {"head_dim": 32},
+    # vLLM's Cohere2-MoE always reads the LM head from the embedding (its mapper drops lm_head.*), as Cohere ties them
+    "cohere2_moe": {"tie_word_embeddings": True},
     "hy_v3": {"first_k_dense_replace": 1, "expert_hidden_dim": 64, "route_norm": True},
     "minimax_m2": {"rotary_dim": 32, "scoring_func": "sigmoid", "use_routing_bias": True},  # transformers' routers: sigmoid, renormalised
     "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1, "mup_enabled": False},
@@ -62,7 +79,8 @@ FIXUPS: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 32, "mamba_chunk_size": 64,
                          "shared_intermediate_size": 64, "layer_types": ["mamba", "attention"]},
     "laguna": {"num_attention_heads_per_layer": [2, 2]},
-    "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
+    # vLLM's LFM2-MoE always ties its LM head to the embedding (as LFM2 checkpoints do)
+    "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
     "longcat_flash": {"num_layers": 1, "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "zero_expert_num": 2,
                       "moe_topk": 2},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1, "expert_layer_offset": 0,
@@ -73,25 +91,31 @@ for _mla in ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "lon
     FIXUPS.setdefault(_mla, {**FIXUPS["deepseek_v2"], "topk_method": "noaux_tc"})  # V3-style: score-correction bias
 
 
-# Families whose vLLM loader cannot reload weights into a LoRA-enabled model (outside hwsync): served and synced on
-# a plain engine; adapter/hybrid are recorded as not served, with this reason.
-LORA_RELOAD_BROKEN: dict[str, str] = {
-    "gpt_oss": "vLLM 0.32's GPT-OSS loader looks up params_dict['...attn.qkv_proj.weight'], which a LoRA-enabled "
-               "model names '...qkv_proj.base_layer.weight' (KeyError on every reload into a LoRA engine)",
-    "llama4_text": "vLLM 0.32's Llama 4 loader looks up params_dict['...self_attn.qkv_proj.weight'], which a "
-                   "LoRA-enabled model names '...qkv_proj.base_layer.weight' (KeyError on every reload into a LoRA "
-                   "engine)",
+# Families whose sync takes a model-specific route through vLLM's loader: on CPU also checked against vLLM's own
+# loading of the same weights (a fresh engine), besides transformers.
+ENGINE_REFERENCE_TOO: dict[str, str] = {
+    "gpt_oss": "vLLM's GPT-OSS loader copies sinks itself and takes experts per expert (hwsync writes sinks in place)",
+    "llama4_text": "vLLM's Llama 4 loader permutes q/k rows (hwsync reorders the q/k LoRA B rows the same way)",
 }
 
-
-# Sync failures understood and outside hwsync's reach today: family -> (regex on the failure, reason). hwsync refuses
-# these syncs before any write (the engine keeps serving its weights); the table shows the reason.
+# Sync failures understood and not fixed here: family -> (regex on the failure, reason). hwsync refuses these syncs
+# before any write (the engine keeps serving its weights); the table shows the reason, which says whose limit it is.
+_FP32_IN_BF16 = (r"dtype does not fit: receiver holds float32, got bfloat16",
+                 "hwsync limit, refused before any write: vLLM keeps {what} in fp32 inside this bf16 engine, while "
+                 "hwsync sends every floating tensor in the engine's model dtype (the trainer's fp32 values would be "
+                 "rounded); needs per-parameter wire dtypes from the engine")
 KNOWN_FAILURES: dict[str, tuple[str, str]] = {
-    "gpt_oss": (r"map to no engine parameter, e\.g\. \['model\.layers\.0\.self_attn\.sinks'",
-                "refused before any write: vLLM's GPT-OSS loader copies experts, expert biases and sinks with "
-                "param.copy_() instead of weight loaders, so vLLM's layerwise reload cannot see them (hwsync would "
-                "need its own GPT-OSS layout writer)"),
+    "granitemoehybrid": (_FP32_IN_BF16[0], _FP32_IN_BF16[1].format(what="the Mamba2 A (from A_log)")),
+    "qwen3_next": (_FP32_IN_BF16[0], _FP32_IN_BF16[1].format(what="the Gated-DeltaNet A_log")),
 }
+
+REFERENCE_ENV = "HWSYNC_FAMILY_REFERENCE"
+"""``auto`` (default): transformers on vLLM's CPU build, vLLM's own loading elsewhere (see the module docstring);
+``engine``: vLLM's own loading for every family, also on CPU (what a GPU run does)."""
+SYNCS_ENV = "HWSYNC_FAMILY_SYNCS"
+FAMILIES_ENV = "HWSYNC_FAMILIES"
+"""Families to run: comma-separated model types, or ``cpu-unserved`` (those ``docs/families.json`` records as not
+served by vLLM's CPU build: what a GPU run adds); default every enumerated family."""
 
 
 @dataclass(frozen=True)
@@ -242,16 +266,13 @@ def _short(e: BaseException, limit: int = 300) -> str:
 
 
 def _lora_supported(arch: str) -> bool:
-    """Whether vLLM's class for ``arch`` supports LoRA. On the CPU build the class is also registered in-process:
-    vLLM otherwise inspects each new architecture in a fresh subprocess (~15 s per family with a cold cache)."""
+    """Whether vLLM's class for ``arch`` supports LoRA (on the CPU build the class is also registered in-process:
+    :func:`hwsync.testing.engine.register_architecture`)."""
     from vllm.model_executor.models.interfaces import supports_lora
-    from vllm.model_executor.models.registry import ModelRegistry
 
-    from .engine import on_cpu
+    from .engine import register_architecture
 
-    cls = ModelRegistry._try_load_model_cls(arch)  # noqa: SLF001  (the registry's own class lookup)
-    if cls is not None and on_cpu():
-        ModelRegistry.register_model(arch, cls)  # same class, inspected here (no CUDA to protect on CPU)
+    cls = register_architecture(arch)
     return cls is not None and supports_lora(cls)
 
 
@@ -288,14 +309,54 @@ def _perturb(model: Any, gen: Any, strategy: str) -> None:
                 p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
 
 
-def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS) -> FamilyResult:
-    """Build, serve and sync one family (see the module docstring); never raises for a family's failure."""
+def selected_families(families: list[Family], spec: str | None = None, results: str | Path | None = None
+                      ) -> list[Family]:
+    """``families`` narrowed by :data:`FAMILIES_ENV` (or ``spec``): names, or ``cpu-unserved`` = the families whose
+    ``full`` cell the CPU results file (default ``docs/families.json``) records as not served."""
+    spec = os.environ.get(FAMILIES_ENV, "") if spec is None else spec
+    if not spec.strip():
+        return families
+    if spec.strip() == "cpu-unserved":
+        file = Path(results) if results is not None else Path(__file__).resolve().parents[2] / "docs" / "families.json"
+        data = json.loads(file.read_text())
+        names = {r["family"] for r in data["results"] if r["strategies"].get("full", {}).get("status") == "not_served"}
+    else:
+        names = {n.strip() for n in spec.split(",") if n.strip()}
+        unknown = names - {f.name for f in families}
+        if unknown:
+            raise ValueError(f"{FAMILIES_ENV}: unknown families {sorted(unknown)}; known: {[f.name for f in families]}")
+    return [f for f in families if f.name in names]
+
+
+def references(family: Family, agrees_before_sync: bool, mode: str | None = None) -> tuple[bool, bool]:
+    """(check against transformers, check against vLLM's own loading) for ``family`` on this platform (see the
+    module docstring); ``mode`` defaults to :data:`REFERENCE_ENV`."""
+    from .engine import on_cpu
+
+    mode = (os.environ.get(REFERENCE_ENV) or "auto") if mode is None else mode
+    if mode not in ("auto", "engine"):
+        raise ValueError(f"{REFERENCE_ENV} must be 'auto' or 'engine', got {mode!r}")
+    transformers = on_cpu() and mode == "auto" and agrees_before_sync
+    return transformers, not transformers or family.name in ENGINE_REFERENCE_TOO
+
+
+def _not_attention(name: str) -> bool:
+    """Trainer / adapter names a CPU engine serves no LoRA on (``hwsync.testing.CPU_LORA_TARGETS``: attention only)."""
+    return not any(f".{t}." in name or name.endswith(f".{t}") for t in ATTN_TARGETS)
+
+
+def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, reference: Any = None,
+               mode: str | None = None) -> FamilyResult:
+    """Build, serve and sync one family (see the module docstring); never raises for a family's failure.
+
+    ``reference``: an :class:`hwsync.testing.EngineReference` (one process for all families; reconfigured here) for
+    the syncs checked against vLLM's own loading; without one those syncs are recorded as ``differs``."""
     import torch
 
     import hwsync
-    from hwsync.verify import agreement, verify
+    from hwsync.verify import agreement
 
-    from .engine import close_llm, make_llm
+    from .engine import close_llm, make_llm, on_cpu
 
     started = time.monotonic()
     res = FamilyResult(family.name, family.arch, family.note)
@@ -309,17 +370,12 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS) -> Fa
         res.seconds = time.monotonic() - started
         return res
     llm = None
+    kwargs: dict[str, Any] = {"worker_extension_cls": "hwsync.vllm.HwsyncWorkerExtension"}
     try:
         try:
             lora = _lora_supported(family.arch)
         except Exception:  # noqa: BLE001  (model class fails to import: the engine start below says why)
             lora = False
-        if lora and family.name in LORA_RELOAD_BROKEN:
-            lora = False
-            for s in ("adapter", "hybrid"):
-                res.strategies[s] = {"status": "not_served", "detail": LORA_RELOAD_BROKEN[family.name],
-                                     "max_diff": None}
-        kwargs: dict[str, Any] = {"worker_extension_cls": "hwsync.vllm.HwsyncWorkerExtension"}
         if lora:
             kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=1)
         try:
@@ -329,14 +385,16 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS) -> Fa
                 raise
             lora_error = _short(e)
             _cleanup()
-            llm = make_llm(path, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension")
+            kwargs = {"worker_extension_cls": "hwsync.vllm.HwsyncWorkerExtension"}
+            llm = make_llm(path, **kwargs)
             lora = False
             for s in ("adapter", "hybrid"):
                 res.strategies[s] = {"status": "not_served", "detail": f"vLLM LoRA engine: {lora_error}",
                                      "max_diff": None}
         base = agreement(llm, _trainer(path, "full"), PROMPTS)  # before any sync: vLLM vs transformers
     except Exception as e:  # noqa: BLE001
-        detail = f"vLLM CPU build: {_short(e)}"
+        where = "vLLM CPU build" if on_cpu() else "vLLM"
+        detail = f"{where}: {_short(e)}"
         for s in STRATEGIES:
             res.strategies.setdefault(s, {"status": "not_served", "detail": detail, "max_diff": None})
         if llm is not None:
@@ -345,26 +403,36 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS) -> Fa
         res.seconds = time.monotonic() - started
         return res
     try:
-        if not base.max_abs_diff <= ATOL:
-            dtype = str(getattr(llm.llm_engine.model_config, "dtype", "")).replace("torch.", "")
-            engine = f", engine in {dtype}: vLLM's CPU kernels for this family take no fp32" \
-                if dtype and dtype != "float32" else ""
-            detail = (f"vLLM and transformers disagree before any sync (max |Δ logprob| {base.max_abs_diff:.2g}"
-                      f"{engine}): outside hwsync")
-            for s in STRATEGIES:
-                res.strategies.setdefault(s, {"status": "differs", "detail": detail, "max_diff": None})
-            return res
+        agrees = base.max_abs_diff <= ATOL
+        dtype = str(getattr(llm.llm_engine.model_config, "dtype", "")).replace("torch.", "")
+        against_transformers, against_engine = references(family, agrees, mode)
+        if against_engine and reference is not None:
+            reference.configure(hybrid_merged=_not_attention if on_cpu() else None, **kwargs)
+        differs = None if agrees else (
+            f"vLLM and transformers disagree before any sync (max |Δ logprob| {base.max_abs_diff:.2g}"
+            + (f", engine in {dtype}: vLLM's CPU kernels for this family take no fp32" if on_cpu() and dtype
+               and dtype != "float32" else "") + ")")
         for strategy in STRATEGIES:
-            if strategy != "full" and not lora:
-                res.strategies.setdefault(strategy, {"status": "not_served",
-                                                     "detail": "vLLM has no LoRA for this model", "max_diff": None})
+            if strategy in res.strategies:
                 continue
-            res.strategies[strategy] = _sync_checked(llm, path, strategy, syncs, hwsync, torch)
+            if strategy != "full" and not lora:
+                res.strategies[strategy] = {"status": "not_served", "detail": "vLLM has no LoRA for this model",
+                                            "max_diff": None}
+                continue
+            if not against_transformers and reference is None:
+                res.strategies[strategy] = {"status": "differs", "detail": f"{differs}: outside hwsync",
+                                            "max_diff": None}
+                continue
+            entry = _sync_checked(llm, path, strategy, syncs, hwsync, torch, against_transformers,
+                                  reference if against_engine else None)
+            entry["base_diff"] = base.max_abs_diff
+            if entry["status"] == "pass" and not against_transformers:
+                entry["detail"] = (f"{entry['detail']} vs vLLM's own loading" + (
+                    f"; {differs}" if differs else "; transformers not compared on this platform"))
             known = KNOWN_FAILURES.get(family.name)
-            entry = res.strategies[strategy]
             if known and entry["status"] == "fail" and re.search(known[0], entry["detail"]):
-                res.strategies[strategy] = {"status": "known", "detail": known[1], "max_diff": None,
-                                            "error": entry["detail"]}
+                entry = {"status": "known", "detail": known[1], "max_diff": None, "error": entry["detail"]}
+            res.strategies[strategy] = entry
         return res
     finally:
         close_llm(llm)
@@ -372,11 +440,16 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS) -> Fa
         res.seconds = time.monotonic() - started
 
 
-def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, torch: Any) -> dict[str, Any]:
+def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, torch: Any,
+                  against_transformers: bool, reference: Any) -> dict[str, Any]:
+    """``syncs`` syncs of ``strategy``, each checked against transformers and/or ``reference`` (vLLM's own loading)."""
     from hwsync.verify import verify
 
+    from .reference import EXACT_ATOL
+
     gen = torch.Generator().manual_seed(1234)
-    worst = 0.0
+    worst: float | None = 0.0 if against_transformers else None
+    engine_worst: float | None = 0.0 if reference is not None else None
     try:
         model = _trainer(path, strategy)
     except Exception as e:  # noqa: BLE001
@@ -388,12 +461,37 @@ def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, 
             report = hwsync.sync(llm, model, strategy=strategy)
             if report.strategy != strategy:
                 raise AssertionError(f"asked for {strategy}, the sync used {report.strategy}")
-            worst = max(worst, verify(llm, model, PROMPTS, atol=ATOL))
+            if against_transformers:
+                worst = max(worst or 0.0, verify(llm, model, PROMPTS, atol=ATOL))
+            if reference is not None:
+                if strategy != "full":
+                    reference.adapter_rows = _engine_row_orders(llm)
+                engine_worst = max(engine_worst or 0.0, reference.check(llm, model, PROMPTS, atol=EXACT_ATOL,
+                                                                        strategy=strategy))
     except Exception as e:  # noqa: BLE001
         tb = traceback.extract_tb(e.__traceback__)
         where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
         return {"status": "fail", "detail": f"sync {step + 1}: {_short(e)}{where}", "max_diff": None}
-    return {"status": "pass", "detail": f"{syncs} syncs", "max_diff": worst}
+    against = "both" if against_transformers and reference is not None else \
+        "transformers" if against_transformers else "vllm"
+    return {"status": "pass", "detail": f"{syncs} syncs", "max_diff": worst, "engine_diff": engine_worst,
+            "against": against}
+
+
+def _row_orders_of(worker: Any) -> dict[str, Any]:
+    from hwsync.vllm.worker import receiver_of
+
+    return receiver_of(worker).applier.lora_row_orders
+
+
+def _engine_row_orders(llm: Any) -> dict[str, Any]:
+    """The LoRA B row orders the engine's hwsync receiver applies (see ``VllmApplier.lora_row_orders``)."""
+    from hwsync.vllm.worker import answered
+
+    status, value = llm.collective_rpc(answered, args=(True, _row_orders_of))[0]
+    if status != "ok":
+        raise value
+    return value
 
 
 def _cleanup() -> None:
@@ -430,9 +528,32 @@ X
                 break
 
 
-def write_results(results: list[FamilyResult], file: str | Path) -> None:
+def write_results(results: list[FamilyResult], file: str | Path, syncs: int = SYNCS) -> None:
+    from .engine import on_cpu
+
     meta = _versions()
-    Path(file).write_text(json.dumps({"versions": meta, "results": [r.to_json() for r in results]}, indent=1) + "\n")
+    platform = "cpu" if on_cpu() else _device_name()
+    Path(file).write_text(json.dumps({"versions": meta, "platform": platform, "syncs": syncs,
+                                      "results": [r.to_json() for r in results]}, indent=1) + "\n")
+
+
+def syncs_per_strategy() -> int:
+    """``HWSYNC_FAMILY_SYNCS`` (default :data:`SYNCS`): fewer syncs per strategy keep a GPU run of every family short
+    (each checked sync of base weights starts one reference engine there)."""
+    value = os.environ.get(SYNCS_ENV, "").strip()
+    n = int(value) if value else SYNCS
+    if n < 1:
+        raise ValueError(f"{SYNCS_ENV} must be >= 1, got {value!r}")
+    return n
+
+
+def _device_name() -> str:
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else "gpu"
+    except Exception:  # noqa: BLE001
+        return "gpu"
 
 
 def _versions() -> dict[str, str]:

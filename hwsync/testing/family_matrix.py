@@ -22,11 +22,20 @@ TARGETS = ("README.md", "docs/families.md")
 _MARK = {"pass": "✅", "not_served": "—", "differs": "❌", "config": "❌", "known": "❌", "fail": "❌"}
 
 
+def _num(x: float | None) -> str:
+    return f"{x:.0e}" if x else "0"
+
+
 def _cell(entry: dict[str, Any] | None) -> str:
     if entry is None:
         return "—"
     if entry["status"] == "pass":
-        return f"✅ {entry['max_diff']:.0e}" if entry.get("max_diff") else "✅ 0"
+        against = entry.get("against", "transformers")
+        if against == "vllm":
+            return f"✅ = vLLM {_num(entry.get('engine_diff'))}"
+        if against == "both":
+            return f"✅ {_num(entry.get('max_diff'))}, = vLLM {_num(entry.get('engine_diff'))}"
+        return f"✅ {_num(entry.get('max_diff'))}"
     return _MARK[entry["status"]]
 
 
@@ -39,8 +48,11 @@ def _reason(strategies: dict[str, dict[str, Any]]) -> str:
     by_detail: dict[str, list[str]] = {}
     for s in ("full", "adapter", "hybrid"):
         e = strategies.get(s)
-        if e is not None and e["status"] != "pass":
-            by_detail.setdefault(e.get("detail", ""), []).append(s)
+        if e is not None and (e["status"] != "pass" or e.get("against") == "vllm"):
+            detail = e.get("detail", "")
+            if e["status"] == "pass":  # "3 syncs vs vLLM's own loading; <why not transformers>": the why
+                detail = detail.split("; ", 1)[-1]
+            by_detail.setdefault(detail, []).append(s)
     if len(by_detail) == 1:
         return _esc(next(iter(by_detail)))
     return "; ".join(f"{'/'.join(ss)}: {_esc(d)}" for d, ss in by_detail.items())
@@ -49,10 +61,17 @@ def _reason(strategies: dict[str, dict[str, Any]]) -> str:
 def render(data: dict[str, Any]) -> str:
     """The Markdown table (family x strategy) of a results file."""
     versions = ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items())
+    platform = data.get("platform", "cpu")
+    engine = "one vLLM CPU engine each (fp32; bf16 where vLLM's CPU kernels take nothing else)" \
+        if platform == "cpu" else f"one vLLM engine each on {platform} (bf16 where LoRA is served)"
     lines = [
-        f"Tiny local checkpoint per family, one vLLM CPU engine each (fp32), 3 syncs per strategy, every sync checked "
-        f"against transformers: ✅ exact (max \\|Δ logprob\\| shown, all within 1e-4), ❌ fails for the reason given, "
-        f"— not served by vLLM here (reason given). Versions: {versions}.",
+        f"Tiny local checkpoint per family, {engine}, {data.get('syncs', 3)} syncs per strategy (weights changed "
+        f"between syncs), every "
+        f"sync checked: ✅ 3e-06 = exact against transformers (max \\|Δ logprob\\|, all within 1e-4); ✅ = vLLM 0 = "
+        f"equal to vLLM's own loading of the same weights (a fresh engine on a checkpoint of the synced weights, the "
+        f"adapter as a LoRARequest; max \\|Δ\\|, all within 1e-6), used where vLLM and transformers disagree before "
+        f"any sync and for the families whose sync takes a model-specific route; ❌ fails for the reason given; — not "
+        f"served by vLLM here (reason given). Versions: {versions}.",
         "",
         "| family | architecture | full | adapter | hybrid | reason |",
         "|---|---|---|---|---|---|",
@@ -96,20 +115,21 @@ def main(argv: list[str] | None = None) -> int:
 
         from hwsync import vllm_plugin
 
-        from .families import enumerate_families, run_family, write_results
+        from .families import enumerate_families, run_family, selected_families, syncs_per_strategy, write_results
+        from .reference import EngineReference
 
         vllm_plugin.register()  # what VLLM_PLUGINS=hwsync does in a vLLM process (MoE + enable_lora on CPU)
         torch.set_num_threads(1)
         results = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for fam in enumerate_families():
+        with tempfile.TemporaryDirectory() as tmp, EngineReference(Path(tmp) / "reference") as reference:
+            for fam in selected_families(enumerate_families()):
                 if args.only and fam.name not in args.only:
                     continue
-                r = run_family(fam, tmp)
+                r = run_family(fam, tmp, reference=reference, syncs=syncs_per_strategy())
                 print(f"{fam.name}: {({k: v['status'] for k, v in r.strategies.items()})} {r.seconds:.0f}s",
                       flush=True)
                 results.append(r)
-                write_results(results, args.run)
+                write_results(results, args.run, syncs_per_strategy())
         source = source or args.run
     if source is None:
         ap.error("give --run RESULTS or --from RESULTS")

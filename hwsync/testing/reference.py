@@ -80,6 +80,11 @@ def _base_weights(model: Any) -> dict[str, Any]:
         clean = strip_peft_name(name)
         if clean not in out:
             out[clean] = plain_weight(model, name, p)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    persistent = set(base.state_dict(keep_vars=True))
+    for name, b in base.named_buffers():  # persistent buffers are checkpoint tensors too (LFM2-MoE's expert_bias)
+        if name in persistent and name not in out:
+            out[name] = b
     return out
 
 
@@ -172,11 +177,13 @@ def peft_moe_lora_to_2d(tensors: Mapping[str, Any], num_experts: int, gate_up_in
 
 
 def write_adapter(model: Any, out: Path, *, drop: Callable[[str], bool] | None = None, moe_format: str = "3d",
-                  num_experts: int | None = None) -> Path:
+                  num_experts: int | None = None, rows: Mapping[str, Any] | None = None) -> Path:
     """The trainer's active adapter as PEFT's ``save_pretrained`` writes it, into ``out``.
 
     ``drop(key)`` removes tensors (the modules a hybrid sync merges instead). ``moe_format="2d"`` rewrites fused
     expert LoRA per expert (:func:`peft_moe_lora_to_2d`) for engines without ``enable_mixed_moe_lora_format``.
+    ``rows`` (module path -> row index): B rows reordered as the engine's loader reorders that module's base weight
+    (what hwsync delivers for Llama 4's q/k, :meth:`hwsync.vllm.applier.VllmApplier.lora_row_orders`).
     """
     from safetensors.torch import load_file, save_file
 
@@ -190,6 +197,10 @@ def write_adapter(model: Any, out: Path, *, drop: Callable[[str], bool] | None =
     tensors = load_file(str(src / "adapter_model.safetensors"))
     if drop is not None:
         tensors = {k: v for k, v in tensors.items() if not drop(k)}
+    for key in list(tensors) if rows else ():
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_B.weight")
+        if key.endswith(".lora_B.weight") and module in rows:  # type: ignore[operator]
+            tensors[key] = tensors[key][rows[module]]  # type: ignore[index]
     if moe_format == "2d" and any(".experts." in k and ".experts.0." not in k for k in tensors):
         if num_experts is None:
             num_experts = int(getattr(model.config, "num_experts", 0) or model.config.num_local_experts)
@@ -224,7 +235,7 @@ def _serve(conn: Any, threads: int) -> None:
 
     torch.set_num_threads(threads)  # the same as the synced engine's process: CPU results depend on it
     from hwsync import vllm_plugin
-    from hwsync.testing.engine import close_llm, make_llm
+    from hwsync.testing.engine import close_llm, make_llm, register_in_process
 
     vllm_plugin.register()  # what VLLM_PLUGINS=hwsync does: e.g. MoE + enable_lora on vLLM's CPU build
     os.environ["VLLM_PLUGINS"] = "hwsync"  # ... and in the engine's worker processes (mp executor, TP > 1)
@@ -239,6 +250,7 @@ def _serve(conn: Any, threads: int) -> None:
                 if llm is not None:
                     close_llm(llm)
                     llm = None
+                register_in_process(msg["checkpoint"])  # vLLM would inspect a new architecture in a subprocess
                 llm, key = make_llm(msg["checkpoint"], **msg["engine"]), want
             from vllm import SamplingParams
             from vllm.lora.request import LoRARequest
@@ -276,7 +288,8 @@ class EngineReference:
     written checkpoints. ``base_checkpoint``: the directory an ``adapter`` reference engine starts from instead of a
     checkpoint of the trainer's ``W0`` (e.g. the pre-quantized checkpoint a 4-bit engine serves).
     ``daemon=False`` lets the reference engine start worker processes (``distributed_executor_backend="mp"``, tensor
-    parallel); :meth:`close` (or the context manager) must then stop it.
+    parallel); :meth:`close` (or the context manager) must then stop it. :meth:`configure` points the same process
+    at another engine's arguments (one reference process for many models, e.g. the family matrix).
     """
 
     def __init__(self, workdir: str | os.PathLike[str], *, hybrid_merged: Callable[[str], bool] | None = None,
@@ -286,15 +299,26 @@ class EngineReference:
         self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.engine = {k: v for k, v in engine_kwargs.items() if k not in ("worker_extension_cls", "model")}
-        self.engine.setdefault("skip_tokenizer_init", True)
+        self.engine: dict[str, Any] = {}
         self.hybrid_merged = hybrid_merged
+        self.adapter_rows: Mapping[str, Any] | None = None
+        self.configure(hybrid_merged=hybrid_merged, **engine_kwargs)
         self.timeout_s = timeout_s
         self.daemon = daemon
         self._proc: Any = None
         self._conn: Any = None
         self._lora_id = 1000
         self.engines_started = 0
+
+    def configure(self, *, hybrid_merged: Callable[[str], bool] | None = None,
+                  adapter_rows: Mapping[str, Any] | None = None, **engine_kwargs: Any) -> EngineReference:
+        """Compare with an engine of these arguments from now on (same process; its engine is rebuilt on the next
+        check). ``adapter_rows``: see :func:`write_adapter` ``rows``."""
+        self.engine = {k: v for k, v in engine_kwargs.items() if k not in ("worker_extension_cls", "model")}
+        self.engine.setdefault("skip_tokenizer_init", True)
+        self.hybrid_merged = hybrid_merged
+        self.adapter_rows = adapter_rows
+        return self
 
     # -- what the engine should serve ------------------------------------------------------------------------------
     @property
@@ -328,7 +352,8 @@ class EngineReference:
             ckpt = self.base_checkpoint
         else:
             ckpt = write_checkpoint(model, self.workdir, pick, dtype)
-        adapter = write_adapter(model, self.workdir / "adapter", drop=pick, moe_format=self.moe_format)
+        adapter = write_adapter(model, self.workdir / "adapter", drop=pick, moe_format=self.moe_format,
+                                rows=self.adapter_rows)
         return self._ask(ckpt, adapter, prompts, max_tokens)
 
     def check(self, target: Any, model: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 4,
