@@ -27,7 +27,7 @@ export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 [ -n "${OUT:-}" ] && export HWSYNC_TEST_LOG="${HWSYNC_TEST_LOG:-$OUT/failed-modules.log}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora multigpu multigpu-z3 bench verify)
+PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora families multigpu multigpu-z3 bench verify)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -36,6 +36,7 @@ declare -A MODULES=(
     [swift]="tests/test_swift_grpo.py"
     [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
     [qlora]="tests/test_qlora.py"
+    [families]="tests/test_families.py"
     [verify]="tests/test_verify_faults.py tests/test_verify_faults_bf16.py"
     [multigpu]="tests/test_multigpu_fsdp_tp.py tests/test_server_tp.py"
     [multigpu-z3]="tests/test_multigpu_fsdp_tp.py"
@@ -50,6 +51,7 @@ declare -A ABOUT=(
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
+    [families]="${MODULES[families]} for the families vLLM's CPU build cannot serve (HWSYNC_FAMILIES=cpu-unserved, 3 syncs per strategy; every sync vs vLLM's own loading of the same weights; results in \$OUT/families-gpu.json; HWSYNC_FAMILIES=all: every family)"
     [multigpu]="${MODULES[multigpu]} (2 GPUs: an FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; server mode into a TP=2 engine; skipped on fewer GPUs)"
     [multigpu-z3]="${MODULES[multigpu-z3]} -k zero3 (2 GPUs: the same with a DeepSpeed ZeRO-3 trainer; skipped on fewer GPUs)"
     [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile [--server with 2 GPUs] (every strategy, exactness vs vLLM own loading; server mode vs the colocated engine)"
@@ -101,6 +103,10 @@ run_part() {
         verify)
             run_modules "${MODULES[verify]}" || rc=$?
             "$PY" benchmarks/verify_table.py ${OUT:+--json "$OUT/verify_table.json"} || rc=$? ;;
+        families)
+            HWSYNC_FAMILIES="${HWSYNC_FAMILIES:-cpu-unserved}" HWSYNC_FAMILY_SYNCS="${HWSYNC_FAMILY_SYNCS:-3}" \
+                HWSYNC_FAMILY_RESULTS="${HWSYNC_FAMILY_RESULTS:-${OUT:-${TMPDIR:-/tmp}}/families-gpu.json}" \
+                run_modules "${MODULES[families]}" || rc=$? ;;
         exact)  # two processes side by side (the module's engines are per format)
             run_modules "${MODULES[exact]}" -k "not 3d" & local other=$!
             run_modules "${MODULES[exact]}" -k "3d" || rc=$?

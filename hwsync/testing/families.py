@@ -114,8 +114,8 @@ REFERENCE_ENV = "HWSYNC_FAMILY_REFERENCE"
 ``engine``: vLLM's own loading for every family, also on CPU (what a GPU run does)."""
 SYNCS_ENV = "HWSYNC_FAMILY_SYNCS"
 FAMILIES_ENV = "HWSYNC_FAMILIES"
-"""Families to run: comma-separated model types, or ``cpu-unserved`` (those ``docs/families.json`` records as not
-served by vLLM's CPU build: what a GPU run adds); default every enumerated family."""
+"""Families to run: comma-separated model types, ``all`` (the default: every enumerated family), or ``cpu-unserved``
+(those ``docs/families.json`` records as not served by vLLM's CPU build: what a GPU run adds)."""
 
 
 @dataclass(frozen=True)
@@ -314,10 +314,17 @@ def selected_families(families: list[Family], spec: str | None = None, results: 
     """``families`` narrowed by :data:`FAMILIES_ENV` (or ``spec``): names, or ``cpu-unserved`` = the families whose
     ``full`` cell the CPU results file (default ``docs/families.json``) records as not served."""
     spec = os.environ.get(FAMILIES_ENV, "") if spec is None else spec
-    if not spec.strip():
+    if spec.strip() in ("", "all"):
         return families
     if spec.strip() == "cpu-unserved":
-        file = Path(results) if results is not None else Path(__file__).resolve().parents[2] / "docs" / "families.json"
+        # the repository's results: from the checkout being tested (the GPU job runs in its root, with hwsync installed
+        # elsewhere), else next to this package in an editable install
+        candidates = [Path(results)] if results is not None else [
+            Path.cwd() / "docs" / "families.json", Path(__file__).resolve().parents[2] / "docs" / "families.json"]
+        file = next((c for c in candidates if c.is_file()), None)
+        if file is None:
+            raise FileNotFoundError(f"{FAMILIES_ENV}=cpu-unserved reads the CPU results, found at none of "
+                                    f"{[str(c) for c in candidates]}: run from the repository root")
         data = json.loads(file.read_text())
         names = {r["family"] for r in data["results"] if r["strategies"].get("full", {}).get("status") == "not_served"}
     else:
