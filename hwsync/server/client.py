@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import secrets
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -92,8 +92,11 @@ class RemoteEngine(Engine):
         return ",".join(c.address for c in self.conns)
 
     # -- queries --------------------------------------------------------------------------------------------------
-    def describe(self, lora_paths: Sequence[str] = ()) -> EngineInfo:
-        infos = [EngineInfo.from_dict(c.call("describe", {"lora_paths": list(lora_paths)})) for c in self.conns]
+    def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:
+        args: dict[str, Any] = {"lora_paths": list(lora_paths)}
+        if base is not None:
+            args["base"] = {str(n): [int(d) for d in s] for n, s in base.items()}
+        infos = [EngineInfo.from_dict(c.call("describe", args)) for c in self.conns]
         self._workers = [i.workers for i in infos]
         first = infos[0]
         self._device_type = first.device_type
@@ -128,17 +131,7 @@ class RemoteEngine(Engine):
     def parts(self) -> list[RemoteEngine]:
         """One handle per engine (itself when it spans one), over the same connections and lock, for queries:
         :func:`hwsync.verify` checks every engine. They do not sync (that is this handle's job)."""
-        if len(self.conns) == 1:
-            return [self]
-        views = []
-        for conn in self.conns:
-            view = object.__new__(_EngineView)
-            Engine.__init__(view)
-            view.lock, view.plans = self.lock, self.plans  # the trainer's plans hold for every engine alike
-            view.conns, view.timeout_s, view.data_host = [conn], self.timeout_s, self.data_host
-            view._store, view._link, view._workers, view._device_type, view._owner = None, None, None, "cpu", {}
-            views.append(view)
-        return views
+        return [self] if len(self.conns) == 1 else [_EngineView(self, conn) for conn in self.conns]
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
         raise UnsupportedSetupError(
@@ -264,6 +257,12 @@ class RemoteEngine(Engine):
 
 class _EngineView(RemoteEngine):
     """One engine of a :class:`RemoteEngine` that spans several (:meth:`RemoteEngine.parts`): queries only."""
+
+    def __init__(self, parent: RemoteEngine, conn: _Conn) -> None:  # shares the parent's connection
+        Engine.__init__(self)
+        self.lock, self.plans = parent.lock, parent.plans  # the trainer's plans hold for every engine alike
+        self.conns, self.timeout_s, self.data_host = [conn], parent.timeout_s, parent.data_host
+        self._store, self._link, self._workers, self._device_type, self._owner = None, None, None, "cpu", {}
 
     def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
              progress: ProgressFn | None) -> dict[str, Any]:
