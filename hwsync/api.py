@@ -19,10 +19,10 @@ from torch import nn
 
 from hwsync.engine import Engine, ProgressFn
 from hwsync.errors import OptionError, PlanChangedError, SyncError
-from hwsync.payload import Payload, build_payload, model_uuid, read_lora
+from hwsync.payload import Payload, base_shapes, build_payload, model_uuid, read_lora
 from hwsync.report import SyncReport
 from hwsync.strategy import choose
-from hwsync.wire import Manifest, Strategy, plan_buckets
+from hwsync.wire import EngineInfo, Manifest, Strategy, plan_buckets
 
 __all__ = ["sync", "generate", "as_engine", "default_bucket_mb", "parse_bucket_mb", "BUCKET_ENV"]
 
@@ -91,12 +91,20 @@ def _layout(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
     return known[1], signature
 
 
-def _plan(engine: Engine, model: nn.Module, request: Strategy, bucket_mb: float | None, lora_name: str | None,
-          lora_int_id: int | None) -> _SyncPlan:
+def describe_for(engine: Engine, model: nn.Module) -> tuple[EngineInfo, Any]:
+    """The engine's facts for syncing ``model`` and the trainer's LoRA (:func:`hwsync.payload.read_lora`): what it
+    serves, whether it serves LoRA on the trainer's modules, and which of the trainer's base tensors it keeps in a
+    wider dtype (those travel in it)."""
     info = engine.describe()
     lora = read_lora(model, info)
-    if lora is not None and not isinstance(lora, Exception) and info.lora_enabled:
-        info = engine.describe(lora.vllm_paths)
+    paths = lora.vllm_paths if lora is not None and not isinstance(lora, Exception) and info.lora_enabled else ()
+    info = engine.describe(paths, base_shapes(model))
+    return info, lora
+
+
+def _plan(engine: Engine, model: nn.Module, request: Strategy, bucket_mb: float | None, lora_name: str | None,
+          lora_int_id: int | None) -> _SyncPlan:
+    info, lora = describe_for(engine, model)
     choice = choose(request, lora, info)
     mb = default_bucket_mb(info.device_type) if bucket_mb is None else bucket_mb
     payload = build_payload(model, choice, lora if choice.strategy is not Strategy.FULL else None, info,  # type: ignore[arg-type]

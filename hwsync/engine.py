@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -38,8 +38,9 @@ class Engine(abc.ABC):
         """Trainer-side sync plans per model (:mod:`hwsync.api`), so a steady-state sync skips planning."""
 
     @abc.abstractmethod
-    def describe(self, lora_paths: Sequence[str] = ()) -> EngineInfo:
-        """What the engine serves, and whether it can serve LoRA on ``lora_paths``."""
+    def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:
+        """What the engine serves, whether it can serve LoRA on ``lora_paths``, and which of the trainer's ``base``
+        tensors (name -> shape) it keeps in a wider dtype than its model dtype (:attr:`EngineInfo.kept_dtypes`)."""
 
     @abc.abstractmethod
     def state(self) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from hwsync.strategy import Choice
 from hwsync.lora_formats import wire_name
 from hwsync.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
 
-__all__ = ["Payload", "TrainerLora", "build_payload", "lora_paths", "read_lora"]
+__all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "lora_paths", "read_lora"]
 
 _LORA_SUFFIX = ".lora_A.weight"
 
@@ -224,10 +224,22 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
 # ---------------------------------------------------------------------------------------------------------------
 # payloads
 # ---------------------------------------------------------------------------------------------------------------
-def _wire_dtype(t: Tensor, info: EngineInfo) -> torch.dtype:
+def _wire_dtype(name: str, t: Tensor, info: EngineInfo) -> torch.dtype:
+    """The engine's model dtype for floating (and dequantized 4-bit) tensors, or the wider dtype the engine keeps
+    that parameter in (:attr:`EngineInfo.kept_dtypes`); other tensors as they are."""
     from hwsync.merged import is_quantized
 
-    return info.torch_dtype if t.is_floating_point() or is_quantized(t) else t.dtype
+    if not (t.is_floating_point() or is_quantized(t)):
+        return t.dtype
+    kept = info.kept_dtypes.get(name)
+    return dtype_from_name(kept) if kept else info.torch_dtype
+
+
+def base_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Trainer base name -> the shape the engine gets (a describe asks the engine which of them it keeps wider)."""
+    from hwsync.merged import is_quantized, logical_shape
+
+    return {n: logical_shape(p) for n, p in _base_params(model).items() if p.is_floating_point() or is_quantized(p)}
 
 
 def _companions(unservable: Sequence[str], names: Sequence[str], packed: Mapping[str, Sequence[str]]) -> set[str]:
@@ -332,7 +344,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
         elif strategy is Strategy.ADAPTER:
             reason = f"{reason}; LoRA only"
 
-    specs = [TensorSpec(n, logical_shape(base[n]), _wire_dtype(base[n], info), "base") for n in send]
+    specs = [TensorSpec(n, logical_shape(base[n]), _wire_dtype(n, base[n], info), "base") for n in send]
     lora_modules: list[str] = []
     lora_config = None
     lora_base_names: dict[str, tuple[int, ...]] = {}

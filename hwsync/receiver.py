@@ -42,8 +42,9 @@ _PLANS_KEPT = 8
 class Applier(Protocol):
     """How one engine worker takes weights. Every method may raise an :class:`HwsyncError` naming the fix."""
 
-    def describe(self, lora_paths: Sequence[str]) -> dict[str, Any]:
-        """Static facts for :class:`hwsync.wire.EngineInfo` (dtype, LoRA support, unservable paths)."""
+    def describe(self, lora_paths: Sequence[str], base: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
+        """Static facts for :class:`hwsync.wire.EngineInfo` (dtype, LoRA support, unservable paths, kept dtypes of
+        the trainer's ``base`` tensors)."""
 
     def validate(self, manifest: Manifest) -> Any:
         """Resolve and check the whole manifest against the live engine; return a plan. Must not write."""
@@ -85,10 +86,11 @@ class Receiver:
                 self.state.base_key = None
             return self.state
 
-    def describe(self, lora_paths: Sequence[str] = ()) -> dict[str, Any]:
+    def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
+                 ) -> dict[str, Any]:
         with self.lock:
             self.refresh()
-            info = dict(self.applier.describe(lora_paths))
+            info = dict(self.applier.describe(lora_paths, base))
             info.update(version=self.state.version, stale=self.state.stale, base_key=self.state.base_key,
                         lora_int_id=self.state.lora_int_id, lora_name=self.state.lora_name)
             return info

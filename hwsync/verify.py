@@ -262,14 +262,12 @@ def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, It
     (merged view for merged names, W0 for frozen ones, folded LoRA A/B), lazily, as the engine should hold them."""
     import dataclasses
 
-    from hwsync.payload import build_payload, read_lora
+    from hwsync.api import describe_for
+    from hwsync.payload import build_payload
     from hwsync.strategy import choose
     from hwsync.wire import Strategy
 
-    info = engine.describe()
-    lora = read_lora(model, info)
-    if lora is not None and not isinstance(lora, Exception) and info.lora_enabled:
-        info = engine.describe(lora.vllm_paths)
+    info, lora = describe_for(engine, model)
     strategy = _Synced.of(plan).strategy  # type: ignore[union-attr]
     choice = choose(strategy, lora, info)
     fresh = dataclasses.replace(info, base_key=None, stale=False)  # as if nothing were on the engine: all of it
@@ -579,8 +577,8 @@ class _OnRank0(Engine):
             raise from_wire(out[1])
         return out[1]
 
-    def describe(self, lora_paths: Sequence[str] = ()) -> Any:
-        return self.ask(lambda e: e.describe(lora_paths))
+    def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> Any:
+        return self.ask(lambda e: e.describe(lora_paths, base))
 
     def state(self) -> dict[str, Any]:
         return self.ask(lambda e: e.state())

@@ -407,6 +407,10 @@ class EngineInfo:
     """Engine workers that receive every sync (tensor / pipeline parallel ranks of one engine)."""
     quantization: str | None = None
     """The engine's weight quantization (``bitsandbytes``, ``fp8``, ...), ``None`` when it serves plain weights."""
+    kept_dtypes: Mapping[str, str] = field(default_factory=dict)
+    """Trainer base name -> the floating dtype the engine keeps its parameter in where that is wider than the model
+    dtype (vLLM keeps Mamba2 / Gated-DeltaNet ``A_log`` in fp32 in a bf16 engine): such tensors travel in it (only for
+    names the sender asked about)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -166,7 +166,7 @@ def make_recorder() -> Any:
             self.base_key: str | None = None
             self.got: dict[str, torch.Tensor] = {}
 
-        def describe(self, lora_paths: Sequence[str] = ()) -> Any:
+        def describe(self, lora_paths: Sequence[str] = (), base: Any = None) -> Any:
             return info(version=self.version, base_key=self.base_key)
 
         def state(self) -> dict[str, Any]:

@@ -43,6 +43,19 @@ def _capped_timeout(asked: Any, cap: float) -> float:
     return min(t, cap)
 
 
+def _base_shapes(base: Any) -> dict[str, list[int]] | None:
+    """The trainer's ``base`` names and shapes of a describe request, checked before the engine resolves them."""
+    if base is None:
+        return None
+    if not isinstance(base, dict) or len(base) > 1 << 20:
+        raise SyncError("describe: 'base' must map at most 2^20 tensor names to shapes")
+    for name, shape in base.items():
+        if not (isinstance(name, str) and 0 < len(name) <= 1024 and isinstance(shape, list) and len(shape) <= 8
+                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
+            raise SyncError(f"describe: 'base' entry {str(name)[:80]!r} is not a name with a shape of <= 8 sizes")
+    return base
+
+
 class SyncServer:
     """Serves syncs into an in-process ``vllm.LLM`` for trainers that :func:`hwsync.connect` with the token."""
 
@@ -159,7 +172,7 @@ class SyncServer:
 
     # -- operations -----------------------------------------------------------------------------------------------
     def _describe(self, channel: Channel, args: Mapping[str, Any]) -> Any:
-        return self.engine.describe(list(args.get("lora_paths", ()))).to_dict()
+        return self.engine.describe(list(args.get("lora_paths", ())), _base_shapes(args.get("base"))).to_dict()
 
     def _state(self, channel: Channel, args: Mapping[str, Any]) -> Any:
         return self.engine.state()

@@ -61,10 +61,12 @@ ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 # Per-family corrections a generic shrink cannot guess (field -> value), each with its reason.
 FIXUPS: dict[str, dict[str, Any]] = {
-    # MLA (DeepSeek-style): latent ranks and head dims must stay >= 32 for vLLM's CPU attention
-    "deepseek_v2": {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
-                    "v_head_dim": 32, "head_dim": 32, "qk_head_dim": 64, "n_group": 1, "topk_group": 1,
-                    "first_k_dense_replace": 1, "topk_method": "greedy"},
+    # MLA (DeepSeek-style): vLLM's MLA backends cache kv_lora_rank + qk_rope_head_dim per token and support 576 (512
+    # + 64, DeepSeek's own sizes) everywhere (the CPU decode kernel only that); the other dims stay >= 32. MLA has no
+    # grouped KV: transformers expects one KV head per attention head
+    "deepseek_v2": {"kv_lora_rank": 512, "q_lora_rank": 32, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
+                    "v_head_dim": 32, "head_dim": 64, "qk_head_dim": 96, "n_group": 1, "topk_group": 1,
+                    "first_k_dense_replace": 1, "topk_method": "greedy", "num_key_value_heads": 2},
     # longcat_flash: num_layers counts layer *pairs* (each has two attention blocks)
     "ernie4_5_moe": {"moe_layer_start_index": 1, "moe_layer_end_index": 1, "moe_k": 2},
     "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
@@ -100,13 +102,10 @@ ENGINE_REFERENCE_TOO: dict[str, str] = {
 
 # Sync failures understood and not fixed here: family -> (regex on the failure, reason). hwsync refuses these syncs
 # before any write (the engine keeps serving its weights); the table shows the reason, which says whose limit it is.
-_FP32_IN_BF16 = (r"dtype does not fit: receiver holds float32, got bfloat16",
-                 "hwsync limit, refused before any write: vLLM keeps {what} in fp32 inside this bf16 engine, while "
-                 "hwsync sends every floating tensor in the engine's model dtype (the trainer's fp32 values would be "
-                 "rounded); needs per-parameter wire dtypes from the engine")
 KNOWN_FAILURES: dict[str, tuple[str, str]] = {
-    "granitemoehybrid": (_FP32_IN_BF16[0], _FP32_IN_BF16[1].format(what="the Mamba2 A (from A_log)")),
-    "qwen3_next": (_FP32_IN_BF16[0], _FP32_IN_BF16[1].format(what="the Gated-DeltaNet A_log")),
+    "glm4_moe_lite": (r"ReferenceMismatch", "unexplained, order-dependent: exact against vLLM's own loading for every "
+                      "strategy when it runs first in the process (3 syncs each, max |Δ| 0), but after DeepSeek-V3's "
+                      "engines in the same process its synced engine differs from a fresh one; not isolated yet"),
 }
 
 REFERENCE_ENV = "HWSYNC_FAMILY_REFERENCE"
@@ -377,7 +376,9 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, refer
         res.seconds = time.monotonic() - started
         return res
     llm = None
-    kwargs: dict[str, Any] = {"worker_extension_cls": "hwsync.vllm.HwsyncWorkerExtension"}
+    # the prompts are < 20 tokens: a short context fits every KV layout in the test engines' fixed KV budget (MLA's
+    # 16-token blocks hold 512 tokens there, under engine_args' default 1024)
+    kwargs: dict[str, Any] = {"worker_extension_cls": "hwsync.vllm.HwsyncWorkerExtension", "max_model_len": 256}
     try:
         try:
             lora = _lora_supported(family.arch)
@@ -392,7 +393,7 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, refer
                 raise
             lora_error = _short(e)
             _cleanup()
-            kwargs = {"worker_extension_cls": "hwsync.vllm.HwsyncWorkerExtension"}
+            kwargs = {"worker_extension_cls": "hwsync.vllm.HwsyncWorkerExtension", "max_model_len": 256}
             llm = make_llm(path, **kwargs)
             lora = False
             for s in ("adapter", "hybrid"):

@@ -41,6 +41,7 @@ logger = logging.getLogger("hwsync.vllm")
 LORA_NAME = "hwsync"
 LORA_INT_ID = 0x6873  # "hs": the default adapter id, replaced in place on every sync
 _PREPACK_PATCH = "vllm_cpu_moe_prepack"
+_MAMBA_CONV_PATCH = "vllm_cpu_mamba_conv"
 """The one patch held around each reload instead of process-wide (see ``hwsync.patches`` for patch scopes)."""
 
 
@@ -119,12 +120,12 @@ def _vllm_spellings(names_plan: Any, weights: Iterator[tuple[str, Tensor]]) -> I
 
 def vllm_reload(runner: Any, weights: Any) -> None:
     """vLLM's own weight-update path (``reload_weights`` in checkpoint format), with the probe-gated fixes it needs
-    held around it (the CPU MoE prepack) and, on a LoRA engine, the parameter names the model's loader was written
+    held around it (the CPU MoE prepack, the CPU Mamba2 conv weights) and, on a LoRA engine, the parameter names the model's loader was written
     against (:mod:`hwsync.vllm.lora_view`): the trusted reference the faster paths are checked against."""
     from hwsync.vllm.lora_view import checkpoint_names
 
-    with _quiet_partial_reload(), _patch_scope(_PREPACK_PATCH), checkpoint_names(runner.get_model()), \
-            torch.no_grad():
+    with _quiet_partial_reload(), _patch_scope(_PREPACK_PATCH), _patch_scope(_MAMBA_CONV_PATCH), \
+            checkpoint_names(runner.get_model()), torch.no_grad():
         runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
 
@@ -171,6 +172,16 @@ def _check_routed_dtypes(names_plan: Any, routed: Mapping[str, str], cast: bool)
         raise _error(problems, "nothing was written", len(names_plan.manifest), ns)
 
 
+def _whole_layers(proven: set[str], plan: Plan) -> set[str]:
+    """The proven names whose engine layer is written in place entirely. vLLM's reload re-materialises every layer
+    it loads into and copies *all* of that layer's tensors back, so a name written in place beside one that goes
+    through the reload in the same layer (Mamba2's ``D`` beside the ``A`` its loader computes from ``A_log``) would be
+    overwritten with the re-materialised layer's uninitialised memory."""
+    raw = plan.raw.names if plan.raw is not None else frozenset()
+    reloaded = {layer for name, layer in plan.groups.items() if name not in proven and name not in raw}
+    return {name for name in proven if plan.groups.get(name) not in reloaded}
+
+
 class VllmApplier:
     """Loads base weights and adapters into one vLLM worker (see the module docstring)."""
 
@@ -189,7 +200,7 @@ class VllmApplier:
     def vllm_config(self) -> Any:
         return self.worker.model_runner.vllm_config
 
-    def describe(self, lora_paths: Sequence[str]) -> dict[str, Any]:
+    def describe(self, lora_paths: Sequence[str], base: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
         import vllm
 
         from hwsync.capabilities import vllm_capabilities
@@ -207,6 +218,8 @@ class VllmApplier:
             "workers": int(cfg.parallel_config.world_size),
             "quantization": mc.quantization,
         }
+        if base:
+            info["kept_dtypes"] = self.kept_dtypes(base)
         manager = lora_manager_of(self.worker)
         if cfg.lora_config is None or manager is None:
             info["lora_reason"] = "the engine was started without enable_lora"
@@ -223,6 +236,36 @@ class VllmApplier:
             unservable={p: why for p in lora_paths if (why := self._unservable(manager, p)) is not None},
         )
         return info
+
+    def kept_dtypes(self, base: Mapping[str, Sequence[int]]) -> dict[str, str]:
+        """Trainer name -> dtype, for the floating ``base`` tensors whose engine parameter vLLM keeps wider than the
+        model dtype (Mamba2 / Gated-DeltaNet ``A_log`` in fp32 inside a bf16 engine): sent in the model dtype they
+        would be rounded before vLLM's loader sees them, unlike vLLM's own loading of the same checkpoint. Resolved
+        as a sync would be (declarations, then the dry run for names only the model's loader places); names that do
+        not resolve are left to the sync's own validation, which reports them."""
+        from hwsync.errors import ResolutionError
+        from hwsync.vllm.dry_run import dry_run_load
+
+        dtype = self.vllm_config.model_config.dtype
+        specs = [TensorSpec(str(n), tuple(int(d) for d in s), dtype, "base") for n, s in base.items()]
+        try:
+            names_plan = self._names_plan(specs, cast=True)
+            if names_plan.routed():
+                dry_run_load(model_of(self.worker), specs, names_plan)  # binds what only the loader places
+        except ResolutionError:
+            return {}
+        ns = names_plan.namespace
+        out: dict[str, str] = {}
+        for name, targets in names_plan.entries.items():
+            held = set()
+            for tg in targets:
+                try:
+                    held.add(ns.spec_of(tg.param).dtype)
+                except KeyError:
+                    continue
+            if len(held) == 1 and (h := held.pop()).is_floating_point and h.itemsize > dtype.itemsize:
+                out[name] = dtype_name(h)
+        return out
 
     def lora_module(self, manager: Any, path: str) -> tuple[str, Any]:
         """(module name vLLM files the LoRA under, the wrapper module serving it or None)."""
@@ -427,13 +470,17 @@ class VllmApplier:
             path += f" ({len(plan.raw.names)} in place because vLLM's loader copies them where its reload cannot see)"
         if calibration is not None:
             plan.calibrated = True
-            proven = calibration.proven()
+            checked = calibration.proven()
+            proven = _whole_layers(checked, plan)
             if proven:
                 plan.direct = DirectWriter(plan.names, frozenset(proven), self._live(plan))
-            unproven = sorted(set(plan.eligible) - proven)
+            unproven = sorted(set(plan.eligible) - checked)
+            shared = sorted(checked - proven)
             reasons = sorted(set(plan.ineligible.values()))
             path += (f"; {len(proven)} proven writable in place for later syncs"
                      + (f" ({len(unproven)} eligible but not proven, e.g. {unproven[0]})" if unproven else "")
+                     + (f" ({len(shared)} proven but reloaded with the rest of their layer, e.g. {shared[0]})"
+                        if shared else "")
                      + (f"; reloaded because {reasons[0]}" + (f" (+{len(reasons) - 1} reasons)" if len(reasons) > 1
                                                               else "") if reasons else ""))
             logger.info("hwsync: %s", path)

@@ -56,6 +56,8 @@ def dry_run_load(
         run.load([(sp.name, _pieces(names_plan, sp.name, torch.empty(sp.shape, dtype=sp.dtype, device="meta")))
                   for sp in specs])
     except ResolutionError as e:
+        if _per_expert_only(names_plan, run.current[0]):  # learned: this model's loader takes no fused experts
+            return dry_run_load(model, specs, names_plan, transformed, raw)
         if run.current[0] not in routed:
             raise
         raise ResolutionError(f"1 problem(s) resolving {len(specs)} trainer tensor(s); nothing was written:\n  - "
@@ -88,6 +90,29 @@ def dry_run_load(
         if n < run.needed.get(lid, 0) and lid in by_layer
     }
     return groups, partial
+
+
+def _per_expert_only(names_plan: Any, name: str) -> bool:
+    """After vLLM's loader refused ``name`` in the fused spelling its MoE layer advertises (``experts.gate_up_proj``,
+    from ``get_expert_mapping(include_fused=True)``), hand every expert tensor over per expert from now on
+    (``experts.{e}.gate_proj.weight``, ...): the model's ``load_weights`` may map only per-expert checkpoint names
+    (vLLM 0.32's DeepSeek-V2/V3 and GLM-4-MoE-lite use a model-level mapping without fused entries). Returns whether
+    anything changed (the dry run then runs again, once)."""
+    if names_plan is None or name not in getattr(names_plan, "entries", {}):
+        return False
+    ns = names_plan.namespace
+    targets = names_plan.entries[name]
+    if not any(t.kind == "experts" for t in targets):
+        return False
+    fused = {k: g for k, g in ns.expert_groups.items() if g.vllm_fused_gate_up or g.vllm_fused_down}
+    if not fused:
+        return False
+    import dataclasses
+
+    for key, g in fused.items():
+        ns.expert_groups[key] = dataclasses.replace(g, vllm_fused_gate_up=None, vllm_fused_down=None)
+    ns.__post_init__()  # lookups and the signature follow the groups
+    return True
 
 
 def _pieces(names_plan: Any, name: str, t: Tensor) -> list[tuple[str, Tensor]]:

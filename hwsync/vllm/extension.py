@@ -20,8 +20,9 @@ __all__ = ["HwsyncWorkerExtension"]
 class HwsyncWorkerExtension:
     """Methods mixed into vLLM workers; each delegates to the function of the same name in :mod:`hwsync.vllm.worker`."""
 
-    def hwsync_describe(self, lora_paths: Sequence[str] = ()) -> dict[str, Any]:
-        return _w.describe(self, lora_paths)
+    def hwsync_describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
+                        ) -> dict[str, Any]:
+        return _w.describe(self, lora_paths, base)
 
     def hwsync_state(self) -> dict[str, Any]:
         return _w.state(self)

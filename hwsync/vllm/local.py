@@ -9,7 +9,7 @@ parallel), through ``collective_rpc``; their buckets arrive over the data plane.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -23,6 +23,10 @@ from hwsync.vllm import worker
 from hwsync.wire import EngineInfo, Manifest
 
 __all__ = ["LocalEngine"]
+
+
+def _shapes(base: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]] | None:
+    return None if base is None else {str(n): [int(d) for d in s] for n, s in base.items()}
 
 
 class LocalEngine(Engine):
@@ -56,8 +60,8 @@ class LocalEngine(Engine):
     def rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
         return self.rpc_all(fn, *args)[0]
 
-    def describe(self, lora_paths: Sequence[str] = ()) -> EngineInfo:
-        return EngineInfo.from_dict(self.rpc(worker.describe, list(lora_paths)))
+    def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:
+        return EngineInfo.from_dict(self.rpc(worker.describe, list(lora_paths), _shapes(base)))
 
     def state(self) -> dict[str, Any]:
         return self.rpc(worker.state)

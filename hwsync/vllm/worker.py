@@ -67,9 +67,11 @@ def rank(worker: Any) -> int:
     return int(getattr(_worker(worker), "rank", 0) or 0)
 
 
-def describe(worker: Any, lora_paths: Sequence[str] = ()) -> dict[str, Any]:
-    """Engine facts for ``strategy="auto"`` plus receiver state; ``unservable`` covers ``lora_paths``."""
-    return receiver_of(worker).describe(lora_paths)
+def describe(worker: Any, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
+             ) -> dict[str, Any]:
+    """Engine facts for ``strategy="auto"`` plus receiver state; ``unservable`` covers ``lora_paths``,
+    ``kept_dtypes`` the trainer's ``base`` tensors (name -> shape)."""
+    return receiver_of(worker).describe(lora_paths, base)
 
 
 def state(worker: Any) -> dict[str, Any]:
