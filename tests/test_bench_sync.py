@@ -1,0 +1,37 @@
+"""The sync benchmark's exactness checks, as CI runs them: ``benchmarks/bench_sync.py`` at tiny shapes on vLLM's CPU
+build, colocated and in server mode (a second engine process), every strategy. The script exits non-zero when a
+synced engine differs from vLLM's own loading of the same weights (or a served engine from the colocated one); its
+timings are printed, never asserted (docs/performance.md has the GPU tables)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hwsync.testing import require_vllm
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_sync_is_exact_colocated_and_served(tmp_path: Path) -> None:
+    require_vllm()
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_sync.py"), "--layers", "2", "--syncs", "2", "--warmup", "1",
+         "--server", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    tables = json.loads(out.read_text())
+    assert [r["strategy"] for r in tables["colocate"]] == ["full", "adapter", "hybrid"]
+    assert [r["strategy"] for r in tables["server"]] == ["full", "adapter", "hybrid"]
+    for row in tables["colocate"]:  # the script's own gate, restated on what it measured
+        assert row["Δ_vs_vllm_path"] <= 1e-5 + row["Δ_repeat_vllm"], row
+        assert row["Δ_vs_trainer"] <= 1e-4, row  # CPU fp32: the engine computes like transformers
+    for row in tables["server"]:
+        assert row["Δ_vs_colocated"] <= 1e-6, row
+        assert row["buckets"] >= 1 and row["MB"] > 0, row
