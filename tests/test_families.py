@@ -56,6 +56,11 @@ def engine_patches() -> Iterator[None]:
     torch.set_num_threads(threads)
     for name in active:
         patches.get(name).uninstall()
+    _write_results()
+
+
+def _write_results() -> None:
+    """Results so far to ``HWSYNC_FAMILY_RESULTS``: after every family, so a run cut off by a time limit keeps them."""
     out = os.environ.get("HWSYNC_FAMILY_RESULTS")
     if out and _RESULTS:
         from hwsync.testing.families import syncs_per_strategy, write_results
@@ -95,6 +100,7 @@ def test_family(family: Any, tmp_path: Path, reference: Any) -> None:
 
     result = run_family(family, tmp_path, syncs=syncs_per_strategy(), reference=reference)
     _RESULTS.append(result)
+    _write_results()
     summary = {s: (e["status"], e.get("against"), e.get("max_diff"), e.get("engine_diff"), e["detail"])
                for s, e in result.strategies.items()}
     print(f"{family.name}: {summary} ({result.seconds:.1f}s)")
