@@ -102,11 +102,7 @@ ENGINE_REFERENCE_TOO: dict[str, str] = {
 
 # Sync failures understood and not fixed here: family -> (regex on the failure, reason). hwsync refuses these syncs
 # before any write (the engine keeps serving its weights); the table shows the reason, which says whose limit it is.
-KNOWN_FAILURES: dict[str, tuple[str, str]] = {
-    "glm4_moe_lite": (r"ReferenceMismatch", "unexplained, order-dependent: exact against vLLM's own loading for every "
-                      "strategy when it runs first in the process (3 syncs each, max |Δ| 0), but after DeepSeek-V3's "
-                      "engines in the same process its synced engine differs from a fresh one; not isolated yet"),
-}
+KNOWN_FAILURES: dict[str, tuple[str, str]] = {}
 
 REFERENCE_ENV = "HWSYNC_FAMILY_REFERENCE"
 """``auto`` (default): transformers on vLLM's CPU build, vLLM's own loading elsewhere (see the module docstring);

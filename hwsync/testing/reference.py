@@ -88,18 +88,24 @@ def _base_weights(model: Any) -> dict[str, Any]:
     return out
 
 
-def _plain_model(model: Any) -> Any:
-    """An unquantized, weightless (``meta``) instance of the trainer's model class: what writes the checkpoint.
-    (``save_pretrained`` of a quantized or PEFT-wrapped model writes its own state instead of the one given.)"""
+def _plain_config(model: Any) -> Any:
+    """The trainer's config without its quantization: the ``config.json`` a written checkpoint carries."""
     import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = copy.deepcopy(base.config)
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
+    return config
+
+
+def _plain_model(config: Any) -> Any:
+    """An unquantized, weightless (``meta``) instance of the model class of ``config`` (:func:`_plain_config`): what
+    writes the checkpoint. (``save_pretrained`` of a quantized or PEFT-wrapped model writes its own state instead of
+    the one given.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -110,8 +116,10 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
 
     ``merged`` selects the tensors taken from the merged view ``W0 + ΔW`` (:func:`hwsync.merged.merged_named_weights`,
     the values ``full``/``hybrid`` send; dequantized for QLoRA bases); the others are the base ``W0``. ``dtype`` casts
-    floating tensors (e.g. bf16, as the engine will hold them). The directory is named after a digest of the tensors,
-    so an unchanged weight set maps to the same directory (and the same reference engine).
+    floating tensors (e.g. bf16, as the engine will hold them). The directory is named after a digest of the config
+    and the tensors, so an unchanged model maps to the same directory (and the same reference engine). The config is
+    part of the key: two families can hold the very same tensors (the family matrix's tiny DeepSeek-V3 and
+    GLM-4-MoE-lite do, bit for bit), and a directory keyed by tensors alone served the other family's architecture.
     """
     import torch
 
@@ -123,7 +131,8 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
         weights[name] = t
     if dtype is not None:
         weights = {n: t.to(dtype) if t.is_floating_point() else t for n, t in weights.items()}
-    digest = hashlib.sha1()
+    config = _plain_config(model)
+    digest = hashlib.sha1(config.to_json_string(use_diff=False).encode())
     for name in sorted(weights):
         t = weights[name].detach().to("cpu").contiguous()
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
@@ -131,7 +140,7 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
     out = Path(root) / f"ckpt-{digest.hexdigest()[:16]}"
     if not (out / "config.json").exists():
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".ckpt-"))
-        _plain_model(model).save_pretrained(
+        _plain_model(config).save_pretrained(
             tmp, state_dict={n: t.detach().to("cpu").contiguous() for n, t in weights.items()})
         tmp.rename(out)
     return out
