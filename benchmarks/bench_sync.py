@@ -111,6 +111,8 @@ def _engine(path: Path, dtype: torch.dtype, rank: int) -> Any:
                                 max_model_len=512, max_num_seqs=8)
     if _on_gpu():
         args["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_MEM", "0.35"))
+        if os.environ.get("BENCH_KV_BYTES"):  # a fixed KV budget skips vLLM's start-up memory profiling, which fails
+            args["kv_cache_memory_bytes"] = int(os.environ["BENCH_KV_BYTES"])  # while neighbours free GPU memory
         # the KV blocks a 48-layer Qwen3-30B-A3B gets from ~60 GB: vLLM's prefix-cache reset (every sync) walks
         # every block, so a 4-layer model with the same memory would inflate it ~12x
         args["num_gpu_blocks_override"] = int(os.environ.get("BENCH_GPU_BLOCKS", "10000"))

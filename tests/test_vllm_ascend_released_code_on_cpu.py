@@ -64,10 +64,13 @@ import hwsync
 import hwsync.patches as patches
 from hwsync.layouts import ExpertLayout, ExpertSharding
 from hwsync.npu import ascend_layouts as al
-from hwsync.testing import make_llm, make_tiny_moe, require_vllm
+from hwsync.testing import make_llm, make_tiny_moe, on_cpu, require_vllm
 
 pytestmark = [
     pytest.mark.vllm,
+    pytest.mark.skipif(not on_cpu(), reason="this module drives vLLM's CPU build (fp32, exact layouts compared bit for "
+                       "bit); a CUDA vLLM's engine keeps its layers on the GPU in its own kernels' layout, and the "
+                       "layout math itself is platform-independent (covered here in CPU CI)"),
     pytest.mark.skipif(importlib.util.find_spec("vllm_ascend") is not None,
                        reason="vllm-ascend is installed: this module drives vLLM's CPU build with vllm-ascend's code "
                               "lifted from its sdist; the npu job tests the installed stack instead"),
