@@ -2,6 +2,11 @@
 
     python -m hwsync.testing.family_matrix --run results.json [--only mixtral qwen2]   # what tests/test_families.py runs
     python -m hwsync.testing.family_matrix --from results.json --write-readme          # README.md + docs/families.md
+    python -m hwsync.testing.family_matrix --from docs/families.json --gpu docs/families-gpu.json --write-readme
+    python -m hwsync.testing.family_matrix --from docs/families.json --gpu g1.json g2.json --save-gpu docs/families-gpu.json
+
+``--gpu`` adds the GPU job's results (``bash ci/gpu.sh families``, one or more files, later ones win) for the families
+the CPU build does not serve; their rows are marked with the GPU they ran on.
 
 The table is generated from the results file only (``tests/test_families.py`` writes one when
 ``HWSYNC_FAMILY_RESULTS`` names a path); nothing in it is written by hand.
@@ -24,6 +29,29 @@ _MARK = {"pass": "✅", "not_served": "—", "differs": "❌", "config": "❌", 
 
 def _num(x: float | None) -> str:
     return f"{x:.0e}" if x else "0"
+
+
+def merge_gpu(data: dict[str, Any], gpu: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (CPU results) with the GPU results' rows in place of the families the CPU build does not serve."""
+    by_family = {r["family"]: r for r in gpu["results"]}
+    results = []
+    for r in data["results"]:
+        g = by_family.get(r["family"])
+        if g is not None and r["strategies"].get("full", {}).get("status") == "not_served":
+            r = {**g, "platform": gpu.get("platform", "gpu")}
+        results.append(r)
+    return {**data, "results": results, "gpu": {k: gpu.get(k) for k in ("platform", "versions", "syncs")}}
+
+
+def load_gpu(files: list[str]) -> dict[str, Any]:
+    """Several GPU results files (the GPU job can run the families in parallel processes) as one; later ones win."""
+    merged: dict[str, Any] = {}
+    rows: dict[str, Any] = {}
+    for f in files:
+        d = json.loads(Path(f).read_text())
+        merged = {**merged, **{k: v for k, v in d.items() if k != "results"}}
+        rows.update({r["family"]: r for r in d["results"]})
+    return {**merged, "results": sorted(rows.values(), key=lambda r: r["family"])}
 
 
 def _cell(entry: dict[str, Any] | None) -> str:
@@ -72,20 +100,30 @@ def render(data: dict[str, Any]) -> str:
         f"adapter as a LoRARequest; max \\|Δ\\|, all within 1e-6), used where vLLM and transformers disagree before "
         f"any sync and for the families whose sync takes a model-specific route; ❌ fails for the reason given; — not "
         f"served by vLLM here (reason given). Versions: {versions}.",
+    ]
+    gpu = data.get("gpu")
+    if gpu:
+        gv = ", ".join(f"{k} {v}" for k, v in (gpu.get("versions") or {}).items())
+        lines += ["", f"Rows marked **(GPU)**: families vLLM's CPU build does not serve, run by the GPU job (`bash ci/gpu.sh "
+                  f"families`) on {gpu.get('platform')}, {gpu.get('syncs', 3)} syncs per strategy, every sync against "
+                  f"vLLM's own loading of the same weights (bf16 engines where LoRA is served); — there: not served by "
+                  f"that vLLM build either (reason given). Versions: {gv}."]
+    lines += [
         "",
         "| family | architecture | full | adapter | hybrid | reason |",
         "|---|---|---|---|---|---|",
     ]
     for r in sorted(data["results"], key=lambda r: (r.get("note", "") != "", r["family"])):
-        name = r["family"] + (f" ({r['note']})" if r.get("note") else "")
+        name = r["family"] + (f" ({r['note']})" if r.get("note") else "") + (" **(GPU)**" if r.get("platform") else "")
         cells = [_cell(r["strategies"].get(s)) for s in ("full", "adapter", "hybrid")]
         lines.append(f"| {name} | {r['arch']} | " + " | ".join(cells) + f" | {_reason(r['strategies'])} |")
-    counts: dict[str, int] = {}
+    counts: dict[str, dict[str, int]] = {}
     for r in data["results"]:
         s = r["strategies"].get("full", {}).get("status", "?")
-        counts[s] = counts.get(s, 0) + 1
-    lines += ["", f"{len(data['results'])} families; full sync: " +
-              ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))]
+        where = counts.setdefault("GPU" if r.get("platform") else "CPU build", {})
+        where[s] = where.get(s, 0) + 1
+    lines += ["", f"{len(data['results'])} families; full sync: " + "; ".join(
+        f"{where}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())) for where, c in counts.items())]
     return "\n".join(lines)
 
 
@@ -107,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from", dest="source", metavar="RESULTS", help="results file to render")
     ap.add_argument("--write-readme", action="store_true", help="write the table between the markers of " +
                     " and ".join(TARGETS))
+    ap.add_argument("--gpu", nargs="+", metavar="GPU_RESULTS", help="the GPU job's results file(s): rows for the "
+                    "families the CPU build does not serve")
+    ap.add_argument("--save-gpu", metavar="FILE", help="write the --gpu files merged into one")
     ap.add_argument("--root", default=".", help="repository root (default: .)")
     args = ap.parse_args(argv)
     source = args.source
@@ -133,7 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         source = source or args.run
     if source is None:
         ap.error("give --run RESULTS or --from RESULTS")
-    table = render(json.loads(Path(source).read_text()))
+    data = json.loads(Path(source).read_text())
+    if args.gpu:
+        gpu = load_gpu(args.gpu)
+        if args.save_gpu:
+            Path(args.save_gpu).write_text(json.dumps(gpu, indent=1) + "\n")
+        data = merge_gpu(data, gpu)
+    table = render(data)
     if args.write_readme:
         for target in TARGETS:
             write_between_markers(Path(args.root) / target, table)
