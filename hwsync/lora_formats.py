@@ -122,13 +122,20 @@ class LoraModule:
     def folded(self, dtype: torch.dtype | None = None) -> LoraModule:
         """Same ΔW with scaling 1 (scale folded into B in fp32, one rounding to ``dtype``)."""
         dt = dtype or self.lora_B.dtype
-        if self.scaling == 1:
-            b = self.lora_B.to(dt)
-        elif self.lora_B.dtype == dt and dt in (torch.float32, torch.bfloat16, torch.float16):
-            # one kernel: 16-bit floats are multiplied in fp32 (torch's opmath) and rounded once, exactly as below
-            b = self.lora_B * self.scaling
+        src = self.lora_B
+        if self.scaling == 1 and src.dtype == dt:
+            b = src  # nothing to do: no copy
+        elif src.dtype in (torch.float32, dt) and dt in (torch.float32, torch.bfloat16, torch.float16):
+            # one kernel: multiplied in fp32 (the input's dtype, or torch's opmath for 16-bit floats), rounded once to
+            # ``dt`` on the store -- the same bits as the two-step form below -- and written contiguous in the logical
+            # layout (PEFT's fused-expert B is a permuted view, which would otherwise cost one more copy downstream)
+            b = torch.empty(src.shape, dtype=dt, device=src.device)
+            if self.scaling == 1:
+                b.copy_(src)
+            else:
+                torch.mul(src, self.scaling, out=b)
         else:
-            b = (self.lora_B.float() * self.scaling).to(dt)
+            b = (src.float() * self.scaling).to(dt)
         return LoraModule(self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed)
 
 

@@ -357,3 +357,25 @@ def test_vllm_reads_3d_keys_to_peft_delta(vllm_lora, ep_rank: int) -> None:
         (a1, a2, a3), (b1, b2, b3) = w.lora_a, w.lora_b
         torch.testing.assert_close(torch.cat([b1 @ a1, b3 @ a3], dim=1), want[f"{owner}.gate_up_proj"][list(local)])
         torch.testing.assert_close(b2 @ a2, want[f"{owner}.down_proj"][list(local)])
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_folded_b_is_one_rounding_and_contiguous(experts: bool) -> None:
+    """The scaling fold is one kernel (cast, fold and PEFT's permuted expert layout made contiguous in one pass) and
+    gives the bits of the two-step fp32 form."""
+    from hwsync.lora_formats import LoraKind, LoraModule
+
+    gen = torch.Generator().manual_seed(0)
+    for src, dt, scaling in [(torch.float32, torch.bfloat16, 0.37), (torch.float32, torch.bfloat16, 1.0),
+                             (torch.bfloat16, torch.bfloat16, 2.0), (torch.float32, torch.float16, 0.5),
+                             (torch.float32, torch.float32, 0.37)]:
+        if experts:  # PEFT's ParamWrapper B: [out, r * E] read as [E, out, r] (a permuted view)
+            a = torch.randn(4, 8, 16, generator=gen).to(src)
+            b = torch.randn(32, 8, 4, generator=gen).to(src).permute(2, 0, 1)
+            kind = LoraKind.EXPERTS_DOWN
+        else:
+            a, b, kind = torch.randn(8, 16, generator=gen).to(src), torch.randn(32, 8, generator=gen).to(src), \
+                LoraKind.LINEAR
+        f = LoraModule("m", kind, a, b, 8.0, scaling, False).folded(dt)
+        assert torch.equal(f.lora_B, (b.float() * scaling).to(dt)), (src, dt, scaling)
+        assert f.lora_B.is_contiguous() and f.scaling == 1.0
