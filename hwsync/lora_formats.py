@@ -70,6 +70,14 @@ class LoraKind(str, enum.Enum):
     LINEAR = "linear"
     EXPERTS_GATE_UP = "experts_gate_up"
     EXPERTS_DOWN = "experts_down"
+    EXPERTS_OTHER = "experts_other"
+    """LoRA on a stacked expert parameter vLLM's MoE LoRA has no layout for (non-gated experts' ``up_proj``,
+    Nemotron-H): it can be merged into the base weights (``hybrid``, ``full``), never served as LoRA."""
+
+
+def experts_unservable_reason(name: str, param_name: str) -> str:
+    return (f"{name}: LoRA on stacked expert parameter {param_name!r}; vLLM's MoE LoRA only knows "
+            "gate_up_proj/down_proj (gated experts)")
 
 
 @dataclass(frozen=True)
@@ -217,14 +225,14 @@ def _check_config(cfg: Any, adapter: str) -> None:
 # from a live PEFT model
 # ---------------------------------------------------------------------------------------------------------------
 def _experts_kind(name: str, param_name: str) -> LoraKind:
+    """The kind of a ParamWrapper LoRA on stacked experts; anything but gate_up/down (non-gated experts' ``up_proj``)
+    is :attr:`LoraKind.EXPERTS_OTHER`: readable and mergeable, refused where it would have to be served as LoRA
+    (:func:`to_vllm_lora`)."""
     if param_name == "gate_up_proj":
         return LoraKind.EXPERTS_GATE_UP
     if param_name == "down_proj":
         return LoraKind.EXPERTS_DOWN
-    raise AdapterFormatError(
-        f"{name}: LoRA on stacked expert parameter {param_name!r}; vLLM's MoE LoRA only knows gate_up_proj/down_proj. "
-        f"{_FULL_HINT}"
-    )
+    return LoraKind.EXPERTS_OTHER
 
 
 def _stack_param_wrapper(a: Tensor, b: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -590,6 +598,9 @@ def to_vllm_lora(
         ranks[pattern_name or module] = int(a.shape[0]) if rank is None else rank
 
     for name, mod in mods.items():
+        if mod.kind is LoraKind.EXPERTS_OTHER:
+            raise AdapterFormatError(f"{experts_unservable_reason(name, name.rsplit('.', 1)[-1])}. {_FULL_HINT} "
+                                     '(or strategy="hybrid": those experts travel merged)')
         f = mod.folded(dtype)
         if f.kind is LoraKind.LINEAR:
             if not name.endswith(".weight"):

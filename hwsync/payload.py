@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -169,6 +170,9 @@ class TrainerLora:
     meta: dict[str, Any]
     by_module: dict[str, list[str]]
     """Trainer LoRA parameter name -> the vLLM LoRA module paths it becomes (for the engine's capability check)."""
+    not_lora: dict[str, str] = field(default_factory=dict)
+    """Trainer LoRA modules no vLLM engine serves as LoRA, whatever it runs on (-> why): ``hybrid`` merges them
+    (:func:`_not_lora`); they have no vLLM paths in :attr:`by_module`."""
 
     @property
     def max_rank(self) -> int:
@@ -208,9 +212,13 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
         )
     dtype = dtype_from_name(info.lora_dtype) if info.lora_dtype else None
     tensors, meta = to_wire(adapter, dtype)
+    not_lora = _not_lora(adapter.modules)
+    served = {n: m for n, m in adapter.modules.items() if n not in not_lora}
     # where each module lands in vLLM's format (views only): what the engine is asked whether it serves
-    vllm_tensors, _ = to_vllm_lora(adapter, moe_format="3d" if info.moe_format == "3d" else "2d",
-                                   packed_modules_mapping=info.packed_modules_mapping or None, copy=False)
+    vllm_tensors = to_vllm_lora(dataclasses.replace(adapter, modules=served),
+                                moe_format="3d" if info.moe_format == "3d" else "2d",
+                                packed_modules_mapping=info.packed_modules_mapping or None, copy=False)[0] \
+        if served else {}
     by_module: dict[str, list[str]] = {n: [] for n in adapter.modules}
     owners = _owners(list(adapter.modules))
     for path in lora_paths(vllm_tensors):
@@ -218,7 +226,22 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
         if owner is None:
             raise SyncError(f"internal: LoRA path {path} matches no trainer module")
         by_module[owner].append(path)
-    return TrainerLora(adapter, tensors, meta, by_module)
+    return TrainerLora(adapter, tensors, meta, by_module, not_lora)
+
+
+NON_GATED_EXPERTS = ("vLLM's MoE LoRA knows gated experts only (gate_up_proj/down_proj): LoRA on non-gated experts "
+                     "(up_proj) has no vLLM layout")
+
+
+def _not_lora(modules: Mapping[str, Any]) -> dict[str, str]:
+    """Trainer LoRA modules vLLM cannot serve as LoRA on any engine (-> why): stacked-expert LoRA on a parameter
+    other than gate_up/down (non-gated experts, Nemotron-H's ``experts.up_proj``), and with it every other expert
+    LoRA of the same experts block, since ``hybrid`` merges a block whole (:func:`_companions`): a sibling left as
+    LoRA would be applied twice."""
+    from hwsync.lora_formats import LoraKind
+
+    blocks = {m.module for m in modules.values() if m.kind is LoraKind.EXPERTS_OTHER}
+    return {n: NON_GATED_EXPERTS for n, m in modules.items() if m.kind is not LoraKind.LINEAR and m.module in blocks}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -77,9 +77,14 @@ def _rank_too_large(req: Strategy, lora: TrainerLora | AdapterFormatError | None
 
 
 def _unservable(lora: TrainerLora, info: EngineInfo) -> tuple[list[str], str]:
-    modules = [m for m, paths in lora.by_module.items() if any(p in info.unservable for p in paths)]
-    reasons = sorted({info.unservable[p] for m in modules for p in lora.by_module[m] if p in info.unservable})
-    return modules, "; ".join(reasons)
+    """Trainer LoRA modules not served as LoRA (the engine says so for their vLLM paths, or no vLLM serves them:
+    :attr:`TrainerLora.not_lora`) and why."""
+    not_lora = getattr(lora, "not_lora", {})
+    modules = [m for m, paths in lora.by_module.items()
+               if m in not_lora or any(p in info.unservable for p in paths)]
+    reasons = {info.unservable[p] for m in modules for p in lora.by_module[m] if p in info.unservable}
+    reasons.update(not_lora[m] for m in modules if m in not_lora)
+    return modules, "; ".join(sorted(reasons))
 
 
 def _all_servable(req: Strategy, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice | None:

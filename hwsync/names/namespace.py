@@ -102,6 +102,9 @@ class ExpertGroup:
     vllm_fused_down: str | None = None
     fused_transposed: bool = False  # vLLM expects fused checkpoint tensors as [E, H, 2I] / [E, I, H]
     unwritable: str | None = None
+    gated: bool = True
+    """w13 stacks gate and up ([E, 2I, H]); ``False``: non-gated experts (Nemotron-H's relu2), w13 is up alone
+    ([E, I, H]) and the checkpoint has no gate projection."""
     streamed: tuple[str, ...] = ()
     """Leaves of this layer's parameters (``w13_weight``, ``w13_bias``, ...) that the model's own loader also takes
     one expert at a time, as ``{prefix}.{e}.{leaf}``, through the layer's weight loader (vLLM's GPT-OSS loader,
@@ -111,6 +114,17 @@ class ExpertGroup:
     def module(self) -> str:
         """Live path of the module owning the stacked parameters (``...mlp.experts.routed_experts``)."""
         return self.w13.rsplit(".", 1)[0] if "." in self.w13 else ""
+
+    @property
+    def w13_rows(self) -> int:
+        """Rows of one expert's w13 (before TP): gate and up stacked, or up alone for non-gated experts."""
+        return (2 if self.gated else 1) * self.intermediate
+
+    @property
+    def w13_parts(self) -> tuple[str, ...]:
+        """vLLM shard ids w13 is loaded from: ``w1`` (gate) and ``w3`` (up), or ``w1`` alone (non-gated: vLLM's
+        mapping feeds the up projection to w1)."""
+        return ("w1", "w3") if self.gated else ("w1",)
 
     @property
     def fused_gate_up_names(self) -> frozenset[str]:
@@ -392,7 +406,8 @@ def _expert_group(
             shard = ExpertSharding.from_vllm(mod) if cfg is not None else ExpertSharding(pre13[0])
         except LayoutError as e:
             shard, unwritable = None, str(e)
-    if getattr(cfg, "is_act_and_mul", True) is False:
+    gated = getattr(cfg, "is_act_and_mul", True) is not False
+    if not gated:
         shard, unwritable = None, "non-gated experts (w13 holds only up): write through vLLM's weight_loader"
     names = _expert_names(model, mod)
     prefix = _experts_prefix(mod_name, getattr(mod, "layer_name", None))
@@ -411,6 +426,7 @@ def _expert_group(
         vllm_fused_down=names.get("fused_w2"),
         fused_transposed=bool(getattr(mod, "is_fused_checkpoint_transposed", False)),
         unwritable=unwritable,
+        gated=gated,
         streamed=_streamed_leaves(model, mod_name, mod, prefix),
     )
 

@@ -131,7 +131,10 @@ class Plan:
                     else:  # one expert
                         (e,) = tg.expert_ids or (0,)
                         bucket = per_expert.setdefault(tg.param, [])
-                        if tg.shard_id == "w13":
+                        g = self.namespace.group_of(tg.param)
+                        if tg.shard_id == "w13" and g is not None and not g.gated:
+                            bucket.append((e, "w1", t))
+                        elif tg.shard_id == "w13":
                             gate, up = t.chunk(2, dim=0)
                             bucket += [(e, "w1", gate), (e, "w3", up)]
                         else:
@@ -232,9 +235,8 @@ class Plan:
                 return [(f"{owner.prefix}.{e}.{leaf}", _ExpertSlice(e, "expert")) for e in range(owner.num_experts)]
             return [(res.load_name, None)]
         if tg.kind != "experts":
-            if tg.kind == "expert" and tg.shard_id == "w13":  # per-expert fused gate_up: split for any loader
-                g = self.namespace.group_of(tg.param)
-                assert g is not None
+            g = self.namespace.group_of(tg.param) if tg.kind == "expert" and tg.shard_id == "w13" else None
+            if g is not None and g.gated:  # per-expert fused gate_up: split for any loader
                 stem = res.load_name.rsplit(".", 2)[0]
                 return [(f"{stem}.{g.gate}.weight", _Chunk(0)), (f"{stem}.{g.up}.weight", _Chunk(1))]
             return [(res.load_name, None), *also]
@@ -246,8 +248,9 @@ class Plan:
         if fused is not None:
             return [(f"{stem}.{fused}", _transpose_last if g.fused_transposed else None)]
         if tg.shard_id == "w13":
+            parts = ((g.gate, "gate"), (g.up, "up")) if g.gated else ((g.gate, "whole"),)
             return [(f"{stem}.{e}.{proj}.weight", _ExpertSlice(e, part))
-                    for e in range(g.num_experts) for proj, part in ((g.gate, "gate"), (g.up, "up"))]
+                    for e in range(g.num_experts) for proj, part in parts]
         return [(f"{stem}.{e}.{g.down}.weight", _ExpertSlice(e, "down")) for e in range(g.num_experts)]
 
     def vllm_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
@@ -320,7 +323,7 @@ def _atoms(ns: Namespace, tg: Target) -> list[tuple[str, Any]]:
         g = ns.group_of(tg.param)
         assert g is not None
         ids = tg.expert_ids if tg.expert_ids is not None else range(g.num_experts)
-        parts = ("w1", "w3") if tg.shard_id in ("w13", None) else (tg.shard_id,)
+        parts = g.w13_parts if tg.shard_id in ("w13", None) else (tg.shard_id,)
         if tg.param == g.w2:
             parts = ("w2",)
         return [(tg.param, (e, p)) for e in ids for p in parts]

@@ -382,7 +382,7 @@ def _match_experts(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...] 
         if proj == g.down:
             return _Resolution((Target(g.w2, "expert", "w2", (e,)),), spelling, (h, i), g.dtype)
         if proj in g.fused_gate_up_names:
-            return _Resolution((Target(g.w13, "expert", "w13", (e,)),), spelling, (2 * i, h), g.dtype)
+            return _Resolution((Target(g.w13, "expert", "w13", (e,)),), spelling, (g.w13_rows, h), g.dtype)
         return None
     leaf = rest[: -len(".weight")] if rest.endswith(".weight") else rest
     # The receiver's mapper renamed the tensor onto a parameter of the experts module itself (GPT-OSS:
@@ -392,7 +392,7 @@ def _match_experts(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...] 
     native = ns.params.get(f"{owner}.{rest}") if "." not in rest else None
     if native is not None:
         return _Resolution((Target(native.name, "loader"),), spelling, None, native.dtype)
-    fused = {"w13": (g.w13, (e_, 2 * i, h))} if leaf in g.fused_gate_up_names else \
+    fused = {"w13": (g.w13, (e_, g.w13_rows, h))} if leaf in g.fused_gate_up_names else \
         {"w2": (g.w2, (e_, h, i))} if leaf in g.fused_down_names else {}
     for shard, (param, expected) in fused.items():
         transposed = (expected[0], expected[2], expected[1])

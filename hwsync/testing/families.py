@@ -102,7 +102,15 @@ ENGINE_REFERENCE_TOO: dict[str, str] = {
 
 # Sync failures understood and not fixed here: family -> (regex on the failure, reason). hwsync refuses these syncs
 # before any write (the engine keeps serving its weights); the table shows the reason, which says whose limit it is.
-KNOWN_FAILURES: dict[str, tuple[str, str]] = {}
+KNOWN_FAILURES: dict[str, tuple[str, str]] = {
+    # vLLM 0.32's LagunaMoE registers the router's e_score_correction_bias on its MoERunner and says "the weight
+    # loader picks it up", but RoutedExperts.load_weights maps expert projections only and skips any other name
+    # without a word: loading the tiny checkpoint (or a real one) leaves the bias at 0, so vLLM routes without the
+    # correction transformers applies. hwsync's dry run sees that nothing would take the tensor and refuses the sync.
+    "laguna": (r"e_score_correction_bias.*vLLM would silently drop", "vLLM 0.32's Laguna loader never loads "
+               "mlp.experts.e_score_correction_bias (RoutedExperts.load_weights skips it; its own loading of the "
+               "checkpoint leaves the router bias 0, unlike transformers): hwsync refuses a tensor vLLM would drop"),
+}
 
 REFERENCE_ENV = "HWSYNC_FAMILY_REFERENCE"
 """``auto`` (default): transformers on vLLM's CPU build, vLLM's own loading elsewhere (see the module docstring);

@@ -65,6 +65,25 @@ def experts(name: str) -> bool:
     return ".mlp.experts" in name
 
 
+def not_lora_experts(model: Any) -> Callable[[str], bool]:
+    """Selects the tensors (trainer or PEFT adapter names) of the experts blocks whose LoRA no vLLM serves as LoRA
+    (non-gated experts, :func:`hwsync.payload._not_lora`): what a ``hybrid`` sync merges on an engine that serves
+    expert LoRA otherwise."""
+    from hwsync.lora_formats import extract_peft_lora
+    from hwsync.payload import _adapter_name, _not_lora
+
+    modules = extract_peft_lora(model, _adapter_name(model)).modules
+    blocks = tuple(sorted({modules[n].module + "." for n in _not_lora(modules)}))
+    return lambda name: any(b in name for b in blocks)
+
+
+def _has_tensors(adapter: Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(Path(adapter) / "adapter_model.safetensors"), "pt") as f:
+        return bool(list(f.keys()))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # what vLLM loads from disk
 # ---------------------------------------------------------------------------------------------------------------
@@ -355,14 +374,16 @@ class EngineReference:
             return self._ask(write_checkpoint(model, self.workdir, True, dtype), None, prompts, max_tokens)
         merged = self.hybrid_merged
         if merged is None:
-            merged = (lambda _n: False) if self.serves_expert_lora() else experts
+            merged = not_lora_experts(model) if self.serves_expert_lora() else experts
         pick = merged if strategy == "hybrid" else (lambda _n: False)
         if strategy == "adapter" and self.base_checkpoint is not None:
             ckpt = self.base_checkpoint
         else:
             ckpt = write_checkpoint(model, self.workdir, pick, dtype)
-        adapter = write_adapter(model, self.workdir / "adapter", drop=pick, moe_format=self.moe_format,
-                                rows=self.adapter_rows)
+        adapter: Path | None = write_adapter(model, self.workdir / "adapter", drop=pick, moe_format=self.moe_format,
+                                             rows=self.adapter_rows)
+        if not _has_tensors(adapter):  # hybrid merged every adapted module: the engine serves no adapter
+            adapter = None
         return self._ask(ckpt, adapter, prompts, max_tokens)
 
     def check(self, target: Any, model: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 4,

@@ -241,22 +241,16 @@ class VllmApplier:
         """Trainer name -> dtype, for the floating ``base`` tensors whose engine parameter vLLM keeps wider than the
         model dtype (Mamba2 / Gated-DeltaNet ``A_log`` in fp32 inside a bf16 engine): sent in the model dtype they
         would be rounded before vLLM's loader sees them, unlike vLLM's own loading of the same checkpoint. Resolved
-        as a sync would be (declarations, then the dry run for names only the model's loader places); names that do
-        not resolve are left to the sync's own validation, which reports them."""
-        from hwsync.errors import ResolutionError
-        from hwsync.vllm.dry_run import dry_run_load
-
+        as a sync would be (declarations, then the dry run for names only the model's loader places). A problem
+        with some names (left to the sync's own validation, which reports them) costs only those names their
+        answer: the others are resolved one by one, so one unrelated refusal does not send every kept tensor in
+        the model dtype (which the sync would then refuse as well, hiding the actual problem)."""
         dtype = self.vllm_config.model_config.dtype
         specs = [TensorSpec(str(n), tuple(int(d) for d in s), dtype, "base") for n, s in base.items()]
-        try:
-            names_plan = self._names_plan(specs, cast=True)
-            if names_plan.routed():
-                dry_run_load(model_of(self.worker), specs, names_plan)  # binds what only the loader places
-        except ResolutionError:
-            return {}
-        ns = names_plan.namespace
+        entries = self._kept_entries(specs)
+        ns = self._namespace
         out: dict[str, str] = {}
-        for name, targets in names_plan.entries.items():
+        for name, targets in entries.items():
             held = set()
             for tg in targets:
                 try:
@@ -266,6 +260,38 @@ class VllmApplier:
             if len(held) == 1 and (h := held.pop()).is_floating_point and h.itemsize > dtype.itemsize:
                 out[name] = dtype_name(h)
         return out
+
+    def _kept_entries(self, specs: Sequence[TensorSpec]) -> Mapping[str, Sequence[Any]]:
+        """Trainer name -> engine targets for :meth:`kept_dtypes`: the whole manifest at once, or, where that is
+        refused, every name that resolves on its own (routed names bound by the dry run where it accepts them)."""
+        from hwsync.vllm.dry_run import dry_run_load
+
+        try:
+            names_plan = self._names_plan(specs, cast=True)
+        except ResolutionError:
+            entries: dict[str, Sequence[Any]] = {}
+            for sp in specs:
+                try:
+                    one = self._names_plan([sp], cast=True)
+                except ResolutionError:
+                    continue
+                if one.routed():
+                    try:
+                        dry_run_load(model_of(self.worker), [sp], one)
+                    except ResolutionError:
+                        continue
+                entries.update(one.entries)
+            return entries
+        routed = names_plan.routed()
+        if routed:
+            try:
+                dry_run_load(model_of(self.worker), specs, names_plan)  # binds what only the loader places
+            except ResolutionError:  # one at a time; a name refused stays unbound (the sync's dry run says why)
+                for sp in specs:
+                    if sp.name in routed:
+                        with contextlib.suppress(ResolutionError):
+                            dry_run_load(model_of(self.worker), [sp], names_plan)
+        return names_plan.entries
 
     def lora_module(self, manager: Any, path: str) -> tuple[str, Any]:
         """(module name vLLM files the LoRA under, the wrapper module serving it or None)."""
