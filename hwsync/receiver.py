@@ -217,11 +217,13 @@ class Receiver:
                     self.state.stale, self.state.last_error = was_stale, last_error
                     consequence = (f"nothing was applied; the engine still serves v{self.state.version}"
                                    + (" (and stays stale from before)" if was_stale else ""))
-                logger.warning("hwsync: sync v%d aborted %s: %s: %s; %s", manifest.version, where,
-                               type(e).__name__, e, consequence)
+                origin = "" if isinstance(e, HwsyncError) else _origin(e)  # a bare `assert` in vLLM says nothing
+                logger.warning("hwsync: sync v%d aborted %s: %s: %s%s; %s", manifest.version, where,
+                               type(e).__name__, e, origin, consequence)
+                logger.debug("hwsync: sync v%d: the error's traceback", manifest.version, exc_info=e)
                 if not isinstance(e, Exception) or (isinstance(e, HwsyncError) and not isinstance(e, SyncError)):
                     raise
-                raise SyncError(f"sync v{manifest.version} aborted {where} ({type(e).__name__}: {e}); "
+                raise SyncError(f"sync v{manifest.version} aborted {where} ({type(e).__name__}: {e}{origin}); "
                                 f"{consequence}") from e
             self.state.version = manifest.version
             self.state.strategy = manifest.strategy.value
@@ -231,3 +233,15 @@ class Receiver:
             self.state.last_error = None
             return {"version": manifest.version, "seconds": time.perf_counter() - t0, "lora": len(lora),
                     "base": len(manifest.base_specs), "path": "; ".join(p for p in paths if p)}
+
+
+def _origin(e: BaseException) -> str:
+    """`` (raised at <file>:<line> in <function>)`` of the innermost frame: where an unexpected error came from."""
+    tb = e.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    where = "/".join(code.co_filename.split("/")[-3:])  # e.g. model_loader/reload/meta.py
+    return f" (raised at {where}:{tb.tb_lineno} in {code.co_name})"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 import socket
 import struct
 import subprocess
@@ -170,6 +171,7 @@ def test_loader_raises_mid_bucket(base: Baseline, monkeypatch: pytest.MonkeyPatc
     with pytest.raises(SyncError, match="injected: loader fails") as err:
         hwsync.sync(base.remote, m1, strategy="full", bucket_mb=BUCKET_MB)
     monkeypatch.undo()
+    assert re.search(r"raised at \S*test_attacks.py:\d+ in gen\)", str(err.value))  # where it came from
     stale = base.remote.state()["stale"]
     assert stale == ("engine is stale" in str(err.value))
     if stale:

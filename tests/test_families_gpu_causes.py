@@ -198,3 +198,18 @@ def test_lora_on_non_gated_experts_is_still_refused_as_vllm_lora() -> None:
     assert adapter.modules[f"{EXPERTS}.up_proj"].kind is LoraKind.EXPERTS_OTHER
     with pytest.raises(AdapterFormatError, match="only knows gate_up_proj/down_proj"):
         to_vllm_lora(adapter, moe_format="3d")
+
+
+def test_experts_prefix_of_a_lora_wrapped_moe_built_under_another_prefix() -> None:
+    """MiniMax-M2 builds its MoE with prefix '...mlp' but stores it as 'block_sparse_moe'; vLLM's MoE-LoRA wrapper
+    then puts the experts under '.base_layer.': the group key must still be the checkpoint-side module path (the H100
+    run refused every MiniMax-M2 sync: 'resolves to no receiver parameter ... block_sparse_moe.experts.base_layer')."""
+    from hwsync.names.namespace import _experts_prefix
+
+    live = "model.layers.0.block_sparse_moe.experts.base_layer.routed_experts"
+    assert _experts_prefix(live, "model.layers.0.mlp.experts") == "model.layers.0.block_sparse_moe.experts"
+    # the usual case: an ancestor matches vLLM's layer_name, with or without the wrapper
+    assert _experts_prefix("model.layers.3.mlp.experts.routed_experts", "model.layers.3.mlp.experts") == \
+        "model.layers.3.mlp.experts"
+    assert _experts_prefix("model.layers.3.mlp.experts.base_layer.routed_experts",
+                           "model.layers.3.mlp.experts.base_layer") == "model.layers.3.mlp.experts"

@@ -474,8 +474,10 @@ def _experts_prefix(mod_name: str, layer_name: str | None) -> str:
     for cut in range(len(parts), 0, -1):
         path = ".".join(parts[:cut])
         if layer_name and (layer_name == path or layer_name.endswith("." + path)):
-            return path
-    return mod_name.removesuffix(".routed_experts")
+            return _canonical(path)
+    # no ancestor matches (MiniMax-M2 builds its MoE with prefix "...mlp" but stores it as "block_sparse_moe"): the
+    # module path itself, without the LoRA wrapper's "base_layer" segment, which checkpoint names never carry
+    return _canonical(mod_name.removesuffix(".routed_experts"))
 
 
 def _expert_names(model: Any, mod: Any) -> dict[str, str]:
