@@ -37,7 +37,10 @@ def test_decoration_goes_to_a_subclass_and_only_while_an_engine_builds() -> None
 
     from hwsync.patches.vllm_transformers_backend import ENGINE_SUBCLASS_OF
 
+    from transformers import PreTrainedModel
+
     init, bases = LlamaModel.__init__, LlamaModel.__bases__
+    originals = (Base.__dict__["_decorate_cls_for_torch_compile"], PreTrainedModel.__dict__["_from_config"])
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)
     with PATCH:
@@ -57,6 +60,7 @@ def test_decoration_goes_to_a_subclass_and_only_while_an_engine_builds() -> None
         assert sub.__name__ == LlamaModel.__name__ and sub.__qualname__ == LlamaModel.__qualname__
         assert type(LlamaModel._from_config(config)) is LlamaModel  # one construction per decoration
     assert not PATCH.active
+    assert (Base.__dict__["_decorate_cls_for_torch_compile"], PreTrainedModel.__dict__["_from_config"]) == originals
     assert LlamaModel.__init__ is init and LlamaModel.__bases__ == bases
     assert type(LlamaModel(config)) is LlamaModel
 
