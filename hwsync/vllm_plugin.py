@@ -2,7 +2,8 @@
 
 It installs, process-wide, the hwsync patches whose probes find their upstream bug on this vLLM and that must be in
 place before an engine is built (e.g. ``vllm_cpu_moe_lora``: MoE + ``enable_lora`` on the CPU build). Patches the
-sync receiver holds only around its own reloads (``vllm_cpu_moe_prepack``, ``vllm_cpu_mamba_conv``) are left to it, so
+sync receiver holds only around its own reloads (``vllm_cpu_moe_prepack``, ``vllm_cpu_mamba_conv``,
+``vllm_reload_partial_loader``) are left to it, so
 ``HWSYNC_DISABLE_PATCHES`` keeps working per sync. Nothing else happens at import: the worker extension is opt-in
 (``worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension"``), and ``hwsync.sync`` works without it in-process.
 Select plugins with ``VLLM_PLUGINS`` (e.g. ``VLLM_PLUGINS=hwsync``); set ``HWSYNC_DISABLE_PATCHES=name,...`` to skip
@@ -16,7 +17,7 @@ __all__ = ["register", "engine_patches", "RECEIVER_SCOPED"]
 
 logger = logging.getLogger("hwsync")
 
-RECEIVER_SCOPED = frozenset({"vllm_cpu_moe_prepack", "vllm_cpu_mamba_conv"})
+RECEIVER_SCOPED = frozenset({"vllm_cpu_moe_prepack", "vllm_cpu_mamba_conv", "vllm_reload_partial_loader"})
 """Patches :mod:`hwsync.vllm.applier` holds for the duration of each reload instead of process-wide."""
 
 def engine_patches() -> list[str]:

@@ -41,6 +41,7 @@ from . import mtp_config  # noqa: E402,F401  isort: skip
 from . import vllm_cpu_moe_lora  # noqa: E402,F401  isort: skip
 from . import vllm_cpu_moe_prepack  # noqa: E402,F401  isort: skip
 from . import vllm_cpu_mamba_conv  # noqa: E402,F401  isort: skip
+from . import vllm_reload_partial_loader  # noqa: E402,F401  isort: skip
 from . import vllm_cpu_lora_logits  # noqa: E402,F401  isort: skip
 from . import vllm_transformers_backend  # noqa: E402,F401  isort: skip
 from . import vllm_ascend  # noqa: E402,F401  isort: skip

@@ -213,3 +213,16 @@ def test_experts_prefix_of_a_lora_wrapped_moe_built_under_another_prefix() -> No
         "model.layers.3.mlp.experts"
     assert _experts_prefix("model.layers.3.mlp.experts.base_layer.routed_experts",
                            "model.layers.3.mlp.experts.base_layer") == "model.layers.3.mlp.experts"
+
+
+def test_non_gated_experts_are_not_written_in_place() -> None:
+    """The in-place writers build gate+up w13 blocks: non-gated experts go through vLLM's reload (on the H100 a
+    Nemotron-H sync reached the writer's calibration and stopped at its assert, leaving the engine stale)."""
+    from hwsync.vllm.direct import eligible_names
+
+    ns = _non_gated_namespace()
+    plan = resolve({f"{EXPERTS}.up_proj": ((E, I, H), torch.float32), f"{EXPERTS}.down_proj": ((E, H, I), torch.float32)},
+                   ns)
+    eligible, why = eligible_names(torch.nn.Module(), plan)
+    assert not eligible and set(why) == {f"{EXPERTS}.up_proj", f"{EXPERTS}.down_proj"}
+    assert all("non-gated" in r for r in why.values())

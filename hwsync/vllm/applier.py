@@ -42,6 +42,7 @@ LORA_NAME = "hwsync"
 LORA_INT_ID = 0x6873  # "hs": the default adapter id, replaced in place on every sync
 _PREPACK_PATCH = "vllm_cpu_moe_prepack"
 _MAMBA_CONV_PATCH = "vllm_cpu_mamba_conv"
+_PARTIAL_LOADER_PATCH = "vllm_reload_partial_loader"
 """The one patch held around each reload instead of process-wide (see ``hwsync.patches`` for patch scopes)."""
 
 
@@ -120,12 +121,12 @@ def _vllm_spellings(names_plan: Any, weights: Iterator[tuple[str, Tensor]]) -> I
 
 def vllm_reload(runner: Any, weights: Any) -> None:
     """vLLM's own weight-update path (``reload_weights`` in checkpoint format), with the probe-gated fixes it needs
-    held around it (the CPU MoE prepack, the CPU Mamba2 conv weights) and, on a LoRA engine, the parameter names the model's loader was written
+    held around it (the CPU MoE prepack, the CPU Mamba2 conv weights, partial weight loaders) and, on a LoRA engine, the parameter names the model's loader was written
     against (:mod:`hwsync.vllm.lora_view`): the trusted reference the faster paths are checked against."""
     from hwsync.vllm.lora_view import checkpoint_names
 
     with _quiet_partial_reload(), _patch_scope(_PREPACK_PATCH), _patch_scope(_MAMBA_CONV_PATCH), \
-            checkpoint_names(runner.get_model()), torch.no_grad():
+            _patch_scope(_PARTIAL_LOADER_PATCH), checkpoint_names(runner.get_model()), torch.no_grad():
         runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
 
