@@ -134,6 +134,7 @@ def test_dry_run_names_the_parameter_of_a_loader_it_cannot_run(tmp_path: Path, r
 
     path = make_family_checkpoint(tmp_path / "qwen2", Family("qwen2", "Qwen2ForCausalLM"))
     llm = make_llm(path, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension")
+    reference.configure()  # this engine's settings (a family before it may have left a bf16 LoRA engine configured)
     try:
         trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         assert_serves(llm, trainer, PROMPTS, reference=reference)  # the engine serves the checkpoint
