@@ -429,7 +429,9 @@ class EngineReference:
         status, payload = self._conn.recv()
         if status != "ok":
             self.close()
-            raise ReferenceMismatch(f"the reference engine failed:\n{payload}")
+            # the exception first (a report cut to one line keeps it), then the whole traceback
+            lines = [ln for ln in str(payload).splitlines() if ln.strip()]
+            raise ReferenceMismatch(f"the reference engine failed: {lines[-1].strip() if lines else '?'}\n{payload}")
         return payload
 
     _last_checkpoint: str | None = None
