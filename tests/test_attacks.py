@@ -271,6 +271,10 @@ def _lora_injection(name: str, llm: Any, monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setattr(LoRAModel, "from_lora_tensors", classmethod(boom))
     elif name == "add_adapter fails after remove":
         monkeypatch.setattr(manager, "add_adapter", boom)
+    elif name == "vLLM cannot pack the adapter":
+        from vllm.lora.lora_weights import PackedLoRALayerWeights
+
+        monkeypatch.setattr(PackedLoRALayerWeights, "pack", classmethod(boom))
     elif name == "pin fails after add":
         monkeypatch.setattr(manager, "pin_adapter", boom)
     else:  # pragma: no cover
@@ -278,7 +282,8 @@ def _lora_injection(name: str, llm: Any, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.parametrize("injection", ["slot rewrite fails after writing", "adapter build fails",
-                                       "add_adapter fails after remove", "pin fails after add"])
+                                       "add_adapter fails after remove", "pin fails after add",
+                                       "vLLM cannot pack the adapter"])
 def test_adapter_install_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch, injection: str) -> None:
     lora = lora_trainer(base.path, ATTN)
     _perturb(lora, 500)
@@ -292,6 +297,8 @@ def test_adapter_install_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch, 
         hwsync.sync(base.remote, lora, strategy="adapter", bucket_mb=BUCKET_MB)
     monkeypatch.undo()
     state = base.remote.state()
+    if injection == "vLLM cannot pack the adapter":  # packed aside first: the previous adapter was never removed
+        assert not state["stale"], state
     if not state["stale"]:  # "nothing was applied": then the previous adapter serves, exactly
         assert same(observe(base.llm), sig_a)
     record("receiver: adapter install fails", refused=True, half=half_applied(base.llm, sig_a), attack=False)

@@ -581,6 +581,11 @@ class VllmApplier:
                 manager._validate_token_classification_lora(lora)
             except ValueError as e:
                 raise AdapterFormatError(f"vLLM refuses this adapter: {e}") from e
+            # vLLM packs the adapter (q/k/v, gate/up, experts) inside add_adapter, after the previous adapter was
+            # removed: pack a scratch copy first, so an adapter vLLM cannot pack fails while the previous one still
+            # serves (on an H100 vLLM's pack_moe assert left the engine without its adapter). Only this path pays it:
+            # steady syncs rewrite the installed adapter's slots.
+            manager._create_merged_loras_inplace(build({k: v.detach().clone() for k, v in tensors.items()}))
         except BaseException as e:
             e.adapter_touched = False  # type: ignore[attr-defined]  # built and validated aside: nothing changed
             raise
