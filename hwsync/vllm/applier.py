@@ -40,10 +40,6 @@ logger = logging.getLogger("hwsync.vllm")
 
 LORA_NAME = "hwsync"
 LORA_INT_ID = 0x6873  # "hs": the default adapter id, replaced in place on every sync
-_PREPACK_PATCH = "vllm_cpu_moe_prepack"
-_MAMBA_CONV_PATCH = "vllm_cpu_mamba_conv"
-_PARTIAL_LOADER_PATCH = "vllm_reload_partial_loader"
-"""The one patch held around each reload instead of process-wide (see ``hwsync.patches`` for patch scopes)."""
 
 
 def model_of(worker: Any) -> torch.nn.Module:
@@ -121,13 +117,17 @@ def _vllm_spellings(names_plan: Any, weights: Iterator[tuple[str, Tensor]]) -> I
 
 def vllm_reload(runner: Any, weights: Any) -> None:
     """vLLM's own weight-update path (``reload_weights`` in checkpoint format), with the probe-gated fixes it needs
-    held around it (the CPU MoE prepack, the CPU Mamba2 conv weights, partial weight loaders) and, on a LoRA engine, the parameter names the model's loader was written
-    against (:mod:`hwsync.vllm.lora_view`): the trusted reference the faster paths are checked against."""
+    held around it (:data:`hwsync.vllm_plugin.RECEIVER_SCOPED`: the CPU MoE prepack, the CPU Mamba2 conv weights,
+    partial weight loaders) and, on a LoRA engine, the parameter names the model's loader was written against
+    (:mod:`hwsync.vllm.lora_view`): the trusted reference the faster paths are checked against."""
     from hwsync.vllm.lora_view import checkpoint_names
+    from hwsync.vllm_plugin import RECEIVER_SCOPED
 
-    with _quiet_partial_reload(), _patch_scope(_PREPACK_PATCH), _patch_scope(_MAMBA_CONV_PATCH), \
-            _patch_scope(_PARTIAL_LOADER_PATCH), checkpoint_names(runner.get_model()), torch.no_grad():
-        runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    with _quiet_partial_reload(), contextlib.ExitStack() as held:
+        for name in sorted(RECEIVER_SCOPED):  # held here instead of process-wide (see hwsync.patches on scopes)
+            held.enter_context(_patch_scope(name))
+        with checkpoint_names(runner.get_model()), torch.no_grad():
+            runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
 
 
 @dataclass

@@ -100,12 +100,10 @@ def eligible_names(model: torch.nn.Module, names_plan: Any) -> tuple[dict[str, s
                 reason = "per-expert tensors (only whole fused expert tensors are written in place)"
             elif tg.kind in ("param", "packed") and not ns.spec_of(tg.param).sharding_known:
                 reason = f"{tg.param}: vLLM shards it with a loader hwsync cannot read"
-            elif tg.kind == "experts" and ((g := ns.group_of(tg.param)) is None or g.sharding is None
-                                           or not g.gated):
-                # the stacked writers build gate+up w13 blocks; non-gated experts (Nemotron-H) and groups whose
-                # sharding is unknown go through vLLM's reload (an H100 run hit the writer's assert on Nemotron-H)
-                reason = ("non-gated experts (w13 is up alone)" if g is not None and not g.gated
-                          else (g.unwritable if g is not None and g.unwritable else "expert group not writable"))
+            elif tg.kind == "experts" and ((g := ns.group_of(tg.param)) is None or g.sharding is None):
+                # the stacked writers need the group's sharding; groups without one (non-gated experts: Nemotron-H,
+                # or a layout hwsync cannot read) go through vLLM's reload (an H100 run hit the writer's assert)
+                reason = (g.unwritable if g is not None else None) or "expert group not writable"
             else:
                 reason = why_not_direct(_owner(model, tg.param), tg.param, mla)
             if reason is not None:
