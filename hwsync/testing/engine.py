@@ -89,7 +89,10 @@ def engine_args(model_dir: str | os.PathLike[str] | None = None, **overrides: An
 
     ``enable_lora=True`` picks bf16 on GPUs and, on CPU, ``lora_target_modules=CPU_LORA_TARGETS`` unless the caller
     passes ``lora_target_modules`` (``None`` = vLLM's own default). Without an explicit ``dtype``, a model with
-    Gated-DeltaNet layers (Qwen3.5) runs in bf16 on vLLM's CPU build, whose GDN kernel accepts nothing else.
+    Gated-DeltaNet layers (Qwen3.5) runs in bf16 on vLLM's CPU build, whose GDN kernel accepts nothing else. An MLA
+    model (DeepSeek-V2/V3, GLM-4-MoE-lite) gets vLLM's reference ``CPU_MLA`` backend on CPU: on a CPU with AMX vLLM
+    otherwise picks ``AMX_MLA``, whose weight packing takes no fp32 (``expect weight to be bfloat16 ...``), so the
+    same test served on one CI machine and not on the next.
     """
     lora = bool(overrides.get("enable_lora"))
     if on_cpu():
@@ -98,6 +101,9 @@ def engine_args(model_dir: str | os.PathLike[str] | None = None, **overrides: An
             args["lora_target_modules"] = list(CPU_LORA_TARGETS)
         if model_dir is not None and "dtype" not in overrides and _has_linear_attention(Path(model_dir)):
             args["dtype"] = "bfloat16"
+        if (model_dir is not None and _uses_mla(Path(model_dir))
+                and not {"attention_backend", "attention_config"} & set(overrides)):
+            args["attention_backend"] = "CPU_MLA"
     else:
         args = {**_COMMON, **_GPU, "dtype": "bfloat16" if lora else "float32"}
     args.update(overrides)
@@ -196,6 +202,15 @@ def require_vllm() -> None:
     if os.environ.get("CI", "").lower() == "true" and os.environ.get("HWSYNC_NO_VLLM_EXPECTED") != "1":
         pytest.fail(f"CI=true but the vLLM tests cannot run: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def _uses_mla(model_dir: Path) -> bool:
+    """Multi-head latent attention (vLLM's test: a ``kv_lora_rank`` in the text config)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("text_config", config).get("kv_lora_rank") is not None
 
 
 def _has_linear_attention(model_dir: Path) -> bool:

@@ -350,11 +350,6 @@ def references(family: Family, agrees_before_sync: bool, mode: str | None = None
     return transformers, not transformers or family.name in ENGINE_REFERENCE_TOO
 
 
-def _not_attention(name: str) -> bool:
-    """Trainer / adapter names a CPU engine serves no LoRA on (``hwsync.testing.CPU_LORA_TARGETS``: attention only)."""
-    return not any(f".{t}." in name or name.endswith(f".{t}") for t in ATTN_TARGETS)
-
-
 def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, reference: Any = None,
                mode: str | None = None) -> FamilyResult:
     """Build, serve and sync one family (see the module docstring); never raises for a family's failure.
@@ -419,7 +414,7 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, refer
         dtype = str(getattr(llm.llm_engine.model_config, "dtype", "")).replace("torch.", "")
         against_transformers, against_engine = references(family, agrees, mode)
         if against_engine and reference is not None:
-            reference.configure(hybrid_merged=_not_attention if on_cpu() else None, **kwargs)
+            reference.configure(**kwargs)  # hybrid: what hwsync merges on this engine (reference.hybrid_merged_by)
         differs = None if agrees else (
             f"vLLM and transformers disagree before any sync (max |Δ logprob| {base.max_abs_diff:.2g}"
             + (f", engine in {dtype}: vLLM's CPU kernels for this family take no fp32" if on_cpu() and dtype

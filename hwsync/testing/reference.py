@@ -77,6 +77,32 @@ def not_lora_experts(model: Any) -> Callable[[str], bool]:
     return lambda name: any(b in name for b in blocks)
 
 
+def hybrid_merged_by(target: Any, model: Any) -> Callable[[str], bool]:
+    """Selects the tensors (trainer or PEFT adapter names) a ``hybrid`` sync of ``model`` into ``target`` merges, as
+    hwsync decides it for that engine (the modules it reports unservable as LoRA and their companions: the whole
+    experts block, the other parts of a packed projection) -- the same decision the sync took, on any platform,
+    instead of a guess from the platform (which cannot know, e.g., that MiniMax-M2's ``mlp.experts`` match no vLLM
+    LoRA wrapper, or that vLLM cannot pack the Transformers backend's experts)."""
+    from hwsync.api import as_engine, describe_for
+    from hwsync.payload import _companions, _merged_names
+    from hwsync.strategy import choose
+
+    info, lora = describe_for(as_engine(target), model)
+    if lora is None or isinstance(lora, Exception):
+        return experts
+    names = _merged_names(model)
+    merged = _companions(choose("hybrid", lora, info).unservable, names, info.packed_modules_mapping)
+    modules = tuple(sorted({n.rpartition(".")[0] + "." for n in merged}))
+
+    def pick(name: str) -> bool:
+        if name in merged:
+            return True
+        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        return ".lora_" in key and key.startswith(modules)
+
+    return pick
+
+
 def _has_tensors(adapter: Path) -> bool:
     from safetensors import safe_open
 
@@ -312,7 +338,7 @@ class EngineReference:
 
     ``engine_kwargs`` are the synced engine's :func:`~hwsync.testing.make_llm` arguments (``worker_extension_cls``
     is dropped: the reference engine is plain vLLM). ``hybrid_merged`` selects the trainer tensors a ``hybrid`` sync
-    merges (default: the experts when the engine serves no expert LoRA, else nothing). ``checkpoint_dtype`` casts the
+    merges (default: hwsync's own decision for the checked engine, :func:`hybrid_merged_by`). ``checkpoint_dtype`` casts the
     written checkpoints. ``base_checkpoint``: the directory an ``adapter`` reference engine starts from instead of a
     checkpoint of the trainer's ``W0`` (e.g. the pre-quantized checkpoint a 4-bit engine serves).
     ``daemon=False`` lets the reference engine start worker processes (``distributed_executor_backend="mp"``, tensor
@@ -364,8 +390,11 @@ class EngineReference:
         targets = self.engine.get("lora_target_modules")
         return bool(vllm_capabilities()["moe_lora"]["supported"]) and (not targets or "experts" in targets)
 
-    def logprobs(self, model: Any, strategy: str, prompts: Sequence[Sequence[int]], max_tokens: int = 4) -> Logprobs:
-        """Greedy logprobs of a fresh engine fed, by vLLM's own loaders, the weights ``strategy`` syncs of ``model``."""
+    def logprobs(self, model: Any, strategy: str, prompts: Sequence[Sequence[int]], max_tokens: int = 4, *,
+                 engine: Any = None) -> Logprobs:
+        """Greedy logprobs of a fresh engine fed, by vLLM's own loaders, the weights ``strategy`` syncs of ``model``
+        (into ``engine``: for ``hybrid``, what it merges is hwsync's decision for that engine, :func:`hybrid_merged_by`,
+        unless ``hybrid_merged`` was given; without ``engine``, a guess from the platform)."""
         if strategy not in ("full", "adapter", "hybrid"):
             raise ValueError(f"no reference for strategy {strategy!r}")
         peft = getattr(model, "peft_config", None)
@@ -373,7 +402,9 @@ class EngineReference:
         if strategy == "full" or not peft:
             return self._ask(write_checkpoint(model, self.workdir, True, dtype), None, prompts, max_tokens)
         merged = self.hybrid_merged
-        if merged is None:
+        if merged is None and strategy == "hybrid" and engine is not None:
+            merged = hybrid_merged_by(engine, model)
+        elif merged is None:
             merged = not_lora_experts(model) if self.serves_expert_lora() else experts
         pick = merged if strategy == "hybrid" else (lambda _n: False)
         if strategy == "adapter" and self.base_checkpoint is not None:
@@ -395,7 +426,7 @@ class EngineReference:
         engine = as_engine(target)
         strategy = strategy or engine.state().get("strategy") or "full"
         got = engine.logprobs(prompts, max_tokens)
-        want = self.logprobs(model, strategy, prompts, max_tokens)
+        want = self.logprobs(model, strategy, prompts, max_tokens, engine=engine)
         worst = compare_logprobs(got, want, f"{strategy} sync")
         if not worst <= atol:
             raise ReferenceMismatch(f"{strategy} sync: the engine serves max |Δ logprob| = {worst:.3g} away from "

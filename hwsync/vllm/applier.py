@@ -34,7 +34,7 @@ from torch import Tensor
 from hwsync.errors import AdapterFormatError, ResolutionError, SyncError
 from hwsync.wire import Manifest, TensorSpec, dtype_name
 
-__all__ = ["VllmApplier", "LORA_NAME", "LORA_INT_ID", "vllm_reload"]
+__all__ = ["VllmApplier", "LORA_NAME", "LORA_INT_ID", "vllm_reload", "expert_packing_problem"]
 
 logger = logging.getLogger("hwsync.vllm")
 
@@ -173,6 +173,28 @@ def _check_routed_dtypes(names_plan: Any, routed: Mapping[str, str], cast: bool)
         raise _error(problems, "nothing was written", len(names_plan.manifest), ns)
 
 
+def expert_packing_problem(packed_modules_mapping: Mapping[str, Sequence[str]]) -> str | None:
+    """Why vLLM cannot pack per-expert LoRA with a LoRA manager's packing list, or ``None``.
+
+    vLLM packs an experts adapter by walking ``packed_modules_mapping["experts"]`` as one (w1, w2, w3) triplet per
+    expert (``PackedLoRALayerWeights.pack_moe``). vLLM 0.32's Transformers modeling backend lists every expert under
+    two checkpoint spellings (``TransformersRoutedExperts.get_expert_mapping``: gate/down/up_proj and w1/w2/w3) and
+    ``process_packed_modules_mapping`` copies both, so packing any expert adapter asserts -- vLLM's own loading of
+    one included. Such experts are not LoRA-servable: ``hybrid`` merges them, ``adapter`` refuses with this reason.
+    """
+    spellings: dict[int, list[str]] = {}
+    for entry in packed_modules_mapping.get("experts", ()):
+        m = re.fullmatch(r"experts\.(\d+)\.(.+)", entry)
+        if m:
+            spellings.setdefault(int(m.group(1)), []).append(m.group(2))
+    for expert, names in sorted(spellings.items()):
+        if len(names) > 3:
+            return (f"vLLM's LoRA packing list names each expert {len(names)} times (expert {expert}: "
+                    f"{'/'.join(names)}) where PackedLoRALayerWeights.pack_moe packs 3, so vLLM cannot load LoRA on "
+                    "these experts (its Transformers modeling backend lists two checkpoint spellings per expert)")
+    return None
+
+
 def _whole_layers(proven: set[str], plan: Plan) -> set[str]:
     """The proven names whose engine layer is written in place entirely. vLLM's reload re-materialises every layer
     it loads into and copies *all* of that layer's tensors back, so a name written in place beside one that goes
@@ -195,6 +217,7 @@ class VllmApplier:
         self._layers_unrestored = False
         self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
         self.last_lora_path = ""
+        self._packing: tuple[Any, str | None] | None = None  # (LoRA manager, its expert_packing_problem)
 
     # -- facts ----------------------------------------------------------------------------------------------------
     @property
@@ -315,6 +338,12 @@ class VllmApplier:
             return name, manager.modules[m.group(1)]
         return name, None
 
+    def _packing_problem(self, manager: Any) -> str | None:
+        """:func:`expert_packing_problem` of ``manager`` (its packing list is fixed when the engine starts)."""
+        if self._packing is None or self._packing[0] is not manager:
+            self._packing = (manager, expert_packing_problem(manager.packed_modules_mapping))
+        return self._packing[1]
+
     def _unservable(self, manager: Any, path: str) -> str | None:
         """Why vLLM cannot serve LoRA on ``path`` (phrased per module kind, not per instance), or ``None``."""
         from hwsync.capabilities import vllm_capabilities
@@ -322,6 +351,8 @@ class VllmApplier:
         name, module = self.lora_module(manager, path)
         moe = vllm_capabilities()["moe_lora"]
         is_experts = re.search(r"\.experts(\.|$)", name) is not None
+        if is_experts and (why := self._packing_problem(manager)) is not None:
+            return why
         if module is None:
             if is_experts and not moe["supported"]:
                 return f"no MoE-LoRA kernels on this platform: {moe['reason']}"
