@@ -55,6 +55,7 @@ __all__ = [
     "from_vllm_lora",
     "vllm_max_lora_rank",
     "VLLM_LORA_RANKS",
+    "NON_GATED_EXPERTS",
 ]
 
 #: ``LoRAConfig.max_lora_rank`` values vLLM accepts (vllm/config/lora.py ``MaxLoRARanks``).
@@ -75,9 +76,14 @@ class LoraKind(str, enum.Enum):
     Nemotron-H): it can be merged into the base weights (``hybrid``, ``full``), never served as LoRA."""
 
 
+NON_GATED_EXPERTS = ("vLLM's MoE LoRA only knows gate_up_proj/down_proj (gated experts): LoRA on non-gated experts "
+                     "(up_proj) has no vLLM layout")
+"""Why LoRA on a stacked expert parameter other than gate_up/down (:attr:`LoraKind.EXPERTS_OTHER`) is not served as
+LoRA: the one wording of the refusal (``adapter``) and of the reason ``hybrid`` merges such experts."""
+
+
 def experts_unservable_reason(name: str, param_name: str) -> str:
-    return (f"{name}: LoRA on stacked expert parameter {param_name!r}; vLLM's MoE LoRA only knows "
-            "gate_up_proj/down_proj (gated experts)")
+    return f"{name}: LoRA on stacked expert parameter {param_name!r}; {NON_GATED_EXPERTS}"
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from hwsync.errors import AdapterFormatError, SyncError, UnsupportedSetupError
 from hwsync.strategy import Choice
-from hwsync.lora_formats import wire_name
+from hwsync.lora_formats import NON_GATED_EXPERTS, wire_name
 from hwsync.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
 
 __all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "lora_paths", "read_lora"]
@@ -227,10 +227,6 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
             raise SyncError(f"internal: LoRA path {path} matches no trainer module")
         by_module[owner].append(path)
     return TrainerLora(adapter, tensors, meta, by_module, not_lora)
-
-
-NON_GATED_EXPERTS = ("vLLM's MoE LoRA knows gated experts only (gate_up_proj/down_proj): LoRA on non-gated experts "
-                     "(up_proj) has no vLLM layout")
 
 
 def _not_lora(modules: Mapping[str, Any]) -> dict[str, str]:
