@@ -181,6 +181,8 @@ def expert_packing_problem(packed_modules_mapping: Mapping[str, Sequence[str]]) 
     two checkpoint spellings (``TransformersRoutedExperts.get_expert_mapping``: gate/down/up_proj and w1/w2/w3) and
     ``process_packed_modules_mapping`` copies both, so packing any expert adapter asserts -- vLLM's own loading of
     one included. Such experts are not LoRA-servable: ``hybrid`` merges them, ``adapter`` refuses with this reason.
+    The engine patch ``vllm_lora_expert_spellings`` (installed by the vLLM plugin) keeps one spelling, so vLLM serves
+    them; this is what an engine without it gets.
     """
     spellings: dict[int, list[str]] = {}
     for entry in packed_modules_mapping.get("experts", ()):
@@ -217,7 +219,7 @@ class VllmApplier:
         self._layers_unrestored = False
         self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
         self.last_lora_path = ""
-        self._packing: tuple[Any, str | None] | None = None  # (LoRA manager, its expert_packing_problem)
+        self._packing: tuple[Any, str | None] | None = None  # (experts packing list, its expert_packing_problem)
 
     # -- facts ----------------------------------------------------------------------------------------------------
     @property
@@ -339,9 +341,10 @@ class VllmApplier:
         return name, None
 
     def _packing_problem(self, manager: Any) -> str | None:
-        """:func:`expert_packing_problem` of ``manager`` (its packing list is fixed when the engine starts)."""
-        if self._packing is None or self._packing[0] is not manager:
-            self._packing = (manager, expert_packing_problem(manager.packed_modules_mapping))
+        """:func:`expert_packing_problem` of ``manager``'s packing list (fixed when the engine starts: once per list)."""
+        entries = manager.packed_modules_mapping.get("experts")
+        if self._packing is None or self._packing[0] is not entries:
+            self._packing = (entries, expert_packing_problem(manager.packed_modules_mapping))
         return self._packing[1]
 
     def _unservable(self, manager: Any, path: str) -> str | None:
