@@ -98,7 +98,9 @@ class LoraModule:
     alpha: float
     scaling: float
     use_rslora: bool = False
-    transposed: bool = False  # experts parameter stored [E, in, out] (PEFT: base layer ``is_transposed``)
+    transposed: bool = False  # experts parameter stored [E, in, out] (A/B are in linear terms all the same)
+    interleaved: bool = False
+    """gate_up rows alternate gate/up (transformers' ``is_concatenated=False``: GPT-OSS), else ``[gate; up]``."""
     sources: tuple[str, ...] = field(default=(), compare=False, repr=False)
     """Names (in the live model's ``named_parameters()``) of the A and B parameters read (sharded trainers gather
     these); empty when not read from a live model."""
@@ -150,7 +152,8 @@ class LoraModule:
                 torch.mul(src, self.scaling, out=b)
         else:
             b = (src.float() * self.scaling).to(dt)
-        return LoraModule(self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed)
+        return LoraModule(self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed,
+                          self.interleaved)
 
 
 @dataclass
@@ -241,6 +244,21 @@ def _experts_kind(name: str, param_name: str) -> LoraKind:
     return LoraKind.EXPERTS_OTHER
 
 
+def _stored_in_out(experts: nn.Module) -> bool | None:
+    """Whether a gated experts module stores its weights ``[E, in, out]`` (``True``) or ``[E, out, in]``
+    (``False``), told from the shapes of its ``gate_up_proj`` and ``down_proj`` alone (``[E, 2I, H]`` + ``[E, H, I]``
+    against ``[E, H, 2I]`` + ``[E, I, H]``; both cannot fit); ``None`` without such a pair."""
+    gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gu, Tensor) and isinstance(dn, Tensor) and gu.dim() == 3 and dn.dim() == 3):
+        return None
+    g, d = gu.shape, dn.shape
+    if g[-1] == d[-2] and g[-2] == 2 * d[-1]:
+        return False
+    if g[-2] == d[-1] and g[-1] == 2 * d[-2]:
+        return True
+    return None
+
+
 def _stack_param_wrapper(a: Tensor, b: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
     """PEFT ParamWrapper [r·E, in] / [out, r·E] -> stacked [E, r, in] / [E, out, r] (views)."""
     if a.shape[0] % num_experts or b.shape[1] != a.shape[0]:
@@ -304,8 +322,17 @@ def _layer_module(path: str, layer: nn.Module, adapter_name: str,
         name = f"{owner}.{pname}"
         if layer.num_experts > 1:
             sa, sb = _stack_param_wrapper(a, b, layer.num_experts)
-            return LoraModule(name, _experts_kind(name, pname), sa, sb,
-                              transposed=not layer._did_swap_in_out_features, **common)
+            transposed = not layer._did_swap_in_out_features
+            experts = layer.get_base_layer()
+            stored = _stored_in_out(experts)
+            if stored is not None and stored != transposed:
+                # PEFT took the parameter for the other orientation (transformers' Llama 4 stores [E, in, out] and
+                # declares no ``is_transposed``): its B A is the parameter's ΔW all the same, but A's columns are
+                # the outputs. In linear terms ΔW = (B A)ᵀ = Aᵀ Bᵀ: A' = Bᵀ, B' = Aᵀ.
+                sa, sb = sb.transpose(-1, -2).contiguous(), sa.transpose(-1, -2).contiguous()
+                transposed = stored
+            return LoraModule(name, _experts_kind(name, pname), sa, sb, transposed=transposed,
+                              interleaved=getattr(experts, "is_concatenated", True) is False, **common)
         return LoraModule(name, LoraKind.LINEAR, a, b, **common)
     return LoraModule(f"{owner}.weight", LoraKind.LINEAR, a, b, **common)
 
@@ -621,8 +648,8 @@ def to_vllm_lora(
             put(module, f.lora_A, f.lora_B)
             leaves.add(leaf)
             continue
-        if f.transposed and moe_format == "2d":
-            raise AdapterFormatError(f"{name}: transposed (e.g. interleaved GPT-OSS) experts need moe_format='3d'")
+        if f.interleaved and moe_format == "2d":
+            raise AdapterFormatError(f"{name}: experts with interleaved gate/up rows (GPT-OSS) need moe_format='3d'")
         owner = f.module
         e = f.num_experts
         if moe_format == "3d":
@@ -732,7 +759,7 @@ def to_wire(adapter: LoraAdapter, dtype: torch.dtype | None = None) -> tuple[dic
         f = mod.folded(dtype)
         tensors[wire_name(name, "A")] = f.lora_A
         tensors[wire_name(name, "B")] = f.lora_B
-        modules[name] = [f.kind.value, bool(f.transposed)]
+        modules[name] = [f.kind.value, bool(f.transposed), bool(f.interleaved)]
     return tensors, {"format": WIRE_FORMAT, "name": adapter.name, "r": adapter.r, "modules": modules}
 
 
@@ -743,12 +770,12 @@ def from_wire(tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> LoraAda
     modules: dict[str, LoraModule] = {}
     for name, spec in meta["modules"].items():
         try:
-            kind, transposed = LoraKind(spec[0]), bool(spec[1])
+            kind, transposed, interleaved = LoraKind(spec[0]), bool(spec[1]), bool(spec[2]) if len(spec) > 2 else False
             a, b = tensors[wire_name(name, "A")], tensors[wire_name(name, "B")]
         except (KeyError, ValueError, TypeError, IndexError) as e:
             raise AdapterFormatError(f"adapter module {name!r} is incomplete or malformed ({e})") from None
         rank = int(a.shape[-2]) if a.dim() >= 2 else 0
-        modules[name] = LoraModule(name, kind, a, b, float(rank), 1.0, False, transposed)
+        modules[name] = LoraModule(name, kind, a, b, float(rank), 1.0, False, transposed, interleaved)
     if not modules:
         raise AdapterFormatError("adapter carries no LoRA modules")
     r = max(m.rank for m in modules.values())

@@ -8,6 +8,10 @@
   model dtype and the sync was refused for those too (Nemotron-H's ``A_log`` and router), hiding the real problem.
 * LoRA on non-gated experts (PEFT ``target_parameters`` on ``experts.up_proj``) was refused outright
   (AdapterFormatError), also for ``hybrid``, which exists to send what vLLM cannot serve as LoRA merged.
+* Llama 4's expert LoRA (2026-11-26, ``hybrid`` on the H100: ``set_lora`` size 64 vs 256): transformers stores Llama
+  4's experts ``[E, in, out]`` without declaring ``is_transposed``, so PEFT adapts them as ``[E, out, in]``; its
+  ``B A`` is still the parameter's ΔW, but A's columns are outputs. hwsync sent those factors to vLLM as if A took
+  the hidden state (A ``[r, 2I]`` where vLLM's gate_proj A is ``[r, H]``).
 """
 from __future__ import annotations
 
@@ -226,3 +230,61 @@ def test_non_gated_experts_are_not_written_in_place() -> None:
     eligible, why = eligible_names(torch.nn.Module(), plan)
     assert not eligible and set(why) == {f"{EXPERTS}.up_proj", f"{EXPERTS}.down_proj"}
     assert all("non-gated" in r for r in why.values())
+
+
+def test_llama4_expert_lora_is_reoriented_for_vllm(tmp_path) -> None:
+    """Llama 4 (experts stored [E, in, out], PEFT adapting them as [E, out, in]): the trainer's expert LoRA reads in
+    linear terms (A takes the hidden state), its ΔW stays PEFT's, and the 2-D per-expert LoRA hwsync and the test
+    reference write both give each expert's linear ΔW = PEFT's ΔW transposed, in vLLM's per-expert shapes."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from hwsync.lora_formats import LoraKind, extract_peft_lora, to_vllm_lora
+    from hwsync.testing.families import _trainer, enumerate_families, make_family_checkpoint
+    from hwsync.testing.reference import write_adapter
+
+    family = next(f for f in enumerate_families() if f.name == "llama4_text")
+    model = _trainer(make_family_checkpoint(tmp_path / "llama4", family), "hybrid")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(n)))
+    cfg = model.config
+    h, i, e = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts
+    peft_delta = {}
+    for path, layer in model.named_modules():
+        if isinstance(layer, ParamWrapper) and ".layers.0." in path:
+            peft_delta[layer.parameter_name] = layer.get_delta_weight("default").float()  # parameter layout
+    assert peft_delta["gate_up_proj"].shape == (e, h, 2 * i) and peft_delta["down_proj"].shape == (e, i, h)
+    adapter = extract_peft_lora(model)
+    owner = "model.layers.0.feed_forward.experts"
+    gu, dn = adapter.modules[f"{owner}.gate_up_proj"], adapter.modules[f"{owner}.down_proj"]
+    assert gu.kind is LoraKind.EXPERTS_GATE_UP and gu.transposed and not gu.interleaved
+    assert gu.lora_A.shape[-1] == h and gu.lora_B.shape[-2] == 2 * i  # A takes the hidden state
+    assert dn.lora_A.shape[-1] == i and dn.lora_B.shape[-2] == h
+    torch.testing.assert_close(gu.delta_weight(), peft_delta["gate_up_proj"])
+    torch.testing.assert_close(dn.delta_weight(), peft_delta["down_proj"])
+
+    def per_expert(tensors: dict[str, torch.Tensor], prefix: str, scale: dict[str, float]) -> dict[str, torch.Tensor]:
+        """Each expert projection's linear ΔW [out, in] from 2-D per-expert LoRA keys."""
+        return {f"{x}.{p}": scale[p] * tensors[f"{prefix}.{x}.{p}.lora_B.weight"].float()
+                @ tensors[f"{prefix}.{x}.{p}.lora_A.weight"].float()
+                for x in range(e) for p in ("gate_proj", "up_proj", "down_proj")}
+
+    want = {}
+    for x in range(e):
+        linear_gu = peft_delta["gate_up_proj"][x].T  # [2I, H]
+        want[f"{x}.gate_proj"], want[f"{x}.up_proj"] = linear_gu[:i], linear_gu[i:]
+        want[f"{x}.down_proj"] = peft_delta["down_proj"][x].T  # [H, I]
+    sent, _ = to_vllm_lora(adapter, moe_format="2d")  # scaling folded into B
+    got = per_expert(sent, f"base_model.model.{owner}", dict.fromkeys(("gate_proj", "up_proj", "down_proj"), 1.0))
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    from safetensors.torch import load_file
+
+    # the reference writes PEFT's own tensors (vLLM scales them by the adapter config's alpha / r per module)
+    ref = load_file(str(write_adapter(model, tmp_path / "ref", moe_format="2d") / "adapter_model.safetensors"))
+    got = per_expert(ref, f"base_model.model.{owner}", {"gate_proj": gu.scaling, "up_proj": gu.scaling,
+                                                        "down_proj": dn.scaling})
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)

@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -191,12 +191,15 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
     return out
 
 
-def peft_moe_lora_to_2d(tensors: Mapping[str, Any], num_experts: int, gate_up_interleaved: bool = False
-                        ) -> dict[str, Any]:
+def peft_moe_lora_to_2d(tensors: Mapping[str, Any], num_experts: int, gate_up_interleaved: bool = False,
+                        in_out: Collection[str] = ()) -> dict[str, Any]:
     """PEFT's fused 3-D expert LoRA (``experts.base_layer.lora_{A,B}`` = gate_up, ``experts.lora_{A,B}`` = down) as
     vLLM's 2-D per-expert keys (``experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight``), split exactly as vLLM's
     ``LoRAModelManager._convert_3d_to_2d_moe_lora`` does: A rows expert-major ``(E, r, in)``, B columns rank-major
-    ``(out, r, E)``, gate/up halves of the gate_up output (interleaved for GPT-OSS). Other tensors pass through."""
+    ``(out, r, E)``, gate/up halves of the gate_up output (interleaved for GPT-OSS). Other tensors pass through.
+    ``in_out``: owners (the key prefix before ``.experts``) whose experts PEFT adapted as ``[E, out, in]`` while they
+    are stored ``[E, in, out]`` (transformers' Llama 4): there PEFT's ``B A`` is the transposed linear ΔW, so each
+    expert's linear factors are ``Bᵀ`` (A) and ``Aᵀ`` (B)."""
     out: dict[str, Any] = {}
     pairs: dict[str, dict[str, Any]] = {}
     for key, t in tensors.items():
@@ -216,6 +219,9 @@ def peft_moe_lora_to_2d(tensors: Mapping[str, Any], num_experts: int, gate_up_in
         gu_b = p["gu_B"].reshape(p["gu_B"].shape[0], -1, e).permute(2, 0, 1)
         d_a = p["d_A"].reshape(e, -1, p["d_A"].shape[-1])
         d_b = p["d_B"].reshape(p["d_B"].shape[0], -1, e).permute(2, 0, 1)
+        if owner in in_out:
+            gu_a, gu_b = gu_b.transpose(1, 2), gu_a.transpose(1, 2)
+            d_a, d_b = d_b.transpose(1, 2), d_a.transpose(1, 2)
         half = gu_b.shape[1] // 2
         gate_b, up_b = (gu_b[:, ::2], gu_b[:, 1::2]) if gate_up_interleaved else (gu_b[:, :half], gu_b[:, half:])
         for i in range(e):
@@ -228,6 +234,21 @@ def peft_moe_lora_to_2d(tensors: Mapping[str, Any], num_experts: int, gate_up_in
             out[f"{pre}.down_proj.lora_A.weight"] = d_a[i].clone()
             out[f"{pre}.down_proj.lora_B.weight"] = d_b[i].clone()
     return out
+
+
+def _peft_in_out_owners(model: Any) -> set[str]:
+    """Key owners (``base_model.model....feed_forward``) of the experts PEFT adapted as ``[E, out, in]`` although
+    their gate_up/down shapes say ``[E, in, out]`` (:func:`peft_moe_lora_to_2d` ``in_out``)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from hwsync.lora_formats import _stored_in_out
+
+    owners = set()
+    for path, layer in model.named_modules():
+        if isinstance(layer, ParamWrapper) and layer._did_swap_in_out_features \
+                and _stored_in_out(layer.get_base_layer()) is True and ".experts" in path:
+            owners.add(path[: path.index(".experts")])
+    return owners
 
 
 def write_adapter(model: Any, out: Path, *, drop: Callable[[str], bool] | None = None, moe_format: str = "3d",
@@ -258,7 +279,7 @@ def write_adapter(model: Any, out: Path, *, drop: Callable[[str], bool] | None =
     if moe_format == "2d" and any(".experts." in k and ".experts.0." not in k for k in tensors):
         if num_experts is None:
             num_experts = int(getattr(model.config, "num_experts", 0) or model.config.num_local_experts)
-        tensors = peft_moe_lora_to_2d(tensors, num_experts)
+        tensors = peft_moe_lora_to_2d(tensors, num_experts, in_out=_peft_in_out_owners(model))
     out.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
     shutil.copy(src / "adapter_config.json", out / "adapter_config.json")
