@@ -60,10 +60,13 @@ def _manager(llm: Any) -> Any:
 
 
 def _unpatched_list(llm: Any) -> list[str]:
-    """The packing list vLLM builds for this model without the patch (its own function, unwrapped)."""
+    """The packing list vLLM builds for this model without the patch (its own function, unwrapped), as at the
+    manager's construction: where the experts are LoRA-wrapped by now (a GPU), vLLM's wrapper has since set
+    ``lora_base_layer_prefix``, which suffixes every per-expert name with ``.base_layer``."""
     manager = _manager(llm)
-    return list(PATCH.original()(manager.model, force_2d_moe=manager._enable_mixed_moe_lora_format,  # noqa: SLF001
-                                 enable_moe_shared_loras=manager._enable_moe_shared_loras)["experts"])  # noqa: SLF001
+    raw = PATCH.original()(manager.model, force_2d_moe=manager._enable_mixed_moe_lora_format,  # noqa: SLF001
+                           enable_moe_shared_loras=manager._enable_moe_shared_loras)["experts"]  # noqa: SLF001
+    return [n.removesuffix(".base_layer") for n in raw]
 
 
 @contextlib.contextmanager
