@@ -133,7 +133,8 @@ def test_family(family: Any, tmp_path: Path, reference: Any) -> None:
             assert e["against"] == "vllm" or e["max_diff"] <= ATOL
             assert e["against"] == "transformers" or e["engine_diff"] <= EXACT_ATOL
     committed = _committed_cpu_cells(family.name) if on_cpu() else {}
-    lost = {s: e["detail"] for s, e in result.strategies.items() if committed.get(s) == "pass" and e["status"] != "pass"}
+    lost = {s: e["detail"] for s, e in result.strategies.items()
+            if committed.get(s) == "pass" and e["status"] != "pass"}
     assert not lost, (f"{family.name}: docs/families.json records these cells as passing on vLLM's CPU build, now "
                       f"they do not: {lost}")
     if family.note:  # the dense controls are always served and always exact

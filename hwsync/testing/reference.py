@@ -359,9 +359,9 @@ class EngineReference:
 
     ``engine_kwargs`` are the synced engine's :func:`~hwsync.testing.make_llm` arguments (``worker_extension_cls``
     is dropped: the reference engine is plain vLLM). ``hybrid_merged`` selects the trainer tensors a ``hybrid`` sync
-    merges (default: hwsync's own decision for the checked engine, :func:`hybrid_merged_by`). ``checkpoint_dtype`` casts the
-    written checkpoints. ``base_checkpoint``: the directory an ``adapter`` reference engine starts from instead of a
-    checkpoint of the trainer's ``W0`` (e.g. the pre-quantized checkpoint a 4-bit engine serves).
+    merges (default: hwsync's own decision for the checked engine, :func:`hybrid_merged_by`). ``checkpoint_dtype``
+    casts the written checkpoints. ``base_checkpoint``: the directory an ``adapter`` reference engine starts from
+    instead of a checkpoint of the trainer's ``W0`` (e.g. the pre-quantized checkpoint a 4-bit engine serves).
     ``daemon=False`` lets the reference engine start worker processes (``distributed_executor_backend="mp"``, tensor
     parallel); :meth:`close` (or the context manager) must then stop it. :meth:`configure` points the same process
     at another engine's arguments (one reference process for many models, e.g. the family matrix).

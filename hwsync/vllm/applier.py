@@ -341,7 +341,7 @@ class VllmApplier:
         return name, None
 
     def _packing_problem(self, manager: Any) -> str | None:
-        """:func:`expert_packing_problem` of ``manager``'s packing list (fixed when the engine starts: once per list)."""
+        """:func:`expert_packing_problem` of ``manager``'s packing list (fixed at engine start: computed once)."""
         entries = manager.packed_modules_mapping.get("experts")
         if self._packing is None or self._packing[0] is not entries:
             self._packing = (entries, expert_packing_problem(manager.packed_modules_mapping))
