@@ -51,7 +51,7 @@ declare -A ABOUT=(
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
-    [families]="${MODULES[families]} for the families vLLM's CPU build cannot serve (HWSYNC_FAMILIES=cpu-unserved, 3 syncs per strategy; every sync vs vLLM's own loading of the same weights; results in \$OUT/families-gpu.json; HWSYNC_FAMILIES=all: every family)"
+    [families]="${MODULES[families]} for every family (HWSYNC_FAMILIES=all: vLLM's CPU build serves no expert LoRA, so only a GPU runs the LoRA paths of the families it serves; cpu-unserved, names, or <spec>@k/n narrow it), 3 syncs per strategy, every sync vs vLLM's own loading of the same weights; HWSYNC_FAMILY_PROCS (4) processes side by side, shard p writes \$OUT/families-gpu-p.json. All 42 take ~2 device calls: HWSYNC_FAMILIES=all@1/2, then all@2/2"
     [multigpu]="${MODULES[multigpu]} (2 GPUs: an FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; server mode into a TP=2 engine; skipped on fewer GPUs)"
     [multigpu-z3]="${MODULES[multigpu-z3]} -k zero3 (2 GPUs: the same with a DeepSpeed ZeRO-3 trainer; skipped on fewer GPUs)"
     [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile [--server with 2 GPUs] (every strategy, exactness vs vLLM own loading; server mode vs the colocated engine)"
@@ -103,10 +103,17 @@ run_part() {
         verify)
             run_modules "${MODULES[verify]}" || rc=$?
             "$PY" benchmarks/verify_table.py ${OUT:+--json "$OUT/verify_table.json"} || rc=$? ;;
-        families)
-            HWSYNC_FAMILIES="${HWSYNC_FAMILIES:-cpu-unserved}" HWSYNC_FAMILY_SYNCS="${HWSYNC_FAMILY_SYNCS:-3}" \
-                HWSYNC_FAMILY_RESULTS="${HWSYNC_FAMILY_RESULTS:-${OUT:-${TMPDIR:-/tmp}}/families-gpu.json}" \
-                run_modules "${MODULES[families]}" || rc=$? ;;
+        families)  # HWSYNC_FAMILY_PROCS processes, shard p of the selection each (its own results file)
+            local procs=${HWSYNC_FAMILY_PROCS:-4} p pids=()
+            for ((p = 1; p <= procs; p++)); do
+                local select=(-k test_family)  # the module's other tests: once, in the first process
+                [ "$p" = 1 ] && select=()
+                (HWSYNC_FAMILIES="${HWSYNC_FAMILIES:-all}@$p/$procs" HWSYNC_FAMILY_SYNCS="${HWSYNC_FAMILY_SYNCS:-3}" \
+                    HWSYNC_FAMILY_RESULTS="${OUT:-${TMPDIR:-/tmp}}/families-gpu-$p.json" \
+                    run_modules "${MODULES[families]}" "${select[@]}" 2>&1 | sed "s/^/[families $p\/$procs] /") &
+                pids+=($!)  # a subshell: with pipefail its status is the tests', not sed's
+            done
+            for p in "${pids[@]}"; do wait "$p" || rc=$?; done ;;
         exact)  # two processes side by side (the module's engines are per format)
             run_modules "${MODULES[exact]}" -k "not 3d" & local other=$!
             run_modules "${MODULES[exact]}" -k "3d" || rc=$?

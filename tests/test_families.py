@@ -8,7 +8,8 @@ model-specific route (GPT-OSS, Llama 4: both), and for every family off the CPU 
 
 A family vLLM here cannot serve is recorded with the reason (the README table shows it); any hwsync failure fails
 the test. ``HWSYNC_FAMILY_RESULTS=<file>`` keeps the results for ``python -m hwsync.testing.family_matrix --from
-<file> --write-readme``; ``HWSYNC_FAMILIES`` (names, or ``cpu-unserved``) narrows the families;
+<file> --write-readme``; ``HWSYNC_FAMILIES`` (names, ``cpu-unserved`` or ``all``, each optionally ``@k/n``: shard k
+of n) narrows the families;
 ``HWSYNC_FAMILY_REFERENCE=engine`` checks every family against vLLM's own loading on CPU too (the GPU mode);
 ``HWSYNC_FAMILY_SYNCS`` sets the syncs per strategy (default 3).
 """
@@ -94,6 +95,24 @@ def _committed_cpu_cells(name: str) -> dict[str, str]:
         return {}
     return {s: e["status"] for r in data.get("results", []) if r.get("family") == name
             for s, e in r.get("strategies", {}).items()}
+
+
+def test_family_shards_partition_the_selection() -> None:
+    """``HWSYNC_FAMILIES=<spec>@k/n`` (the GPU job runs every family as parallel processes, one shard each): shards
+    cover the selection exactly once, compose, and a bad shard is one clear error."""
+    from hwsync.testing.families import enumerate_families, selected_families
+
+    families = enumerate_families()
+    everything = [f.name for f in families]
+    shards = [[f.name for f in selected_families(families, f"all@{k}/4")] for k in range(1, 5)]
+    assert sorted(sum(shards, [])) == sorted(everything) and max(map(len, shards)) - min(map(len, shards)) <= 1
+    half = [f.name for f in selected_families(families, "all@2/2")]
+    assert sorted(sum(([f.name for f in selected_families(families, f"all@2/2@{k}/3")] for k in (1, 2, 3)), [])) \
+        == sorted(half)
+    assert [f.name for f in selected_families(families, "mixtral,qwen3_moe@2/2")] == ["qwen3_moe"]
+    for bad in ("all@0/2", "all@3/2", "all@x"):
+        with pytest.raises(ValueError, match="is not k/n"):
+            selected_families(families, bad)
 
 
 def test_enumeration_comes_from_both_registries() -> None:

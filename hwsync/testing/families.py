@@ -118,7 +118,8 @@ REFERENCE_ENV = "HWSYNC_FAMILY_REFERENCE"
 SYNCS_ENV = "HWSYNC_FAMILY_SYNCS"
 FAMILIES_ENV = "HWSYNC_FAMILIES"
 """Families to run: comma-separated model types, ``all`` (the default: every enumerated family), or ``cpu-unserved``
-(those ``docs/families.json`` records as not served by vLLM's CPU build: what a GPU run adds)."""
+(those ``docs/families.json`` records as not served by vLLM's CPU build); ``@k/n`` keeps shard k of n
+(:func:`selected_families`)."""
 
 
 @dataclass(frozen=True)
@@ -315,8 +316,22 @@ def _perturb(model: Any, gen: Any, strategy: str) -> None:
 def selected_families(families: list[Family], spec: str | None = None, results: str | Path | None = None
                       ) -> list[Family]:
     """``families`` narrowed by :data:`FAMILIES_ENV` (or ``spec``): names, or ``cpu-unserved`` = the families whose
-    ``full`` cell the CPU results file (default ``docs/families.json``) records as not served."""
+    ``full`` cell the CPU results file (default ``docs/families.json``) records as not served, or ``all``; each
+    ``@k/n`` suffix then keeps shard ``k`` of ``n`` (every n-th family from the k-th, so shards take alike mixes;
+    suffixes compose: ``all@1/2@3/4``, which the GPU job's parallel families processes use)."""
     spec = os.environ.get(FAMILIES_ENV, "") if spec is None else spec
+    spec, *shards = spec.split("@")
+    picked = _selected(families, spec, results)
+    for shard in shards:
+        m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", shard)
+        if m is None or not 1 <= int(m.group(1)) <= int(m.group(2)):
+            raise ValueError(f"{FAMILIES_ENV}: shard {shard!r} is not k/n with 1 <= k <= n (e.g. all@2/4)")
+        k, n = int(m.group(1)), int(m.group(2))
+        picked = picked[k - 1::n]
+    return picked
+
+
+def _selected(families: list[Family], spec: str, results: str | Path | None) -> list[Family]:
     if spec.strip() in ("", "all"):
         return families
     if spec.strip() == "cpu-unserved":
