@@ -239,11 +239,10 @@ def test_llama4_expert_lora_is_reoriented_for_vllm(tmp_path) -> None:
     from peft.tuners.lora.layer import ParamWrapper
 
     from hwsync.lora_formats import LoraKind, extract_peft_lora, to_vllm_lora
-    from hwsync.testing.families import _trainer, enumerate_families, make_family_checkpoint
+    from hwsync.testing.families import _trainer, make_family_checkpoint
     from hwsync.testing.reference import write_adapter
 
-    family = next(f for f in enumerate_families() if f.name == "llama4_text")
-    model = _trainer(make_family_checkpoint(tmp_path / "llama4", family), "hybrid")
+    model = _trainer(make_family_checkpoint(tmp_path / "llama4", "llama4_text"), "hybrid")
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_" in n:

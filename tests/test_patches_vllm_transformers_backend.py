@@ -68,15 +68,14 @@ def test_decoration_goes_to_a_subclass_and_only_while_an_engine_builds() -> None
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
     from hwsync.testing import patched_llm, require_vllm
-    from hwsync.testing.families import enumerate_families, make_family_checkpoint
+    from hwsync.testing.families import make_family_checkpoint
 
     require_vllm()
     if PATCH.probe().state != patches.APPLIES:
         pytest.skip(f"not affected here: {PATCH.probe().reason}")
     import transformers.models.flex_olmo.modeling_flex_olmo as modeling
 
-    family = next(f for f in enumerate_families() if f.name == FAMILY)
-    path = make_family_checkpoint(tmp_path_factory.mktemp("tb") / FAMILY, family)
+    path = make_family_checkpoint(tmp_path_factory.mktemp("tb") / FAMILY, FAMILY)
     before = (modeling.FlexOlmoModel.__init__, modeling.FlexOlmoModel.__bases__, dict(modeling.FlexOlmoModel.__dict__))
     with patched_llm(path, max_model_len=256, enable_lora=True, max_lora_rank=8, max_loras=1) as llm:
         yield llm, path, modeling.FlexOlmoModel, before

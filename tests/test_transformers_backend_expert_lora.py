@@ -40,13 +40,12 @@ PATCH = patches.get("vllm_lora_expert_spellings")
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
     from hwsync.testing import EngineReference, patched_llm, require_vllm
-    from hwsync.testing.families import enumerate_families, make_family_checkpoint
+    from hwsync.testing.families import make_family_checkpoint
 
     require_vllm()
     if PATCH.probe().state != patches.APPLIES:
         pytest.skip(f"not affected here: {PATCH.probe().reason}")
-    family = next(f for f in enumerate_families() if f.name == FAMILY)
-    path = make_family_checkpoint(tmp_path_factory.mktemp("tbl") / FAMILY, family)
+    path = make_family_checkpoint(tmp_path_factory.mktemp("tbl") / FAMILY, FAMILY)
     kwargs = dict(max_model_len=256, enable_lora=True, max_lora_rank=8, max_loras=1)
     with patched_llm(path, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **kwargs) as llm, \
             EngineReference(tmp_path_factory.mktemp("tbl-ref"), **kwargs) as reference:
