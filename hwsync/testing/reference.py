@@ -65,18 +65,6 @@ def experts(name: str) -> bool:
     return ".mlp.experts" in name
 
 
-def not_lora_experts(model: Any) -> Callable[[str], bool]:
-    """Selects the tensors (trainer or PEFT adapter names) of the experts blocks whose LoRA no vLLM serves as LoRA
-    (non-gated experts, :func:`hwsync.payload._not_lora`): what a ``hybrid`` sync merges on an engine that serves
-    expert LoRA otherwise."""
-    from hwsync.lora_formats import extract_peft_lora
-    from hwsync.payload import _adapter_name, _not_lora
-
-    modules = extract_peft_lora(model, _adapter_name(model)).modules
-    blocks = tuple(sorted({modules[n].module + "." for n in _not_lora(modules)}))
-    return lambda name: any(b in name for b in blocks)
-
-
 def hybrid_merged_by(target: Any, model: Any) -> Callable[[str], bool]:
     """Selects the tensors (trainer or PEFT adapter names) a ``hybrid`` sync of ``model`` into ``target`` merges, as
     hwsync decides it for that engine (the modules it reports unservable as LoRA and their companions: the whole
@@ -87,9 +75,7 @@ def hybrid_merged_by(target: Any, model: Any) -> Callable[[str], bool]:
     from hwsync.payload import _companions, _merged_names
     from hwsync.strategy import choose
 
-    info, lora = describe_for(as_engine(target), model)
-    if lora is None or isinstance(lora, Exception):
-        return experts
+    info, lora = describe_for(as_engine(target), model)  # a model hybrid cannot sync: choose raises why
     names = _merged_names(model)
     merged = _companions(choose("hybrid", lora, info).unservable, names, info.packed_modules_mapping)
     modules = tuple(sorted({n.rpartition(".")[0] + "." for n in merged}))
@@ -415,7 +401,7 @@ class EngineReference:
                  engine: Any = None) -> Logprobs:
         """Greedy logprobs of a fresh engine fed, by vLLM's own loaders, the weights ``strategy`` syncs of ``model``
         (into ``engine``: for ``hybrid``, what it merges is hwsync's decision for that engine, :func:`hybrid_merged_by`,
-        unless ``hybrid_merged`` was given; without ``engine``, a guess from the platform)."""
+        unless ``hybrid_merged`` was given)."""
         if strategy not in ("full", "adapter", "hybrid"):
             raise ValueError(f"no reference for strategy {strategy!r}")
         peft = getattr(model, "peft_config", None)
@@ -423,10 +409,11 @@ class EngineReference:
         if strategy == "full" or not peft:
             return self._ask(write_checkpoint(model, self.workdir, True, dtype), None, prompts, max_tokens)
         merged = self.hybrid_merged
-        if merged is None and strategy == "hybrid" and engine is not None:
+        if strategy == "hybrid" and merged is None:
+            if engine is None:  # no guess from the platform: it kept MiniMax-M2's expert LoRA, which hwsync merges
+                raise ValueError("a hybrid reference needs the synced engine (engine=...: what hwsync merged there) "
+                                 "or hybrid_merged=...")
             merged = hybrid_merged_by(engine, model)
-        elif merged is None:
-            merged = not_lora_experts(model) if self.serves_expert_lora() else experts
         pick = merged if strategy == "hybrid" else (lambda _n: False)
         if strategy == "adapter" and self.base_checkpoint is not None:
             ckpt = self.base_checkpoint
