@@ -99,11 +99,11 @@ def engine_args(model_dir: str | os.PathLike[str] | None = None, **overrides: An
         args = {**_COMMON, **_CPU}
         if lora and "lora_target_modules" not in overrides:
             args["lora_target_modules"] = list(CPU_LORA_TARGETS)
-        if model_dir is not None and "dtype" not in overrides and _has_linear_attention(Path(model_dir)):
+        text = _text_config(Path(model_dir)) if model_dir is not None else {}
+        if "dtype" not in overrides and "linear_attention" in (text.get("layer_types") or ()):  # Gated-DeltaNet
             args["dtype"] = "bfloat16"
-        if (model_dir is not None and _uses_mla(Path(model_dir))
-                and not {"attention_backend", "attention_config"} & set(overrides)):
-            args["attention_backend"] = "CPU_MLA"
+        if text.get("kv_lora_rank") is not None and not {"attention_backend", "attention_config"} & set(overrides):
+            args["attention_backend"] = "CPU_MLA"  # MLA (vLLM's test: a kv_lora_rank)
     else:
         args = {**_COMMON, **_GPU, "dtype": "bfloat16" if lora else "float32"}
     args.update(overrides)
@@ -204,22 +204,13 @@ def require_vllm() -> None:
     pytest.skip(reason)
 
 
-def _uses_mla(model_dir: Path) -> bool:
-    """Multi-head latent attention (vLLM's test: a ``kv_lora_rank`` in the text config)."""
+def _text_config(model_dir: Path) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` (its ``text_config`` where it has one); ``{}`` when it cannot be read."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return config.get("text_config", config).get("kv_lora_rank") is not None
-
-
-def _has_linear_attention(model_dir: Path) -> bool:
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    config = config.get("text_config", config)
-    return "linear_attention" in (config.get("layer_types") or ())
+        return {}
+    return config.get("text_config", config)
 
 
 @contextmanager
