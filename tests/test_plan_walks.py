@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hwsync.gather import parameters
-from hwsync.vllm.lora_slots import _strided
+from hwsync.vllm.lora_slots import _index_view
 
 
 def test_parameter_walk_is_torchs_order_and_dedup() -> None:
@@ -49,9 +49,9 @@ def test_strided_views_reproduce_the_gather(case: str) -> None:
     ia, ib = idx[:24].reshape(2, 3, 4), idx[24:].reshape(2, 5)
     gather = {"transpose": ib.T, "slice": ib[:, 1:4], "stack": torch.stack([ia[0, 1], ia[1, 1]]),
               "permute3d": ia.permute(2, 0, 1)}[case]
-    view = _strided(gather.reshape(-1), tuple(gather.shape), starts, sizes)
+    view = _index_view(gather.reshape(-1), tuple(gather.shape), ["a", "b"], starts, sizes)
     assert view is not None
-    src = (a if view.source == 0 else b).reshape(-1)
+    src = (a if view.source == "a" else b).reshape(-1)
     assert torch.equal(src.as_strided(tuple(gather.shape), view.strides, view.offset), flat[gather])
 
 
@@ -62,20 +62,20 @@ def test_strided_reads_of_tensors_received_at_an_offset() -> None:
 
     bucket = torch.arange(100.0)
     a, b = bucket[10:34].view(2, 3, 4), bucket[50:60].view(2, 5)
-    writer = SlotWriter(("a", "b"), 34, (), ())
-    read = writer._sources({"a": a, "b": b}, torch.empty(0))
-    got = read(_View(1, (1, 5), 0), (5, 2), None)
+    writer = SlotWriter(("a", "b"), (), (), None)  # type: ignore[arg-type]
+    read = writer._reader({"a": a, "b": b})
+    got = read(_View("b", (1, 5), 0), (5, 2))
     assert torch.equal(got, b.T)
-    assert torch.equal(read(_View(0, (1, 4, 12), 0), (4, 3, 2), None), a.permute(2, 1, 0))
+    assert torch.equal(read(_View("a", (1, 4, 12), 0), (4, 3, 2)), a.permute(2, 1, 0))
 
 
-def test_gathers_that_are_not_views_keep_the_index() -> None:
+def test_gathers_that_are_not_views_are_refused() -> None:
     starts, sizes = [0, 24], [24, 10]
     across = torch.tensor([22, 23, 24, 25])  # two source tensors
     shuffled = torch.tensor([0, 2, 1, 3])  # no single stride
     zero_fill = torch.tensor([0, 1, 34])  # vLLM's zero fill (the element after the tensors)
     for index in (across, shuffled, zero_fill):
-        assert _strided(index, tuple(index.shape), starts, sizes) is None
+        assert _index_view(index, tuple(index.shape), ["a", "b"], starts, sizes) is None
 
 
 def test_ranks_learn_whether_they_share_a_device() -> None:
@@ -137,7 +137,7 @@ def test_slot_blocks_reproduce_vllms_moe_set_lora(three_d: bool) -> None:
 
     from vllm.lora.layers.fused_moe import FusedMoE3DWithLoRA, FusedMoEWithLoRA
 
-    from hwsync.vllm.lora_slots import SlotWriter, _trace_blocks
+    from hwsync.vllm.lora_slots import SlotWriter
 
     e, r, max_r, h, i, slot = 4, 4, 8, 32, 16, 1
     cls = FusedMoE3DWithLoRA if three_d else FusedMoEWithLoRA
@@ -166,20 +166,20 @@ def test_slot_blocks_reproduce_vllms_moe_set_lora(three_d: bool) -> None:
         start += n
     live = _moe_lora_layer(cls, 2, e, max_r, h, i, three_d)
     manager = SimpleNamespace(lora_index_to_id=[7, 111], modules={"m.experts": live})
-    blocks = _trace_blocks(manager, SimpleNamespace(loras={"m.experts": as_lora(codes)}), ["m.experts"], slot,
-                           starts, sizes)
+    lm = SimpleNamespace(loras={"m.experts": as_lora(codes)}, _hwsync_code_ranges=(keys, starts, sizes))
+    blocks = SlotWriter._trace_blocks(manager, lm, ["m.experts"], slot, torch.device("cpu"))
     assert not isinstance(blocks, str), blocks
     assert all(torch.count_nonzero(t) == 0 for v in (live.w13_lora_a_stacked, live.w2_lora_b_stacked) for t in v)
 
     torch.manual_seed(0)
-    writer = SlotWriter(tuple(keys), offset, (), ("m.experts",), slot, tuple(blocks))
+    writer = SlotWriter(tuple(keys), (), ("m.experts",), None, blocks=tuple(blocks), no_blocks="")  # type: ignore[arg-type]
     reference = _moe_lora_layer(cls, 2, e, max_r, h, i, three_d)
     for step in range(2):
         new = {k: torch.randn(shapes[k]) for k in keys}
         reference.set_lora(slot, **vars(as_lora(new)))
-        read = writer._sources(new, live.w2_lora_a_stacked[0])
+        read = writer._reader(new)
         for b in blocks:
-            writer._slot_block(manager, b, slot).copy_(read(b.view, b.shape, None))
+            writer._slot_block(manager, b, slot).copy_(read(b.view, b.shape))
         for attr in ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked"):
             for ours, theirs in zip(getattr(live, attr), getattr(reference, attr)):
                 assert torch.equal(ours, theirs), (step, attr)

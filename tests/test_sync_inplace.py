@@ -104,18 +104,33 @@ def _slot_buffers(llm: Any, lid: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_adapter_rewritten_in_place_equals_vllm_activation(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+def test_adapter_rewritten_in_place_equals_vllm_activation(llm: Any, tiny_qwen3_moe_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter hwsync builds from vLLM's traced layout, and rewrites in place, leaves every slot buffer exactly
+    as vLLM's own construction + activation of the same tensors (``HWSYNC_DIRECT=0``: vLLM's path only)."""
     model = _model(tiny_qwen3_moe_dir, lora=True)
     perturb(model, 2)
     installed = hwsync.sync(llm, model, strategy="adapter")
-    assert "adapter: built by vLLM" in installed.path, installed.path
+    assert "adapter: built from vLLM's traced layout" in installed.path, installed.path
+    built = _slot_buffers(llm, installed.lora_request.lora_int_id)
+    with monkeypatch.context() as m:  # the same tensors built by vLLM's construction, in the other slot
+        m.setenv("HWSYNC_DIRECT", "0")
+        first = hwsync.sync(llm, model, strategy="adapter", lora_int_id=installed.lora_request.lora_int_id + 100)
+    assert "adapter: built by vLLM" in first.path, first.path
+    by_vllm = _slot_buffers(llm, first.lora_request.lora_int_id)
+    assert built.keys() == by_vllm.keys() and built
+    assert not [k for k in built if not torch.equal(built[k], by_vllm[k])], "the first install differs from vLLM's"
+    again = hwsync.sync(llm, model, strategy="adapter")  # back to hwsync's own id (the reference replaced it)
+    assert "adapter: built from vLLM's traced layout" in again.path, again.path
     perturb(model, 3)
     rewritten = hwsync.sync(llm, model, strategy="adapter")
     print(rewritten.line())
     assert "adapter: rewritten in place" in rewritten.path, rewritten.path
     lid = rewritten.lora_request.lora_int_id
     ours, ours_out = _slot_buffers(llm, lid), _logprobs(llm, rewritten.lora_request)
-    reference = hwsync.sync(llm, model, strategy="adapter", lora_int_id=lid + 1)  # a new id: vLLM builds it
+    with monkeypatch.context() as m:
+        m.setenv("HWSYNC_DIRECT", "0")
+        reference = hwsync.sync(llm, model, strategy="adapter", lora_int_id=lid + 1)  # a new id: vLLM builds it
     assert "adapter: built by vLLM" in reference.path, reference.path
     theirs = _slot_buffers(llm, lid + 1)
     assert ours.keys() == theirs.keys() and ours

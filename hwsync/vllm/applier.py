@@ -32,6 +32,8 @@ import torch
 from torch import Tensor
 
 from hwsync.errors import AdapterFormatError, ResolutionError, SyncError
+from hwsync.progress import counted, phase
+from hwsync.vllm.lora_slots import NOT_TRACED
 from hwsync.wire import Manifest, TensorSpec, dtype_name
 
 __all__ = ["VllmApplier", "LORA_NAME", "LORA_INT_ID", "vllm_reload", "expert_packing_problem"]
@@ -554,7 +556,7 @@ class VllmApplier:
     def _reload(self, plan: Plan, weights: Iterator[tuple[str, Tensor]]) -> None:
         if plan.names is not None:
             weights = _vllm_spellings(plan.names, weights)
-        vllm_reload(self.worker.model_runner, weights)
+        vllm_reload(self.worker.model_runner, counted("base weights through vLLM's reload", weights))
 
     def _recover(self) -> None:
         """A reload that raised mid-way leaves layers on ``meta``: put kernel tensors back (vLLM's own
@@ -608,18 +610,30 @@ class VllmApplier:
             if lid <= 0:
                 raise AdapterFormatError(f"LoRA int id must be positive (vLLM reserves 0 for no adapter), got {lid}")
             build = self._adapter_builder(config, lid)
-            lora = build({k: v.detach().clone() for k, v in tensors.items()})
+            if signature not in self._slot_writers and _direct_enabled():
+                with phase("adapter layout traced"):
+                    self._slot_writers[signature] = self._trace_layout(manager, build, tensors, config)
+            writer = self._slot_writers.get(signature) if _direct_enabled() else None
+            wm = self.worker.model_runner.lora_manager
+            if writer is not None:
+                # vLLM's layout, learnt on a template layer and checked against vLLM's own construction of the
+                # sampled layers: the adapter is built by one copy per tensor, no per-expert Python walk
+                with phase("adapter built"):
+                    lora = writer.materialize(lid, tensors, wm.lora_config.lora_dtype, self._device())
+            else:
+                lora = build({k: v.detach().clone() for k, v in tensors.items()})
             try:
                 manager._validate_moe_lora_format(lora)
                 manager._validate_modules_to_save(lora)
                 manager._validate_token_classification_lora(lora)
             except ValueError as e:
                 raise AdapterFormatError(f"vLLM refuses this adapter: {e}") from e
-            # vLLM packs the adapter (q/k/v, gate/up, experts) inside add_adapter, after the previous adapter was
-            # removed: pack a scratch copy first, so an adapter vLLM cannot pack fails while the previous one still
-            # serves (on an H100 vLLM's pack_moe assert left the engine without its adapter). Only this path pays it:
-            # steady syncs rewrite the installed adapter's slots.
-            manager._create_merged_loras_inplace(build({k: v.detach().clone() for k, v in tensors.items()}))
+            if writer is None:
+                # vLLM packs the adapter (q/k/v, gate/up, experts) inside add_adapter, after the previous adapter
+                # was removed: pack a scratch copy first, so an adapter vLLM cannot pack fails while the previous one
+                # still serves (on an H100 vLLM's pack_moe assert left the engine without its adapter). With a
+                # writer, the trace already ran vLLM's packing on the template layers, and the adapter is packed.
+                manager._create_merged_loras_inplace(build({k: v.detach().clone() for k, v in tensors.items()}))
         except BaseException as e:
             e.adapter_touched = False  # type: ignore[attr-defined]  # built and validated aside: nothing changed
             raise
@@ -628,33 +642,51 @@ class VllmApplier:
         if replaces is not None and replaces != lid:
             manager.remove_adapter(replaces)
         manager.remove_adapter(lid)
-        manager.add_adapter(lora)
-        with contextlib.suppress(NotImplementedError, AttributeError):
-            manager.pin_adapter(lid)
+        with phase("adapter activated by vLLM"):
+            manager.add_adapter(lora)
+            with contextlib.suppress(NotImplementedError, AttributeError):
+                manager.pin_adapter(lid)
         lora._hwsync_signature = signature
-        if signature not in self._slot_writers and _direct_enabled():
-            self._slot_writers[signature] = self._trace_slots(manager, build, tensors, lora)
-        self.last_lora_path = "adapter: built by vLLM" + (
-            "; later syncs rewrite it in place" if self._slot_writers.get(signature) is not None else "")
+        how = "built by vLLM"
+        if writer is not None:
+            how = "built from vLLM's traced layout"
+            if writer.no_blocks == NOT_TRACED:
+                with phase("adapter slots traced"):
+                    why = writer.trace_slots(manager, lora, self._device()) or writer.check_blocks(manager, lora,
+                                                                                                     tensors)
+                    writer.release_codes()
+                if why:
+                    logger.info("hwsync: adapter slots are rewritten by vLLM's set_lora: %s", why)
+        self.last_lora_path = f"adapter: {how}" + ("; later syncs rewrite it in place" if writer is not None else "")
         return name, lid
+
+    def _device(self) -> Any:
+        return getattr(self.worker.model_runner, "device", torch.device("cpu"))
 
     def _adapter_builder(self, meta: Mapping[str, Any], lid: int) -> Any:
         """``trainer-format tensors -> LoRAModel``: converted to this engine's LoRA format, then built exactly as
-        vLLM's disk loader would build it, on the engine's device."""
+        vLLM's disk loader would build it (on the engine's device unless told otherwise). ``modules``: build only
+        these trainer modules (the trace's template, the sampled layers)."""
         from vllm.lora.lora_model import LoRAModel
 
         wm = self.worker.model_runner.lora_manager
         model = wm._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
-        device = getattr(self.worker.model_runner, "device", "cpu")
 
-        def build(tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> Any:
-            vllm_tensors, vllm_config = self.to_vllm_format(tensors, meta)
+        def build(tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None, device: Any = None,
+                  modules: Sequence[str] | None = None) -> Any:
+            part = meta
+            if modules is not None:
+                from hwsync.lora_formats import wire_name
+
+                part = {**meta, "modules": {m: meta["modules"][m] for m in modules}}
+                tensors = {k: tensors[k] for m in modules for f in ("A", "B") if (k := wire_name(m, f)) in tensors}
+            vllm_tensors, vllm_config = self.to_vllm_format(tensors, part)
             lora = LoRAModel.from_lora_tensors(
                 lora_model_id=lid,
                 tensors=vllm_tensors,
                 peft_helper=self._peft_helper(vllm_config),
-                device="cpu" if dtype is torch.float64 else str(device),
+                device=str(device if device is not None else self._device()),
                 dtype=dtype or wm.lora_config.lora_dtype,
                 model_vocab_size=wm.vocab_size,
                 weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
@@ -665,32 +697,26 @@ class VllmApplier:
 
         return build
 
-    def _trace_slots(self, manager: Any, build: Any, tensors: Mapping[str, Tensor], installed: Any) -> Any:
+    def _trace_layout(self, manager: Any, build: Any, tensors: Mapping[str, Tensor],
+                      meta: Mapping[str, Any]) -> Any:
+        """The adapter's layout in vLLM (:class:`hwsync.vllm.lora_slots.SlotWriter`), traced on a template layer,
+        then checked on the real tensors of the sampled layers against vLLM's own construction; ``None`` (with the
+        reason logged) where vLLM's path must build every install."""
         from hwsync.vllm.lora_slots import SlotWriter
 
-        keys = list(tensors)
-        slot = manager.lora_index_to_id.index(installed.id) if installed.id in manager.lora_index_to_id else None
-        try:
-            writer = SlotWriter.trace(manager, build, keys, [tuple(tensors[k].shape) for k in keys],
-                                      getattr(self.worker.model_runner, "device", torch.device("cpu")), slot)
-        finally:
-            if slot is not None:
-                # the trace ran each layer's set_lora on stand-ins of the per-slot tensors it found; should a layer
-                # keep slot state elsewhere, the trace wrote there: vLLM's own set_lora puts the slot back
-                with torch.no_grad():
-                    for name, weights in installed.loras.items():
-                        if name in manager.modules:
-                            manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
+        shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+        writer = SlotWriter.trace(manager, build, meta, shapes, self._device())
         if isinstance(writer, str):
-            logger.info("hwsync: adapter updates go through vLLM's adapter construction: %s", writer)
+            logger.info("hwsync: adapter installs go through vLLM's adapter construction: %s", writer)
             return None
-        if not writer.matches(installed, tensors):
-            logger.warning("hwsync: the traced adapter layout does not reproduce vLLM's; adapter updates stay on "
-                           "vLLM's construction path")
-            return None
-        why = writer.check_blocks(manager, tensors)
+        reference = build({k: v.detach() for k, v in tensors.items()}, modules=writer.groups.sampled)
+        manager._validate_moe_lora_format(reference)
+        manager._create_merged_loras_inplace(reference)
+        why = writer.matches(reference, tensors)
         if why:
-            logger.info("hwsync: adapter slots are rewritten by vLLM's set_lora: %s", why)
+            logger.warning("hwsync: the traced adapter layout does not reproduce vLLM's (%s); adapter installs stay "
+                           "on vLLM's construction path", why)
+            return None
         return writer
 
     def drop_lora(self, lora_int_id: int) -> None:

@@ -205,7 +205,7 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
     writer = cache.get(key)
     if writer is None:
         build = applier._adapter_builder(config, lid)
-        writer = SlotWriter.trace(manager, build, keys, shapes,
+        writer = SlotWriter.trace(manager, build, config, dict(zip(keys, shapes)),
                                   getattr(w.model_runner, "device", torch.device("cpu")))
         if isinstance(writer, str):
             return f"the adapter's layout cannot be traced: {writer}"
@@ -226,23 +226,25 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
             bad_slots.append(name)
         for a, i, b in before:  # leave the slot exactly as it was found
             now[(a, i)].copy_(b)
-    # 2. the installed adapter, mapped back to the trainer's tensors through the traced gathers
-    flat = None
+    # 2. the installed adapter, mapped back to the trainer's tensors through the traced gathers (each a strided view
+    # of one trainer tensor: written back through the same view)
+    values: dict[str, Any] = {}
+    sources: dict[str, Tensor] = {}
     for g in writer.gathers:
         weights = installed.loras.get(g.module)
         if weights is None or tuple(_get(weights, g).shape) != g.shape:
             return f"installed adapter's {g.module}.{g.field} does not have the planned layout"
+        if g.view is None:
+            continue
         t = _get(weights, g)
-        if flat is None:
-            flat = torch.zeros(writer.numel + 1, dtype=t.dtype, device=t.device)
-        flat[g.index.to(t.device)] = t.reshape(-1)
-    values: dict[str, Any] = {}
-    offset = 0
+        src = sources.get(g.view.source)
+        if src is None:
+            shape = shapes[keys.index(g.view.source)]
+            src = sources[g.view.source] = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        src.as_strided(g.shape, g.view.strides, g.view.offset).copy_(t)
     for k, shape in zip(keys, shapes):
-        n = 1
-        for s in shape:
-            n *= s
-        assert flat is not None
-        values[k] = list(dot(flat[offset: offset + n].view(shape), probe(k, shape, seed, flat.device, flat.dtype)))
-        offset += n
+        src = sources.get(k)
+        if src is None:
+            return f"no installed tensor holds the trainer's {k}"
+        values[k] = list(dot(src, probe(k, shape, seed, src.device, src.dtype)))
     return {"slot": slot, "bad_slots": bad_slots, "tensors": values}

@@ -1,99 +1,134 @@
-"""In-place adapter updates: the installed adapter rewritten from the new tensors, without a rebuild.
+"""In-place adapter installs and updates: vLLM's adapter layout, traced once on one layer, applied to all.
 
 Installing an adapter the vLLM way (``LoRAModel.from_lora_tensors``, the manager's packing of q/k/v, stacking of
-per-expert MoE LoRA, EP slicing, then ``set_lora`` into the stacked slot tensors) costs a Python walk over every
-tensor and a stack per expert group -- hundreds of milliseconds at MoE scale, every step. A sync of the same adapter
-structure only changes values, so :class:`SlotWriter` replays that pipeline as gathers:
+per-expert MoE LoRA, EP slicing, then ``set_lora`` into the stacked slot tensors) is a Python walk over every tensor
+and a stack per expert group: seconds at Qwen3-30B-A3B scale (48 layers x 128 experts), every time. Those steps only
+*move* data, and they do the same to every layer of the same structure, so :class:`SlotWriter` learns them once:
 
-* **Traced once, on vLLM's own code.** The manifest's tensors are replaced by float64 tensors holding their element
-  indices and run through ``from_lora_tensors`` and the manager's ``_create_merged_loras_inplace``. Those steps only
-  move data (stack, reshape, slice, permute), so every element of every tensor vLLM would hand to ``set_lora`` says
-  which manifest element it came from (0: vLLM's own zero fill). Anything that is not pure data movement (a scaling
-  other than 1, which hwsync never sends) leaves non-index values and disables the fast path.
-* **Checked once, on real data.** After the first install through vLLM's path, the gathers are run on the same
-  tensors and must reproduce the installed adapter's tensors exactly.
-* **The slots, traced the same way.** Each LoRA layer's ``set_lora`` is run once more, with its stacked slot tensors
-  swapped for float64 stand-ins (NaN: not written) and the index-valued adapter as input: what lands in the adapter's
-  slot says, per slot element, which manifest element vLLM puts there (TP slicing, packing, expert-dim matching
-  included). Where every layer's writes are dense blocks, each a strided view of one manifest tensor, and the blocks
-  read from the new tensors reproduce the slot vLLM itself filled at install (checked on the real data), later syncs
-  write those blocks directly instead of calling ``set_lora`` (which zero-fills every slot and re-slices per module).
-* **Per sync:** one copy into each of the installed adapter's tensors (so the adapter vLLM holds stays current, e.g.
-  for re-activation after an eviction), then one copy per slot block (or vLLM's own ``set_lora`` per module where
-  the slots could not be traced or the adapter moved to another slot). Where a gather is a strided view of one tensor
-  (stacking, splitting, slicing and permuting all are; found at trace time) the copy reads that view directly;
-  otherwise (vLLM's zero fill, elements from several tensors) it is an ``index_select`` from the concatenated tensors.
+* **Traced on a template.** The layers are grouped by structure (names with the layer index taken out, shapes,
+  dtypes); one representative layer per group (and every module outside the numbered layers) is replaced by float64
+  tensors holding their element indices and run through vLLM's own ``from_lora_tensors``, MoE-format validation and
+  ``_create_merged_loras_inplace``. Every element vLLM would hand to ``set_lora`` then says which manifest element it
+  came from (0: vLLM's zero fill); anything that is not pure data movement (a scaling other than 1, which hwsync
+  never sends) leaves non-index values and disables the writer. The gathers found are strided views of one manifest
+  tensor; the other layers of the group get the same views of their own tensors. The trace costs one layer per
+  structure, whatever the depth of the model (a 48-layer model traces as fast as a 2-layer one).
+* **The slots, traced the same way** once the adapter is installed: each template module's ``set_lora`` runs once
+  more with its stacked slot tensors swapped for float64 stand-ins (NaN: not written) and the index-valued adapter as
+  input; what lands in the slot says which manifest element vLLM puts where (TP slicing, packing, expert-dim matching
+  included). Dense blocks, each a strided view of one manifest tensor, are what later syncs write directly.
+* **Checked on real data.** Before the install, vLLM's own construction of the sampled layers (each group's first
+  and last layer, every module outside them) from the real tensors must equal the gathers; after it, every slot
+  block read from the real tensors must equal what vLLM's own ``set_lora`` put in the slot. The checks compare one
+  tensor at a time: no full-size copy of the adapter.
+* **Install** (:meth:`SlotWriter.materialize`): the adapter vLLM registers is built by the gathers -- one copy of the
+  adapter in vLLM's LoRA dtype, the same tensors and the same layer-weight objects vLLM's construction makes -- and
+  vLLM's own ``add_adapter`` activates it (its validations, ``set_lora`` into the slots).
+* **Per sync** (:meth:`SlotWriter.write`): one batched copy (``torch._foreach_copy_``) into the installed adapter's
+  tensors (so the adapter vLLM holds stays current, e.g. for re-activation after an eviction) and into the slot
+  blocks; vLLM's own ``set_lora`` per module where the slots could not be traced.
 """
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["SlotWriter"]
+__all__ = ["SlotWriter", "LayerGroups", "layer_groups", "NOT_TRACED"]
+
+NOT_TRACED = "slots not traced yet"
 
 logger = logging.getLogger("hwsync.vllm")
 
+_LAYER = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
+
+# -- layer groups -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerGroups:
+    """The trainer's LoRA modules by layer structure: what the trace runs on, and how it is applied to the rest."""
+
+    traced: tuple[str, ...]
+    """Trainer modules the trace runs on: each group's representative layer, and every module outside numbered
+    layers."""
+    members: Mapping[tuple[str, int], tuple[int, ...]]
+    """``(layers prefix, representative index) -> every layer index of that structure`` (representative included)."""
+    sampled: tuple[str, ...]
+    """Trainer modules checked against vLLM's own construction on real data (each group's first and last layer, and
+    the modules outside numbered layers)."""
+
+
+def layer_groups(modules: Mapping[str, Any], shapes: Mapping[str, tuple[Any, ...]]) -> LayerGroups:
+    """Group trainer modules by layer: ``modules`` is the wire metadata (name -> spec), ``shapes`` name -> whatever
+    must match for two layers to share a layout (shapes and dtypes of the module's factors)."""
+    layers: dict[tuple[str, int], list[tuple[str, str]]] = {}
+    outside: list[str] = []
+    for name in modules:
+        m = _LAYER.match(name)
+        if m is None:
+            outside.append(name)
+        else:
+            layers.setdefault((m["prefix"], int(m["index"])), []).append((m["rest"], name))
+    groups: dict[tuple[str, Any], list[int]] = {}
+    for (prefix, index), items in layers.items():
+        key = tuple(sorted((rest, repr(modules[name]), repr(shapes[name])) for rest, name in items))
+        groups.setdefault((prefix, key), []).append(index)
+    traced = list(outside)
+    sampled = list(outside)
+    members: dict[tuple[str, int], tuple[int, ...]] = {}
+    for (prefix, _), indices in groups.items():
+        indices.sort()
+        members[(prefix, indices[0])] = tuple(indices)
+        for index in sorted({indices[0], indices[-1]}):
+            names = [name for _, name in layers[(prefix, index)]]
+            sampled += names
+            if index == indices[0]:
+                traced += names
+    order = {n: i for i, n in enumerate(modules)}
+    return LayerGroups(tuple(sorted(traced, key=order.__getitem__)), members,
+                       tuple(sorted(sampled, key=order.__getitem__)))
+
+
+def _renamer(prefix: str, source: int, target: int) -> Callable[[str], str | None]:
+    """``name -> name`` with layer ``source`` of ``prefix`` renamed to ``target`` (``None``: not exactly one such
+    layer in the name). Trainer names carry ``prefix``; vLLM names may spell what precedes ``layers`` differently."""
+    pattern = re.compile(rf"\blayers\.{source}\.")
+
+    def rename(name: str) -> str | None:
+        if source == target:
+            return name
+        new, n = pattern.subn(f"layers.{target}.", name)
+        return new if n == 1 else None
+
+    return rename
+
+
+# -- gathers and blocks -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _View:
-    """A gather that is ``flat(keys[source]).as_strided(shape, strides, offset)``."""
+    """``contiguous(tensors[source]).as_strided(shape, strides, offset)``."""
 
-    source: int
+    source: str
     strides: tuple[int, ...]
     offset: int
 
 
 @dataclass(frozen=True)
 class _Gather:
+    """One tensor of vLLM's adapter (``loras[module].<field>[position]``) as a view of one manifest tensor, or zeros
+    (vLLM's zero fill)."""
+
     module: str
     field: str  # "lora_a" | "lora_b"
     position: int | None  # index in a packed list, None for a plain tensor
-    index: Tensor  # int64, into the concatenated tensors (+1 zero element at the end)
     shape: tuple[int, ...]
-    view: _View | None = None
-
-
-def _strided(index: Tensor, shape: tuple[int, ...], starts: Sequence[int], sizes: Sequence[int]) -> _View | None:
-    """``index`` (positions in the concatenated tensors) as a strided view of one of them, if it is one."""
-    if index.numel() == 0:
-        return None
-    lo, hi = int(index.min()), int(index.max())
-    source = next((k for k, (s, n) in enumerate(zip(starts, sizes)) if s <= lo and hi < s + n), None)
-    if source is None:
-        return None
-    local = index.reshape(shape) - starts[source]
-    origin = (0,) * len(shape)
-    offset = int(local[origin]) if shape else int(local)
-    strides = []
-    for d, n in enumerate(shape):
-        step = [0] * len(shape)
-        step[d] = 1
-        strides.append(int(local[tuple(step)]) - offset if n > 1 else 0)
-    expect = torch.full(shape, offset, dtype=torch.int64)
-    for d, (n, st) in enumerate(zip(shape, strides)):
-        view = [1] * len(shape)
-        view[d] = n
-        expect += (torch.arange(n, dtype=torch.int64) * st).view(view)
-    if not torch.equal(expect, local):
-        return None
-    return _View(source, tuple(strides), offset)
-
-
-def _slots(weights: Any, field: str) -> list[tuple[int | None, Tensor]]:
-    value = getattr(weights, field)
-    if isinstance(value, list):
-        return [(i, t) for i, t in enumerate(value) if t is not None]
-    return [] if value is None else [(None, value)]
-
-
-def _get(weights: Any, g: _Gather) -> Tensor:
-    value = getattr(weights, g.field)
-    return value[g.position] if g.position is not None else value
+    view: _View | None  # None: all zeros
 
 
 @dataclass(frozen=True)
@@ -108,6 +143,46 @@ class _Block:
     view: _View
 
 
+def _index_view(index: Tensor, shape: tuple[int, ...], keys: Sequence[str], starts: Sequence[int],
+                sizes: Sequence[int]) -> _View | None:
+    """``index`` (positions in the concatenated tensors, any device) as a strided view of one of them, if it is
+    one."""
+    if index.numel() == 0:
+        return None
+    lo, hi = int(index.min()), int(index.max())
+    source = next((k for k, (s, n) in enumerate(zip(starts, sizes)) if s <= lo and hi < s + n), None)
+    if source is None:
+        return None
+    local = index.reshape(shape) - starts[source]
+    origin = (0,) * len(shape)
+    offset = int(local[origin]) if shape else int(local)
+    strides = []
+    for d, n in enumerate(shape):
+        step = [0] * len(shape)
+        step[d] = 1
+        strides.append(int(local[tuple(step)]) - offset if n > 1 else 0)
+    expect = torch.full(shape, offset, dtype=torch.int64, device=index.device)
+    for d, (n, st) in enumerate(zip(shape, strides)):
+        view = [1] * len(shape)
+        view[d] = n
+        expect += (torch.arange(n, dtype=torch.int64, device=index.device) * st).view(view)
+    if not torch.equal(expect, local):
+        return None
+    return _View(keys[source], tuple(strides), offset)
+
+
+def _fields(weights: Any, field: str) -> list[tuple[int | None, Tensor]]:
+    value = getattr(weights, field)
+    if isinstance(value, list):
+        return [(i, t) for i, t in enumerate(value) if t is not None]
+    return [] if value is None else [(None, value)]
+
+
+def _get(weights: Any, g: _Gather | _Block) -> Tensor:
+    value = getattr(weights, g.field if isinstance(g, _Gather) else g.attr)
+    return value[g.position] if g.position is not None else value
+
+
 def _stacked(module: Any, n_slots: int) -> dict[str, Any]:
     """The module's per-slot tensors (``lora_a_stacked``, ``w13_lora_b_stacked``, ``adapter_enabled``, ...): every
     tensor attribute, or tuple/list of tensors, whose first dimension counts the slots."""
@@ -120,200 +195,410 @@ def _stacked(module: Any, n_slots: int) -> dict[str, Any]:
     return out
 
 
-def _stand_in(value: Any) -> Any:
+def _stand_in(value: Any, device: torch.device) -> Any:
     if isinstance(value, Tensor):
-        return torch.full(value.shape, float("nan"), dtype=torch.float64)
-    return type(value)(_stand_in(t) for t in value)
+        return torch.full(value.shape, float("nan"), dtype=torch.float64, device=device)
+    return type(value)(_stand_in(t, device) for t in value)
 
 
-def _trace_blocks(manager: Any, lm: Any, modules: Sequence[str], slot: int, starts: Sequence[int],
-                  sizes: Sequence[int]) -> list[_Block] | str:
-    """Run each layer's ``set_lora`` into float64 stand-ins of its slot tensors; the dense blocks it writes."""
-    n_slots = len(manager.lora_index_to_id)
-    blocks: list[_Block] = []
-    for name in modules:
-        module = manager.modules[name]
-        originals = _stacked(module, n_slots)
-        if not originals:
-            return f"{name}: no per-slot tensors found on {type(module).__name__}"
-        stand_ins = {attr: _stand_in(value) for attr, value in originals.items()}
-        weights = lm.loras[name]
-        try:
-            for attr, value in stand_ins.items():
-                setattr(module, attr, value)
-            module.set_lora(slot, weights.lora_a, weights.lora_b)
-        except Exception as e:  # noqa: BLE001 - any surprise: keep vLLM's own set_lora
-            return f"{name}: set_lora could not be traced ({type(e).__name__}: {e})"
-        finally:
-            for attr, value in originals.items():
-                setattr(module, attr, value)
-        for attr, value in stand_ins.items():
-            real = originals[attr]
-            for pos, t in (enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]):
-                target = real[pos] if pos is not None else real
-                if not target.is_floating_point() or t.shape[0] != n_slots:
-                    continue  # flags (adapter_enabled): already set for the installed adapter's slot
-                region = t[slot]
-                written = (~torch.isnan(region)) & (region != 0)
-                if not bool(written.any()):
-                    continue
-                where = written.nonzero()
-                lo, hi = where.min(0).values.tolist(), where.max(0).values.tolist()
-                box = tuple(slice(a, b + 1) for a, b in zip(lo, hi))
-                codes = region[box]
-                if bool(torch.isnan(codes).any()) or bool((codes < 1).any()):
-                    return f"{name}.{attr}: set_lora writes a slot region that is not one dense block"
-                index = codes.reshape(-1).to(torch.int64) - 1
-                view = _strided(index, tuple(codes.shape), starts, sizes)
-                if view is None:
-                    return f"{name}.{attr}: a slot block is not a strided view of one adapter tensor"
-                blocks.append(_Block(name, attr, pos, box, tuple(codes.shape), view))
-    return blocks
+def trace_device(engine_device: Any) -> torch.device:
+    """Where the trace runs: the engine's CUDA device (float64 there is cheap and vLLM pins CPU tensors one by one),
+    else the CPU (NPUs have no general float64)."""
+    device = torch.device(engine_device) if engine_device is not None else torch.device("cpu")
+    return device if device.type == "cuda" else torch.device("cpu")
 
 
 @dataclass
 class SlotWriter:
-    """Gathers that rebuild the tensors vLLM hands to ``set_lora``, from the manifest's LoRA tensors."""
+    """vLLM's adapter layout as views of the manifest's LoRA tensors, for every layer."""
 
     keys: tuple[str, ...]
-    numel: int
     gathers: tuple[_Gather, ...]
     modules: tuple[str, ...]
-    slot: int | None = None
+    """vLLM LoRA modules the adapter sets (the manager's order)."""
+    groups: LayerGroups
+    template: Any = field(repr=False, default=None)
+    """The traced ``LoRAModel`` (float64 codes): its layer-weight objects are the prototypes :meth:`materialize`
+    copies."""
+    prototypes: Mapping[str, str] = field(default_factory=dict)
+    """vLLM module -> the template module it was expanded from."""
+    expand: Mapping[str, tuple[tuple[str, int], int]] = field(default_factory=dict)
+    """Template vLLM module -> (its group, its layer index) (absent: a module outside numbered layers)."""
+    key_maps: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """vLLM module -> (template's manifest key -> this module's), for modules expanded from a template."""
     blocks: tuple[_Block, ...] = ()
-    no_blocks: str = ""
+    no_blocks: str = NOT_TRACED
     """Why slots are written by vLLM's ``set_lora`` (empty when :attr:`blocks` write them)."""
+    traced_modules: int = 0
+    """How many vLLM modules the trace ran through vLLM's construction (does not grow with the layer count)."""
 
+    # -- phase 1: vLLM's construction, on the template --------------------------------------------------------
     @classmethod
-    def trace(cls, manager: Any, build: Any, keys: Sequence[str], shapes: Sequence[tuple[int, ...]],
-              device: torch.device, slot: int | None = None) -> SlotWriter | str:
-        """Run vLLM's adapter construction on index-valued tensors; the writer, or why there is none.
+    def trace(cls, manager: Any, build: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
+              device: Any = None, wire_name: Callable[[str, str], str] | None = None) -> SlotWriter | str:
+        """Run vLLM's adapter construction on index-valued tensors of one layer per structure; the writer for all
+        layers, or why there is none. Touches no engine state (the slots are traced by :meth:`trace_slots` after
+        the install).
 
-        ``build(tensors)`` is the applier's ``LoRAModel.from_lora_tensors`` call (same helper, mapper, prefixes).
-        ``slot``: where the installed adapter is active (its layers' ``set_lora`` is traced too)."""
+        ``build(tensors, dtype=, device=, modules=)`` is the applier's ``LoRAModel.from_lora_tensors`` call (same
+        helper, mapper, prefixes) on a subset of modules; ``meta`` the wire metadata (``modules``: name -> spec);
+        ``shapes`` the manifest's key -> shape (dtype-qualified where it matters)."""
+        from hwsync.lora_formats import wire_name as default_wire_name
+
+        wire = wire_name or default_wire_name
+        modules_meta: Mapping[str, Any] = meta.get("modules", {})
+        per_module = {m: (shapes.get(wire(m, "A")), shapes.get(wire(m, "B"))) for m in modules_meta}
+        groups = layer_groups(modules_meta, per_module)
+        key_of = {wire(m, f): m for m in modules_meta for f in ("A", "B")}
+        writer = cls._trace_modules(manager, build, groups.traced, wire, shapes, trace_device(device))
+        if isinstance(writer, str):
+            return writer
+        template, gathers = writer
+        group_of: dict[str, tuple[str, int] | None] = {}
+        for (prefix, rep), _ in groups.members.items():
+            for m in groups.traced:
+                mm = _LAYER.match(m)
+                if mm is not None and mm["prefix"] == prefix and int(mm["index"]) == rep:
+                    group_of[m] = (prefix, rep)
+        # each vLLM module of the template belongs to the group of the trainer modules it reads from
+        owner: dict[str, tuple[tuple[str, int], int] | None] = {}
+        for g in gathers:
+            if g.view is None:
+                continue
+            home = group_of.get(key_of[g.view.source])
+            found = (home, home[1]) if home is not None else None
+            if owner.setdefault(g.module, found) != found:
+                return f"{g.module}: vLLM's LoRA module reads from several layers' tensors"
+        vllm_modules = tuple(m for m in manager.modules if m in template.loras)
+        missing = [m for m in vllm_modules if m not in owner]
+        if missing:
+            return f"{missing[0]}: vLLM's LoRA module reads no adapter tensor (only zeros)"
+        out = cls(tuple(shapes), (), (), groups, template, {},
+                  {m: o for m, o in owner.items() if o is not None}, traced_modules=len(vllm_modules))
+        expanded = out._expanded(gathers, manager, wire)
+        if isinstance(expanded, str):
+            return expanded
+        out.gathers, out.prototypes, out.key_maps = expanded
+        out.modules = tuple(m for m in manager.modules if m in out.prototypes)
+        return out
+
+    @staticmethod
+    def _trace_modules(manager: Any, build: Any, traced: Sequence[str], wire: Callable[[str, str], str],
+                       shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> tuple[Any, list[_Gather]] | str:
+        keys = [wire(m, f) for m in traced for f in ("A", "B") if wire(m, f) in shapes]
         codes: dict[str, Tensor] = {}
         starts: list[int] = []
         sizes: list[int] = []
         offset = 1
-        for k, shape in zip(keys, shapes):
+        for k in keys:
             n = 1
-            for s in shape:
+            for s in shapes[k]:
                 n *= s
-            codes[k] = torch.arange(offset, offset + n, dtype=torch.float64).reshape(shape)
+            codes[k] = torch.arange(offset, offset + n, dtype=torch.float64, device=device).reshape(shapes[k])
             starts.append(offset - 1)
             sizes.append(n)
             offset += n
         total = offset - 1
         if total >= 1 << 52:
-            return "adapter too large to trace exactly in float64"
+            return "adapter layer too large to trace exactly in float64"
         try:
-            lm = build(codes, dtype=torch.float64)
+            lm = build(codes, dtype=torch.float64, device=device, modules=traced)
             manager._validate_moe_lora_format(lm)
             manager._create_merged_loras_inplace(lm)
         except Exception as e:  # noqa: BLE001 - any surprise in vLLM's pipeline: keep its own path
             return f"vLLM's adapter construction could not be traced ({type(e).__name__}: {e})"
+        lm._hwsync_code_ranges = (keys, starts, sizes)
         if getattr(lm, "modules_to_save", None):
             return "adapter carries full modules (modules_to_save)"
         gathers = []
         for name, weights in lm.loras.items():
-            for field in ("lora_a", "lora_b"):
-                for pos, t in _slots(weights, field):
+            for fld in ("lora_a", "lora_b"):
+                for pos, t in _fields(weights, fld):
                     values = t.detach().reshape(-1)
                     if values.dtype != torch.float64 or not torch.equal(values, values.round()) \
                             or bool((values < 0).any()) or bool((values > total).any()):
-                        return f"{name}.{field}: vLLM transforms adapter values (not only moves them)"
-                    index = values.to(torch.int64) - 1
-                    index[index < 0] = total  # vLLM's zero fill -> the zero appended after the tensors
-                    view = _strided(index, tuple(t.shape), starts, sizes)
-                    gathers.append(_Gather(name, field, pos, index.to(device), tuple(t.shape), view))
-        modules = tuple(m for m in manager.modules if m in lm.loras)
-        blocks = _trace_blocks(manager, lm, modules, slot, starts, sizes) if slot is not None else "no active slot"
-        if isinstance(blocks, str):
-            return cls(tuple(keys), total, tuple(gathers), modules, None, (), blocks)
-        return cls(tuple(keys), total, tuple(gathers), modules, slot, tuple(blocks))
+                        return f"{name}.{fld}: vLLM transforms adapter values (not only moves them)"
+                    if not bool(values.any()):
+                        gathers.append(_Gather(name, fld, pos, tuple(t.shape), None))
+                        continue
+                    view = _index_view(values.to(torch.int64) - 1, tuple(t.shape), keys, starts, sizes)
+                    if view is None:
+                        return f"{name}.{fld}: vLLM's tensor is not a strided view of one adapter tensor"
+                    gathers.append(_Gather(name, fld, pos, tuple(t.shape), view))
+        return lm, gathers
 
-    def _flat(self, tensors: Mapping[str, Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
-        parts = [tensors[k].detach().reshape(-1) for k in self.keys]
-        parts.append(torch.zeros(1, dtype=parts[0].dtype if parts else dtype, device=device))
-        flat = torch.cat([p.to(device=device, dtype=dtype) for p in parts])
-        if flat.numel() != self.numel + 1:
-            raise ValueError("adapter tensors do not match the traced structure")
-        return flat
+    def _layer_renames(self, manager: Any, wire: Callable[[str, str], str]) \
+            -> list[tuple[int, Callable[[str], str | None], dict[str, str], tuple[str, int]]]:
+        """Per (group, member layer): the renamer of names and the manifest-key map from the representative."""
+        out = []
+        for (prefix, rep), indices in self.groups.members.items():
+            for index in indices:
+                keys = {}
+                for m in self.groups.traced:
+                    mm = _LAYER.match(m)
+                    if mm is None or mm["prefix"] != prefix or int(mm["index"]) != rep:
+                        continue
+                    target = f"{prefix}.{index}.{mm['rest']}"
+                    for f in ("A", "B"):
+                        keys[wire(m, f)] = wire(target, f)
+                out.append((index, _renamer(prefix, rep, index), keys, (prefix, rep)))
+        return out
 
-    def _sources(self, tensors: Mapping[str, Tensor], like: Tensor) -> Any:
-        """``read(view, shape, index)``: new values for one gather or slot block, in ``like``'s dtype and device -- a
-        strided view of one tensor where ``view`` is known, else an ``index_select`` from the concatenation."""
-        flat: list[Tensor] = []
-        sources: dict[int, Tensor] = {}
+    def _expanded(self, gathers: Sequence[_Gather], manager: Any, wire: Callable[[str, str], str]) \
+            -> tuple[tuple[_Gather, ...], dict[str, str], dict[str, dict[str, str]]] | str:
+        out: list[_Gather] = [g for g in gathers if g.module not in self.expand]
+        prototypes = {g.module: g.module for g in out}
+        key_maps: dict[str, dict[str, str]] = {}
+        renames = self._layer_renames(manager, wire)
+        by_module: dict[str, list[_Gather]] = {}
+        for g in gathers:
+            if g.module in self.expand:
+                by_module.setdefault(g.module, []).append(g)
+        for module, (group, _) in self.expand.items():
+            for index, rename, keys, home in renames:
+                if home != group:
+                    continue
+                name = rename(module)
+                if name is None or name not in manager.modules or name in prototypes:
+                    return f"{module}: layer {index} has no single vLLM LoRA module of the same name"
+                prototypes[name] = module
+                key_maps[name] = keys
+                for g in by_module[module]:
+                    view = g.view
+                    if view is not None:
+                        source = keys.get(view.source)
+                        if source is None or source not in self.keys:
+                            return f"{module}: layer {index} lacks the adapter tensor {view.source!r} stands for"
+                        view = replace(view, source=source)
+                    out.append(replace(g, module=name, view=view))
+        return tuple(out), prototypes, key_maps
 
-        def read(view: _View | None, shape: tuple[int, ...], index: Tensor | None) -> Tensor:
-            if view is not None:
-                src = sources.get(view.source)
-                if src is None:
-                    t = tensors[self.keys[view.source]].detach()
-                    src = sources[view.source] = t.reshape(-1).to(device=like.device, dtype=like.dtype)
-                # as_strided's offset counts from the storage's start: a tensor received in a bucket is a view at
-                # an offset into that bucket
-                return src.as_strided(shape, view.strides, src.storage_offset() + view.offset)
-            assert index is not None
-            if not flat:
-                flat.append(self._flat(tensors, like.dtype, like.device))
-            return flat[0].index_select(0, index.to(like.device)).view(shape)
+    # -- install --------------------------------------------------------------------------------------------------
+    def _reader(self, tensors: Mapping[str, Tensor]) -> Callable[[_View], Tensor]:
+        """``view -> tensor``: the strided view of the manifest tensor (its own dtype and device: ``copy_`` casts)."""
+        flat: dict[str, Tensor] = {}
+
+        def read(view: _View, shape: tuple[int, ...]) -> Tensor:
+            t = flat.get(view.source)
+            if t is None:
+                t = tensors[view.source].detach()
+                t = flat[view.source] = t if t.is_contiguous() else t.contiguous()
+            # as_strided's offset counts from the storage's start: a tensor received in a bucket is a view at an
+            # offset into that bucket
+            return t.as_strided(shape, view.strides, t.storage_offset() + view.offset)
 
         return read
+
+    def _check_tensors(self, tensors: Mapping[str, Tensor]) -> None:
+        if set(tensors) != set(self.keys):
+            raise ValueError("adapter tensors do not match the traced structure")
+
+    def materialize(self, lora_model_id: int, tensors: Mapping[str, Tensor], dtype: torch.dtype,
+                    device: Any) -> Any:
+        """The ``LoRAModel`` vLLM's construction would make from ``tensors``, built by the gathers: the template's
+        layer-weight objects copied per module, each tensor one copy from its view."""
+        self._check_tensors(tensors)
+        read = self._reader(tensors)
+        loras: dict[str, Any] = {}
+        dsts: list[Tensor] = []
+        srcs: list[Tensor] = []
+        for name in self.prototypes:
+            w = copy.copy(self.template.loras[self.prototypes[name]])
+            w.module_name = name
+            for fld in ("lora_a", "lora_b"):
+                value = getattr(w, fld)
+                setattr(w, fld, list(value) if isinstance(value, list) else value)
+            loras[name] = w
+        with torch.no_grad():
+            for g in self.gathers:
+                t = torch.zeros(g.shape, dtype=dtype, device=device) if g.view is None \
+                    else torch.empty(g.shape, dtype=dtype, device=device)
+                w = loras[g.module]
+                if g.position is None:
+                    setattr(w, g.field, t)
+                else:
+                    getattr(w, g.field)[g.position] = t
+                if g.view is not None:
+                    dsts.append(t)
+                    srcs.append(read(g.view, g.shape))
+            _copy_all(dsts, srcs)
+        lm = self.template.clone(lora_model_id)
+        lm.loras = loras
+        return lm
+
+    def matches(self, reference: Any, tensors: Mapping[str, Tensor]) -> str:
+        """Whether the gathers reproduce ``reference`` (vLLM's own construction of some modules from ``tensors``)
+        exactly: ``""``, or what differs."""
+        read = self._reader(tensors)
+        mine: dict[tuple[str, str, int | None], _Gather] = {(g.module, g.field, g.position): g for g in self.gathers}
+        for name, weights in reference.loras.items():
+            for fld in ("lora_a", "lora_b"):
+                for pos, dst in _fields(weights, fld):
+                    g = mine.get((name, fld, pos))
+                    if g is None or tuple(dst.shape) != g.shape:
+                        return f"{name}.{fld}: not in the traced layout"
+                    got = read(g.view, g.shape) if g.view is not None else torch.zeros((), device=dst.device)
+                    if not torch.equal(dst, got.to(device=dst.device, dtype=dst.dtype).expand(g.shape)):
+                        return f"{name}.{fld}: the traced layout differs from vLLM's construction"
+        return ""
+
+    # -- phase 2: the slots ---------------------------------------------------------------------------------------
+    def trace_slots(self, manager: Any, installed: Any, device: Any = None) -> str:
+        """Trace the template modules' ``set_lora`` into stand-ins at the installed adapter's slot, expand to every
+        layer, then check every block against what vLLM's ``set_lora`` wrote from the real data. ``""`` when the
+        blocks write the slots from now on, else why ``set_lora`` does."""
+        if installed.id not in manager.lora_index_to_id:
+            self.no_blocks = "the adapter is not active in a slot"
+            return self.no_blocks
+        slot = manager.lora_index_to_id.index(installed.id)
+        templates = [m for m in self.modules if self.prototypes[m] == m]
+        try:
+            blocks = self._trace_blocks(manager, self.template, templates, slot, trace_device(device))
+        finally:
+            # the trace ran each template layer's set_lora on stand-ins of the per-slot tensors it found; should a
+            # layer keep slot state elsewhere, the trace wrote there: vLLM's own set_lora puts the slot back
+            with torch.no_grad():
+                for name in templates:
+                    weights = installed.loras[name]
+                    manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
+        if isinstance(blocks, str):
+            self.no_blocks = blocks
+            return blocks
+        by_module: dict[str, list[_Block]] = {}
+        for b in blocks:
+            by_module.setdefault(b.module, []).append(b)
+        out: list[_Block] = []
+        for name in self.modules:
+            proto = self.prototypes[name]
+            keys = self.key_maps.get(name)
+            for b in by_module.get(proto, ()):
+                source = keys.get(b.view.source) if keys is not None else b.view.source
+                if source is None:
+                    self.no_blocks = f"{name}.{b.attr}: its slot block reads a tensor outside its layer"
+                    return self.no_blocks
+                out.append(replace(b, module=name, view=replace(b.view, source=source)))
+        self.blocks = tuple(out)
+        self.no_blocks = ""
+        return ""
+
+    def release_codes(self) -> None:
+        """Drop the template's float64 codes once the slots are traced: :meth:`materialize` needs only the
+        layer-weight objects (each of its tensors is replaced)."""
+        if self.template is None:
+            return
+        for w in self.template.loras.values():
+            for fld in ("lora_a", "lora_b"):
+                value = getattr(w, fld)
+                setattr(w, fld, [None if t is None else _meta(t) for t in value] if isinstance(value, list)
+                        else (None if value is None else _meta(value)))
+
+    @staticmethod
+    def _trace_blocks(manager: Any, lm: Any, modules: Sequence[str], slot: int,
+                      device: torch.device) -> list[_Block] | str:
+        """Run each module's ``set_lora`` into float64 stand-ins of its slot tensors; the dense blocks it writes."""
+        n_slots = len(manager.lora_index_to_id)
+        blocks: list[_Block] = []
+        keys, starts, sizes = _code_ranges(lm)
+        for name in modules:
+            module = manager.modules[name]
+            originals = _stacked(module, n_slots)
+            if not originals:
+                return f"{name}: no per-slot tensors found on {type(module).__name__}"
+            stand_ins = {attr: _stand_in(value, device) for attr, value in originals.items()}
+            weights = lm.loras[name]
+            try:
+                for attr, value in stand_ins.items():
+                    setattr(module, attr, value)
+                module.set_lora(slot, weights.lora_a, weights.lora_b)
+            except Exception as e:  # noqa: BLE001 - any surprise: keep vLLM's own set_lora
+                return f"{name}: set_lora could not be traced ({type(e).__name__}: {e})"
+            finally:
+                for attr, value in originals.items():
+                    setattr(module, attr, value)
+            for attr, value in stand_ins.items():
+                real = originals[attr]
+                for pos, t in (enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]):
+                    target = real[pos] if pos is not None else real
+                    if not target.is_floating_point() or t.shape[0] != n_slots:
+                        continue  # flags (adapter_enabled): already set for the installed adapter's slot
+                    region = t[slot]
+                    written = (~torch.isnan(region)) & (region != 0)
+                    if not bool(written.any()):
+                        continue
+                    where = written.nonzero()
+                    lo, hi = where.min(0).values.tolist(), where.max(0).values.tolist()
+                    box = tuple(slice(a, b + 1) for a, b in zip(lo, hi))
+                    codes = region[box]
+                    if bool(torch.isnan(codes).any()) or bool((codes < 1).any()):
+                        return f"{name}.{attr}: set_lora writes a slot region that is not one dense block"
+                    index = codes.reshape(-1).to(torch.int64) - 1
+                    view = _index_view(index, tuple(codes.shape), keys, starts, sizes)
+                    if view is None:
+                        return f"{name}.{attr}: a slot block is not a strided view of one adapter tensor"
+                    blocks.append(_Block(name, attr, pos, box, tuple(codes.shape), view))
+        return blocks
 
     @staticmethod
     def _slot_block(manager: Any, b: _Block, slot: int) -> Tensor:
         value = getattr(manager.modules[b.module], b.attr)
         return (value[b.position] if b.position is not None else value)[slot][b.box]
 
-    def matches(self, lora_model: Any, tensors: Mapping[str, Tensor]) -> bool:
-        """Whether the gathers reproduce ``lora_model`` (installed by vLLM's path) from ``tensors`` exactly."""
-        for g in self.gathers:
-            weights = lora_model.loras.get(g.module)
-            if weights is None or tuple(_get(weights, g).shape) != g.shape:
-                return False
-        if sum(t.numel() for t in tensors.values()) != self.numel:
-            return False
-        read = None
-        for g in self.gathers:
-            dst = _get(lora_model.loras[g.module], g)
-            read = read or self._sources(tensors, dst)
-            if not torch.equal(read(g.view, g.shape, g.index), dst):
-                return False
-        return True
-
-    def check_blocks(self, manager: Any, tensors: Mapping[str, Tensor]) -> str:
+    def check_blocks(self, manager: Any, installed: Any, tensors: Mapping[str, Tensor]) -> str:
         """Whether the slot blocks reproduce, from ``tensors``, what vLLM's ``set_lora`` put in the slot when it
-        installed them; if not, slots stay on ``set_lora`` (and the reason is returned)."""
+        installed them (one block at a time); if not, slots stay on ``set_lora`` (and the reason is returned)."""
         if not self.blocks:
             return self.no_blocks
-        assert self.slot is not None
-        read = None
+        slot = manager.lora_index_to_id.index(installed.id)
+        read = self._reader(tensors)
         for b in self.blocks:
-            dst = self._slot_block(manager, b, self.slot)
-            read = read or self._sources(tensors, dst)
-            if tuple(dst.shape) != b.shape or not torch.equal(read(b.view, b.shape, None), dst):
-                self.blocks, self.slot = (), None
+            dst = self._slot_block(manager, b, slot)
+            if tuple(dst.shape) != b.shape or not torch.equal(read(b.view, b.shape).to(dst.dtype), dst):
+                self.blocks = ()
                 self.no_blocks = f"{b.module}.{b.attr}: the traced slot block differs from what vLLM wrote"
                 break
         return self.no_blocks
 
+    # -- per sync -------------------------------------------------------------------------------------------------
     def write(self, manager: Any, lora_model: Any, tensors: Mapping[str, Tensor]) -> None:
         """Rewrite the installed adapter's tensors, then its slot: the traced blocks, or vLLM's own ``set_lora``."""
         slot = manager.lora_index_to_id.index(lora_model.id)
-        if sum(t.numel() for t in tensors.values()) != self.numel:
-            raise ValueError("adapter tensors do not match the traced structure")
-        read = None
+        self._check_tensors(tensors)
+        read = self._reader(tensors)
+        dsts: list[Tensor] = []
+        srcs: list[Tensor] = []
+        for g in self.gathers:
+            if g.view is not None:
+                dsts.append(_get(lora_model.loras[g.module], g))
+                srcs.append(read(g.view, g.shape))
+        if self.blocks:
+            for b in self.blocks:
+                dsts.append(self._slot_block(manager, b, slot))
+                srcs.append(read(b.view, b.shape))
         with torch.no_grad():
-            for g in self.gathers:
-                dst = _get(lora_model.loras[g.module], g)
-                read = read or self._sources(tensors, dst)
-                dst.copy_(read(g.view, g.shape, g.index))
-            if self.blocks and slot == self.slot:
-                for b in self.blocks:
-                    self._slot_block(manager, b, slot).copy_(read(b.view, b.shape, None))  # type: ignore[misc]
-                return
-            for name in self.modules:
-                weights = lora_model.loras[name]
-                manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
+            _copy_all(dsts, srcs)
+            if not self.blocks:
+                for name in self.modules:
+                    weights = lora_model.loras[name]
+                    manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
+
+
+def _meta(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _code_ranges(lm: Any) -> tuple[list[str], list[int], list[int]]:
+    """The manifest keys the template's codes stand for, with their ranges in the concatenation."""
+    return lm._hwsync_code_ranges  # type: ignore[no-any-return]
+
+
+def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair, batched per (device, dtype) pair: one multi-tensor copy, not thousands of
+    Python-level calls (``copy_`` casts, so sources keep the trainer's dtype)."""
+    groups: dict[tuple[Any, ...], tuple[list[Tensor], list[Tensor]]] = {}
+    for d, s in zip(dsts, srcs):
+        k = (d.device, d.dtype, s.device, s.dtype)
+        pair = groups.setdefault(k, ([], []))
+        pair[0].append(d)
+        pair[1].append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
