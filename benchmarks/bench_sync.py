@@ -219,7 +219,49 @@ def _reset_seconds(llm: Any, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if _on_gpu() else 0
+
+
+def _checksum(t: torch.Tensor, chunk: int = 1 << 24) -> tuple[float, float]:
+    """Two float64 sums (plain and position-weighted), chunk by chunk: equal tensors give equal sums, and 60 GB of
+    weights are compared without a copy of them."""
+    flat = t.detach().reshape(-1)
+    plain = weighted = 0.0
+    with torch.no_grad():
+        for lo in range(0, flat.numel(), chunk):
+            v = flat[lo: lo + chunk].to(torch.float64)
+            w = torch.arange(lo, lo + v.numel(), device=v.device, dtype=torch.float64).remainder_(9973).add_(1)
+            plain += float(v.sum())
+            weighted += float((v * w).sum())
+    return plain, weighted
+
+
+def _slot_sums(llm: Any, lid: int) -> dict[str, tuple[float, float]]:
+    """Checksums of every LoRA slot buffer of adapter ``lid``: what the kernels read for it."""
+    wm = llm.llm_engine.model_executor.driver_worker.worker.model_runner.lora_manager._adapter_manager
+    if lid not in wm.lora_index_to_id:
+        return {}
+    slot = wm.lora_index_to_id.index(lid)
+    out = {}
+    for name, module in wm.modules.items():
+        for attr, value in vars(module).items():
+            if attr.endswith("_stacked") and not (attr == "lora_a_stacked" and isinstance(value, list)):
+                for i, t in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
+                    if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] > slot:
+                        out[f"{name}.{attr}[{i}]"] = _checksum(t[slot])
+    return out
+
+
+def _base_sums(runner: Any) -> dict[str, tuple[float, float]]:
+    return {name: _checksum(p) for name, p in runner.get_model().named_parameters() if "lora" not in name}
+
+
 def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[list[dict[str, Any]], dict, Any]:
+    """Each strategy in its own phase on one engine: its trainer is built, synced (first, second, steady), compared
+    with vLLM's own path, and freed before the next one (at 48 layers one trainer and one engine fill an H200)."""
+    import gc
+
     import hwsync
     from hwsync.merged import merged_named_weights
     from hwsync.vllm.applier import vllm_reload
@@ -231,39 +273,83 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
     reset = _reset_seconds(llm)
     for k, strategy in enumerate(args.strategies):
         model = _trainer(path, strategy, args.rank, dtype)
-        seconds, report = _timed_syncs(llm, model, strategy, args.warmup, args.syncs)
+        gc.collect()
+        times, peaks = [], []
+        report = None
+        for i in range(args.warmup + args.syncs):
+            _step(model, 100 + i)
+            _sync_device()
+            before = _allocated()
+            if _on_gpu():
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            report = hwsync.sync(llm, model, strategy=strategy)
+            _sync_device()
+            times.append(time.perf_counter() - t0)
+            if _on_gpu():  # extra memory of this sync: its peak over what was held before and after it
+                peaks.append(torch.cuda.max_memory_allocated() - max(before, _allocated()))
+            if i == 0:
+                print(f"{strategy}: first sync {times[0]:.2f} s: {report.path}", flush=True)
+        assert report is not None
+        seconds = statistics.median(times[max(args.warmup, 2):] or times[-1:])
         if args.profile:
             _profile(llm, model, strategy)
         ours = _logprobs(llm, report.lora_request)
-        served[strategy] = model
-        trainer_gap = hwsync.agreement(llm, model, PROMPTS).max_abs_diff
-        # vLLM's own path for the same update, timed on the same engine, then compared output for output
+        ours_again = _logprobs(llm, report.lora_request)
+        lora_bytes = report.bytes if strategy == "adapter" else 0  # steady adapter syncs carry the adapter only
+        mine = _slot_sums(llm, report.lora_request.lora_int_id) if report.lora_request else {}
+        base_mine = _base_sums(runner)
+        trainer_gap = hwsync.agreement(llm, model, PROMPTS).max_abs_diff if not _on_gpu() or args.layers <= 4 \
+            else float("nan")
+        # vLLM's own path for the same update, timed on the same engine, then compared output for output and
+        # content for content: a new adapter id built by vLLM's construction (HWSYNC_DIRECT=0: no traced layout,
+        # no in-place writes), or vLLM's reload_weights of the merged weights
         _sync_device()
         t0 = time.perf_counter()
         if report.lora_tensors:
-            # an id no adapter had yet: vLLM's construction (LoRAModel + add_adapter), not hwsync's in-place rewrite
-            ref = hwsync.sync(llm, model, strategy=strategy, lora_int_id=4242 + k)
+            os.environ["HWSYNC_DIRECT"] = "0"
+            try:
+                ref = hwsync.sync(llm, model, strategy=strategy, lora_int_id=4242 + k)
+            finally:
+                del os.environ["HWSYNC_DIRECT"]
             lora_request = ref.lora_request
         else:
-            vllm_reload(runner, list(merged_named_weights(model)))
+            vllm_reload(runner, merged_named_weights(model))
             llm.reset_prefix_cache()
             lora_request = None
         _sync_device()
         vllm_seconds = time.perf_counter() - t0
         theirs = _logprobs(llm, lora_request)
+        theirs_again = _logprobs(llm, lora_request)
+        slots_equal = None
+        if report.lora_request is not None:
+            slots_equal = bool(mine) and mine == _slot_sums(llm, lora_request.lora_int_id)
+        base_equal = base_mine == _base_sums(runner)
         exact = _delta(ours, theirs)
-        # vLLM's dense-LoRA shrink kernel splits K 64 ways with fp32 atomic adds (vllm/lora/ops/triton_ops/utils.py,
-        # unless VLLM_BATCH_INVARIANT=1): at real hidden sizes the same engine state may not reproduce its own
-        # logprobs bit for bit, so the repeat spread of vLLM's own path is measured and reported beside the gap
-        repeat = max(_delta(theirs, _logprobs(llm, lora_request)) for _ in range(2))
+        # vLLM's dense-LoRA shrink kernel splits K with fp32 atomic adds (vllm/lora/ops/triton_ops/utils.py, unless
+        # VLLM_BATCH_INVARIANT=1): the same engine state may not reproduce its own logprobs bit for bit, so both
+        # paths' repeat spreads are reported beside the gap, and the content itself is compared
+        repeat = max(_delta(theirs, theirs_again), _delta(ours, ours_again))
         copy = _copy_seconds(report.bytes)
-        print(f"{strategy}: {report.line()}")
-        rows.append({"strategy": strategy, "tensors": report.tensors, "MB": report.bytes / 1e6,
-                     "seconds": seconds, "GB/s": report.bytes / 1e9 / seconds, "copy_s": copy,
-                     "x_copy": seconds / copy, "of_which_cache_reset_s": reset, "vllm_path_s": vllm_seconds,
-                     "speedup_vs_vllm": vllm_seconds / seconds,
-                     "Δ_vs_vllm_path": exact, "Δ_repeat_vllm": repeat, "Δ_vs_trainer": trainer_gap})
+        print(f"{strategy}: {report.line()}", flush=True)
+        row = {"layers": args.layers, "strategy": strategy, "rank": args.rank if report.lora_tensors else 0,
+               "tensors": report.tensors, "MB": report.bytes / 1e6,
+               "first_s": times[0], "second_s": times[1] if len(times) > 1 else float("nan"),
+               "seconds": seconds, "GB/s": report.bytes / 1e9 / seconds, "copy_s": copy, "x_copy": seconds / copy,
+               "of_which_cache_reset_s": reset,
+               "peak_extra_first_GB": peaks[0] / 1e9 if peaks else float("nan"),
+               "peak_extra_steady_GB": max(peaks[1:], default=float("nan")) / 1e9 if peaks else float("nan"),
+               "adapter_GB": lora_bytes / 1e9, "vllm_path_s": vllm_seconds,
+               "speedup_vs_vllm": vllm_seconds / seconds, "slots_equal": slots_equal, "base_equal": base_equal,
+               "Δ_vs_vllm_path": exact, "Δ_repeat": repeat, "Δ_vs_trainer": trainer_gap}
+        rows.append(row)
         hwsync.sync(llm, model, strategy=strategy)  # leave the engine on hwsync's own state for the next strategy
+        if args.server:
+            served[strategy] = model
+        del model, report
+        gc.collect()
+        if _on_gpu():
+            torch.cuda.empty_cache()
     return rows, served, llm
 
 
@@ -368,7 +454,8 @@ def _print(title: str, rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="tiny")
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", default="2", help="layer count, or a comma list: each count in its own process, "
+                    "then one scaling table")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--strategies", default="full,adapter,hybrid")
     ap.add_argument("--syncs", type=int, default=5)
@@ -377,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the tables here")
     ap.add_argument("--profile", action="store_true", help="cProfile one steady-state sync per strategy")
     args = ap.parse_args(argv)
+    counts = [int(x) for x in str(args.layers).split(",") if x.strip()]
+    if len(counts) > 1:
+        return _scaling(counts, argv if argv is not None else sys.argv[1:], args.json)
+    args.layers = counts[0]
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -401,14 +492,46 @@ def main(argv: list[str] | None = None) -> int:
             _print("server mode (engine in another process)", srows)
     if args.json:
         Path(args.json).write_text(json.dumps({"colocate": rows, "server": srows}, indent=2, default=str))
-    failed = [r["strategy"] for r in rows
-              if not r["Δ_vs_vllm_path"] <= (1e-6 if _on_gpu() else 1e-5) + r["Δ_repeat_vllm"]]
+    failed = [r["strategy"] for r in rows if not _exact(r)]
     failed += [f"server {r['strategy']}" for r in srows if not r["Δ_vs_colocated"] <= 1e-6]
     if failed:
         print(f"EXACTNESS FAILED: {failed}")
         return 1
-    print("exactness: every synced engine equals vLLM's own load path (within vLLM's own repeat spread, Δ_repeat_vllm)")
+    print("exactness: every synced engine equals vLLM's own load path (slot and base content equal; logprobs within "
+          "the paths' own repeat spread, Δ_repeat)")
     return 0
+
+
+def _exact(row: dict[str, Any]) -> bool:
+    """The synced engine holds what vLLM's own path holds (slots and base compared where measured) and serves the
+    same logprobs up to the repeat spread of the same engine state."""
+    if row.get("slots_equal") is False or row.get("base_equal") is False:
+        return False
+    return row["Δ_vs_vllm_path"] <= (1e-6 if _on_gpu() else 1e-5) + row["Δ_repeat"]
+
+
+def _scaling(counts: list[int], argv: list[str], json_path: str | None) -> int:
+    """One process per layer count (a fresh engine and trainer each), then the rows side by side."""
+    rows: list[dict[str, Any]] = []
+    rc = 0
+    base = [a for i, a in enumerate(argv) if a not in ("--layers", "--json") and not a.startswith("--layers=")
+            and (i == 0 or argv[i - 1] not in ("--layers", "--json"))]
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in counts:
+            out = Path(tmp) / f"{n}.json"
+            code = subprocess.call([sys.executable, __file__, *base, "--layers", str(n), "--json", str(out)])
+            rc = rc or code
+            if out.exists():
+                rows += json.loads(out.read_text())["colocate"]
+            else:
+                rows.append({"layers": n, "strategy": "(failed)", "rc": code})
+    keys = ["layers", "strategy", "rank", "MB", "first_s", "second_s", "seconds", "GB/s", "peak_extra_first_GB",
+            "peak_extra_steady_GB", "adapter_GB", "vllm_path_s", "slots_equal", "base_equal",
+            "Δ_vs_vllm_path", "Δ_repeat"]
+    _print("scaling (one process per layer count)", [{k: r.get(k, "") for k in keys} for r in rows])
+    if json_path:
+        Path(json_path).write_text(json.dumps({"scaling": rows}, indent=2, default=str))
+    return rc
 
 
 if __name__ == "__main__":

@@ -97,6 +97,11 @@ class Backend(abc.ABC):
     def synchronize(self, device: DeviceLike = None) -> None:
         """Block the host until all work queued on ``device`` has finished."""
 
+    def free_memory(self, device: DeviceLike = None) -> int | None:
+        """Bytes a new allocation on ``device`` can still get (the runtime's free memory plus what torch's caching
+        allocator holds unused); ``None`` where the backend cannot tell (host memory)."""
+        return None
+
     def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
         """This device kind's data plane (:class:`hwsync.transport.Link`): rank ``rank`` of the group ``spec``
         describes, rendezvous through ``store`` (a ``torch.distributed.Store``) under ``spec.prefix``."""
@@ -189,6 +194,15 @@ class AcceleratorBackend(Backend):
 
     def synchronize(self, device: DeviceLike = None) -> None:
         self._module().synchronize(self._index(device))
+
+    def free_memory(self, device: DeviceLike = None) -> int | None:
+        module, index = self._module(), self._index(device)
+        try:
+            free, _total = module.mem_get_info(index)
+            cached = int(module.memory_reserved(index)) - int(module.memory_allocated(index))
+        except (AttributeError, RuntimeError):
+            return None
+        return int(free) + max(cached, 0)
 
 
 def _as_device(device: DeviceLike, default_type: str = "cpu") -> torch.device:

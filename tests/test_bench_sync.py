@@ -37,7 +37,10 @@ def test_bench_sync_is_exact_colocated_and_served(tmp_path: Path) -> None:
     assert [r["strategy"] for r in tables["colocate"]] == ["full", "adapter", "hybrid"]
     assert [r["strategy"] for r in tables.get("server", [])] == (["full", "adapter", "hybrid"] if server else [])
     for row in tables["colocate"]:  # the script's own gate, restated on what it measured
-        assert row["Δ_vs_vllm_path"] <= 1e-5 + row["Δ_repeat_vllm"], row
+        assert row["Δ_vs_vllm_path"] <= 1e-5 + row["Δ_repeat"], row
+        assert row["base_equal"] is True, row  # the engine's weights equal vLLM's own path's, tensor for tensor
+        assert row["slots_equal"] is (None if row["strategy"] == "full" else True), row
+        assert row["first_s"] > 0 and row["seconds"] > 0, row
         if on_cpu():  # CPU fp32: the engine computes like transformers (a bf16 GPU engine does not)
             assert row["Δ_vs_trainer"] <= 1e-4, row
     for row in tables.get("server", []):

@@ -90,10 +90,14 @@ def _patch_scope(name: str) -> contextlib.AbstractContextManager[Any]:
 
 def _lora_signature(tensors: Mapping[str, Tensor], config: Mapping[str, Any]) -> str:
     """Structure of an adapter (names, shapes, dtypes, config): equal signatures differ in values only."""
+    return _signature([(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], config)
+
+
+def _signature(specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]], config: Mapping[str, Any]) -> str:
     import hashlib
     import json
 
-    body = json.dumps([[k, list(v.shape), str(v.dtype)] for k, v in tensors.items()], separators=(",", ":"))
+    body = json.dumps([[k, list(shape), str(dtype)] for k, shape, dtype in specs], separators=(",", ":"))
     body += json.dumps(dict(config), sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()
 
@@ -470,11 +474,52 @@ class VllmApplier:
             p, why = next(iter(bad.items()))
             raise AdapterFormatError(f"the engine cannot serve LoRA on {len(bad)} module(s), e.g. {p}: {why}. "
                                      'Use strategy="hybrid" (merged weights there) or "full"')
+        self._check_install_memory(manifest)
         if manifest.lora_base_names:
             specs = [TensorSpec(n, tuple(shape), torch.float32) for n, shape in manifest.lora_base_names.items()]
             transformed: set[str] = set()
             plan = self._resolve_base(specs, require_complete=False, transformed=transformed)  # what the LoRA adapts
             self._learn_row_orders(plan.names, [sp for sp in specs if sp.name in transformed])
+
+    def _check_install_memory(self, manifest: Manifest) -> None:
+        """Refuse, before anything is written, an adapter install the engine's device has no room for: the adapter
+        in vLLM's LoRA dtype (what vLLM holds), the trace of one layer in float64 and vLLM's construction of the
+        sampled layers. A steady rewrite of the installed adapter allocates nothing of the kind."""
+        from hwsync.backend import backend_for_device
+        from hwsync.vllm.lora_slots import _LAYER
+
+        device = self._device()
+        try:
+            free = backend_for_device(device).free_memory(device)
+        except Exception:  # noqa: BLE001 - a device the backends do not know: nothing to check against
+            free = None
+        if free is None:
+            return
+        manager = lora_manager_of(self.worker)
+        signature = _signature([(s.name, tuple(s.shape), s.dtype) for s in manifest.lora_specs],
+                               manifest.lora_config or {})
+        if self._slot_writers.get(signature) is not None and any(
+                getattr(a, "_hwsync_signature", None) == signature for a in manager.list_adapters().values()):
+            return  # a steady rewrite of the installed adapter
+        itemsize = self.worker.model_runner.lora_manager.lora_config.lora_dtype.itemsize
+        numel = 0
+        per_layer: dict[tuple[str, str], int] = {}
+        for spec in manifest.lora_specs:
+            n = 1
+            for s in spec.shape:
+                n *= s
+            numel += n
+            m = _LAYER.match(spec.name)
+            key = (m["prefix"], m["index"]) if m is not None else ("", spec.name)
+            per_layer[key] = per_layer.get(key, 0) + n
+        layer = max(per_layer.values(), default=0)
+        need = numel * itemsize + layer * (4 * 8 + 4 * itemsize)
+        if need > free:
+            raise AdapterFormatError(
+                f"installing this adapter needs about {need / 1e9:.2f} GB on the engine's device {device} "
+                f"({numel * itemsize / 1e9:.2f} GB for the adapter in vLLM's LoRA dtype, the rest to trace one layer), "
+                f"but only {free / 1e9:.2f} GB is free. Free device memory (a lower gpu_memory_utilization or "
+                'kv_cache_memory_bytes for vLLM, a smaller trainer footprint) or sync merged weights (strategy="full")')
 
     def _learn_row_orders(self, names_plan: Any, specs: Sequence[TensorSpec]) -> None:
         """Base weights the model's loader transforms before storing them (Llama 4 permutes q/k rows for its rotary
