@@ -313,6 +313,7 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
             finally:
                 del os.environ["HWSYNC_DIRECT"]
             lora_request = ref.lora_request
+            del ref
         else:
             vllm_reload(runner, merged_named_weights(model))
             llm.reset_prefix_cache()
@@ -346,6 +347,10 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         hwsync.sync(llm, model, strategy=strategy)  # leave the engine on hwsync's own state for the next strategy
         if args.server:
             served[strategy] = model
+        else:  # the engine handle's cached plans hold the trainer: drop them, so the next phase has its memory
+            from hwsync.api import as_engine
+
+            as_engine(llm).plans.clear()
         del model, report
         gc.collect()
         if _on_gpu():

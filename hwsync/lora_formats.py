@@ -384,9 +384,25 @@ class PeftLoraReader:
         for name, path, layer in self._layers:
             if self.adapter_name not in layer.lora_A:
                 raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
-            f = _layer_module(path, layer, self.adapter_name).folded(dtype)
+        for m in self._modules():
+            f = m.folded(dtype)
             out += [f.lora_A, f.lora_B]
         return out
+
+    def _modules(self) -> list[LoraModule]:
+        """The modules as views of the trainer's LoRA parameters: read once where the parameters are plain tensors
+        (an optimizer updates them in place, so the views stay current), at every read where they are sharded (the
+        views are of the gathered tensors of this read)."""
+        cached = getattr(self, "_views", None)
+        if cached is not None:
+            return cached
+        mods = [_layer_module(path, layer, self.adapter_name) for _, path, layer in self._layers]
+        from hwsync.gather import Layout, param_kind
+
+        if all(param_kind(layer.lora_A[self.adapter_name].weight) == Layout.PLAIN
+               and param_kind(layer.lora_B[self.adapter_name].weight) == Layout.PLAIN for _, _, layer in self._layers):
+            self._views = mods
+        return mods
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -220,6 +220,7 @@ class VllmApplier:
         self.worker = worker
         self._namespace: Any = None
         self._slot_writers: dict[str, Any] = {}  # adapter structure -> SlotWriter (None: vLLM's path only)
+        self._lora_validated: set[str] = set()  # adapter structures that passed _validate_lora
         # a failed reload whose restoration failed too left layers holding placeholders (``meta``) instead of their
         # kernel tensors: until one vLLM reload has run to the end, nothing is written in place (see _recover)
         self._layers_unrestored = False
@@ -464,6 +465,13 @@ class VllmApplier:
         if manager is None:
             raise AdapterFormatError('the engine was started without enable_lora: use strategy="full" or restart '
                                      "vLLM with enable_lora=True")
+        signature = _signature([(s.name, tuple(s.shape), s.dtype) for s in manifest.lora_specs],
+                               manifest.lora_config or {})
+        if signature in self._lora_validated:
+            # the same adapter structure passed every check below already (the first sync's manifest carried the
+            # base as well, the steady one carries the adapter alone): a second sync costs what the third does
+            self._check_install_memory(manifest)
+            return
         meta = {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in manifest.lora_specs}
         vllm_tensors, config = self.to_vllm_format(meta, manifest.lora_config or {})
         self._peft_helper(config)
@@ -480,6 +488,7 @@ class VllmApplier:
             transformed: set[str] = set()
             plan = self._resolve_base(specs, require_complete=False, transformed=transformed)  # what the LoRA adapts
             self._learn_row_orders(plan.names, [sp for sp in specs if sp.name in transformed])
+        self._lora_validated.add(signature)
 
     def _check_install_memory(self, manifest: Manifest) -> None:
         """Refuse, before anything is written, an adapter install the engine's device has no room for: the adapter
