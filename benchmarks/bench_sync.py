@@ -136,10 +136,13 @@ def _delta(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-def _copy_seconds(nbytes: int) -> float:
-    """Median time of one device copy of ``nbytes`` (the floor of a colocated sync)."""
+def _copy_seconds(nbytes: int, cap: int = 4 << 30) -> float:
+    """Median time of one device copy of ``nbytes`` (the floor of a colocated sync). Beyond ``cap`` (60 GB of a
+    48-layer model would need 120 GB for source and destination) a ``cap``-sized copy is timed and scaled: a copy
+    this large runs at the device's bandwidth, linear in bytes."""
     device = "cuda" if _on_gpu() else "cpu"
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    n = min(nbytes, cap)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
     for _ in range(5):
@@ -148,7 +151,7 @@ def _copy_seconds(nbytes: int) -> float:
         dst.copy_(src)
         _sync_device()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return statistics.median(times[1:]) * nbytes / max(n, 1)
 
 
 def _timed_syncs(llm: Any, model: Any, strategy: str, warmup: int, n: int, **kw: Any) -> tuple[float, Any]:
@@ -344,6 +347,8 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
                "speedup_vs_vllm": vllm_seconds / seconds, "slots_equal": slots_equal, "base_equal": base_equal,
                "Δ_vs_vllm_path": exact, "Δ_repeat": repeat, "Δ_vs_trainer": trainer_gap}
         rows.append(row)
+        if args.json:  # row by row: a later phase that fails keeps what was measured
+            Path(args.json).write_text(json.dumps({"colocate": rows, "server": []}, indent=2, default=str))
         hwsync.sync(llm, model, strategy=strategy)  # leave the engine on hwsync's own state for the next strategy
         if args.server:
             served[strategy] = model

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -563,23 +564,40 @@ class SlotWriter:
         """Rewrite the installed adapter's tensors, then its slot: the traced blocks, or vLLM's own ``set_lora``."""
         slot = manager.lora_index_to_id.index(lora_model.id)
         self._check_tensors(tensors)
-        read = self._reader(tensors)
-        dsts: list[Tensor] = []
+        dsts = self._destinations(manager, lora_model, slot)
         srcs: list[Tensor] = []
-        for g in self.gathers:
-            if g.view is not None:
-                dsts.append(_get(lora_model.loras[g.module], g))
-                srcs.append(read(g.view, g.shape))
-        if self.blocks:
-            for b in self.blocks:
-                dsts.append(self._slot_block(manager, b, slot))
-                srcs.append(read(b.view, b.shape))
+        contiguous: dict[str, Tensor] = {}
+        for key, shape, strides, offset in self._reads:
+            t = contiguous.get(key)
+            if t is None:
+                t = tensors[key].detach()
+                t = contiguous[key] = t if t.is_contiguous() else t.contiguous()
+            srcs.append(t.as_strided(shape, strides, t.storage_offset() + offset))
         with torch.no_grad():
             _copy_all(dsts, srcs)
             if not self.blocks:
                 for name in self.modules:
                     weights = lora_model.loras[name]
                     manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
+
+    def _destinations(self, manager: Any, lora_model: Any, slot: int) -> list[Tensor]:
+        """What every steady sync writes, in :attr:`_reads` order: the installed adapter's tensors, then the slot
+        blocks -- looked up once per installed adapter and slot, not per sync."""
+        cached = getattr(self, "_dst_cache", None)
+        if cached is not None and cached[0]() is lora_model and cached[1] == (slot, len(self.blocks)):
+            return cached[2]
+        dsts: list[Tensor] = []
+        reads: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+        for g in self.gathers:
+            if g.view is not None:
+                dsts.append(_get(lora_model.loras[g.module], g))
+                reads.append((g.view.source, g.shape, g.view.strides, g.view.offset))
+        for b in self.blocks:
+            dsts.append(self._slot_block(manager, b, slot))
+            reads.append((b.view.source, b.shape, b.view.strides, b.view.offset))
+        self._reads = reads
+        self._dst_cache = (weakref.ref(lora_model), (slot, len(self.blocks)), dsts)
+        return dsts
 
 
 def _meta(t: Tensor) -> Tensor:
