@@ -3,6 +3,7 @@
     python benchmarks/bench_sync.py                                   # CPU: tiny MoE, colocate (what .ci/run runs)
     python benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 # GPU: exact Qwen3-30B-A3B layer shapes
     python benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --server   # + server mode (needs 2 GPUs)
+    python benchmarks/bench_sync.py --shapes qwen3.5-moe --layers 4   # GPU: Qwen3.5-35B-A3B (3 GDN + 1 attention)
 
 Per strategy (``full`` on a model without LoRA; ``adapter`` and ``hybrid`` with rank-``--rank`` LoRA on attention
 and experts), after ``--warmup`` syncs, the median of ``--syncs`` steady-state syncs, each after a fresh "optimizer
@@ -45,7 +46,17 @@ SHAPES = {
     # Qwen3-30B-A3B's decoder layer (config.json of the release); vocabulary kept small (the layers are the cost)
     "qwen3-30b-a3b": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    # Qwen3.5-35B-A3B's text decoder layers (Qwen's model card: hidden 2048; 40 layers laid out 10 x (3 Gated DeltaNet
+    # -> MoE, 1 Gated Attention -> MoE); GDN 16 QK / 32 V heads of dim 128; attention 16 Q / 2 KV heads of dim 256;
+    # 256 experts, 8 routed + 1 shared, expert intermediate 512 -- the defaults of transformers' Qwen3_5MoeTextConfig,
+    # documented against checkpoint Qwen/Qwen3.5-35B-A3B). --layers 4 gives one full block: 3 GDN layers + 1 attention
+    # layer (tiny_moe_config's Qwen3.5 layer pattern); vocabulary kept small
+    "qwen3.5-moe": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                        shared_expert_intermediate_size=512, linear_num_key_heads=16, linear_num_value_heads=32,
+                        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4),
 }
+FAMILY = {"qwen3.5-moe": "qwen3_5_moe"}  # presets of another family than qwen3_moe (hwsync.testing.tiny_moe)
 
 
 def _on_gpu() -> bool:
@@ -64,9 +75,10 @@ def _checkpoint(tmp: Path, shapes: str, layers: int) -> Path:
 
     path = tmp / f"{shapes}-{layers}"
     path.mkdir(parents=True, exist_ok=True)
-    config = tiny_moe_config("qwen3_moe", num_hidden_layers=layers, **SHAPES[shapes])
+    family = FAMILY.get(shapes, "qwen3_moe")
+    config = tiny_moe_config(family, num_hidden_layers=layers, **SHAPES[shapes])  # type: ignore[arg-type]
     config.save_pretrained(path)
-    write_tokenizer(path, "qwen3_moe", model_max_length=config.max_position_embeddings)
+    write_tokenizer(path, family, model_max_length=config.max_position_embeddings)
     return path
 
 
@@ -103,6 +115,14 @@ def _step(model: Any, seed: int) -> None:
                 p.mul_(1 + torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype) * 0.01)
 
 
+def _gpu_blocks(path: Path) -> str:
+    """``BENCH_GPU_BLOCKS``' default (see :func:`_engine`). A hybrid model's KV block holds one Gated-DeltaNet state
+    per layer (vLLM sizes attention blocks to match it: ~2 MB at Qwen3.5-35B-A3B shapes), so the 40 layers of the real
+    model get ~700 blocks from the ~60 GB that give a 48-layer Qwen3-30B-A3B ~10,000."""
+    layer_types = json.loads((path / "config.json").read_text()).get("layer_types") or ()
+    return "700" if "linear_attention" in layer_types else "10000"
+
+
 def _engine(path: Path, dtype: torch.dtype, rank: int) -> Any:
     from vllm import LLM
 
@@ -110,12 +130,15 @@ def _engine(path: Path, dtype: torch.dtype, rank: int) -> Any:
                                 enforce_eager=True, enable_lora=True, max_lora_rank=rank, max_loras=1, seed=0,
                                 max_model_len=512, max_num_seqs=8)
     if _on_gpu():
+        from hwsync.testing import portable_kernel_args
+
+        args.update(portable_kernel_args(path))  # Qwen3.5's GDN layers: vLLM's Triton/FLA prefill, no FlashInfer
         args["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_MEM", "0.35"))
         if os.environ.get("BENCH_KV_BYTES"):  # a fixed KV budget skips vLLM's start-up memory profiling, which fails
             args["kv_cache_memory_bytes"] = int(os.environ["BENCH_KV_BYTES"])  # while neighbours free GPU memory
         # the KV blocks a 48-layer Qwen3-30B-A3B gets from ~60 GB: vLLM's prefix-cache reset (every sync) walks
         # every block, so a 4-layer model with the same memory would inflate it ~12x
-        args["num_gpu_blocks_override"] = int(os.environ.get("BENCH_GPU_BLOCKS", "10000"))
+        args["num_gpu_blocks_override"] = int(os.environ.get("BENCH_GPU_BLOCKS", _gpu_blocks(path)))
     else:
         args.update(num_gpu_blocks_override=32, lora_target_modules=["qkv_proj", "o_proj"])
     return LLM(**args)
@@ -493,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = _checkpoint(Path(tmp), args.shapes, args.layers)
         device = torch.cuda.get_device_name() if _on_gpu() else "cpu"
-        print(f"model: Qwen3-MoE, {args.layers} layers of {args.shapes} shapes, {dtype}, LoRA rank {args.rank}; "
+        family = {"qwen3_moe": "Qwen3-MoE", "qwen3_5_moe": "Qwen3.5-MoE"}[FAMILY.get(args.shapes, "qwen3_moe")]
+        print(f"model: {family}, {args.layers} layers of {args.shapes} shapes, {dtype}, LoRA rank {args.rank}; "
               f"device {device}; torch {torch.__version__}")
         rows, served, local = colocate(path, args, dtype)
         _print("colocate (engine in this process)", rows)

@@ -27,7 +27,7 @@ export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 [ -n "${OUT:-}" ] && export HWSYNC_TEST_LOG="${HWSYNC_TEST_LOG:-$OUT/failed-modules.log}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora families multigpu multigpu-z3 bench verify)
+PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora families multigpu multigpu-z3 bench verify qwen35)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -40,13 +40,14 @@ declare -A MODULES=(
     [verify]="tests/test_verify_faults.py tests/test_verify_faults_bf16.py"
     [multigpu]="tests/test_multigpu_fsdp_tp.py tests/test_server_tp.py"
     [multigpu-z3]="tests/test_multigpu_fsdp_tp.py"
+    [qwen35]="tests/test_sync_exact.py tests/test_verify_faults_qwen3_5.py"
 )
 declare -A ABOUT=(
     [unit-a]="the first half (by name) of every module no other part names: backend, broadcast (cuda/multigpu), doctor, layouts, LoRA formats, merged view, names, ..."
     [unit-b]="the second half of those: patches, sync units and in-place writers, swift plugin, vLLM versions, ..."
     [suite-a]="${MODULES[suite-a]}"
     [suite-b]="${MODULES[suite-b]} (20 syncs per strategy, faults, versions)"
-    [exact]="${MODULES[exact]} (every strategy x MoE-LoRA format, 10 syncs each, == vLLM's own loading; the 3-D format in a second process beside the others: one process took > 265 s for 5 of 13 on an H100)"
+    [exact]="${MODULES[exact]} -k 'not qwen3_5' (tiny Qwen3-MoE: every strategy x MoE-LoRA format, 10 syncs each, == vLLM's own loading; the 3-D format in a second process beside the others: one process took > 265 s for 5 of 13 on an H100; Qwen3.5: part qwen35)"
     [server]="${MODULES[server]} (engine in another process; on GPU 1 when there are 2: NCCL data plane)"
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
@@ -56,6 +57,7 @@ declare -A ABOUT=(
     [multigpu-z3]="${MODULES[multigpu-z3]} -k zero3 (2 GPUs: the same with a DeepSpeed ZeRO-3 trainer; skipped on fewer GPUs)"
     [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile [--server with 2 GPUs] (every strategy, exactness vs vLLM own loading; server mode vs the colocated engine)"
     [verify]="${MODULES[verify]} (no false alarm over 20 syncs per strategy, every injected fault caught), benchmarks/verify_table.py (healthy max vs faulty min per check, bf16 + fp32)"
+    [qwen35]="Qwen3.5-MoE on the GPU, side by side: tests/test_sync_exact.py -k qwen3_5 (every strategy x MoE-LoRA format, 10 syncs each == vLLM's own loading, A_log kept fp32; two processes), tests/test_verify_faults_qwen3_5.py (no false alarm, every fault caught), examples/grpo_tiny_moe.py --family qwen3_5_moe GRPO then --gspo (4 steps each); then alone: benchmarks/bench_sync.py --shapes qwen3.5-moe --layers 4 --rank 32 --strategies full,adapter (\$OUT/bench_qwen35.json)"
 )
 
 unit_modules() {  # $1 = a|b: that half (by name) of the test modules no other part names, space-separated
@@ -72,6 +74,13 @@ run_modules() {  # $1: space-separated module paths; the rest: pytest arguments
     read -r -a mods <<<"$1"
     shift
     "$PY" ci/run_tests.py --modules="$(IFS=,; echo "${mods[*]}")" "$@"
+}
+
+qwen35_job() {  # $1: a tag for each output line; the rest: the command (its status is returned, not sed's)
+    local tag=$1
+    shift
+    "$@" 2>&1 | sed "s/^/[qwen35 $tag] /"
+    return "${PIPESTATUS[0]}"
 }
 
 run_part() {
@@ -114,10 +123,26 @@ run_part() {
                 pids+=($!)  # a subshell: with pipefail its status is the tests', not sed's
             done
             for p in "${pids[@]}"; do wait "$p" || rc=$?; done ;;
-        exact)  # two processes side by side (the module's engines are per format)
-            run_modules "${MODULES[exact]}" -k "not 3d" & local other=$!
-            run_modules "${MODULES[exact]}" -k "3d" || rc=$?
+        exact)  # two processes side by side (the module's engines are per format); Qwen3.5: part qwen35
+            run_modules "${MODULES[exact]}" -k "not 3d and not qwen3_5" & local other=$!
+            run_modules "${MODULES[exact]}" -k "3d and not qwen3_5" || rc=$?
             wait "$other" || rc=$? ;;
+        qwen35)  # four jobs side by side (engines of 0.15 of the GPU each, started 20 s apart), then the bench alone
+            local pids=() pid work="${TMPDIR:-/tmp}/hwsync-qwen35"
+            qwen35_job "exact" run_modules tests/test_sync_exact.py -k "qwen3_5 and not 3d" & pids+=($!); sleep 20
+            qwen35_job "exact-3d" run_modules tests/test_sync_exact.py -k "qwen3_5 and 3d" & pids+=($!); sleep 20
+            qwen35_job "verify" run_modules tests/test_verify_faults_qwen3_5.py & pids+=($!); sleep 20
+            (  # the main job: GRPO, then GSPO (each engine 0.15 of the GPU); both run, either failing fails the part
+                export HWSYNC_EXAMPLE_GPU_UTIL=0.15
+                qwen35_job "grpo" "$PY" examples/grpo_tiny_moe.py --family qwen3_5_moe --steps 4 --workdir "$work"
+                r=$?
+                qwen35_job "gspo" "$PY" examples/grpo_tiny_moe.py --family qwen3_5_moe --gspo --steps 4 \
+                    --workdir "$work" || r=$?
+                exit $r
+            ) & pids+=($!)
+            for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+            qwen35_job "bench" "$PY" benchmarks/bench_sync.py --shapes qwen3.5-moe --layers 4 --rank 32 \
+                --strategies full,adapter ${OUT:+--json "$OUT/bench_qwen35.json"} || rc=$? ;;
         *) run_modules "${MODULES[$part]}" || rc=$? ;;
     esac
     echo "=== ci/gpu.sh $part: $([ $rc -eq 0 ] && echo passed || echo "FAILED (exit $rc)")"

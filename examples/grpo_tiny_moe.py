@@ -2,20 +2,24 @@
 
     python examples/grpo_tiny_moe.py                 # GRPO, vLLM colocated, HWSYNC_STRATEGY=auto
     python examples/grpo_tiny_moe.py --gspo          # GSPO: --importance_sampling_level sequence
+    python examples/grpo_tiny_moe.py --family qwen3_5_moe   # on a tiny Qwen3.5-MoE (GDN + attention layers)
     python examples/grpo_tiny_moe.py --server        # vLLM in a `swift rollout` process, trainer in another
     python examples/grpo_tiny_moe.py --server --engines 2   # swift rollout --vllm_data_parallel_size 2
     python examples/grpo_tiny_moe.py --steps 8 -- --learning_rate 5e-3   # anything after -- goes to swift
 
-Everything is made on the spot in ``--workdir``: a random tiny Qwen3-MoE checkpoint with a Qwen-style chat template
-(:func:`hwsync.testing.make_tiny_moe`), a JSONL dataset of arithmetic questions with their answers, and the reward
-plugin next to this file (``arith_reward.py``). Then one real ``swift rlhf --rlhf_type grpo`` runs with LoRA on
-attention (``--target_modules``) and on the MoE experts (``--target_parameters``), vLLM rollouts in the trainer's
-process (``--server``: in a separate ``swift rollout`` process, synced through hwsync's server over gloo), and
+Everything is made on the spot in ``--workdir``: a random tiny Qwen3-MoE checkpoint (``--family qwen3_5_moe``: a
+Qwen3.5-MoE text model, Gated-DeltaNet and full-attention layers, an MTP layer in the checkpoint) with a Qwen-style
+chat template (:func:`hwsync.testing.make_tiny_moe`), a JSONL dataset of arithmetic questions with their answers, and
+the reward plugin next to this file (``arith_reward.py``). Then one real ``swift rlhf --rlhf_type grpo`` runs with LoRA
+on attention (``--target_modules``; on Qwen3.5 also the Gated-DeltaNet projections) and on the MoE experts
+(``--target_parameters``), vLLM rollouts in the trainer's process (``--server``: in a separate ``swift rollout``
+process, synced through hwsync's server over gloo), and
 ``--external_plugins <hwsync plugin>``, which routes every trainer -> vLLM weight sync through ``hwsync.sync`` and
 checks each one with ``hwsync.verify``. At the end it prints, per step, the reward, the sync
 strategy ``auto`` chose, MB sent, sync time and the largest |Δ logprob| between the engine and the trainer, and
 exits non-zero if any check failed. On a CPU machine it sets the vLLM CPU environment it needs; on a GPU the model
-and engine run in bf16.
+and engine run in bf16 (Qwen3.5 also on CPU: vLLM's CPU Gated-DeltaNet kernel takes nothing else), and a Qwen3.5
+engine gets vLLM's Triton/FLA GDN prefill kernel (:func:`hwsync.testing.portable_kernel_args`).
 """
 from __future__ import annotations
 
@@ -40,6 +44,15 @@ HERE = Path(__file__).resolve().parent
 REWARD_PLUGIN = HERE / "arith_reward.py"
 ATOL = 1e-4
 GSPO_STEPS_PER_GENERATION = 2
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# per family (hwsync.testing.make_tiny_moe's): a label, the LoRA targets of "attention", ms-swift's model arguments
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"label": "Qwen3-MoE", "attention": ATTENTION, "swift": ["--model_type", "qwen3_moe"]},
+    # ms-swift 4.6's `qwen3_5_moe` model type loads the vision-language class (Qwen3_5MoeForConditionalGeneration);
+    # a text-only checkpoint (Qwen3_5MoeForCausalLM) goes through its generic loader: no --model_type
+    "qwen3_5_moe": {"label": "Qwen3.5-MoE", "swift": [],
+                    "attention": ATTENTION + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]},
+}
 
 # vLLM on CPU, in the trainer's process (colocate): one engine core in-process, a small KV cache, no thread pinning
 # (other jobs share the cores), only hwsync's vLLM plugin.
@@ -72,41 +85,59 @@ def write_dataset(path: Path, n: int = 64, seed: int = 0) -> Path:
     return path
 
 
-def prepare(workdir: Path, seed: int = 0) -> tuple[Path, Path]:
-    """The tiny model and the dataset, in ``workdir`` (reused when already there)."""
+def prepare(workdir: Path, seed: int = 0, family: str = "qwen3_moe") -> tuple[Path, Path]:
+    """The tiny model of ``family`` and the dataset, in ``workdir`` (reused when already there)."""
     from hwsync.testing import make_tiny_moe
 
-    model = workdir / "tiny-qwen3-moe"
+    model = workdir / f"tiny-{family.replace('_', '-')}"
     if not (model / "config.json").exists():
-        make_tiny_moe(model, "qwen3_moe", seed=seed)
+        make_tiny_moe(model, family, seed=seed)  # type: ignore[arg-type]
     data = workdir / "arith.jsonl"
     if not data.exists():
         write_dataset(data, seed=seed)
     return model, data
 
 
-def engine_args() -> list[str]:
+def family_of(model: Path) -> str:
+    """The :data:`FAMILIES` key of a checkpoint made by :func:`prepare` (from its ``config.json``)."""
+    model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type", "")
+    return "qwen3_5_moe" if model_type.startswith("qwen3_5_moe") else "qwen3_moe"
+
+
+def _gated_delta_net(model: Path) -> bool:
+    return "linear_attention" in (json.loads((Path(model) / "config.json").read_text()).get("layer_types") or ())
+
+
+def engine_args(model: Path) -> list[str]:
     """The vLLM engine, as `swift rlhf` (colocate) and `swift rollout` (server) both take it. On a GPU the engine may
     claim half of it, or HWSYNC_EXAMPLE_GPU_UTIL of it (`ci/gpu.sh -j` runs several jobs side by side on one GPU), and
     its KV cache is a fixed 256 MiB: vLLM then skips its profiling-based sizing, whose check fails when another process
-    on the GPU frees memory while this engine starts."""
+    on the GPU frees memory while this engine starts. A Qwen3.5 engine on a GPU gets vLLM's Triton/FLA GDN prefill
+    kernel (its default on Hopper imports FlashInfer: :func:`hwsync.testing.portable_kernel_args`)."""
     kwargs: dict[str, Any] = {"num_gpu_blocks_override": 64}
     if _has_gpu():
         kwargs["kv_cache_memory_bytes"] = 256 << 20
+        if _gated_delta_net(model):
+            from hwsync.testing import portable_kernel_args
+
+            kwargs.update(portable_kernel_args(model))
     return ["--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
             "--vllm_gpu_memory_utilization", os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.5"),
             "--vllm_engine_kwargs", json.dumps(kwargs)]
 
 
-def rollout_model_args() -> list[str]:
+def rollout_model_args(model: Path) -> list[str]:
     # fp32 on vLLM's CPU build; bf16 on GPUs, whose vLLM LoRA kernels take only fp16/bf16 (ms-swift starts the engine
-    # in the model's dtype)
-    dtype = "bfloat16" if _has_gpu() else "float32"
-    return ["--model_type", "qwen3_moe", "--template", "qwen3", "--torch_dtype", dtype]
+    # in the model's dtype), and for Gated-DeltaNet models on CPU (vLLM's CPU GDN kernel takes nothing else)
+    dtype = "bfloat16" if _has_gpu() or _gated_delta_net(model) else "float32"
+    return [*FAMILIES[family_of(model)]["swift"], "--template", "qwen3", "--torch_dtype", dtype]
 
 
-def model_args() -> list[str]:
-    return [*rollout_model_args(), "--check_model", "false"]  # (swift rollout has no --check_model)
+def model_args(model: Path) -> list[str]:
+    args = [*rollout_model_args(model), "--check_model", "false"]  # (swift rollout has no --check_model)
+    if not _has_gpu() and _gated_delta_net(model):  # bf16 weights, trained without mixed precision (which
+        args += ["--bf16", "false", "--fp16", "false"]  # transformers refuses on CPU)
+    return args
 
 
 def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: bool = False,
@@ -115,17 +146,17 @@ def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: b
     ``server_port``: rollouts from the ``swift rollout`` server on that port instead of a colocated engine)."""
     plugins = [str(REWARD_PLUGIN)] + ([str(plugin_path())] if plugin else [])
     if server_port is None:
-        vllm = ["--vllm_mode", "colocate", "--vllm_enable_lora", "true", *engine_args()]
+        vllm = ["--vllm_mode", "colocate", "--vllm_enable_lora", "true", *engine_args(model)]
     else:
         vllm = ["--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server_port),
                 "--vllm_server_group_port", str(free_port())]
     args = [
         "swift", "rlhf", "--rlhf_type", "grpo",
-        "--model", str(model), *model_args(),
+        "--model", str(model), *model_args(model),
         "--dataset", str(data), "--external_plugins", *plugins, "--reward_funcs", "arith",
         # LoRA on attention and on the fused MoE experts (PEFT target_parameters); PEFT refuses dropout there
         "--tuner_type", "lora", "--lora_rank", "8", "--lora_alpha", "16", "--lora_dropout", "0",
-        "--target_modules", "q_proj", "k_proj", "v_proj", "o_proj",
+        "--target_modules", *FAMILIES[family_of(model)]["attention"],
         "--target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
         # rollouts by vLLM; an engine with LoRA lets `auto` pick hybrid
         "--use_vllm", "true", *vllm,
@@ -146,8 +177,8 @@ def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: b
 def rollout_args(model: Path, port: int, engines: int = 1) -> list[str]:
     """``swift rollout`` for server mode: the same engine, LoRA enabled, with the hwsync plugin (``engines``:
     ``--vllm_data_parallel_size``, one engine per swift worker process)."""
-    return ["swift", "rollout", "--model", str(model), *rollout_model_args(), "--vllm_enable_lora", "true",
-            "--vllm_max_lora_rank", "8", *engine_args(), "--external_plugins", str(plugin_path()),
+    return ["swift", "rollout", "--model", str(model), *rollout_model_args(model), "--vllm_enable_lora", "true",
+            "--vllm_max_lora_rank", "8", *engine_args(model), "--external_plugins", str(plugin_path()),
             "--vllm_data_parallel_size", str(engines), "--host", "127.0.0.1", "--port", str(port)]
 
 
@@ -181,6 +212,8 @@ class JobResult:
     log: Path
     output_dir: Path
     records: list[dict[str, Any]] = field(default_factory=list)
+    dtype: str = "float32"
+    """The run's ``--torch_dtype`` (ms-swift starts the engine in it)."""
 
     @property
     def syncs(self) -> list[dict[str, Any]]:
@@ -210,11 +243,12 @@ class JobResult:
         """What the job promises, each as one boolean. Every sync must pass all of ``hwsync.verify``'s checks (exact
         content checks + the platform's logprob gate); on vLLM's CPU build in fp32 the engine also computes like
         transformers, so there engine and trainer must agree within ATOL outright (on a GPU no engine does: TF32
-        fused MoE, bf16 LoRA -- the plugin's gate stops a broken run there, see docs/verify.md)."""
+        fused MoE, bf16 LoRA -- the plugin's gate stops a broken run there, see docs/verify.md; nor does a bf16
+        engine on CPU, the Qwen3.5 one)."""
         verified = [s.get("verify_max_abs_dlogp") for s in self.syncs]
         rollout = [s.get("rollout_max_abs_dlogp") for s in self.steps]
         generations = -(-steps // steps_per_generation)
-        strict = not _has_gpu()
+        strict = not _has_gpu() and self.dtype == "float32"
         checks = {
             "swift exited 0": self.returncode == 0,
             f"{steps} steps trained, each rollout batch ({generations}) generated after an hwsync sync":
@@ -268,7 +302,8 @@ def run_job(args: list[str], output_dir: Path, *, env: dict[str, str] | None = N
     records = []
     if metrics.exists():
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return JobResult(rc, time.perf_counter() - start, peak.gb, log, output_dir, records)
+    dtype = args[args.index("--torch_dtype") + 1] if "--torch_dtype" in args else "float32"
+    return JobResult(rc, time.perf_counter() - start, peak.gb, log, output_dir, records, dtype)
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -389,18 +424,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", action="store_true", help="vLLM in a `swift rollout` process (server mode)")
     parser.add_argument("--engines", type=int, default=1,
                         help="with --server: swift rollout's --vllm_data_parallel_size (default 1)")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe",
+                        help="the tiny model: qwen3_moe (default) or qwen3_5_moe (Gated-DeltaNet + attention layers)")
     parser.add_argument("--workdir", type=Path, default=None, help="where model, data and outputs go (default: tmp)")
     opts = parser.parse_args(argv)
+    if opts.family == "qwen3_5_moe" and not _has_gpu() and importlib.util.find_spec("torchvision") is None:
+        raise SystemExit("--family qwen3_5_moe on vLLM's CPU build needs torchvision: vLLM 0.32's Qwen3.5 module "
+                         "imports qwen3_vl, which imports transformers' torchvision-backed Qwen2-VL image processor "
+                         "(ci/install.sh removes torchvision: PyPI's wheel is built for CUDA torch). Run it on a GPU: "
+                         "bash ci/gpu.sh qwen35")
 
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="hwsync-grpo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model, data = prepare(workdir)
+    model, data = prepare(workdir, family=opts.family)
     prep_s = time.perf_counter() - t0
     algo = "GSPO" if opts.gspo else "GRPO"
-    out = workdir / (("gspo" if opts.gspo else "grpo") + ("-server" if opts.server else ""))
+    name = ("gspo" if opts.gspo else "grpo") + ("-server" if opts.server else "")
+    out = workdir / (name if opts.family == "qwen3_moe" else f"{opts.family}-{name}")
     where = "in a `swift rollout` server" if opts.server else "colocated"
-    print(f"hwsync x ms-swift {algo}: tiny Qwen3-MoE, LoRA on attention + experts, vLLM {where}, "
+    label = FAMILIES[opts.family]["label"]
+    print(f"hwsync x ms-swift {algo}: tiny {label}, LoRA on attention + experts, vLLM {where}, "
           f"HWSYNC_STRATEGY={os.environ.get('HWSYNC_STRATEGY', 'auto')}, {opts.steps} steps "
           f"(log: {out / 'swift.log'})",
           flush=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -227,6 +226,28 @@ def test_require_vllm_skips_naming_the_missing_piece_but_fails_on_ci(monkeypatch
         require_vllm()
 
 
+@pytest.mark.vllm
+def test_gpu_engines_of_gated_deltanet_models_take_vllms_triton_prefill(
+        monkeypatch: pytest.MonkeyPatch, tiny_qwen3_moe_dir: Path, tiny_qwen3_5_moe_dir: Path) -> None:
+    """On a GPU, a Qwen3.5 engine asks vLLM for its Triton/FLA GDN prefill kernel (vLLM's default on Hopper imports
+    FlashInfer, which the GPU kit leaves out), through the engine argument this vLLM declares; other models and every
+    CPU engine are left alone, and a caller's own choice wins."""
+    import dataclasses
+
+    import hwsync.testing.engine as engine
+    from vllm.engine.arg_utils import EngineArgs
+
+    require_vllm()
+    assert "gdn_prefill_backend" in {f.name for f in dataclasses.fields(EngineArgs)}
+    if on_cpu():
+        assert engine.portable_kernel_args(tiny_qwen3_5_moe_dir) == {}
+    monkeypatch.setattr(engine, "on_cpu", lambda: False)
+    assert engine.engine_args(tiny_qwen3_5_moe_dir)["gdn_prefill_backend"] == "triton"
+    assert "gdn_prefill_backend" not in engine.engine_args(tiny_qwen3_moe_dir)
+    assert engine.engine_args(tiny_qwen3_5_moe_dir, gdn_prefill_backend="flashinfer")["gdn_prefill_backend"] == \
+        "flashinfer"
+
+
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
@@ -333,18 +354,14 @@ def _torchvision_error() -> BaseException | None:
 def test_vllm_serves_qwen3_5_moe(request: pytest.FixtureRequest, tiny_qwen3_5_moe_dir: Path) -> None:
     """vLLM's Qwen3.5 module imports its VL module, which imports transformers' Qwen2-VL image processor,
     which needs torchvision: without it (our CPU env drops the CUDA-built wheel) the text model cannot even be
-    inspected. Where it can run, the CPU GDN kernel needs bf16 (make_llm picks it) and key/value head dim 128."""
+    inspected. Where it can run, the CPU GDN kernel needs bf16 (make_llm picks it) and key/value head dim 128; on a
+    GPU make_llm picks vLLM's Triton/FLA GDN prefill kernel (its default on Hopper imports FlashInfer, which the GPU
+    kit leaves out: ``hwsync.testing.portable_kernel_args``)."""
     require_vllm()
     if (err := _torchvision_error()) is not None:
         request.applymarker(pytest.mark.xfail(
             strict=True, raises=type(err),
             reason=f"vLLM 0.32 cannot load Qwen3.5 without torchvision: {type(err).__name__}: {err}"))
-    elif not on_cpu() and importlib.util.find_spec("flashinfer") is None:
-        # measured on an H100 (vLLM 0.32, the device kit): the engine starts, the first forward's GDN layer imports
-        # flashinfer -> ModuleNotFoundError; the kit leaves flashinfer out (size), see ci/gpu-kit/README.md
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=ModuleNotFoundError,
-            reason="vLLM 0.32's CUDA gated-delta-net (Qwen3.5 linear attention) kernels need flashinfer, not installed"))
     importlib.import_module("vllm.model_executor.models.qwen3_5")  # raises the root cause, not vLLM's summary
 
     from transformers import AutoModelForCausalLM

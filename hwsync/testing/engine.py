@@ -8,7 +8,8 @@ leak onto another:
   punica wrapper crashes in ``add_lora_logits`` when ``lm_head`` is wrapped and ``prompt_logprobs`` is asked for).
 * **GPU** (CUDA/ROCm): bf16 when LoRA is enabled (vLLM's LoRA Triton kernels accept only fp16/bf16), fp32 otherwise;
   a small ``gpu_memory_utilization`` plus a fixed KV-cache budget so a trainer and two engines share one GPU; no
-  CPU-only environment.
+  CPU-only environment; Gated-DeltaNet models (Qwen3.5, Qwen3-Next) get vLLM's Triton/FLA prefill kernel
+  (:func:`portable_kernel_args`).
 
 Tests that need vLLM call :func:`require_vllm` first: it skips with a reason naming the missing piece, but fails
 when ``CI=true`` so a CI job can never go green by silently skipping the engine tests.
@@ -29,8 +30,10 @@ __all__ = [
     "engine_args",
     "engine_patches",
     "make_llm",
+    "model_import_error",
     "patched_llm",
     "on_cpu",
+    "portable_kernel_args",
     "register_architecture",
     "register_in_process",
     "require_vllm",
@@ -106,10 +109,54 @@ def engine_args(model_dir: str | os.PathLike[str] | None = None, **overrides: An
             args["attention_backend"] = "CPU_MLA"  # MLA (vLLM's test: a kv_lora_rank)
     else:
         args = {**_COMMON, **_GPU, "dtype": "bfloat16" if lora else "float32"}
+        if model_dir is not None:
+            args.update(portable_kernel_args(model_dir))
     args.update(overrides)
     if model_dir is not None:
         args["model"] = str(Path(model_dir))
     return args
+
+
+def portable_kernel_args(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Engine arguments that pick vLLM's own portable kernels where its default needs FlashInfer, which the GPU kit
+    (``ci/gpu-kit``) does not carry; ``{}`` on vLLM's CPU build and for models without such a layer.
+
+    Gated-DeltaNet layers (a ``linear_attention`` layer type: Qwen3.5, Qwen3-Next): vLLM 0.32 resolves the GDN prefill
+    kernel ``auto`` to FlashInfer on Hopper (SM90) and on Blackwell with 128-dim key heads, without checking that
+    FlashInfer is installed (``_resolve_gdn_prefill_backend`` in ``model_executor/layers/mamba/gdn/
+    qwen_gdn_linear_attn.py``); the first prefill then imports ``flashinfer.gdn_prefill`` (on SM90 a CuTe-DSL kernel,
+    compiled at first use; vLLM's own log says "Set --gdn-prefill-backend triton to skip JIT"). ``gdn_prefill_backend=
+    "triton"`` is vLLM's engine argument for its Triton/FLA kernel (``vllm/third_party/flash_linear_attention``): the
+    one vLLM runs on every other CUDA GPU (A100, ...) and on ROCm. Decode never needs FlashInfer (FLA Triton, or
+    vLLM's own CUDA op with speculative decoding). Both engines of an exactness check get the same arguments, so the
+    comparison is kernel for kernel."""
+    if on_cpu():
+        return {}
+    layer_types = _text_config(Path(model_dir)).get("layer_types") or ()
+    return {"gdn_prefill_backend": "triton"} if "linear_attention" in layer_types else {}
+
+
+def model_import_error(model_dir: str | os.PathLike[str]) -> str | None:
+    """Why this vLLM cannot import the model class of ``model_dir``'s architecture (``"ExcType: message"``), or
+    ``None`` when it can (or does not register the architecture: the engine start says so). vLLM inspects a model
+    class in a subprocess and reports only that it "failed to be inspected"; this names the cause, e.g. vLLM 0.32's
+    Qwen3.5 module importing ``qwen3_vl``, whose transformers image processor needs torchvision."""
+    import importlib
+
+    try:
+        arch = (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
+    except (OSError, ValueError):
+        return None
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    module = getattr(ModelRegistry.models.get(arch), "module_name", None)
+    if module is None:
+        return None
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001  (whatever the import raises is the answer)
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def register_in_process(model_dir: str | os.PathLike[str]) -> Any:
