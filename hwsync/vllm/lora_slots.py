@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.vllm.compat import check_adapter
+
 __all__ = ["SlotWriter"]
 
 logger = logging.getLogger("hwsync.vllm")
@@ -208,7 +210,7 @@ class SlotWriter:
             return "adapter too large to trace exactly in float64"
         try:
             lm = build(codes, dtype=torch.float64)
-            manager._validate_moe_lora_format(lm)
+            check_adapter(manager, lm)
             manager._create_merged_loras_inplace(lm)
         except Exception as e:  # noqa: BLE001 - any surprise in vLLM's pipeline: keep its own path
             return f"vLLM's adapter construction could not be traced ({type(e).__name__}: {e})"
