@@ -127,7 +127,8 @@ done
 bnb=$(ls "$K"/kit/bitsandbytes-"$BNB_VERSION"-*.whl)
 zip -q -d "$bnb" 'bitsandbytes/libbitsandbytes_cuda1[12]*.so' 'bitsandbytes/libbitsandbytes_rocm*.so' \
     'bitsandbytes/libbitsandbytes_xpu*.so' >/dev/null 2>&1 || true
-unzip -l "$bnb" | grep -q 'libbitsandbytes_cuda130.so' || { echo "[kit] $bnb has no CUDA 13.0 library"; exit 1; }
+# (grep without -q: under pipefail an early exit of grep -q kills unzip with SIGPIPE and fails the check at random)
+unzip -l "$bnb" | grep 'libbitsandbytes_cuda130.so' >/dev/null || { echo "[kit] $bnb has no CUDA 13.0 library"; exit 1; }
 
 # vllm-ascend's released sdist, which tests/test_vllm_ascend_released_code_on_cpu.py reads (the device has no network;
 # env.sh points HWSYNC_VLLM_ASCEND_SDIST at it)
