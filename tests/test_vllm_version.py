@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(("version", "ok"), [
-    ("0.32.0", True), ("0.32.0+cpu", True), ("0.32.1", True), ("0.32.0rc1", True), ("0.32.1.dev12+g1234abc", True),
-    ("0.31.9", False), ("0.25.0", False), ("0.33.0", False), ("0.33.0.dev3+gabc", False), ("1.0.0", False),
+    ("0.30.0", True), ("0.30.0+cpu", True), ("0.31.0", True), ("0.32.0", True), ("0.32.1", True), ("0.33.0", True),
+    ("0.33.0rc1", True), ("0.33.1.dev12+g1234abc", True),
+    ("0.29.9", False), ("0.25.0", False), ("0.34.0", False), ("0.34.0.dev3+gabc", False), ("1.0.0", False),
 ])
 def test_supported_range(version: str, ok: bool) -> None:
     support = vllm_support(version)
@@ -36,7 +37,7 @@ def test_supported_range(version: str, ok: bool) -> None:
 
 
 def test_unparseable_version_is_refused_with_the_range() -> None:
-    with pytest.raises(UnsupportedVersionError, match=r"unparseable version 'main'.*vllm>=0\.32"):
+    with pytest.raises(UnsupportedVersionError, match=r"unparseable version 'main'.*vllm>=0\.30"):
         check_vllm_supported("main")
 
 

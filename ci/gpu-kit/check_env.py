@@ -1,15 +1,20 @@
 """On the GPU machine after device-install.sh: do the carried packages import and agree with the image's?
 
 Prints one line per key package (version, where it was imported from), the GPUs, a bitsandbytes 4-bit round trip
-on the GPU, and every requirement of a carried distribution that the combined environment does not satisfy (a
-warning: the image's versions were not known when the kit was resolved). Exits 1 only when a key import fails.
+on the GPU, vLLM's compiled ops loaded and run on the image's torch (vLLM declares the torch it was built with, e.g.
+0.33.0: torch==2.14.0; its ops use torch's stable ABI, so the image's 2.11 may serve: this is where that is decided),
+and every requirement of a carried distribution that the combined environment does not satisfy (a warning: the
+image's versions were not known when the kit was resolved). Exits 1 when a key import or vLLM's ops fail.
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 KEY = ["torch", "vllm", "transformers", "peft", "swift", "trl", "bitsandbytes", "msgspec", "hwsync"]
 
@@ -32,6 +37,39 @@ def requirement_problems(site: str) -> list[str]:
             if req.specifier and not req.specifier.contains(Version(have), prereleases=True):
                 problems.append(f"{dist.metadata['Name']} needs {req} (have {have})")
     return sorted(set(problems))
+
+
+def vllm_ops_work(torch: Any) -> bool:
+    """Import vLLM's compiled op libraries as its CUDA platform does and run two ops against torch."""
+    pin = os.environ.get("HWSYNC_KIT_TORCH_PIN") or "?"
+    have = torch.__version__
+    print(f"  vllm ops      vLLM {os.environ.get('HWSYNC_KIT_VLLM') or '?'} declares torch=={pin}; "
+          f"running on the image's torch {have} (no-deps install)")
+    try:
+        for lib in ("vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch"):
+            if importlib.util.find_spec(lib) is not None:
+                importlib.import_module(lib)
+                print(f"  vllm ops      {lib} loaded")
+        from vllm import _custom_ops as ops
+
+        x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(256, device="cuda", dtype=torch.bfloat16) + 0.5
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x, w, 1e-6)
+        ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+        err = (out.float() - ref).abs().max().item()
+        g = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
+        act = torch.empty(4, 256, device="cuda", dtype=torch.bfloat16)
+        torch.ops._C.silu_and_mul(act, g)
+        ref2 = torch.nn.functional.silu(g[:, :256].float()) * g[:, 256:].float()
+        err2 = (act.float() - ref2).abs().max().item()
+        ok = err < 5e-2 and err2 < 5e-2
+        print(f"  vllm ops      rms_norm max |err| {err:.2e}, silu_and_mul max |err| {err2:.2e} (bf16): "
+              f"{'ok' if ok else 'WRONG'}")
+        return ok
+    except Exception as e:  # noqa: BLE001 - the verdict on this torch, printed in full
+        print(f"  vllm ops      FAILED on torch {have}: {type(e).__name__}: {e} (carry torch=={pin}: README)")
+        return False
 
 
 def main() -> int:
@@ -58,7 +96,9 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             failed = True
             print(f"  bitsandbytes on cuda FAILED: {type(e).__name__}: {e}")
-    for p in requirement_problems("/tmp/site"):
+    if "--quick" not in sys.argv and torch.cuda.is_available():
+        failed |= not vllm_ops_work(torch)
+    for p in requirement_problems(os.environ.get("HWSYNC_KIT_SITE", "/tmp/site")):
         print(f"  warning: {p}")
     print("device kit ok" if not failed else "device kit BROKEN")
     return 1 if failed else 0

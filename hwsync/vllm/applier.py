@@ -14,9 +14,9 @@ Later syncs of the same plan write in place where that was proven equal to vLLM'
 (:mod:`hwsync.vllm.direct`): one copy per tensor into the parameter storage the kernels read.
 
 Adapters: the first install goes through ``LoRAModel.from_lora_tensors`` plus the validations vLLM's disk loader runs
-(``PEFTHelper.validate_legal``, MoE 2-D/3-D format, classification heads), built and validated before the engine's
-adapter set changes, then added under its id and pinned. Later syncs of the same adapter structure write A/B straight
-into the manager's slot tensors (:mod:`hwsync.vllm.lora_slots`).
+(``PEFTHelper.validate_legal``, MoE 2-D/3-D format, classification heads; :func:`hwsync.vllm.compat.check_adapter`),
+built and validated before the engine's adapter set changes, then added under its id and pinned. Later syncs of the
+same adapter structure write A/B straight into the manager's slot tensors (:mod:`hwsync.vllm.lora_slots`).
 """
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ class _QuietReload(logging.Filter):
 
 @contextlib.contextmanager
 def _quiet_partial_reload() -> Iterator[None]:
-    loggers = [logging.getLogger(n) for n in (
-        "vllm.model_executor.model_loader.reload.layerwise", "vllm.model_executor.model_loader.reload.inplace")]
+    from hwsync.vllm.compat import RELOAD_LOGGERS
+
+    loggers = [logging.getLogger(n) for n in RELOAD_LOGGERS]
     flt = _QuietReload()
     for lg in loggers:
         lg.addFilter(flt)
@@ -648,6 +649,8 @@ class VllmApplier:
         """The same adapter structure again: rewrite it in place (:mod:`hwsync.vllm.lora_slots`); anything else:
         build and validate a new adapter aside, then swap it in under its id. ``tensors``/``config`` are the
         trainer's modules (:func:`hwsync.lora_formats.to_wire`)."""
+        from hwsync.vllm.compat import check_adapter
+
         name = LORA_NAME if name is None else name
         lid = LORA_INT_ID if lora_int_id is None else int(lora_int_id)
         manager = lora_manager_of(self.worker)
@@ -677,9 +680,7 @@ class VllmApplier:
             else:
                 lora = build({k: v.detach().clone() for k, v in tensors.items()})
             try:
-                manager._validate_moe_lora_format(lora)
-                manager._validate_modules_to_save(lora)
-                manager._validate_token_classification_lora(lora)
+                check_adapter(manager, lora)  # the checks vLLM's disk loader runs, as this release names them
             except ValueError as e:
                 raise AdapterFormatError(f"vLLM refuses this adapter: {e}") from e
             if writer is None:
@@ -764,7 +765,7 @@ class VllmApplier:
             logger.info("hwsync: adapter installs go through vLLM's adapter construction: %s", writer)
             return None
         reference = build({k: v.detach() for k, v in tensors.items()}, modules=writer.groups.sampled)
-        manager._validate_moe_lora_format(reference)
+        check_adapter(manager, reference)
         manager._create_merged_loras_inplace(reference)
         why = writer.matches(reference, tensors)
         if why:

@@ -139,7 +139,7 @@ class _DryRun:
     def _stand_in(self, layer: torch.nn.Module, name: str, t: Tensor, counted: bool) -> int:
         """Register ``t`` as ``layer.name`` with an intercepting loader; the elements a complete load of the layer
         needs from it (0 for tensors vLLM's reload does not count, e.g. e_score_correction_bias)."""
-        from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+        from hwsync.vllm.compat import tensor_load_numel
 
         original = getattr(t, "weight_loader", None)
         while getattr(original, "__name__", "") == "online_process_loader":  # left by a past reload
@@ -150,7 +150,7 @@ class _DryRun:
         t.weight_loader.source, t.weight_loader.transformed = self.source, self.transformed
         t.weight_loader.captured, t.weight_loader.params_of = self.captured, self.params_of
         layer.register_parameter(name, t)
-        return get_tensor_load_numel(t) if counted else 0
+        return tensor_load_numel(t) if counted else 0
 
     def load(self, weights: Sequence[tuple[str, list[tuple[str, Tensor]]]],
              scratch: dict[str, Tensor] | None = None) -> None:

