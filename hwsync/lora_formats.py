@@ -22,18 +22,21 @@ vLLM formats (read from vllm 0.32: ``lora/model_manager.py`` ``_stack_moe_lora_w
 * 3-D MoE (``FusedMoE3DWithLoRA``): PEFT's ParamWrapper keys, ``<experts>.base_layer.lora_{A,B}.weight`` for
   gate_up and ``<experts>.lora_{A,B}.weight`` for down, with PEFT's [r·E, in] / [out, r·E] layout.
 
-Scaling is **folded into B** (computed in fp32, one rounding) and the emitted config says ``lora_alpha == r`` with
-``rank_pattern == alpha_pattern`` for modules of other ranks, so every module's scaling is exactly 1 for any vLLM
-version, with or without per-module pattern support. vLLM would fold it anyway (``LoRALayerWeights.optimize`` does
-``lora_b *= scaling`` in the LoRA dtype, i.e. a second rounding, and *in place* on the tensors it was handed); a
-scaling of 1 makes that a no-op, so in-memory tensors given to vLLM are never mutated.
+Scaling is **folded into B** exactly as vLLM's own loader folds it (:func:`fold_scaling`: B cast to the LoRA dtype
+first, ``from_lora_tensors``; then ``lora_b *= scaling`` in that dtype, ``LoRALayerWeights.optimize``), and the
+emitted config says ``lora_alpha == r`` with ``rank_pattern == alpha_pattern`` for modules of other ranks, so every
+module's scaling is exactly 1 for any vLLM version, with or without per-module pattern support: vLLM only moves what
+hwsync hands it (its ``optimize`` is a no-op, the in-memory tensors are never mutated) and holds the bits its own
+loading of the trainer's saved adapter holds. (Folding in fp32 and rounding once is not the same: with a scaling
+that is not a power of two -- rsLoRA, ``alpha_pattern`` -- and a 16-bit LoRA dtype about a quarter of B's elements
+differ in the last bit, which moved served logprobs by up to 0.5 on bf16 GPU engines; issue 29.)
 """
 from __future__ import annotations
 
 import enum
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,6 +59,8 @@ __all__ = [
     "vllm_max_lora_rank",
     "VLLM_LORA_RANKS",
     "NON_GATED_EXPERTS",
+    "FoldFn",
+    "fold_scaling",
 ]
 
 #: ``LoRAConfig.max_lora_rank`` values vLLM accepts (vllm/config/lora.py ``MaxLoRARanks``).
@@ -135,25 +140,32 @@ class LoraModule:
         d = torch.matmul(self.lora_B.float(), self.lora_A.float()) * self.scaling
         return d.transpose(-1, -2) if self.transposed else d
 
-    def folded(self, dtype: torch.dtype | None = None) -> LoraModule:
-        """Same ΔW with scaling 1 (scale folded into B in fp32, one rounding to ``dtype``)."""
+    def folded(self, dtype: torch.dtype | None = None, fold: FoldFn | None = None) -> LoraModule:
+        """Same ΔW with scaling 1: A cast to ``dtype``, B scaled in vLLM's rounding order (:func:`fold_scaling`, or
+        ``fold``: what :mod:`hwsync.verify` computes its expectation with)."""
         dt = dtype or self.lora_B.dtype
-        src = self.lora_B
-        if self.scaling == 1 and src.dtype == dt:
-            b = src  # nothing to do: no copy
-        elif src.dtype in (torch.float32, dt) and dt in (torch.float32, torch.bfloat16, torch.float16):
-            # one kernel: multiplied in fp32 (the input's dtype, or torch's opmath for 16-bit floats), rounded once to
-            # ``dt`` on the store -- the same bits as the two-step form below -- and written contiguous in the logical
-            # layout (PEFT's fused-expert B is a permuted view, which would otherwise cost one more copy downstream)
-            b = torch.empty(src.shape, dtype=dt, device=src.device)
-            if self.scaling == 1:
-                b.copy_(src)
-            else:
-                torch.mul(src, self.scaling, out=b)
-        else:
-            b = (src.float() * self.scaling).to(dt)
+        b = (fold or fold_scaling)(self.lora_B, self.scaling, dt)
         return LoraModule(self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed,
                           self.interleaved)
+
+
+FoldFn = Callable[[Tensor, float, torch.dtype], Tensor]
+"""``(B, scaling, dtype) -> B · scaling`` in ``dtype``: how a module's scaling is folded into its B."""
+
+
+def fold_scaling(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
+    """``b · scaling`` in ``dtype``, rounded as vLLM's own adapter loading rounds it (vllm 0.32
+    ``lora/lora_model.py`` ``from_lora_tensors``: ``lora_b = tensor.to(device, dtype)``; ``lora/lora_weights.py``
+    ``LoRALayerWeights.optimize``: ``lora_b *= scaling``): cast to ``dtype`` first, then multiplied in ``dtype`` (torch
+    multiplies 16-bit floats in fp32 and rounds once, on every device). Written contiguous (PEFT's expert B is a
+    permuted view); ``b`` itself when there is nothing to do."""
+    if scaling == 1 and b.dtype == dtype:
+        return b
+    out = torch.empty(b.shape, dtype=dtype, device=b.device)
+    out.copy_(b)
+    if scaling != 1:
+        out.mul_(scaling)
+    return out
 
 
 @dataclass
@@ -378,13 +390,13 @@ class PeftLoraReader:
         self.adapter_name = adapter_name
         self._layers = [(m, *layers[m]) for m in modules]
 
-    def read(self, dtype: torch.dtype | None) -> list[Tensor]:
-        """A and B (scaling folded, in ``dtype``) of every module, in order."""
+    def read(self, dtype: torch.dtype | None, fold: FoldFn | None = None) -> list[Tensor]:
+        """A and B (scaling folded, :meth:`LoraModule.folded`, in ``dtype``) of every module, in order."""
         out: list[Tensor] = []
         for name, path, layer in self._layers:
             if self.adapter_name not in layer.lora_A:
                 raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
-            f = _layer_module(path, layer, self.adapter_name).folded(dtype)
+            f = _layer_module(path, layer, self.adapter_name).folded(dtype, fold)
             out += [f.lora_A, f.lora_B]
         return out
 
