@@ -27,11 +27,12 @@ export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 [ -n "${OUT:-}" ] && export HWSYNC_TEST_LOG="${HWSYNC_TEST_LOG:-$OUT/failed-modules.log}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora families multigpu multigpu-z3 bench verify)
+PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 bench verify)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
     [exact]="tests/test_sync_exact.py"
+    [lora-configs]="tests/test_lora_configs.py"
     [server]="tests/test_sync_server.py"
     [swift]="tests/test_swift_grpo.py"
     [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
@@ -47,6 +48,7 @@ declare -A ABOUT=(
     [suite-a]="${MODULES[suite-a]}"
     [suite-b]="${MODULES[suite-b]} (20 syncs per strategy, faults, versions)"
     [exact]="${MODULES[exact]} (every strategy x MoE-LoRA format, 10 syncs each, == vLLM's own loading; the 3-D format in a second process beside the others: one process took > 265 s for 5 of 13 on an H100)"
+    [lora-configs]="${MODULES[lora-configs]}: the LoRA configuration matrix (rsLoRA, rank/alpha patterns, all-linear, expert LoRA of another rank, bias, modules_to_save, bf16 adapters, two adapters, PiSSA/OLoRA, DoRA, IA3, prompt tuning) x full/adapter/hybrid, 10 syncs each == vLLM's own loading or refused before any write; HWSYNC_LORA_PROCS (3) processes side by side, shard p writes \$OUT/lora-configs-gpu-p.json (docs: python -m hwsync.testing.lora_configs --from docs/lora-configs.json --gpu lora-configs-gpu-*.json --save-gpu docs/lora-configs-gpu.json --write-docs); then benchmarks/lora_fold_order.py (issue 29: vLLM's fold order vs fp32-once, against vLLM's own loading and the fp32 trainer)"
     [server]="${MODULES[server]} (engine in another process; on GPU 1 when there are 2: NCCL data plane)"
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
@@ -114,6 +116,18 @@ run_part() {
                 pids+=($!)  # a subshell: with pipefail its status is the tests', not sed's
             done
             for p in "${pids[@]}"; do wait "$p" || rc=$?; done ;;
+        lora-configs)  # HWSYNC_LORA_PROCS processes, shard p of the cells each (its own results file)
+            local procs=${HWSYNC_LORA_PROCS:-3} p pids=()
+            for ((p = 1; p <= procs; p++)); do
+                local select=(-k test_cell)  # the module's other tests: once, in the first process
+                [ "$p" = 1 ] && select=()
+                (HWSYNC_LORA_CELLS="$p/$procs" HWSYNC_LORA_RESULTS="${OUT:-${TMPDIR:-/tmp}}/lora-configs-gpu-$p.json" \
+                    run_modules "${MODULES[lora-configs]}" "${select[@]}" 2>&1 | sed "s/^/[lora-configs $p\/$procs] /") &
+                pids+=($!)
+            done
+            for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+            "$PY" benchmarks/lora_fold_order.py --syncs "${HWSYNC_LORA_FOLD_SYNCS:-5}" \
+                ${OUT:+--json "$OUT/lora_fold_order.json"} || rc=$? ;;
         exact)  # two processes side by side (the module's engines are per format)
             run_modules "${MODULES[exact]}" -k "not 3d" & local other=$!
             run_modules "${MODULES[exact]}" -k "3d" || rc=$?

@@ -61,6 +61,10 @@ __all__ = [
     "NON_GATED_EXPERTS",
     "FoldFn",
     "fold_scaling",
+    "base_init",
+    "not_lora_reason",
+    "peft_type",
+    "trained_biases",
 ]
 
 #: ``LoRAConfig.max_lora_rank`` values vLLM accepts (vllm/config/lora.py ``MaxLoRARanks``).
@@ -217,29 +221,90 @@ def _scaling(rank: int, alpha: float, rslora: bool) -> float:
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
-def _check_config(cfg: Any, adapter: str) -> None:
-    ptype = _cfg_get(cfg, "peft_type", "LORA")
-    ptype = str(getattr(ptype, "value", ptype)).upper()
-    problems = []
-    if ptype != "LORA":
-        problems.append(f"it is a {ptype} adapter, not LoRA")
-    if _cfg_get(cfg, "use_dora", False):
-        problems.append("it uses DoRA (vLLM has no DoRA)")
-    if _cfg_get(cfg, "lora_bias", False) or _cfg_get(cfg, "bias", "none") not in ("none", None):
-        problems.append("it trains biases (vLLM LoRA has none)")
-    if _cfg_get(cfg, "fan_in_fan_out", False):
-        problems.append("it uses fan_in_fan_out")
-    if _cfg_get(cfg, "modules_to_save", None):
-        problems.append(f"it fully trains modules_to_save={_cfg_get(cfg, 'modules_to_save')}")
-    if _cfg_get(cfg, "trainable_token_indices", None):
-        problems.append("it trains token embeddings (trainable_token_indices)")
-    if _cfg_get(cfg, "layer_replication", None):
-        problems.append("it uses layer_replication")
+BASE_INITS = ("pissa", "olora", "corda", "loftq")
+"""``init_lora_weights`` families that rewrite the base weights when the adapter is created (the base becomes the
+residual ``W - scaling·B0·A0``): served as LoRA only over that residual base, which hwsync sends from a live model."""
+
+
+def base_init(cfg: Any) -> str | None:
+    """The ``init_lora_weights`` value of ``cfg`` when it rewrote the base weights (:data:`BASE_INITS`), else None."""
     init = _cfg_get(cfg, "init_lora_weights", True)
-    if isinstance(init, str) and init.lower().split("_")[0] in ("pissa", "olora", "corda", "loftq"):
-        problems.append(f"init_lora_weights={init!r} rewrote the trainer's base weights")
+    if isinstance(init, str) and init.lower().split("_")[0] in BASE_INITS:
+        return init
+    return None
+
+
+def trained_biases(model: nn.Module, cfg: Any) -> list[str]:
+    """The bias parameters PEFT's ``bias`` option trains on ``model`` (``"all"``: every parameter whose name holds
+    ``bias``; ``"lora_only"``: the biases of LoRA-adapted layers), LoRA's own tensors left out. Empty when the model
+    has none: then the option trains nothing and the adapter is plain LoRA."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    mode = _cfg_get(cfg, "bias", "none") or "none"
+    if mode == "none":
+        return []
+    if mode == "all":
+        names = [n for n, _ in model.named_parameters() if "bias" in n and ".lora_" not in n]
+    else:
+        names = [f"{path}.bias" for path, layer in model.named_modules()
+                 if isinstance(layer, LoraLayer) and isinstance(getattr(layer.get_base_layer(), "bias", None), Tensor)]
+    return list(dict.fromkeys(strip_peft_name(n) for n in names))
+
+
+PROMPT_LEARNING = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "MULTITASK_PROMPT_TUNING", "ADAPTION_PROMPT", "CPT")
+"""PEFT types that add learned virtual tokens / prefixes instead of changing weights."""
+
+
+def peft_type(cfg: Any) -> str:
+    """``cfg``'s PEFT type, upper case (``"LORA"``, ``"IA3"``, ``"PROMPT_TUNING"``, ...)."""
+    ptype = _cfg_get(cfg, "peft_type", "LORA")
+    return str(getattr(ptype, "value", ptype)).upper()
+
+
+def not_lora_reason(adapter: str, ptype: str) -> str:
+    """The one refusal of a PEFT adapter that is not LoRA, naming what the user can do instead."""
+    if ptype in PROMPT_LEARNING:
+        return (f"adapter {adapter!r} is peft_type={ptype}: it prepends learned virtual tokens to every input, which "
+                "no weight sync can express and vLLM's LoRA does not serve, so hwsync cannot sync it with any "
+                "strategy (train LoRA instead)")
+    return (f"adapter {adapter!r} is peft_type={ptype}, not LoRA: vLLM serves only LoRA adapters and hwsync's merged "
+            f"view adds LoRA deltas only. Merge it on a copy with PEFT (copy.merge_and_unload()) and sync that model "
+            f'with strategy="full", or train LoRA')
+
+
+def _check_config(cfg: Any, adapter: str, model: nn.Module | None = None) -> None:
+    """Refuse what vLLM's LoRA cannot serve, naming the option. ``model``: the live PEFT model the adapter is read
+    from (hwsync then sends its base weights itself, so an init that rewrote them is served exactly; ``bias`` is
+    judged by the biases it actually trains). Without it (a saved adapter) both are refused as configured."""
+    ptype = peft_type(cfg)
+    if ptype != "LORA":
+        raise AdapterFormatError(not_lora_reason(adapter, ptype))
+    problems = []
+    if _cfg_get(cfg, "use_dora", False):
+        problems.append("use_dora=True (vLLM serves no DoRA)")
+    if _cfg_get(cfg, "lora_bias", False):
+        problems.append("lora_bias=True (vLLM's LoRA has no bias term)")
+    mode = _cfg_get(cfg, "bias", "none")
+    if mode not in ("none", None):
+        biases = trained_biases(model, cfg) if model is not None else ["?"]
+        if biases:
+            what = f"{len(biases)} bias tensor(s), e.g. {biases[0]}" if model is not None else "the model's biases"
+            problems.append(f"bias={mode!r} trains {what} (base weights: vLLM's LoRA has no bias)")
+    if _cfg_get(cfg, "fan_in_fan_out", False):
+        problems.append("fan_in_fan_out=True")
+    if _cfg_get(cfg, "modules_to_save", None):
+        problems.append(f"modules_to_save={list(_cfg_get(cfg, 'modules_to_save'))} trains full copies of those "
+                        "modules (vLLM serves LoRA factors only)")
+    if _cfg_get(cfg, "trainable_token_indices", None):
+        problems.append("trainable_token_indices trains token embeddings")
+    if _cfg_get(cfg, "layer_replication", None):
+        problems.append("layer_replication is set")
+    init = base_init(cfg)
+    if init is not None and model is None:
+        problems.append(f"init_lora_weights={init!r} rewrote the base weights (a saved adapter carries no base)")
     if problems:
-        raise AdapterFormatError(f"adapter {adapter!r} cannot be served as a vLLM LoRA: {'; '.join(problems)}; {_FULL_HINT}")
+        raise AdapterFormatError(f"adapter {adapter!r} cannot be served as a vLLM LoRA: {'; '.join(problems)}; "
+                                 f"{_FULL_HINT}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,7 +355,7 @@ def _peft_layers(model: nn.Module, adapter_name: str) -> list[tuple[str, nn.Modu
     if isinstance(configs, dict) and cfg is None:
         raise AdapterFormatError(f"model has no adapter {adapter_name!r}; it has {sorted(configs)}")
     if cfg is not None:
-        _check_config(cfg, adapter_name)
+        _check_config(cfg, adapter_name, model)
     layers = []
     for path, layer in model.named_modules():
         if not isinstance(layer, BaseTunerLayer):

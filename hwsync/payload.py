@@ -353,6 +353,15 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
                     'or an unquantized engine with strategy="full"')
             # the engine was started from the trainer's quantized checkpoint: its base is W0, and a packed 4-bit
             # W0 cannot go through a weight reload anyway
+            from hwsync.lora_formats import base_init
+
+            init = base_init(_peft_config(model))
+            if init is not None:
+                raise UnsupportedSetupError(
+                    f"init_lora_weights={init!r} rewrote the trainer's base weights into a residual, but the engine "
+                    f"serves its own {info.quantization}-quantized checkpoint, which cannot be rewritten: the adapter "
+                    "would act on the wrong base. Convert the adapter to plain LoRA (PEFT's "
+                    "path_initial_model_for_weight_conversion) or start the engine from the residual base")
             includes_base, base_key = False, None
             reason = f"{reason}; base weights not sent (the engine serves the {info.quantization} checkpoint the " \
                      "trainer's quantized base was loaded from)"
