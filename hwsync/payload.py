@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from hwsync.errors import AdapterFormatError, SyncError, UnsupportedSetupError
 from hwsync.strategy import Choice
-from hwsync.lora_formats import NON_GATED_EXPERTS, wire_name
+from hwsync.lora_formats import NON_GATED_EXPERTS, FoldFn, wire_name
 from hwsync.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
 
 __all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "lora_paths", "read_lora"]
@@ -316,7 +316,7 @@ def _versions_digest(params: Mapping[str, Tensor], names: Sequence[str], reparam
 
 
 def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, info: EngineInfo,
-                  gather_bytes: int = 512 << 20, fold: Any = None) -> Payload:
+                  gather_bytes: int = 512 << 20, fold: FoldFn | None = None) -> Payload:
     """Describe this sync's tensors and how to produce them (lazily, values read at produce time, so a payload
     can be produced again at every sync while the model's structure stays the same). ``fold``: how LoRA scalings are
     folded into B (default :func:`hwsync.lora_formats.fold_scaling`, vLLM's rounding order; :mod:`hwsync.verify`
@@ -430,7 +430,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
 
 def _add_sharded(payload: Payload, model: nn.Module, send: Sequence[str], merged: set[str],
                  raw_base: Mapping[str, tuple[str, Tensor]], lora_modules: Sequence[str],
-                 lora_dtype: torch.dtype | None, gather_bytes: int, fold: Any = None) -> None:
+                 lora_dtype: torch.dtype | None, gather_bytes: int, fold: FoldFn | None = None) -> None:
     """The gather schedule of a sharded model: the payload's tensors in order, grouped so the parameters gathered
     for one group stay within ``gather_bytes`` (one bucket); each group is read while gathered, then dropped."""
     from hwsync import gather
