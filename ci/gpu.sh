@@ -27,11 +27,12 @@ export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 [ -n "${OUT:-}" ] && export HWSYNC_TEST_LOG="${HWSYNC_TEST_LOG:-$OUT/failed-modules.log}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact server swift swift-b qlora families multigpu multigpu-z3 bench verify qwen35)
+PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 bench verify qwen35)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
     [exact]="tests/test_sync_exact.py"
+    [lora-configs]="tests/test_lora_configs.py"
     [server]="tests/test_sync_server.py"
     [swift]="tests/test_swift_grpo.py"
     [swift-b]="tests/test_swift_gspo.py tests/test_swift_server.py"
@@ -48,6 +49,7 @@ declare -A ABOUT=(
     [suite-a]="${MODULES[suite-a]}"
     [suite-b]="${MODULES[suite-b]} (20 syncs per strategy, faults, versions)"
     [exact]="${MODULES[exact]} -k 'not qwen3_5' (tiny Qwen3-MoE: every strategy x MoE-LoRA format, 10 syncs each, == vLLM's own loading; the 3-D format in a second process beside the others: one process took > 265 s for 5 of 13 on an H100; Qwen3.5: part qwen35)"
+    [lora-configs]="${MODULES[lora-configs]}: the LoRA configuration matrix (rsLoRA, rank/alpha patterns, all-linear, expert LoRA of another rank, bias, modules_to_save, bf16 adapters, two adapters, PiSSA/OLoRA, DoRA, IA3, prompt tuning) x full/adapter/hybrid, 10 syncs each == vLLM's own loading or refused before any write; HWSYNC_LORA_PROCS (3) processes side by side, shard s writes \$OUT/lora-configs-gpu-s.json (docs: python -m hwsync.testing.lora_configs --from docs/lora-configs.json --gpu lora-configs-gpu-*.json --save-gpu docs/lora-configs-gpu.json --write-docs); then benchmarks/lora_fold_order.py (issue 29: vLLM's fold order vs fp32-once, against vLLM's own loading and the fp32 trainer). 160 checked full syncs start 160 reference engines: ~2 device calls, HWSYNC_LORA_PART=1/2 then 2/2 (or HWSYNC_LORA_FULL_SYNCS=3 for one)"
     [server]="${MODULES[server]} (engine in another process; on GPU 1 when there are 2: NCCL data plane)"
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
     [swift-b]="${MODULES[swift-b]}"
@@ -123,6 +125,23 @@ run_part() {
                 pids+=($!)  # a subshell: with pipefail its status is the tests', not sed's
             done
             for p in "${pids[@]}"; do wait "$p" || rc=$?; done ;;
+        lora-configs)  # HWSYNC_LORA_PROCS processes, one shard of the cells each (its own results file);
+            # HWSYNC_LORA_PART=i/m runs the i-th of m device calls' worth (shards (i-1)*procs+p of m*procs)
+            local procs=${HWSYNC_LORA_PROCS:-3} calls=${HWSYNC_LORA_PART:-1/1} p pids=()
+            local i=${calls%/*} m=${calls#*/}
+            for ((p = 1; p <= procs; p++)); do
+                local shard=$(( (i - 1) * procs + p )) select=(-k test_cell)  # the other tests: once, in shard 1
+                [ "$shard" = 1 ] && select=()
+                (HWSYNC_LORA_CELLS="$shard/$(( m * procs ))" \
+                    HWSYNC_LORA_RESULTS="${OUT:-${TMPDIR:-/tmp}}/lora-configs-gpu-$shard.json" \
+                    run_modules "${MODULES[lora-configs]}" "${select[@]}" 2>&1 | sed "s/^/[lora-configs $shard\/$(( m * procs ))] /") &
+                pids+=($!)
+            done
+            for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+            if [ "$i" = "$m" ]; then
+                "$PY" benchmarks/lora_fold_order.py --syncs "${HWSYNC_LORA_FOLD_SYNCS:-5}" \
+                    ${OUT:+--json "$OUT/lora_fold_order.json"} || rc=$?
+            fi ;;
         exact)  # two processes side by side (the module's engines are per format); Qwen3.5: part qwen35
             run_modules "${MODULES[exact]}" -k "not 3d and not qwen3_5" & local other=$!
             run_modules "${MODULES[exact]}" -k "3d and not qwen3_5" || rc=$?

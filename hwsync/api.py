@@ -131,6 +131,9 @@ def describe_for(engine: Engine, model: nn.Module) -> tuple[EngineInfo, Any]:
 
 def _plan(engine: Engine, model: nn.Module, request: Strategy, bucket_mb: float | None, lora_name: str | None,
           lora_int_id: int | None) -> _SyncPlan:
+    from hwsync.merged import refuse_non_lora
+
+    refuse_non_lora(model)  # IA3, prompt tuning, ...: no strategy syncs them; said before the engine is asked anything
     info, lora = describe_for(engine, model)
     choice = choose(request, lora, info)
     mb = default_bucket_mb(info.device_type) if bucket_mb is None else bucket_mb

@@ -73,12 +73,13 @@ def dot(a: Tensor, b: Tensor) -> tuple[float, float, float]:
     return total, magnitude, peak
 
 
-def excess(got: Sequence[float], want: Sequence[float], dtype: torch.dtype) -> float:
+def excess(got: Sequence[float], want: Sequence[float], dtype: torch.dtype, ulps: int = ULPS) -> float:
     """How far the engine's fingerprint ``got`` is from the trainer's ``want``, in units of what a healthy engine may
     differ by (<= 1 passes): float64 summation order (``REL_TOL`` of sum|W * R|) or a few last-bit differences of
-    the largest elements (``ULPS`` ulps of ``dtype`` at max|W * R|: a merged tensor recomputed by a GPU kernel that
-    rounds one element differently is not a broken sync; a layer, a transposition or a step is thousands of them)."""
+    the largest elements (``ulps`` ulps of ``dtype`` at max|W * R|: a merged tensor recomputed by a GPU kernel that
+    rounds one element differently is not a broken sync; a layer, a transposition or a step is thousands of them).
+    ``ulps=0`` for tensors the engine holds as copies (LoRA factors): then one last bit anywhere fails."""
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
-    allowed = max(REL_TOL * max(want[1], got[1]), ULPS * eps * max(want[2], got[2]), 1e-300)
+    allowed = max(REL_TOL * max(want[1], got[1]), ulps * eps * max(want[2], got[2]), 1e-300)
     d = abs(got[0] - want[0])
     return d / allowed if d == d else float("inf")

@@ -22,18 +22,21 @@ vLLM formats (read from vllm 0.32: ``lora/model_manager.py`` ``_stack_moe_lora_w
 * 3-D MoE (``FusedMoE3DWithLoRA``): PEFT's ParamWrapper keys, ``<experts>.base_layer.lora_{A,B}.weight`` for
   gate_up and ``<experts>.lora_{A,B}.weight`` for down, with PEFT's [r·E, in] / [out, r·E] layout.
 
-Scaling is **folded into B** (computed in fp32, one rounding) and the emitted config says ``lora_alpha == r`` with
-``rank_pattern == alpha_pattern`` for modules of other ranks, so every module's scaling is exactly 1 for any vLLM
-version, with or without per-module pattern support. vLLM would fold it anyway (``LoRALayerWeights.optimize`` does
-``lora_b *= scaling`` in the LoRA dtype, i.e. a second rounding, and *in place* on the tensors it was handed); a
-scaling of 1 makes that a no-op, so in-memory tensors given to vLLM are never mutated.
+Scaling is **folded into B** exactly as vLLM's own loader folds it (:func:`fold_scaling`: B cast to the LoRA dtype
+first, ``from_lora_tensors``; then ``lora_b *= scaling`` in that dtype, ``LoRALayerWeights.optimize``), and the
+emitted config says ``lora_alpha == r`` with ``rank_pattern == alpha_pattern`` for modules of other ranks, so every
+module's scaling is exactly 1 for any vLLM version, with or without per-module pattern support: vLLM only moves what
+hwsync hands it (its ``optimize`` is a no-op, the in-memory tensors are never mutated) and holds the bits its own
+loading of the trainer's saved adapter holds. (Folding in fp32 and rounding once is not the same: with a scaling
+that is not a power of two -- rsLoRA, ``alpha_pattern`` -- and a 16-bit LoRA dtype about a quarter of B's elements
+differ in the last bit, which moved served logprobs by up to 0.5 on bf16 GPU engines; issue 29.)
 """
 from __future__ import annotations
 
 import enum
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,6 +59,12 @@ __all__ = [
     "vllm_max_lora_rank",
     "VLLM_LORA_RANKS",
     "NON_GATED_EXPERTS",
+    "FoldFn",
+    "fold_scaling",
+    "base_init",
+    "not_lora_reason",
+    "peft_type",
+    "trained_biases",
 ]
 
 #: ``LoRAConfig.max_lora_rank`` values vLLM accepts (vllm/config/lora.py ``MaxLoRARanks``).
@@ -135,25 +144,32 @@ class LoraModule:
         d = torch.matmul(self.lora_B.float(), self.lora_A.float()) * self.scaling
         return d.transpose(-1, -2) if self.transposed else d
 
-    def folded(self, dtype: torch.dtype | None = None) -> LoraModule:
-        """Same ΔW with scaling 1 (scale folded into B in fp32, one rounding to ``dtype``)."""
+    def folded(self, dtype: torch.dtype | None = None, fold: FoldFn | None = None) -> LoraModule:
+        """Same ΔW with scaling 1: A cast to ``dtype``, B scaled in vLLM's rounding order (:func:`fold_scaling`, or
+        ``fold``: what :mod:`hwsync.verify` computes its expectation with)."""
         dt = dtype or self.lora_B.dtype
-        src = self.lora_B
-        if self.scaling == 1 and src.dtype == dt:
-            b = src  # nothing to do: no copy
-        elif src.dtype in (torch.float32, dt) and dt in (torch.float32, torch.bfloat16, torch.float16):
-            # one kernel: multiplied in fp32 (the input's dtype, or torch's opmath for 16-bit floats), rounded once to
-            # ``dt`` on the store -- the same bits as the two-step form below -- and written contiguous in the logical
-            # layout (PEFT's fused-expert B is a permuted view, which would otherwise cost one more copy downstream)
-            b = torch.empty(src.shape, dtype=dt, device=src.device)
-            if self.scaling == 1:
-                b.copy_(src)
-            else:
-                torch.mul(src, self.scaling, out=b)
-        else:
-            b = (src.float() * self.scaling).to(dt)
+        b = (fold or fold_scaling)(self.lora_B, self.scaling, dt)
         return LoraModule(self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed,
                           self.interleaved)
+
+
+FoldFn = Callable[[Tensor, float, torch.dtype], Tensor]
+"""``(B, scaling, dtype) -> B · scaling`` in ``dtype``: how a module's scaling is folded into its B."""
+
+
+def fold_scaling(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
+    """``b · scaling`` in ``dtype``, rounded as vLLM's own adapter loading rounds it (vllm 0.32
+    ``lora/lora_model.py`` ``from_lora_tensors``: ``lora_b = tensor.to(device, dtype)``; ``lora/lora_weights.py``
+    ``LoRALayerWeights.optimize``: ``lora_b *= scaling``): cast to ``dtype`` first, then multiplied in ``dtype`` (torch
+    multiplies 16-bit floats in fp32 and rounds once, on every device). Written contiguous (PEFT's expert B is a
+    permuted view); ``b`` itself when there is nothing to do."""
+    if scaling == 1 and b.dtype == dtype:
+        return b
+    out = torch.empty(b.shape, dtype=dtype, device=b.device)
+    out.copy_(b)
+    if scaling != 1:
+        out.mul_(scaling)
+    return out
 
 
 @dataclass
@@ -205,29 +221,90 @@ def _scaling(rank: int, alpha: float, rslora: bool) -> float:
     return alpha / math.sqrt(rank) if rslora else alpha / rank
 
 
-def _check_config(cfg: Any, adapter: str) -> None:
-    ptype = _cfg_get(cfg, "peft_type", "LORA")
-    ptype = str(getattr(ptype, "value", ptype)).upper()
-    problems = []
-    if ptype != "LORA":
-        problems.append(f"it is a {ptype} adapter, not LoRA")
-    if _cfg_get(cfg, "use_dora", False):
-        problems.append("it uses DoRA (vLLM has no DoRA)")
-    if _cfg_get(cfg, "lora_bias", False) or _cfg_get(cfg, "bias", "none") not in ("none", None):
-        problems.append("it trains biases (vLLM LoRA has none)")
-    if _cfg_get(cfg, "fan_in_fan_out", False):
-        problems.append("it uses fan_in_fan_out")
-    if _cfg_get(cfg, "modules_to_save", None):
-        problems.append(f"it fully trains modules_to_save={_cfg_get(cfg, 'modules_to_save')}")
-    if _cfg_get(cfg, "trainable_token_indices", None):
-        problems.append("it trains token embeddings (trainable_token_indices)")
-    if _cfg_get(cfg, "layer_replication", None):
-        problems.append("it uses layer_replication")
+BASE_INITS = ("pissa", "olora", "corda", "loftq")
+"""``init_lora_weights`` families that rewrite the base weights when the adapter is created (the base becomes the
+residual ``W - scaling·B0·A0``): served as LoRA only over that residual base, which hwsync sends from a live model."""
+
+
+def base_init(cfg: Any) -> str | None:
+    """The ``init_lora_weights`` value of ``cfg`` when it rewrote the base weights (:data:`BASE_INITS`), else None."""
     init = _cfg_get(cfg, "init_lora_weights", True)
-    if isinstance(init, str) and init.lower().split("_")[0] in ("pissa", "olora", "corda", "loftq"):
-        problems.append(f"init_lora_weights={init!r} rewrote the trainer's base weights")
+    if isinstance(init, str) and init.lower().split("_")[0] in BASE_INITS:
+        return init
+    return None
+
+
+def trained_biases(model: nn.Module, cfg: Any) -> list[str]:
+    """The bias parameters PEFT's ``bias`` option trains on ``model`` (``"all"``: every parameter whose name holds
+    ``bias``; ``"lora_only"``: the biases of LoRA-adapted layers), LoRA's own tensors left out. Empty when the model
+    has none: then the option trains nothing and the adapter is plain LoRA."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    mode = _cfg_get(cfg, "bias", "none") or "none"
+    if mode == "none":
+        return []
+    if mode == "all":
+        names = [n for n, _ in model.named_parameters() if "bias" in n and ".lora_" not in n]
+    else:
+        names = [f"{path}.bias" for path, layer in model.named_modules()
+                 if isinstance(layer, LoraLayer) and isinstance(getattr(layer.get_base_layer(), "bias", None), Tensor)]
+    return list(dict.fromkeys(strip_peft_name(n) for n in names))
+
+
+PROMPT_LEARNING = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "MULTITASK_PROMPT_TUNING", "ADAPTION_PROMPT", "CPT")
+"""PEFT types that add learned virtual tokens / prefixes instead of changing weights."""
+
+
+def peft_type(cfg: Any) -> str:
+    """``cfg``'s PEFT type, upper case (``"LORA"``, ``"IA3"``, ``"PROMPT_TUNING"``, ...)."""
+    ptype = _cfg_get(cfg, "peft_type", "LORA")
+    return str(getattr(ptype, "value", ptype)).upper()
+
+
+def not_lora_reason(adapter: str, ptype: str) -> str:
+    """The one refusal of a PEFT adapter that is not LoRA, naming what the user can do instead."""
+    if ptype in PROMPT_LEARNING:
+        return (f"adapter {adapter!r} is peft_type={ptype}: it prepends learned virtual tokens to every input, which "
+                "no weight sync can express and vLLM's LoRA does not serve, so hwsync cannot sync it with any "
+                "strategy (train LoRA instead)")
+    return (f"adapter {adapter!r} is peft_type={ptype}, not LoRA: vLLM serves only LoRA adapters and hwsync's merged "
+            f"view adds LoRA deltas only. Merge it on a copy with PEFT (copy.merge_and_unload()) and sync that model "
+            f'with strategy="full", or train LoRA')
+
+
+def _check_config(cfg: Any, adapter: str, model: nn.Module | None = None) -> None:
+    """Refuse what vLLM's LoRA cannot serve, naming the option. ``model``: the live PEFT model the adapter is read
+    from (hwsync then sends its base weights itself, so an init that rewrote them is served exactly; ``bias`` is
+    judged by the biases it actually trains). Without it (a saved adapter) both are refused as configured."""
+    ptype = peft_type(cfg)
+    if ptype != "LORA":
+        raise AdapterFormatError(not_lora_reason(adapter, ptype))
+    problems = []
+    if _cfg_get(cfg, "use_dora", False):
+        problems.append("use_dora=True (vLLM serves no DoRA)")
+    if _cfg_get(cfg, "lora_bias", False):
+        problems.append("lora_bias=True (vLLM's LoRA has no bias term)")
+    mode = _cfg_get(cfg, "bias", "none")
+    if mode not in ("none", None):
+        biases = trained_biases(model, cfg) if model is not None else ["?"]
+        if biases:
+            what = f"{len(biases)} bias tensor(s), e.g. {biases[0]}" if model is not None else "the model's biases"
+            problems.append(f"bias={mode!r} trains {what} (base weights: vLLM's LoRA has no bias)")
+    if _cfg_get(cfg, "fan_in_fan_out", False):
+        problems.append("fan_in_fan_out=True")
+    if _cfg_get(cfg, "modules_to_save", None):
+        problems.append(f"modules_to_save={list(_cfg_get(cfg, 'modules_to_save'))} trains full copies of those "
+                        "modules (vLLM serves LoRA factors only)")
+    if _cfg_get(cfg, "trainable_token_indices", None):
+        problems.append("trainable_token_indices trains token embeddings")
+    if _cfg_get(cfg, "layer_replication", None):
+        problems.append("layer_replication is set")
+    init = base_init(cfg)
+    if init is not None and model is None:
+        problems.append(f"init_lora_weights={init!r} rewrote the base weights (a saved adapter carries no base)")
     if problems:
-        raise AdapterFormatError(f"adapter {adapter!r} cannot be served as a vLLM LoRA: {'; '.join(problems)}; {_FULL_HINT}")
+        raise AdapterFormatError(f"adapter {adapter!r} cannot be served as a vLLM LoRA: {'; '.join(problems)}; "
+                                 f"{_FULL_HINT}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -278,7 +355,7 @@ def _peft_layers(model: nn.Module, adapter_name: str) -> list[tuple[str, nn.Modu
     if isinstance(configs, dict) and cfg is None:
         raise AdapterFormatError(f"model has no adapter {adapter_name!r}; it has {sorted(configs)}")
     if cfg is not None:
-        _check_config(cfg, adapter_name)
+        _check_config(cfg, adapter_name, model)
     layers = []
     for path, layer in model.named_modules():
         if not isinstance(layer, BaseTunerLayer):
@@ -378,14 +455,14 @@ class PeftLoraReader:
         self.adapter_name = adapter_name
         self._layers = [(m, *layers[m]) for m in modules]
 
-    def read(self, dtype: torch.dtype | None) -> list[Tensor]:
-        """A and B (scaling folded, in ``dtype``) of every module, in order."""
+    def read(self, dtype: torch.dtype | None, fold: FoldFn | None = None) -> list[Tensor]:
+        """A and B (scaling folded, :meth:`LoraModule.folded`, in ``dtype``) of every module, in order."""
         out: list[Tensor] = []
         for name, path, layer in self._layers:
             if self.adapter_name not in layer.lora_A:
                 raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
         for m in self._modules():
-            f = m.folded(dtype)
+            f = m.folded(dtype, fold)
             out += [f.lora_A, f.lora_B]
         return out
 

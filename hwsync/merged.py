@@ -25,7 +25,8 @@ from hwsync.errors import AdapterFormatError, UnsupportedSetupError
 from hwsync.gather import full, global_shape, param_kind, read
 from hwsync.names.trainer import strip_peft_name
 
-__all__ = ["merged_named_weights", "delta_weight", "plain_weight", "logical_shape", "is_quantized", "read_sets"]
+__all__ = ["merged_named_weights", "delta_weight", "plain_weight", "logical_shape", "is_quantized", "read_sets",
+           "refuse_non_lora"]
 
 # Chunk the fp32 temporaries of stacked experts to about this many bytes.
 _CHUNK_BYTES = 256 << 20
@@ -39,7 +40,11 @@ class _Contribution:
     part: str  # "weight" or "bias"
 
 
-def _refuse_non_lora(model: nn.Module) -> None:
+def refuse_non_lora(model: nn.Module) -> None:
+    """Raise :class:`AdapterFormatError` (:func:`hwsync.lora_formats.not_lora_reason`) when an active adapter of
+    ``model`` is not LoRA (IA3, prompt tuning, ...): no strategy can sync it."""
+    from hwsync.lora_formats import not_lora_reason, peft_type
+
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict):
         return
@@ -47,12 +52,8 @@ def _refuse_non_lora(model: nn.Module) -> None:
     active = [active] if isinstance(active, str) else list(active or configs)
     for name in active:
         cfg = configs.get(name)
-        ptype = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", "")))
-        if cfg is not None and ptype.upper() != "LORA":
-            raise AdapterFormatError(
-                f"adapter {name!r} is {ptype}, not LoRA: it has no W0+ΔW form. Merge it on a copy with PEFT "
-                "(merge_and_unload) and sync that model's weights instead"
-            )
+        if cfg is not None and peft_type(cfg) != "LORA":
+            raise AdapterFormatError(not_lora_reason(name, peft_type(cfg)))
 
 
 def _active_lora_adapters(layer: nn.Module) -> tuple[list[str], list[str]]:
@@ -301,7 +302,7 @@ def merged_named_weights(
     the base parameter's dtype, or the LoRA dtype for quantized bases). Follows PEFT's forward semantics per layer:
     active adapters are summed, already-merged adapters are not added twice, disabled adapters are left out.
     """
-    _refuse_non_lora(model)
+    refuse_non_lora(model)
     contrib, adapter_params, hidden = _collect(model)
     # no_grad is entered per tensor, never across a ``yield``: a generator suspended inside ``no_grad`` would leave
     # autograd disabled in the trainer for as long as the consumer holds it.

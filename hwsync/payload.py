@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from hwsync.errors import AdapterFormatError, SyncError, UnsupportedSetupError
 from hwsync.strategy import Choice
-from hwsync.lora_formats import NON_GATED_EXPERTS, wire_name
+from hwsync.lora_formats import NON_GATED_EXPERTS, FoldFn, wire_name
 from hwsync.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
 
 __all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "lora_paths", "read_lora"]
@@ -316,9 +316,11 @@ def _versions_digest(params: Mapping[str, Tensor], names: Sequence[str], reparam
 
 
 def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, info: EngineInfo,
-                  gather_bytes: int = 512 << 20) -> Payload:
+                  gather_bytes: int = 512 << 20, fold: FoldFn | None = None) -> Payload:
     """Describe this sync's tensors and how to produce them (lazily, values read at produce time, so a payload
-    can be produced again at every sync while the model's structure stays the same)."""
+    can be produced again at every sync while the model's structure stays the same). ``fold``: how LoRA scalings are
+    folded into B (default :func:`hwsync.lora_formats.fold_scaling`, vLLM's rounding order; :mod:`hwsync.verify`
+    passes vLLM's own ``LoRALayerWeights.optimize`` to compute what the engine should hold)."""
     from hwsync.merged import is_quantized, logical_shape, merged_named_weights, plain_weight
 
     strategy, reason, unservable = choice.strategy, choice.reason, choice.unservable
@@ -351,6 +353,15 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
                     'or an unquantized engine with strategy="full"')
             # the engine was started from the trainer's quantized checkpoint: its base is W0, and a packed 4-bit
             # W0 cannot go through a weight reload anyway
+            from hwsync.lora_formats import base_init
+
+            init = base_init(_peft_config(model))
+            if init is not None:
+                raise UnsupportedSetupError(
+                    f"init_lora_weights={init!r} rewrote the trainer's base weights into a residual, but the engine "
+                    f"serves its own {info.quantization}-quantized checkpoint, which cannot be rewritten: the adapter "
+                    "would act on the wrong base. Convert the adapter to plain LoRA (PEFT's "
+                    "path_initial_model_for_weight_conversion) or start the engine from the residual base")
             includes_base, base_key = False, None
             reason = f"{reason}; base weights not sent (the engine serves the {info.quantization} checkpoint the " \
                      "trainer's quantized base was loaded from)"
@@ -387,7 +398,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
             from hwsync.lora_formats import PeftLoraReader
 
             reader.append(PeftLoraReader(model, _adapter_name(model), lora_modules))
-        return reader[0].read(lora_dtype)  # the values as of now: produced at every sync
+        return reader[0].read(lora_dtype, fold)  # the values as of now: produced at every sync
 
     def produce() -> Iterator[Tensor]:
         it = merged_named_weights(model, include=lambda n: n in send_set and n in merged) if merged_send else iter(())
@@ -413,13 +424,13 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
     from hwsync.gather import layout
 
     if layout(model) != "plain":
-        _add_sharded(payload, model, send, merged, raw_base, lora_modules, lora_dtype, gather_bytes)
+        _add_sharded(payload, model, send, merged, raw_base, lora_modules, lora_dtype, gather_bytes, fold)
     return payload
 
 
 def _add_sharded(payload: Payload, model: nn.Module, send: Sequence[str], merged: set[str],
                  raw_base: Mapping[str, tuple[str, Tensor]], lora_modules: Sequence[str],
-                 lora_dtype: torch.dtype | None, gather_bytes: int) -> None:
+                 lora_dtype: torch.dtype | None, gather_bytes: int, fold: FoldFn | None = None) -> None:
     """The gather schedule of a sharded model: the payload's tensors in order, grouped so the parameters gathered
     for one group stay within ``gather_bytes`` (one bucket); each group is read while gathered, then dropped."""
     from hwsync import gather
@@ -473,7 +484,7 @@ def _add_sharded(payload: Payload, model: nn.Module, send: Sequence[str], merged
                     if adapter is None:
                         with gather.placeholders():  # modules of other groups: shapes only, never produced
                             adapter = extract_peft_lora(model, _adapter_name(model))
-                    f = adapter.modules[name].folded(lora_dtype)
+                    f = adapter.modules[name].folded(lora_dtype, fold)
                     yield check(name, f.lora_A)
                     yield check(name, f.lora_B)
                     del f

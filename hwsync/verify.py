@@ -29,8 +29,8 @@ from hwsync.engine import Engine
 from hwsync.errors import OptionError, SyncError, UnsupportedSetupError, VerifyError
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
 
-__all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "check", "engine_logprobs", "gate_for",
-           "parse_gate", "token_logprobs", "verify"]
+__all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "as_vllm_loads", "check",
+           "engine_logprobs", "gate_for", "parse_gate", "token_logprobs", "verify"]
 
 
 def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,9 +257,23 @@ def _last_synced(engine: Any, model: nn.Module) -> _Synced | None:
     return _Synced.of(last_plan(engine, model))
 
 
+def as_vllm_loads(b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """LoRA B with its scaling folded in as vLLM's own loading of the trainer's saved adapter holds it: vLLM's
+    ``LoRALayerWeights.optimize`` (``lora_b *= scaling``) on B cast to the LoRA dtype (``from_lora_tensors``). Where
+    vLLM is not importable (a server-mode trainer) the same two steps, written out. Independent of the fold a sync
+    uses (:func:`hwsync.lora_formats.fold_scaling`), so a sync that folds in another order fails the content check."""
+    t = b.to(dtype=dtype, copy=True)
+    try:
+        from vllm.lora.lora_weights import LoRALayerWeights
+    except Exception:  # noqa: BLE001 - no (working) vLLM in this process
+        return t if scaling == 1 else t.mul_(scaling)
+    return LoRALayerWeights("hwsync.verify", int(t.shape[-1]), 1, None, t, scaling=scaling).optimize().lora_b
+
+
 def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, Iterator[tuple[Any, torch.Tensor]]]:
     """``(payload, (spec, tensor) pairs)``: every tensor a from-scratch sync of ``plan``'s strategy would send now
-    (merged view for merged names, W0 for frozen ones, folded LoRA A/B), lazily, as the engine should hold them."""
+    (merged view for merged names, W0 for frozen ones, LoRA A/B with the scaling folded by vLLM's own code,
+    :func:`as_vllm_loads`), lazily, as the engine should hold them."""
     import dataclasses
 
     from hwsync.api import describe_for
@@ -272,7 +286,7 @@ def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, It
     choice = choose(strategy, lora, info)
     fresh = dataclasses.replace(info, base_key=None, stale=False)  # as if nothing were on the engine: all of it
     trainer_lora = lora if strategy is not Strategy.FULL else None
-    payload = build_payload(model, choice, trainer_lora, fresh)  # type: ignore[arg-type]
+    payload = build_payload(model, choice, trainer_lora, fresh, fold=as_vllm_loads)  # type: ignore[arg-type]
     return payload, _pairs(model, payload)
 
 
@@ -324,16 +338,17 @@ def _expected(engine: Any, model: nn.Module, plan: Any, seed: int
     return {"seed": seed, "base": base, "lora": lora_req}, lora_req or {}, want, dtypes
 
 
-def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[str, torch.dtype]
-            ) -> dict[str, tuple[float, float]]:
+def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[str, torch.dtype],
+               ulps: int | None = None) -> dict[str, tuple[float, float]]:
     """name -> (excess over the allowance, <= 1 passes; relative error) for every fingerprint both sides have."""
-    from hwsync.fingerprint import excess
+    from hwsync.fingerprint import ULPS, excess
 
     out = {}
     for n, v in got.items():
         if isinstance(v, str) or n not in want:
             continue
-        out[n] = (excess(v, want[n], dtypes[n]), abs(v[0] - want[n][0]) / max(want[n][1], abs(v[1]), 1e-300))
+        out[n] = (excess(v, want[n], dtypes[n], ULPS if ulps is None else ulps),
+                  abs(v[0] - want[n][0]) / max(want[n][1], abs(v[1]), 1e-300))
     return out
 
 
@@ -404,16 +419,17 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tupl
                                 f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. "
                                 f"{bad_slots[0]}" if bad_slots else "every LoRA slot holds the installed adapter",
                                 f"the kernels read other LoRA weights than the installed adapter: {_SYNC_AGAIN}"))
-            lscores = _fp_scores(lora["tensors"], want, dtypes)
+            lscores = _fp_scores(lora["tensors"], want, dtypes, ulps=0)  # copies of what was sent: exact
             worst = max(lscores, key=lambda k: lscores[k][0])
             bad = [k for k, (x, _) in lscores.items() if not x <= 1.0]
             checks.append(Check(
                 "adapter content", not bad, lscores[worst][0], 1.0,
                 f"{len(bad)} of {len(lscores)} LoRA tensor(s) differ from the trainer's, e.g. {worst} (relative "
                 f"fingerprint error {lscores[worst][1]:.3g})" if bad else
-                f"{len(lscores)} LoRA tensors equal the trainer's (scaling folded)",
-                f"the installed adapter is not the trainer's current one (older step, scaling or layout): "
-                f"{_SYNC_AGAIN}"))
+                f"{len(lscores)} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's adapter "
+                "holds (scaling folded by vLLM's code)",
+                f"the installed adapter is not what vLLM's own loading of the trainer's current adapter holds (older "
+                f"step, scaling, its rounding order, or layout): {_SYNC_AGAIN}"))
     return checks, []
 
 

@@ -126,18 +126,33 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
         PeftLoraReader(pm, "default", [*names, "model.layers.9.self_attn.q_proj.weight"])
 
 
+def _vllm_scaled_b(b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """B as vLLM's own loading of a saved adapter holds it: ``from_lora_tensors`` casts each factor to the LoRA
+    dtype, then ``LoRALayerWeights.optimize`` multiplies the scaling into it in that dtype."""
+    require_vllm()
+    from vllm.lora.lora_weights import LoRALayerWeights
+
+    w = LoRALayerWeights("m", b.shape[-1], 1, None, b.to(dtype=dtype, copy=True), scaling=scaling)
+    return w.optimize().lora_b
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_folding_rounds_once_in_one_kernel(dtype) -> None:
-    """folded() multiplies a 16-bit B in its own dtype (torch computes in fp32 and rounds once): the same bits as
-    the fp32 product rounded, on every device here."""
+def test_folding_rounds_as_vllms_own_loading(dtype) -> None:
+    """folded() gives B the bits vLLM's own loading of the saved adapter gives it (cast to the LoRA dtype, then the
+    scaling multiplied in that dtype), from fp32 and from 16-bit factors, for scalings that are and are not powers
+    of two -- on every device here. Folding in fp32 and rounding once is a different tensor (issue 29)."""
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
-        b = torch.randn(64, 96, device=device).to(dtype)
-        for scaling in (2.0, 0.7, 1 / 3, 4 / math.sqrt(2)):
-            m = LoraModule("x.weight", LoraKind.LINEAR, torch.randn(8, 96, device=device).to(dtype), b[:, :8],
-                           alpha=8.0, scaling=scaling)
-            want = (m.lora_B.float() * scaling).to(dtype)
-            assert torch.equal(m.folded(dtype).lora_B, want), (device, dtype, scaling)
+        for src in (torch.float32, dtype):
+            b = (torch.randn(64, 96, device=device) * 0.05).to(src)
+            for scaling in (2.0, 0.7, 1 / 3, 4 / math.sqrt(2), 6 / math.sqrt(3)):
+                m = LoraModule("x.weight", LoraKind.LINEAR, torch.randn(8, 96, device=device).to(src), b[:, :8],
+                               alpha=8.0, scaling=scaling)
+                want = _vllm_scaled_b(m.lora_B.cpu(), scaling, dtype)
+                assert torch.equal(m.folded(dtype).lora_B.cpu(), want), (device, src, dtype, scaling)
+                once = (m.lora_B.float() * scaling).to(dtype).cpu()
+                if dtype != torch.float32 and src == torch.float32 and scaling in (0.7, 1 / 3):
+                    assert not torch.equal(once, want), "fp32-then-round must differ here, or the test proves nothing"
 
 
 def test_saved_state_dict_equals_peft_delta(peft_model) -> None:
@@ -360,9 +375,9 @@ def test_vllm_reads_3d_keys_to_peft_delta(vllm_lora, ep_rank: int) -> None:
 
 
 @pytest.mark.parametrize("experts", [False, True])
-def test_folded_b_is_one_rounding_and_contiguous(experts: bool) -> None:
-    """The scaling fold is one kernel (cast, fold and PEFT's permuted expert layout made contiguous in one pass) and
-    gives the bits of the two-step fp32 form."""
+def test_folded_b_is_vllms_and_contiguous(experts: bool) -> None:
+    """The scaling fold gives vLLM's bits (cast, then scaled in the LoRA dtype) and makes PEFT's permuted expert
+    layout contiguous on the way."""
     from hwsync.lora_formats import LoraKind, LoraModule
 
     gen = torch.Generator().manual_seed(0)
@@ -377,5 +392,5 @@ def test_folded_b_is_one_rounding_and_contiguous(experts: bool) -> None:
             a, b, kind = torch.randn(8, 16, generator=gen).to(src), torch.randn(32, 8, generator=gen).to(src), \
                 LoraKind.LINEAR
         f = LoraModule("m", kind, a, b, 8.0, scaling, False).folded(dt)
-        assert torch.equal(f.lora_B, (b.float() * scaling).to(dt)), (src, dt, scaling)
+        assert torch.equal(f.lora_B, _vllm_scaled_b(b, scaling, dt)), (src, dt, scaling)
         assert f.lora_B.is_contiguous() and f.scaling == 1.0

@@ -33,6 +33,7 @@ CAUGHT_BY = {
     "stale adapter id": "state",
     "LoRA scaling 2x": "adapter content",
     "LoRA slot not written": "adapter slots",
+    "scaling folded in another order": "adapter content",
     "post-load skipped": "base content",
     "layer experts not written": "base content",
     "experts transposed": "base content",
@@ -47,7 +48,9 @@ def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
 
 
 def _trainer(path: Path, experts: bool) -> Any:
-    return lora_trainer(path, ATTN, EXPERTS if experts else None)
+    # o_proj's scaling 6/4 is not a power of two: folding it in another order than vLLM's changes last bits of B in
+    # a 16-bit LoRA dtype (the fault "scaling folded in another order"); the other modules keep alpha/r = 2
+    return lora_trainer(path, ATTN, EXPERTS if experts else None, alpha_pattern={"o_proj": 6})
 
 
 @pytest.mark.parametrize("strategy", ["full", "adapter", "hybrid"])
@@ -68,8 +71,11 @@ def assert_campaign(llm: Any, tiny_qwen3_moe_dir: Path, strategy: str) -> None:
     assert max(h.get("adapter content", 0.0) for h in result["healthy"]) < 1e-3
     expected = [f for f in FAULTS if applicable(f, strategy)]
     not_here = result.get("not_applicable", {})
-    if on_cpu() and info.dtype == "float32":
-        assert not not_here, f"every fault changes a CPU fp32 engine: {not_here}"  # the CPU prepack is real there
+    if on_cpu() and info.dtype == "float32":  # the CPU prepack is real there; fp32 LoRA folds alike in both orders
+        assert set(not_here) <= {"scaling folded in another order"}, f"every other fault changes a CPU fp32 engine: " \
+                                                                     f"{not_here}"
+    if strategy != "full" and info.lora_dtype in ("bfloat16", "float16"):
+        assert "scaling folded in another order" in result["faults"], "a 16-bit LoRA dtype must see the other order"
     assert sorted(result["faults"]) == sorted(f for f in expected if f not in not_here)
     for fault, got in result["faults"].items():
         assert got["failed"], f"{strategy}: {fault} was not caught: {got['message']}"

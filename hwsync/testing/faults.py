@@ -16,6 +16,10 @@ experts transposed          one MoE layer's expert tensors written with their la
 gate/up swapped             one MoE layer's fused gate_up written with the gate and up halves swapped
 LoRA scaling 2x             every LoRA B of the installed adapter doubled (and written to the slots by vLLM)
 LoRA slot not written       the installed adapter intact, but the B halves of its slot (what the kernels read) zero
+scaling folded in another   a real sync whose trainer folded each LoRA scaling into B in fp32 and rounded once (hwsync
+order                       before issue 29) instead of vLLM's order (cast to the LoRA dtype, then scaled in it): last
+                            bits of B differ where a scaling is not a power of two and the LoRA dtype is 16-bit
+                            (reported not applicable elsewhere: both orders give the same bits)
 previous step synced        a complete, valid sync of the previous step's weights (the trainer moved on)
 =========================== ================================================================================
 """
@@ -30,7 +34,8 @@ from torch import Tensor
 
 __all__ = ["ADAPTER_FAULTS", "BASE_FAULTS", "FAULTS", "FaultInjector", "applicable"]
 
-ADAPTER_FAULTS = ("adapter not installed", "stale adapter id", "LoRA scaling 2x", "LoRA slot not written")
+ADAPTER_FAULTS = ("adapter not installed", "stale adapter id", "LoRA scaling 2x", "LoRA slot not written",
+                  "scaling folded in another order")
 BASE_FAULTS = ("post-load skipped", "layer experts not written", "experts transposed", "gate/up swapped")
 FAULTS = ADAPTER_FAULTS + BASE_FAULTS + ("previous step synced",)
 
@@ -225,6 +230,11 @@ class FaultInjector:
         elif fault == "LoRA slot not written":
             with self.engine.lock:
                 self._rpc(_zero_slot)
+        elif fault == "scaling folded in another order":
+            if not self._orders_differ():
+                return False
+            with fp32_fold():
+                hwsync.sync(self.llm, self.model, strategy=self._strategy())
         elif fault == "previous step synced":
             assert previous is not None, "previous step synced needs the previous weights"
             with self._weights(previous):
@@ -247,6 +257,22 @@ class FaultInjector:
         self.llm.reset_prefix_cache()
         return True
 
+    def _orders_differ(self) -> bool:
+        """Whether folding the trainer's LoRA scalings in fp32 (one rounding) gives other bits than vLLM's order in
+        the engine's LoRA dtype, for any module (no: every scaling a power of two, or an fp32 LoRA dtype)."""
+        from hwsync.lora_formats import extract_peft_lora, fold_scaling
+        from hwsync.payload import _adapter_name
+        from hwsync.wire import dtype_from_name
+
+        lora_dtype = self.engine.describe().lora_dtype
+        if not lora_dtype:
+            return False
+        dtype = dtype_from_name(lora_dtype)
+        adapter = extract_peft_lora(self.model, _adapter_name(self.model))
+        with torch.no_grad():
+            return any(not torch.equal(fold_scaling(m.lora_B, m.scaling, dtype), _fold_fp32(m.lora_B, m.scaling, dtype))
+                       for m in adapter.modules.values())
+
     def _strategy(self) -> str:
         from hwsync.verify import last_plan
 
@@ -262,6 +288,25 @@ class FaultInjector:
         else:
             hwsync.sync(self.llm, self.model, strategy=self._strategy())
         self._repair = None
+
+
+def _fold_fp32(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
+    """The other order: ``b · scaling`` in fp32, rounded once to ``dtype``."""
+    return (b.float() * scaling).to(dtype)
+
+
+@contextlib.contextmanager
+def fp32_fold() -> Iterator[None]:
+    """Syncs inside fold LoRA scalings in fp32 with one rounding (:func:`_fold_fp32`) instead of
+    :func:`hwsync.lora_formats.fold_scaling` (the fault "scaling folded in another order")."""
+    import hwsync.lora_formats as formats
+
+    original = formats.fold_scaling
+    formats.fold_scaling = _fold_fp32  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        formats.fold_scaling = original  # type: ignore[assignment]
 
 
 def _swap_halves(t: Tensor) -> Tensor:

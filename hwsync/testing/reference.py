@@ -19,9 +19,11 @@ refuses inside an in-process engine can leave the engine stuck. The latest engin
 checkpoint is unchanged (adapter syncs), so only syncs that change base weights start a new one.
 
 :func:`assert_serves` is what converted tests call: on vLLM's CPU build it is exactly ``hwsync.verify`` (engine vs
-trainer, ``atol``); elsewhere it compares the engine with its reference (``EXACT_ATOL``). Adapters whose scaling
-``alpha/r`` is a power of two compare bit-exactly in bf16 (hwsync folds the scaling into B before casting, vLLM's
-disk loader after); the tests use such adapters.
+trainer, ``atol``); elsewhere it compares the engine with its reference (``EXACT_ATOL``). Adapters compare
+bit-exactly whatever their scalings (rsLoRA, rank/alpha patterns): hwsync folds each scaling into B in vLLM's own
+rounding order (:func:`hwsync.lora_formats.fold_scaling`; the matrix of configurations: ``tests/test_lora_configs.py``).
+:func:`write_adapter` writes what ``save_pretrained`` wrote, with the two config fields vLLM refuses although they
+change nothing on the served base rewritten (an init that rewrote the base, a ``bias`` that trained none).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import tempfile
 import traceback
@@ -262,15 +265,61 @@ def write_adapter(model: Any, out: Path, *, drop: Callable[[str], bool] | None =
         module = key.removeprefix("base_model.model.").removesuffix(".lora_B.weight")
         if key.endswith(".lora_B.weight") and module in rows:  # type: ignore[operator]
             tensors[key] = tensors[key][rows[module]]  # type: ignore[index]
+    config = json.loads((src / "adapter_config.json").read_text())
     if moe_format == "2d" and any(".experts." in k and ".experts.0." not in k for k in tensors):
         if num_experts is None:
             num_experts = int(getattr(model.config, "num_experts", 0) or model.config.num_local_experts)
+        _per_expert_patterns(config, tensors, num_experts)
         tensors = peft_moe_lora_to_2d(tensors, num_experts, in_out=_peft_in_out_owners(model))
+    _served_as_is(config, model, tensors)
     out.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
-    shutil.copy(src / "adapter_config.json", out / "adapter_config.json")
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
     shutil.rmtree(tmp)
     return out
+
+
+def _per_expert_patterns(config: dict[str, Any], tensors: Mapping[str, Any], num_experts: int) -> None:
+    """The rank/alpha of PEFT's fused expert LoRA (``rank_pattern``/``alpha_pattern`` keys match
+    ``experts.gate_up_proj`` / ``experts.down_proj``, as vLLM's ``get_rank_and_scaling`` matches its 3-D keys)
+    written as explicit patterns of the per-expert 2-D keys :func:`peft_moe_lora_to_2d` makes, first in each pattern:
+    the 2-D adapter carries the scalings vLLM applies to the 3-D one."""
+    from hwsync.lora_formats import _pattern_value
+
+    rp, ap = dict(config.get("rank_pattern") or {}), dict(config.get("alpha_pattern") or {})
+    if not rp and not ap:
+        return
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    for key in tensors:
+        for marker, pname, parts in ((".experts.base_layer.lora_A", "gate_up_proj", ("gate_proj", "up_proj")),
+                                     (".experts.lora_A", "down_proj", ("down_proj",))):
+            if marker not in key:
+                continue
+            owner = key.split(marker)[0].removeprefix("base_model.model.") + ".experts"
+            r, a = _pattern_value(rp, f"{owner}.{pname}"), _pattern_value(ap, f"{owner}.{pname}")
+            for e in range(num_experts):
+                for part in parts:
+                    name = re.escape(f"{owner}.{e}.{part}")
+                    if r is not None:
+                        ranks[name] = int(r)
+                    if a is not None:
+                        alphas[name] = float(a)
+    config["rank_pattern"] = {**ranks, **rp}
+    config["alpha_pattern"] = {**alphas, **ap}
+
+
+def _served_as_is(config: dict[str, Any], model: Any, tensors: Mapping[str, Any]) -> None:
+    """Config fields vLLM's own loader refuses although they change nothing about these tensors on this base:
+    ``init_lora_weights`` of an init that rewrote the base (PiSSA, OLoRA, ...: the checkpoint served is the trainer's
+    residual base, which is what vLLM's refusal asks for: "set init_lora_weights to true if the served base model
+    already contains the modified weights"); ``bias`` when the adapter saved no bias tensor (it trained none)."""
+    from hwsync.lora_formats import base_init
+
+    if base_init(config) is not None:
+        config["init_lora_weights"] = True
+    if config.get("bias", "none") != "none" and not any(k.endswith(".bias") for k in tensors):
+        config["bias"] = "none"
 
 
 def compare_logprobs(got: Logprobs, want: Logprobs, what: str = "engine vs reference") -> float:

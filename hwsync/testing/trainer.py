@@ -15,8 +15,8 @@ __all__ = ["fail_at", "lora_trainer", "perturb"]
 def lora_trainer(path: str | Path, targets: list[str] | None = None, parameters: list[str] | None = None, *,
                  dtype: torch.dtype = torch.float32, **lora: Any) -> Any:
     """``path``'s transformers model in eval mode, PEFT-wrapped with rank 4, alpha 8 LoRA on ``targets`` (modules)
-    and ``parameters`` (fused expert parameters); plain when both are None. alpha/r = 2: a power of two, so the
-    scaling rounds alike on every loading path in bf16. ``lora``: more ``LoraConfig`` fields."""
+    and ``parameters`` (fused expert parameters); plain when both are None. ``lora``: more ``LoraConfig`` fields
+    (every other configuration people train with: :mod:`hwsync.testing.lora_configs`)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
