@@ -218,11 +218,16 @@ def test_wider_tensors_keep_their_dtype(engine: Served) -> None:
         want = {strip_peft_name(n): p.detach() for n, p in model.named_parameters()
                 if strip_peft_name(n).endswith(picked)}
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
+        # vLLM's CPU build repacks linear weights for its kernels and leaves an empty parameter behind: those are
+        # checked through the served logprobs by the tests above
+        got = {n: t for n, t in got.items() if t.numel()}
+        if not got:
+            pytest.skip(f"this engine exposes none of {picked} as stored (vLLM's CPU build repacks linear weights)")
         for name, t in got.items():
             assert torch.equal(t, want[name].to(t.dtype)), f"sync {step + 1}: {name} ({t.dtype}) != trainer's value"
         wider = sorted(n for n, t in got.items() if t.dtype.itemsize > dtype.itemsize)
         if gdn:  # the check means something only where A_log is kept wider and would lose bits in the model dtype
-            a_log = [n for n in got if n.endswith("A_log")]
+            a_log = sorted(n for n in want if n.endswith("A_log"))
             assert a_log and wider == a_log, (dtype, wider, a_log)
             assert all(not torch.equal(want[n], want[n].to(dtype).to(want[n].dtype)) for n in a_log)
     kinds = sorted({".".join(n.rsplit(".", 2)[-2:]) for n in got})
