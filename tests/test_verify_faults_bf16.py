@@ -1,7 +1,9 @@
 """``tests/test_verify_faults.py`` on a bf16 engine (vLLM's CPU build serves bf16 with LoRA): no false alarm over 20
 healthy syncs per strategy although bf16 logprobs differ from the fp32 trainer's by up to ~6 on this tiny model,
 and every fault caught (exact content checks; "post-load skipped" is reported not applicable where the experts'
-post-load step leaves their bf16 storage unchanged). One engine for the module.
+post-load step leaves their bf16 storage unchanged). "scaling folded in another order" must be caught here (bf16
+LoRA, o_proj's scaling 1.5): the adapter content check is bit-exact against vLLM's own construction of the adapter.
+One engine for the module.
 """
 from __future__ import annotations
 

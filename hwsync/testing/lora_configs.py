@@ -219,7 +219,8 @@ def peft_merge_diff(model: Any) -> float:
     if seen != len(want):
         raise AssertionError(f"hwsync's merged view yields {seen} tensors, PEFT's merged model holds {len(want)}")
     del merged
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return worst
 
 
@@ -279,8 +280,7 @@ def _exact(cell: Cell, llm: Any, reference: Any, model: Any, strategy: str, n: i
     from hwsync.verify import check
 
     engine = hwsync.as_engine(llm)
-    worst, moved, previous = 0.0, 0.0, None
-    merge = None
+    worst, moved, previous, merge = 0.0, 0.0, None, None
     for i in range(n):
         _step(model, cell, gen, i)
         report = hwsync.sync(llm, model, strategy=strategy)
