@@ -130,7 +130,7 @@ def _engine(path: Path, dtype: torch.dtype, rank: int) -> Any:
                                 enforce_eager=True, enable_lora=True, max_lora_rank=rank, max_loras=1, seed=0,
                                 max_model_len=512, max_num_seqs=8)
     if _on_gpu():
-        from hwsync.testing import portable_kernel_args
+        from hwsync.testing.engine import portable_kernel_args
 
         args.update(portable_kernel_args(path))  # Qwen3.5's GDN layers: vLLM's Triton/FLA prefill, no FlashInfer
         args["gpu_memory_utilization"] = float(os.environ.get("BENCH_GPU_MEM", "0.35"))

@@ -757,6 +757,7 @@ class VllmApplier:
         """The adapter's layout in vLLM (:class:`hwsync.vllm.lora_slots.SlotWriter`), traced on a template layer,
         then checked on the real tensors of the sampled layers against vLLM's own construction; ``None`` (with the
         reason logged) where vLLM's path must build every install."""
+        from hwsync.vllm.compat import check_adapter
         from hwsync.vllm.lora_slots import SlotWriter
 
         shapes = {k: tuple(t.shape) for k, t in tensors.items()}
