@@ -555,7 +555,8 @@ class SlotWriter:
         read = self._reader(tensors)
         for b in self.blocks:
             dst = self._slot_block(manager, b, slot)
-            if tuple(dst.shape) != b.shape or not torch.equal(read(b.view, b.shape).to(dst.dtype), dst):
+            got = read(b.view, b.shape).to(device=dst.device, dtype=dst.dtype)
+            if tuple(dst.shape) != b.shape or not torch.equal(got, dst):
                 self.blocks = ()
                 self.no_blocks = f"{b.module}.{b.attr}: the traced slot block differs from what vLLM wrote"
                 break
@@ -616,6 +617,9 @@ def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
     Python-level calls (``copy_`` casts, so sources keep the trainer's dtype)."""
     groups: dict[tuple[Any, ...], tuple[list[Tensor], list[Tensor]]] = {}
     for d, s in zip(dsts, srcs):
+        if d.device != s.device:  # a trainer on another device than the engine: one copy each, across devices
+            d.copy_(s)
+            continue
         k = (d.device, d.dtype, s.device, s.dtype)
         pair = groups.setdefault(k, ([], []))
         pair[0].append(d)
