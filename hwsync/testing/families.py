@@ -33,7 +33,7 @@ Outcomes (``status``):
 * ``known``: a sync refused for a reason outside hwsync listed in :data:`KNOWN_FAILURES`;
 * ``fail``: a sync or its check failed (an hwsync bug unless the reason says otherwise).
 
-:mod:`hwsync.testing.family_matrix` renders the results as the README table.
+:mod:`hwsync.testing.family_matrix` renders the results as the table in docs/families.md.
 """
 from __future__ import annotations
 
