@@ -25,7 +25,7 @@ from hwsync.errors import (
     VersionError,
 )
 
-__version__ = "0.1.0"
+from hwsync.version import __version__
 
 
 def _map_source_checkout_patches() -> None:

@@ -332,13 +332,9 @@ def as_engine(target: Any) -> Engine:
     if isinstance(target, Engine):
         return target
     if hasattr(target, "llm_engine") and hasattr(target, "collective_rpc"):
-        handle = target.__dict__.get("_hwsync_engine")
-        if handle is None:
-            from hwsync.vllm.local import LocalEngine
+        from hwsync.vllm.local import local_engine
 
-            handle = LocalEngine(target)
-            target.__dict__["_hwsync_engine"] = handle
-        return handle
+        return local_engine(target)
     raise SyncError(
         f"cannot sync into a {type(target).__name__}: pass an in-process vllm.LLM (colocate) or the handle "
         "returned by hwsync.connect(address, token) (server mode)"

@@ -36,6 +36,7 @@ __all__ = [
     "get_backend",
     "available_backends",
     "backend_for_device",
+    "open_link",
     "known_backends",
 ]
 
@@ -350,6 +351,12 @@ def backend_for_device(device: DeviceLike) -> Backend:
     with _lock:
         _by_device_type[dev.type] = backend
     return backend
+
+
+def open_link(store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+    """The link (:class:`hwsync.transport.Link`) of ``device``'s backend (gloo / NCCL / HCCL) for rank ``rank`` of
+    ``spec``."""
+    return backend_for_device(device).open_link(store, spec, rank, device)
 
 
 def _backend_for_device_type(dev: torch.device) -> Backend:

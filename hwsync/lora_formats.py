@@ -53,6 +53,7 @@ __all__ = [
     "from_peft_state_dict",
     "to_vllm_lora",
     "from_vllm_lora",
+    "lora_paths",
     "vllm_max_lora_rank",
     "VLLM_LORA_RANKS",
     "NON_GATED_EXPERTS",
@@ -693,6 +694,12 @@ def to_vllm_lora(
     if targets:
         config["target_parameters"] = sorted(targets)
     return tensors, config
+
+
+def lora_paths(tensors: Mapping[str, Tensor]) -> list[str]:
+    """The LoRA module paths (``base_model.model.`` kept) of adapter tensors in vLLM's format (:func:`to_vllm_lora`):
+    what the trainer asks the engine about and what the engine checks it serves."""
+    return sorted({k[: -len(".lora_A.weight")] for k in tensors if k.endswith(".lora_A.weight")})
 
 
 def from_vllm_lora(

@@ -25,12 +25,10 @@ from torch import Tensor, nn
 
 from hwsync.errors import AdapterFormatError, SyncError, UnsupportedSetupError
 from hwsync.strategy import Choice
-from hwsync.lora_formats import NON_GATED_EXPERTS, wire_name
+from hwsync.lora_formats import NON_GATED_EXPERTS, lora_paths, wire_name
 from hwsync.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
 
-__all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "lora_paths", "read_lora"]
-
-_LORA_SUFFIX = ".lora_A.weight"
+__all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "read_lora"]
 
 
 @dataclass
@@ -121,11 +119,6 @@ def _base_params_raw(model: nn.Module) -> dict[str, tuple[str, Tensor]]:
             continue
         out.setdefault(strip_peft_name(name), (name, p))
     return out
-
-
-def lora_paths(tensors: Mapping[str, Tensor]) -> list[str]:
-    """vLLM LoRA module paths (``base_model.model.`` kept) of an adapter's tensors."""
-    return sorted({k[: -len(_LORA_SUFFIX)] for k in tensors if k.endswith(_LORA_SUFFIX)})
 
 
 def _owners(trainer_modules: Sequence[str]) -> dict[str, list[str]]:

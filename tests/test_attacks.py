@@ -875,7 +875,7 @@ def _forge(base: Baseline, kind: str) -> bool:
 
     thread = threading.Thread(target=receive)
     thread.start()
-    from hwsync.transport.base import open_link
+    from hwsync.backend import open_link
 
     # join as a trainer on this machine would (CUDA: the GPU identity exchange first, then NCCL -- or gloo, as here,
     # when the engine shares the GPU): only the data key is missing

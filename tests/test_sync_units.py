@@ -129,10 +129,11 @@ def _info(**kw: object) -> EngineInfo:
     return EngineInfo.from_dict(base)
 
 
-class _Lora:  # the shape of hwsync.payload.TrainerLora that choose() reads
+class _Lora:  # the shape of hwsync.payload.TrainerLora that choose() reads (hwsync.strategy.LoraFacts)
     def __init__(self, by_module: dict[str, list[str]], rank: int = 4) -> None:
         self.by_module = by_module
         self.max_rank = rank
+        self.not_lora: dict[str, str] = {}
 
 
 _ATTN = "model.layers.0.self_attn.q_proj.weight"

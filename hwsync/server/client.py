@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hwsync.backend import open_link
 from hwsync.engine import Engine, ProgressFn
 from hwsync.errors import SyncError, UnsupportedSetupError, from_wire
 from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, client_handshake, group_prefix, split_address
-from hwsync.transport.base import Link, LinkSpec, open_link
+from hwsync.transport.base import Link, LinkSpec
 from hwsync.transport.buckets import bucket_lists, pool_of, send_buckets
 from hwsync.transport.seal import Sealer
 from hwsync.wire import EngineInfo, Manifest

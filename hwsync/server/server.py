@@ -15,10 +15,11 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hwsync.api import as_engine
+from hwsync.engine import Engine
 from hwsync.errors import SyncError, to_wire
 from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, group_prefix, server_handshake, split_address
 from hwsync.transport.base import LinkSpec
+from hwsync.vllm.local import local_engine
 from hwsync.wire import Manifest
 
 __all__ = ["SyncServer", "serve"]
@@ -63,7 +64,8 @@ class SyncServer:
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_clients: int = 8) -> None:
         if not token:
             raise SyncError("serve() needs a non-empty token (a shared secret the trainer passes to connect())")
-        self.engine = as_engine(llm)  # the one handle of this engine: its lock also guards hwsync's generate
+        # the one handle of this engine (also hwsync.sync's and hwsync.generate's): its lock guards both
+        self.engine = llm if isinstance(llm, Engine) else local_engine(llm)
         self.token = token
         self.timeout_s = float(timeout_s)
         host, port = split_address(address)

@@ -461,7 +461,7 @@ class VllmApplier:
         meta = {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in manifest.lora_specs}
         vllm_tensors, config = self.to_vllm_format(meta, manifest.lora_config or {})
         self._peft_helper(config)
-        from hwsync.payload import lora_paths
+        from hwsync.lora_formats import lora_paths
 
         bad = {p: why for p in lora_paths(vllm_tensors) if (why := self._unservable(manager, p)) is not None}
         if bad:

@@ -102,7 +102,8 @@ def _device(worker: Any) -> torch.device:
 
 def _link(worker: Any, spec: Mapping[str, Any], link_rank: int) -> Any:
     """The worker's end of a data-plane group (kept while its prefix is the same; one live group per worker)."""
-    from hwsync.transport.base import LinkSpec, open_link
+    from hwsync.backend import open_link
+    from hwsync.transport.base import LinkSpec
 
     w = _worker(worker)
     held = w.__dict__.get("_hwsync_link")
