@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,7 +29,7 @@ from hwsync.strategy import Choice
 from hwsync.lora_formats import NON_GATED_EXPERTS, lora_paths, wire_name
 from hwsync.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
 
-__all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "read_lora"]
+__all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "has_adapter", "read_lora"]
 
 
 @dataclass
@@ -65,6 +66,11 @@ def _peft_config(model: nn.Module) -> Any:
     if isinstance(active, (list, tuple)):
         active = active[0] if active else None
     return configs.get(active) if active in configs else next(iter(configs.values()))
+
+
+def has_adapter(model: nn.Module) -> bool:
+    """Whether ``model`` carries a PEFT adapter (:func:`read_lora` has something to read)."""
+    return _peft_config(model) is not None
 
 
 def _adapter_name(model: nn.Module) -> str:
@@ -180,7 +186,7 @@ def read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora | None | Adapte
     """The model's LoRA as it travels; ``None`` without PEFT; the error when it cannot be served as LoRA."""
     from hwsync.gather import placeholders
 
-    if _peft_config(model) is None:
+    if not has_adapter(model):
         return None
     try:
         with placeholders():  # sharded parameters: shapes only (values are read, gathered, at every sync)
@@ -312,7 +318,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
                   gather_bytes: int = 512 << 20) -> Payload:
     """Describe this sync's tensors and how to produce them (lazily, values read at produce time, so a payload
     can be produced again at every sync while the model's structure stays the same)."""
-    from hwsync.merged import is_quantized, logical_shape, merged_named_weights, plain_weight
+    from hwsync.merged import is_quantized, logical_shape
 
     strategy, reason, unservable = choice.strategy, choice.reason, choice.unservable
     reparametrized = _reparametrized(model)
@@ -371,105 +377,110 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
                 t = lora.tensors[wire_name(m, factor)]
                 specs.append(TensorSpec(wire_name(m, factor), tuple(t.shape), t.dtype, "lora"))
 
-    send_set = set(send)
-    merged_send = [n for n in send if n in merged]
-    reader: list[Any] = []  # resolved at the first produce, then reused: no walk of the model per sync
-
-    def lora_values() -> list[Tensor]:
-        if not reader:
-            from hwsync.lora_formats import PeftLoraReader
-
-            reader.append(PeftLoraReader(model, _adapter_name(model), lora_modules))
-        return reader[0].read(lora_dtype)  # the values as of now: produced at every sync
-
-    def produce() -> Iterator[Tensor]:
-        it = merged_named_weights(model, include=lambda n: n in send_set and n in merged) if merged_send else iter(())
-        for name in send:
-            if name in merged:
-                got, t = next(it)
-                if got != name:
-                    raise SyncError(f"internal: merged view yielded {got} where {name} was expected")
-                yield t
-            else:
-                raw, param = raw_base[name]
-                yield plain_weight(model, raw, param)  # W0 as is; dequantized for a 4-bit (QLoRA) base
-        if lora_modules:
-            yield from lora_values()
+    items: list[tuple[str, str]] = [("base", n) for n in send] + [("lora", m) for m in lora_modules]
+    stream = _Stream(model, merged, raw_base, lora_dtype)
 
     def current_base_key() -> str | None:
         if strategy is Strategy.FULL or base_key is None:  # full: no base identity; None: the engine's own base
             return None
         return f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
 
-    payload = Payload(strategy, reason, specs, produce, lora_config, lora_base_names, base_key, includes_base,
-                      current_base_key)
+    payload = Payload(strategy, reason, specs, lambda: stream.read([items]), lora_config, lora_base_names, base_key,
+                      includes_base, current_base_key)
     from hwsync.gather import layout
 
     if layout(model) != "plain":
-        _add_sharded(payload, model, send, merged, raw_base, lora_modules, lora_dtype, gather_bytes)
+        _add_sharded(payload, model, stream, items, merged, raw_base, gather_bytes)
     return payload
 
 
-def _add_sharded(payload: Payload, model: nn.Module, send: Sequence[str], merged: set[str],
-                 raw_base: Mapping[str, tuple[str, Tensor]], lora_modules: Sequence[str],
-                 lora_dtype: torch.dtype | None, gather_bytes: int) -> None:
+class _Stream:
+    """Reads a payload's tensors in manifest order, group by group: one group for a plain model; for a sharded one
+    (:mod:`hwsync.gather`) the groups of its gather schedule, each read while gathered. Merged tensors are computed
+    on demand, base tensors read as they are, LoRA factors through one :class:`~hwsync.lora_formats.PeftLoraReader`
+    per group, resolved at the first read and reused (values are read at every sync)."""
+
+    def __init__(self, model: nn.Module, merged: set[str], raw_base: Mapping[str, tuple[str, Tensor]],
+                 lora_dtype: torch.dtype | None) -> None:
+        self.model, self.merged, self.raw_base, self.lora_dtype = model, merged, raw_base, lora_dtype
+        self.readers: dict[int, Any] = {}
+
+    def read(self, groups: Sequence[Sequence[tuple[str, str]]], steps: Iterator[None] | None = None,
+             wire: Mapping[str, torch.dtype] | None = None) -> Iterator[Tensor]:
+        """The tensors of ``groups`` (``("base" | "lora", name)`` items, LoRA last in each group). With ``steps``
+        (:func:`hwsync.gather.run_groups`), advanced once per group, every tensor is checked to come from a gathered
+        parameter and cast to its ``wire`` dtype while the group is gathered: the bucket then holds wire-sized
+        copies and the gathered tensor is released with its group (an fp32 trainer feeding a bf16 engine would
+        otherwise keep twice a bucket of gathered fp32 tensors pending in the transport)."""
+        from hwsync.merged import merged_named_weights, plain_weight
+
+        for g, group in enumerate(groups):
+            if steps is not None:
+                next(steps)  # this group's parameters are gathered until the next step
+            in_group = {name for kind, name in group if kind == "base" and name in self.merged}
+            it = merged_named_weights(self.model, include=in_group.__contains__) if in_group else iter(())
+            lora = [name for kind, name in group if kind == "lora"]
+            for kind, name in group:
+                if kind != "base":
+                    continue
+                if name in self.merged:
+                    got, t = next(it)
+                    if got != name:
+                        raise SyncError(f"internal: merged view yielded {got} where {name} was expected")
+                else:
+                    raw, param = self.raw_base[name]
+                    t = plain_weight(self.model, raw, param)  # W0 as is; dequantized for a 4-bit (QLoRA) base
+                yield t if steps is None else _gathered(name, t, wire)
+            if lora:  # A, B per module; no cast: read in the engine's LoRA dtype
+                for i, t in enumerate(self._lora(g, lora, sharded=steps is not None)):
+                    yield t if steps is None else _gathered(lora[i // 2], t, None)
+            del it
+
+    def _lora(self, group: int, modules: Sequence[str], sharded: bool) -> list[Tensor]:
+        """A and B (scaling folded, in the engine's LoRA dtype) of ``modules``, as of now."""
+        from hwsync import gather
+        from hwsync.lora_formats import PeftLoraReader
+
+        with gather.placeholders() if sharded else contextlib.nullcontext():  # other groups' modules: shapes only
+            reader = self.readers.get(group)
+            if reader is None:
+                reader = self.readers[group] = PeftLoraReader(self.model, _adapter_name(self.model), modules)
+            return reader.read(self.lora_dtype)
+
+
+def _gathered(name: str, t: Tensor, wire: Mapping[str, torch.dtype] | None) -> Tensor:
+    """``t`` read inside its gather, in its wire dtype (:meth:`_Stream.read`)."""
+    if t.is_meta:
+        raise SyncError(f"internal: {name} was produced from a parameter that was not gathered")
+    dtype = wire.get(name) if wire is not None else None
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+
+def _add_sharded(payload: Payload, model: nn.Module, stream: _Stream, items: Sequence[tuple[str, str]],
+                 merged: set[str], raw_base: Mapping[str, tuple[str, Tensor]], gather_bytes: int) -> None:
     """The gather schedule of a sharded model: the payload's tensors in order, grouped so the parameters gathered
     for one group stay within ``gather_bytes`` (one bucket); each group is read while gathered, then dropped."""
     from hwsync import gather
     from hwsync.lora_formats import extract_peft_lora
-    from hwsync.merged import merged_named_weights, plain_weight, read_sets
+    from hwsync.merged import read_sets
 
     params = dict(model.named_parameters())
-    reads = read_sets(model) if any(n in merged for n in send) else {}
-    items: list[tuple[tuple[str, str], list[str]]] = []
-    for name in send:
-        items.append((("base", name), reads[name] if name in merged else [raw_base[name][0]]))
-    if lora_modules:
+    reads = read_sets(model) if any(kind == "base" and n in merged for kind, n in items) else {}
+    sources: dict[tuple[str, str], list[str]] = {}
+    if any(kind == "lora" for kind, _ in items):
         with gather.placeholders():
             adapter = extract_peft_lora(model, _adapter_name(model))
-        for m in lora_modules:
-            sources = [s for s in adapter.modules[m].sources if s]
-            if len(sources) != 2:
-                raise SyncError(f"internal: LoRA module {m} has no parameter names to gather")
-            items.append((("lora", m), sources))
-    sizes = {n: gather.global_nbytes(params[n]) for _, names in items for n in names}
-    groups = gather.plan_groups(items, sizes, gather_bytes)
+    for kind, name in items:
+        if kind == "base":
+            sources[(kind, name)] = reads[name] if name in merged else [raw_base[name][0]]
+            continue
+        pair = [s for s in adapter.modules[name].sources if s]
+        if len(pair) != 2:
+            raise SyncError(f"internal: LoRA module {name} has no parameter names to gather")
+        sources[(kind, name)] = pair
+    sizes = {n: gather.global_nbytes(params[n]) for names in sources.values() for n in names}
+    groups = gather.plan_groups(list(sources.items()), sizes, gather_bytes)
     payload.schedule = [gather.group_params(g) for g in groups]
-
     wire = {s.name: s.dtype for s in payload.specs}
-
-    def check(name: str, t: Tensor) -> Tensor:
-        if t.is_meta:
-            raise SyncError(f"internal: {name} was produced from a parameter that was not gathered")
-        # cast to the wire dtype here, while the group is gathered: the bucket then holds wire-sized copies and the
-        # gathered tensor is released with its group (an fp32 trainer feeding a bf16 engine would otherwise keep
-        # twice a bucket of gathered fp32 tensors pending in the transport)
-        dtype = wire.get(name)
-        return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
-
-    def produce_sharded(steps: Iterator[None]) -> Iterator[Tensor]:
-        for group in groups:
-            next(steps)  # this group's parameters are gathered until the next step
-            in_group = {key[1] for key, _ in group if key[0] == "base" and key[1] in merged}
-            it = merged_named_weights(model, include=in_group.__contains__) if in_group else iter(())
-            adapter = None
-            for (kind, name), _ in group:
-                if kind == "base" and name in merged:
-                    got, t = next(it)
-                    if got != name:
-                        raise SyncError(f"internal: merged view yielded {got} where {name} was expected")
-                    yield check(name, t)
-                elif kind == "base":
-                    raw, param = raw_base[name]
-                    yield check(name, plain_weight(model, raw, param))
-                else:
-                    if adapter is None:
-                        with gather.placeholders():  # modules of other groups: shapes only, never produced
-                            adapter = extract_peft_lora(model, _adapter_name(model))
-                    f = adapter.modules[name].folded(lora_dtype)
-                    yield check(name, f.lora_A)
-                    yield check(name, f.lora_B)
-                    del f
-            del it, adapter
-
-    payload.produce_sharded = produce_sharded
+    keys = [[key for key, _ in g] for g in groups]
+    payload.produce_sharded = lambda steps: stream.read(keys, steps, wire)

@@ -24,10 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hwsync.api import as_engine
+from hwsync.api import SyncedPlan, SyncPlan, as_engine, last_plan
 from hwsync.engine import Engine
 from hwsync.errors import OptionError, SyncError, UnsupportedSetupError, VerifyError
+from hwsync.payload import Payload
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
+from hwsync.wire import TensorSpec
 
 __all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "check", "engine_logprobs", "gate_for",
            "parse_gate", "token_logprobs", "verify"]
@@ -228,51 +230,25 @@ _HINT = ("the engine does not compute what the trainer computes: check the sync 
          "(raise the gate for this platform with gate= / HWSYNC_VERIFY_GATE only after checking the numbers)")
 
 
-def last_plan(engine: Any, model: nn.Module) -> Any:
-    from hwsync.payload import model_uuid
-
-    prefix = f"{model_uuid(model)}:"
-    plans = [p for k, p in engine.plans.items() if k.startswith(prefix)]
-    return max(plans, key=lambda p: p.synced_version) if plans else None
-
-
-@dataclass(frozen=True)
-class _Synced:
-    """What the checks need of the trainer's last sync plan (plain data: it crosses ranks)."""
-
-    version: int
-    strategy: Any
-    lora_int_id: int | None
-
-    @classmethod
-    def of(cls, plan: Any) -> _Synced | None:
-        if plan is None or isinstance(plan, _Synced):
-            return plan
-        return cls(plan.synced_version, plan.manifest.strategy, plan.manifest.lora_int_id)
-
-
-def _last_synced(engine: Any, model: nn.Module) -> _Synced | None:
+def _last_synced(engine: Any, model: nn.Module) -> SyncedPlan | None:
+    """The trainer's last sync of ``model`` into ``engine`` (for a sharded trainer whose rank 0 holds the engine:
+    rank 0's, on every rank)."""
     if isinstance(engine, _OnRank0):
-        return engine.ask(lambda e: _Synced.of(last_plan(e, model)))
-    return _Synced.of(last_plan(engine, model))
+        return engine.ask(lambda e: _synced(last_plan(e, model)))  # type: ignore[no-any-return]
+    return _synced(last_plan(engine, model))
 
 
-def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, Iterator[tuple[Any, torch.Tensor]]]:
+def _synced(plan: SyncPlan | None) -> SyncedPlan | None:
+    return plan.synced() if plan is not None else None
+
+
+def reference_tensors(model: nn.Module, plan: SyncPlan | SyncedPlan
+                      ) -> tuple[Payload, Iterator[tuple[TensorSpec, torch.Tensor]]]:
     """``(payload, (spec, tensor) pairs)``: every tensor a from-scratch sync of ``plan``'s strategy would send now
-    (merged view for merged names, W0 for frozen ones, folded LoRA A/B), lazily, as the engine should hold them."""
-    import dataclasses
-
-    from hwsync.api import describe_for
-    from hwsync.payload import build_payload
-    from hwsync.strategy import choose
-    from hwsync.wire import Strategy
-
-    info, lora = describe_for(engine, model)
-    strategy = _Synced.of(plan).strategy  # type: ignore[union-attr]
-    choice = choose(strategy, lora, info)
-    fresh = dataclasses.replace(info, base_key=None, stale=False)  # as if nothing were on the engine: all of it
-    trainer_lora = lora if strategy is not Strategy.FULL else None
-    payload = build_payload(model, choice, trainer_lora, fresh)  # type: ignore[arg-type]
+    (merged view for merged names, W0 for frozen ones, folded LoRA A/B), lazily, as the engine should hold them;
+    planned from the engine's description ``plan`` was made from (no new round trip)."""
+    synced = plan.synced() if isinstance(plan, SyncPlan) else plan
+    payload = synced.reference_payload(model)
     return payload, _pairs(model, payload)
 
 
@@ -295,14 +271,14 @@ def _pairs(model: nn.Module, payload: Any) -> Iterator[tuple[Any, torch.Tensor]]
         gather.drain(steps)
 
 
-def _expected(engine: Any, model: nn.Module, plan: Any, seed: int
+def _expected(model: nn.Module, plan: SyncedPlan, seed: int
               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
     """(fingerprint request for the engine, its LoRA part, trainer fingerprints) over :func:`reference_tensors`,
     each fingerprinted as it travels (wire dtype)."""
     from hwsync.fingerprint import dot, probe
     from hwsync.wire import dtype_name
 
-    payload, pairs = reference_tensors(engine, model, plan)
+    payload, pairs = reference_tensors(model, plan)
     want: dict[str, tuple[float, float, float]] = {}
     dtypes: dict[str, torch.dtype] = {}
     base: list[Any] = []
@@ -350,7 +326,7 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tupl
         return [], [f"content: {type(engine).__name__} cannot read fingerprints back (logprob gate only)"]
     if info.workers > 1:  # each worker holds a TP shard, the trainer's fingerprints cover whole tensors
         return [], [f"content: the engine runs {info.workers} workers (tensor parallel shards): logprob gate only"]
-    request, lora_req, want, dtypes = _expected(engine, model, plan, seed)
+    request, lora_req, want, dtypes = _expected(model, plan, seed)
     got = fp(request)
     if got is None:
         return [], ["content: the engine runs with several workers (tensor parallel): logprob gate only"]

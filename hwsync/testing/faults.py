@@ -166,10 +166,12 @@ class FaultInjector:
         self._repair: Any = None
 
     def _reference(self) -> dict[str, Tensor]:
-        from hwsync.verify import last_plan, reference_tensors
+        from hwsync.api import last_plan
+        from hwsync.verify import reference_tensors
 
         plan = last_plan(self.engine, self.model)
-        _, pairs = reference_tensors(self.engine, self.model, plan)
+        assert plan is not None, "the model was never synced into this engine"
+        _, pairs = reference_tensors(self.model, plan)
         return {s.name: t.detach().to(s.dtype).clone() for s, t in pairs if s.kind == "base"}
 
     def _layer_experts(self, ref: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -248,9 +250,11 @@ class FaultInjector:
         return True
 
     def _strategy(self) -> str:
-        from hwsync.verify import last_plan
+        from hwsync.api import last_plan
 
-        return last_plan(self.engine, self.model).manifest.strategy.value
+        plan = last_plan(self.engine, self.model)
+        assert plan is not None, "the model was never synced into this engine"
+        return plan.manifest.strategy.value
 
     def repair(self) -> None:
         """Put the engine back to serving the trainer's current weights."""
