@@ -114,7 +114,7 @@ class SyncPlan:
             strategy=choice.strategy,
             specs=tuple(payload.specs),
             buckets=plan_buckets(payload.specs, size),
-            lora_config=payload.lora_config,
+            lora_meta=payload.lora_meta,
             lora_base_names=dict(payload.lora_base_names),
             base_key=payload.base_key,
             lora_name=options.lora_name,
@@ -194,19 +194,19 @@ def _signature(model: nn.Module) -> tuple[Any, ...]:
     return active, tuple((id(p), p.shape) for p in parameters(model))
 
 
-_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
+_SHARDINGS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
 
 
-def _layout(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
-    """The model's :func:`hwsync.gather.layout` and :func:`_signature`: one walk of the model per sync (the layout
+def _sharding(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
+    """The model's :func:`hwsync.gather.sharding` and :func:`_signature`: one walk of the model per sync (the sharding
     is looked at again only when the signature changes, e.g. after ``fully_shard``)."""
-    from hwsync.gather import layout
+    from hwsync.gather import sharding
 
     signature = _signature(model)
-    known = _LAYOUTS.get(model)
+    known = _SHARDINGS.get(model)
     if known is None or known[0] != signature:
-        known = (signature, layout(model))
-        _LAYOUTS[model] = known
+        known = (signature, sharding(model))
+        _SHARDINGS[model] = known
     return known[1], signature
 
 
@@ -253,7 +253,7 @@ def sync(
     over the ranks), ranks without one pass ``None`` (they take part in the gathers and return ``None``).
     """
     options = SyncOptions.parse(strategy, bucket_mb, lora_name, lora_int_id)
-    kind, signature = _layout(model)
+    kind, signature = _sharding(model)
     if kind != "plain":
         return _sync_sharded(target, model, options, version, progress, signature)
     if target is None:

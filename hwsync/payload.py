@@ -41,7 +41,8 @@ class Payload:
     specs: list[TensorSpec]
     produce: Callable[[], Iterator[Tensor]]
     """Yields one tensor per spec, in order (merged tensors are computed on demand, one at a time)."""
-    lora_config: dict[str, Any] | None = None
+    lora_meta: dict[str, Any] | None = None
+    """The LoRA tensors' metadata (:attr:`hwsync.wire.Manifest.lora_meta`) for the modules this sync sends."""
     lora_base_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
     base_key: str | None = None
     includes_base: bool = False
@@ -364,13 +365,13 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
 
     specs = [TensorSpec(n, logical_shape(base[n]), _wire_dtype(n, base[n], info), "base") for n in send]
     lora_modules: list[str] = []
-    lora_config = None
+    lora_meta = None
     lora_base_names: dict[str, tuple[int, ...]] = {}
     lora_dtype = dtype_from_name(info.lora_dtype) if info.lora_dtype else None
     if strategy is not Strategy.FULL and lora is not None:
         lora_modules = [m for m in lora.adapter.modules if m not in unservable]
         if lora_modules:
-            lora_config = dict(lora.meta, modules={m: lora.meta["modules"][m] for m in lora_modules})
+            lora_meta = dict(lora.meta, modules={m: lora.meta["modules"][m] for m in lora_modules})
             lora_base_names = {m: logical_shape(base[m]) for m in lora_modules if m in base}
         for m in lora_modules:
             for factor in ("A", "B"):
@@ -385,11 +386,11 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
             return None
         return f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
 
-    payload = Payload(strategy, reason, specs, lambda: stream.read([items]), lora_config, lora_base_names, base_key,
+    payload = Payload(strategy, reason, specs, lambda: stream.read([items]), lora_meta, lora_base_names, base_key,
                       includes_base, current_base_key)
-    from hwsync.gather import layout
+    from hwsync.gather import sharding
 
-    if layout(model) != "plain":
+    if sharding(model) != "plain":
         _add_sharded(payload, model, stream, items, merged, raw_base, gather_bytes)
     return payload
 

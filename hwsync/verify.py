@@ -296,7 +296,7 @@ def _expected(model: nn.Module, plan: SyncedPlan, seed: int
                 lora_shapes.append(list(spec.shape))
             else:
                 base.append([spec.name, list(spec.shape), dtype_name(spec.dtype)])
-    lora_req = {"keys": lora_keys, "shapes": lora_shapes, "config": payload.lora_config or {}} if lora_keys else None
+    lora_req = {"keys": lora_keys, "shapes": lora_shapes, "meta": payload.lora_meta or {}} if lora_keys else None
     return {"seed": seed, "base": base, "lora": lora_req}, lora_req or {}, want, dtypes
 
 
@@ -534,7 +534,7 @@ class _OnRank0(Engine):
 
     def ask(self, fn: Any) -> Any:
         """``fn(engine)`` on rank 0, its result (or error) on every rank."""
-        from hwsync.errors import from_wire, to_wire
+        from hwsync.errors import decode_error, encode_error
         from hwsync.gather import rank0_value
 
         out: Any = None
@@ -543,14 +543,14 @@ class _OnRank0(Engine):
             try:
                 out = ("ok", fn(self.inner))
             except Exception as e:  # noqa: BLE001 - raised on every rank below
-                error, out = e, ("error", to_wire(e))
+                error, out = e, ("error", encode_error(e))
         out = rank0_value(out)
         if error is not None:
             raise error
         if out is None:
             raise SyncError("internal: rank 0 holds no engine for hwsync.verify")
         if out[0] == "error":
-            raise from_wire(out[1])
+            raise decode_error(out[1])
         return out[1]
 
     def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> Any:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from hwsync.cpu.link import GlooLink
-from hwsync.errors import AdapterFormatError, SyncError
+from hwsync.errors import AdapterFormatError, OptionError, SyncError
 from hwsync.payload import _companions
 from hwsync.report import SyncReport
 from hwsync.strategy import choose
@@ -169,7 +169,7 @@ def test_explicit_strategies_refuse_what_cannot_work() -> None:
         choose("hybrid", lora, _info(lora_enabled=False))
     with pytest.raises(AdapterFormatError, match="no adapter"):
         choose("adapter", None, _info())
-    with pytest.raises(SyncError, match="unknown strategy"):
+    with pytest.raises(OptionError, match="unknown strategy"):  # a caller's option, like a bad bucket_mb=
         choose("merged", lora, _info())
     assert choose("full", lora, no_moe).strategy is Strategy.FULL
 

@@ -141,7 +141,7 @@ class Namespace:
     """What a receiver holds and declares; built from a live vLLM model by :func:`namespace_from_vllm_model`.
 
     ``params`` is keyed by canonical name (vLLM-LoRA ``base_layer`` removed); ``live`` holds the parameters
-    themselves (not pickled, not part of the signature) so a :class:`Plan` can write into them.
+    themselves (not pickled, not part of the signature) so a :class:`NameMap` can write into them.
     """
 
     params: dict[str, ParamSpec]

@@ -35,7 +35,7 @@ class Target:
     ``[E, in, out]`` experts): written through vLLM's reload path only (one expert at a time where the model's loader
     takes per-expert keys, :attr:`hwsync.names.ExpertGroup.streamed`). ``"routed"``: a name no declaration places,
     handed to vLLM's loader under its checkpoint spelling (``resolve(route_unknown=True)``); ``param`` is empty until
-    :meth:`Plan.bind_routed` turns it into ``"loader"`` targets on the parameters the loader wrote.
+    :meth:`NameMap.bind_routed` turns it into ``"loader"`` targets on the parameters the loader wrote.
     """
 
     param: str
@@ -79,8 +79,8 @@ def _transpose_last(t: Tensor) -> Tensor:
 
 
 @dataclass
-class Plan:
-    """A resolved manifest: per trainer name, the receiver targets; reusable every step.
+class NameMap:
+    """The name map of a resolved manifest: per trainer name, the receiver targets; reusable every step.
 
     ``entries`` maps each trainer name (as given) to its targets; ``skipped`` maps names deliberately not
     written to the reason (allowed by the caller). ``manifest`` is what was validated; :meth:`apply` refuses
@@ -289,7 +289,7 @@ class Plan:
         """Receiver parameters (live names) that no trainer name in the manifest writes completely."""
         return sorted(_uncovered(self.namespace, self.entries.values()))
 
-    def rebind(self, ns: Namespace) -> Plan:
+    def rebind(self, ns: Namespace) -> NameMap:
         """The same plan writing into another receiver with an identical namespace signature."""
         if ns.signature != self.namespace.signature:
             raise ResolutionError("cannot rebind a plan to a receiver with a different namespace; resolve again")

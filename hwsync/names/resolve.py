@@ -1,4 +1,4 @@
-"""Resolution: trainer names -> :class:`~hwsync.names.plan.Plan`, every problem in one error."""
+"""Resolution: trainer names -> :class:`~hwsync.names.plan.NameMap`, every problem in one error."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from hwsync.names.namespace import Namespace, ParamSpec, ShardId, Spec, _canonical
 from hwsync.names.plan import (
-    Plan,
+    NameMap,
     Target,
     _atoms,
     _dt,
@@ -51,7 +51,7 @@ def resolve(
     cast: bool = False,
     require_complete: bool = False,
     route_unknown: bool = False,
-) -> Plan:
+) -> NameMap:
     """Resolve a whole manifest against a receiver namespace; raise one ResolutionError listing every problem.
 
     ``allow_skip_prefixes``: trainer-name prefixes (as given or normalized) that may be left unwritten when they
@@ -64,7 +64,7 @@ def resolve(
     parameter is not refused here but left to the model's own loader, spelled the checkpoint way (transformers'
     renames reversed), as a ``"routed"`` target: models rename inside ``load_weights`` where no declaration shows it
     (Ernie 4.5's ``moe_statics``, Granite-MoE-hybrid's ``router.layer``). The caller must find where vLLM's loader
-    puts it (:func:`hwsync.vllm.dry_run.dry_run_load` binds it with :meth:`Plan.bind_routed`) or refuse it.
+    puts it (:func:`hwsync.vllm.dry_run.dry_run_load` binds it with :meth:`NameMap.bind_routed`) or refuse it.
     """
     problems: list[str] = []
     entries: dict[str, tuple[Target, ...]] = {}
@@ -137,7 +137,7 @@ def resolve(
             problems.append(f"receiver parameter {pname} is not (fully) written by any trainer name")
     if problems:
         raise _error(_dedupe(problems), "nothing was written", len(specs), ns)
-    plan = Plan(entries, skipped, {n: (tuple(s), d) for n, (s, d) in specs.items()}, ns,
+    plan = NameMap(entries, skipped, {n: (tuple(s), d) for n, (s, d) in specs.items()}, ns,
                 f"{ns.signature}:{manifest_signature(specs)}", resolutions)
     return plan
 
@@ -460,13 +460,13 @@ def _trainer_vocabulary(ns: Namespace) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # caching
 # ---------------------------------------------------------------------------------------------------------------
-class PlanCache:
+class NameMapCache:
     """Plans keyed by (namespace signature, manifest signature, options): resolve once, reuse every step."""
 
     def __init__(self) -> None:
-        self._plans: dict[tuple[Any, ...], Plan] = {}
+        self._plans: dict[tuple[Any, ...], NameMap] = {}
 
-    def get(self, specs: Mapping[str, Spec], ns: Namespace, **options: Any) -> Plan:
+    def get(self, specs: Mapping[str, Spec], ns: Namespace, **options: Any) -> NameMap:
         key = (ns.signature, manifest_signature(specs), tuple(sorted((k, repr(v)) for k, v in options.items())))
         plan = self._plans.get(key)
         if plan is None:

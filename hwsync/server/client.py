@@ -23,7 +23,7 @@ from torch import Tensor
 
 from hwsync.backend import open_link
 from hwsync.engine import Engine, ProgressFn
-from hwsync.errors import SyncError, UnsupportedSetupError, from_wire
+from hwsync.errors import SyncError, UnsupportedSetupError, decode_error
 from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, client_handshake, group_prefix, split_address
 from hwsync.transport.base import Link, LinkSpec
 from hwsync.transport.buckets import bucket_lists, pool_of, send_buckets
@@ -55,7 +55,7 @@ class _Conn:
             raise SyncError(f"lost the engine at {self.address} ({e})") from None
         if not rep.get("ok"):
             error = dict(rep.get("error") or {})
-            raise from_wire({**error, "message": self.label + str(error.get("message", "remote error"))})
+            raise decode_error({**error, "message": self.label + str(error.get("message", "remote error"))})
         return rep.get("result")
 
     def call(self, op: str, args: dict[str, Any]) -> Any:

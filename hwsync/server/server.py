@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hwsync.engine import Engine
-from hwsync.errors import SyncError, to_wire
+from hwsync.errors import SyncError, encode_error
 from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, group_prefix, server_handshake, split_address
 from hwsync.transport.base import LinkSpec
 from hwsync.vllm.local import local_engine
@@ -163,7 +163,7 @@ class SyncServer:
                         raise SyncError("request arguments must be a JSON object")
                     reply = {"ok": True, "result": handler(self, channel, args)}
                 except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer
-                    reply = {"ok": False, "error": to_wire(e)}
+                    reply = {"ok": False, "error": encode_error(e)}
                 try:
                     channel.send(reply)
                 except (ConnectionError, OSError, SyncError):

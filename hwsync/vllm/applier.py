@@ -459,7 +459,7 @@ class VllmApplier:
             raise AdapterFormatError('the engine was started without enable_lora: use strategy="full" or restart '
                                      "vLLM with enable_lora=True")
         meta = {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in manifest.lora_specs}
-        vllm_tensors, config = self.to_vllm_format(meta, manifest.lora_config or {})
+        vllm_tensors, config = self.to_vllm_format(meta, manifest.lora_meta or {})
         self._peft_helper(config)
         from hwsync.lora_formats import lora_paths
 

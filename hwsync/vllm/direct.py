@@ -3,7 +3,7 @@
 vLLM's reload path (``reload_weights``) is always correct but slow: it restores every layer in checkpoint format,
 calls each parameter's loader once per expert and projection, re-runs post-load processing and copies the result
 back. Where the kernels read a parameter exactly as checkpoint layout puts it, all of that is a copy: this module
-writes those parameters directly (:meth:`hwsync.names.Plan.apply`: TP slices, packed rows, fused experts through
+writes those parameters directly (:meth:`hwsync.names.NameMap.apply`: TP slices, packed rows, fused experts through
 :mod:`hwsync.layouts`) and leaves every other layer to the reload path.
 
 A parameter is written in place only when both hold:

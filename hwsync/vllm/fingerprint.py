@@ -31,7 +31,7 @@ __all__ = ["fingerprints"]
 
 def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     """``request``: ``seed``, ``base`` ([name, shape, dtype] of trainer tensors), ``lora`` (None or ``keys``,
-    ``shapes``, ``config``). Returns the receiver state plus ``base``/``lora``: name -> [value, magnitude] or a
+    ``shapes``, ``meta``). Returns the receiver state plus ``base``/``lora``: name -> [value, magnitude] or a
     string saying why that tensor cannot be read back here."""
     from hwsync.vllm.worker import _worker, receiver_of
 
@@ -62,26 +62,26 @@ def _base(w: Any, applier: Any, specs_in: list[Any], seed: int) -> dict[str, Any
     if cached is None:
         from hwsync.vllm.dry_run import dry_run_load
 
-        names_plan = applier._names_plan(specs, cast=True)
+        name_map = applier._names_plan(specs, cast=True)
         transformed: set[str] = set()  # computed by the model's load_weights, not laid out: no probe can follow
-        dry_run_load(model, specs, names_plan, transformed=transformed, raw={})  # raw copies: read as written
+        dry_run_load(model, specs, name_map, transformed=transformed, raw={})  # raw copies: read as written
         cache.clear()
-        cache[key] = cached = (names_plan, transformed)
-    names_plan, transformed = cached
-    ns = names_plan.namespace
+        cache[key] = cached = (name_map, transformed)
+    name_map, transformed = cached
+    ns = name_map.namespace
     live = {ns.params[c].name: t for c, t in ns.live.items()}
     shapes = {s.name: s.shape for s in specs}
     dtypes = {s.name: s.dtype for s in specs}
     out: dict[str, Any] = {}
-    for name, targets in names_plan.entries.items():
-        if name in names_plan.skipped:
+    for name, targets in name_map.entries.items():
+        if name in name_map.skipped:
             continue
         if name in transformed:
             out[name] = ("computed from the trainer's tensor by the model's own load_weights (not a re-layout, e.g. "
                          "Llama 4's q/k rotary permutation): not fingerprinted")
             continue
         try:
-            out[name] = _one_base(model, names_plan, name, targets, shapes[name], dtypes[name], live, seed)
+            out[name] = _one_base(model, name_map, name, targets, shapes[name], dtypes[name], live, seed)
         except _Unreadable as e:
             out[name] = str(e)
     return out
@@ -91,11 +91,11 @@ class _Unreadable(Exception):
     pass
 
 
-def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, shape: tuple[int, ...],
+def _one_base(model: torch.nn.Module, name_map: Any, name: str, targets: Any, shape: tuple[int, ...],
               dtype: torch.dtype, live: Mapping[str, Tensor], seed: int) -> list[float]:
     from hwsync.vllm.direct import _owner, _pieces, why_not_direct
 
-    ns = names_plan.namespace
+    ns = name_map.namespace
     total = magnitude = peak = 0.0
     for tg in targets:
         if tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
@@ -112,13 +112,13 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
             g = ns.group_of(tg.param)
             if g is None or g.sharding is None:
                 raise _Unreadable(f"{tg.param}: expert layout unknown ({getattr(g, 'unwritable', None)})")
-            ((dst, src),) = _pieces(names_plan, tg, r, held)
+            ((dst, src),) = _pieces(name_map, tg, r, held)
             if why_not_direct(module, tg.param, set()) is not None:  # the kernel keeps its own layout: replay it
                 src = _moe_post_load(module, g, tg.param, src)
             pairs = [(dst, src)]
         else:
             view = _kernel_view(module, tg.param, held, ns.spec_of(tg.param).shape)
-            pairs = _pieces(names_plan, tg, r, view)
+            pairs = _pieces(name_map, tg, r, view)
         for dst, src in pairs:
             v, m, top = dot(dst, src)
             total += v
@@ -199,12 +199,12 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
     if lid not in manager.lora_index_to_id:
         return f"adapter id {lid} is not active in a LoRA slot"
     slot = manager.lora_index_to_id.index(lid)
-    keys, shapes, config = list(req["keys"]), [tuple(s) for s in req["shapes"]], dict(req["config"])
-    key = json.dumps([keys, shapes, config, lid], sort_keys=True, default=str)
+    keys, shapes, meta = list(req["keys"]), [tuple(s) for s in req["shapes"]], dict(req["meta"])
+    key = json.dumps([keys, shapes, meta, lid], sort_keys=True, default=str)
     cache = w.__dict__.setdefault("_hwsync_fp_writers", {})
     writer = cache.get(key)
     if writer is None:
-        build = applier._adapter_builder(config, lid)
+        build = applier._adapter_builder(meta, lid)
         writer = SlotWriter.trace(manager, build, keys, shapes,
                                   getattr(w.model_runner, "device", torch.device("cpu")))
         if isinstance(writer, str):

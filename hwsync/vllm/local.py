@@ -16,7 +16,7 @@ from torch import Tensor
 
 from hwsync.capabilities import check_vllm_supported
 from hwsync.engine import Engine, ProgressFn
-from hwsync.errors import SyncError, from_wire
+from hwsync.errors import SyncError, decode_error
 from hwsync.transport.base import LinkSpec
 from hwsync.transport.buckets import bucket_lists
 from hwsync.vllm import worker
@@ -54,7 +54,7 @@ class LocalEngine(Engine):
         replies = list(self.llm.collective_rpc(worker.answered, args=(self.in_process, fn, *args)))
         for status, value in replies:
             if status != "ok":
-                raise value if isinstance(value, BaseException) else from_wire(value)
+                raise value if isinstance(value, BaseException) else decode_error(value)
         return [value for _, value in replies]
 
     def rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
