@@ -267,7 +267,7 @@ def gathered(params: Sequence[Tensor]) -> Iterator[dict[int, Tensor]]:
                 got[id(p)] = t
         if z3:
             try:
-                import deepspeed  # type: ignore[import-not-found]
+                import deepspeed
             except ImportError as e:  # pragma: no cover - only with ZeRO-3 parameters, which need deepspeed
                 raise UnsupportedSetupError(f"ZeRO-3 parameters but deepspeed cannot be imported ({e})") from None
             stack.enter_context(deepspeed.zero.GatheredParameters(list(z3), modifier_rank=None))

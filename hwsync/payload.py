@@ -96,7 +96,7 @@ def model_uuid(model: nn.Module) -> str:
     return value
 
 
-def _merged_names(model: nn.Module) -> list[str]:
+def merged_names(model: nn.Module) -> list[str]:
     """The names :func:`merged_named_weights` yields, in order, without computing anything."""
     from hwsync.merged import merged_named_weights
 
@@ -232,7 +232,7 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
 def _not_lora(modules: Mapping[str, Any]) -> dict[str, str]:
     """Trainer LoRA modules vLLM cannot serve as LoRA on any engine (-> why): stacked-expert LoRA on a parameter
     other than gate_up/down (non-gated experts, Nemotron-H's ``experts.up_proj``), and with it every other expert
-    LoRA of the same experts block, since ``hybrid`` merges a block whole (:func:`_companions`): a sibling left as
+    LoRA of the same experts block, since ``hybrid`` merges a block whole (:func:`companions`): a sibling left as
     LoRA would be applied twice."""
     from hwsync.lora_formats import LoraKind
 
@@ -261,7 +261,7 @@ def base_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {n: logical_shape(p) for n, p in _base_params(model).items() if p.is_floating_point() or is_quantized(p)}
 
 
-def _companions(unservable: Sequence[str], names: Sequence[str], packed: Mapping[str, Sequence[str]]) -> set[str]:
+def companions(unservable: Sequence[str], names: Sequence[str], packed: Mapping[str, Sequence[str]]) -> set[str]:
     """Parameters that must travel with merged ``unservable`` ones so every engine layer they touch is complete:
     all parameters of the same experts block, and the other parts of a packed projection (q/k/v)."""
     out: set[str] = set()
@@ -324,7 +324,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
     strategy, reason, unservable = choice.strategy, choice.reason, choice.unservable
     reparametrized = _reparametrized(model)
 
-    names = _merged_names(model)
+    names = merged_names(model)
     raw_base = _base_params_raw(model)
     base = {clean: p for clean, (_, p) in raw_base.items()}
     missing = [n for n in names if n not in base]
@@ -339,7 +339,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
         includes_base = True
     else:
         assert lora is not None
-        merged = _companions(unservable, names, info.packed_modules_mapping) if strategy is Strategy.HYBRID else set()
+        merged = companions(unservable, names, info.packed_modules_mapping) if strategy is Strategy.HYBRID else set()
         frozen = [n for n in names if n not in merged]
         base_key = f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
         includes_base = info.stale or info.base_key != base_key
@@ -356,6 +356,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
                      "trainer's quantized base was loaded from)"
         send = list(names) if includes_base else [n for n in names if n in merged]
         if includes_base:
+            assert base_key is not None  # None only for an engine serving its own quantized base: never sent
             why = "engine is stale" if info.stale else "first sync" if info.base_key is None else (
                 "trainer base changed" if info.base_key.rsplit(":", 1)[0] == base_key.rsplit(":", 1)[0]
                 else "engine holds other base weights")

@@ -23,10 +23,13 @@ class LoraFacts(Protocol):
     @property
     def max_rank(self) -> int: ...
 
-    by_module: Mapping[str, list[str]]
-    """Trainer LoRA parameter name -> the vLLM LoRA module paths it becomes."""
-    not_lora: Mapping[str, str]
-    """Trainer LoRA modules no vLLM engine serves as LoRA (-> why)."""
+    @property
+    def by_module(self) -> Mapping[str, list[str]]:
+        """Trainer LoRA parameter name -> the vLLM LoRA module paths it becomes."""
+
+    @property
+    def not_lora(self) -> Mapping[str, str]:
+        """Trainer LoRA modules no vLLM engine serves as LoRA (-> why)."""
 
 
 @dataclass(frozen=True)

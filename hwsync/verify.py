@@ -165,7 +165,7 @@ def parse_gate(text: str, var: str = "HWSYNC_VERIFY_GATE") -> Gate:
         raise OptionError(f"{var}={text!r}: expected 'mean,p90,prob' or 'mean,p90,prob,max' (positive numbers: "
                           "mean |Δ logprob|, its 90th percentile, mean |Δ probability|, max |Δ logprob|; e.g. "
                           "0.5,0.8,0.05)") from None
-    return Gate(*parts[:3], max_abs=parts[3] if len(parts) == 4 else None)
+    return Gate(parts[0], parts[1], parts[2], max_abs=parts[3] if len(parts) == 4 else None)
 
 
 def gate_for(device_type: str, dtype: str) -> Gate:
@@ -199,8 +199,8 @@ class VerifyReport:
     """Every check of one :func:`check` call; ``failed`` lists the ones that did not pass."""
 
     checks: tuple[Check, ...]
-    agreement: Agreement | None
-    gate: Gate | None
+    agreement: Agreement
+    gate: Gate
     skipped: tuple[str, ...] = ()
     """Checks that could not run here, with why (e.g. content checks on a remote engine)."""
 
@@ -234,7 +234,8 @@ def _last_synced(engine: Any, model: nn.Module) -> SyncedPlan | None:
     """The trainer's last sync of ``model`` into ``engine`` (for a sharded trainer whose rank 0 holds the engine:
     rank 0's, on every rank)."""
     if isinstance(engine, _OnRank0):
-        return engine.ask(lambda e: _synced(last_plan(e, model)))  # type: ignore[no-any-return]
+        synced: SyncedPlan | None = engine.ask(lambda e: _synced(last_plan(e, model)))
+        return synced
     return _synced(last_plan(engine, model))
 
 
@@ -468,9 +469,7 @@ def _combined(reports: Sequence[VerifyReport], addresses: Sequence[str]) -> Veri
     checks = tuple(dataclasses.replace(c, detail=f"engine {a}: {c.detail}")
                    for r, a in zip(reports, addresses) for c in r.checks)
     skipped = tuple(f"engine {a}: {why}" for r, a in zip(reports, addresses) for why in r.skipped)
-    agreements = [r.agreement for r in reports if r.agreement is not None]
-    worst = max(agreements, key=lambda a: math.inf if a.max_abs_diff != a.max_abs_diff else a.max_abs_diff,
-                default=None)
+    worst = max((r.agreement for r in reports), key=lambda a: math.inf if a.max_abs_diff != a.max_abs_diff else a.max_abs_diff)
     return VerifyReport(checks, worst, reports[0].gate, skipped)
 
 
@@ -557,10 +556,12 @@ class _OnRank0(Engine):
         return self.ask(lambda e: e.describe(lora_paths, base))
 
     def state(self) -> dict[str, Any]:
-        return self.ask(lambda e: e.state())
+        got: dict[str, Any] = self.ask(lambda e: e.state())
+        return got
 
     def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
-        return self.ask(lambda e: e.logprobs(prompts, max_tokens))
+        got: list[tuple[list[int], list[float]]] = self.ask(lambda e: e.logprobs(prompts, max_tokens))
+        return got
 
     def _fingerprints(self, request: dict[str, Any]) -> Any:
         return self.ask(lambda e: e.fingerprints(request))
@@ -569,8 +570,8 @@ class _OnRank0(Engine):
         count = self.ask(lambda e: len(_parts(e)))
         if count == 1:
             return [self]
-        inner = _parts(self.inner) if self.inner is not None else [None] * count
-        return [_OnRank0(p) for p in inner]  # type: ignore[arg-type]
+        inner: list[Engine | None] = list(_parts(self.inner)) if self.inner is not None else [None] * count
+        return [_OnRank0(p) for p in inner]
 
     def send(self, manifest: Any, produce: Any, progress: Any) -> dict[str, Any]:
         raise UnsupportedSetupError("internal: hwsync.verify's view of rank 0's engine does not sync")
@@ -607,7 +608,6 @@ def verify(
         legacy = next((c for c in report.failed if c.name == "max |Δ logprob|"), None)
         head = f"engine and trainer disagree: {legacy.detail}. " if legacy is not None else ""
         raise VerifyError(head + report.message())
-    assert report.agreement is not None
     return report.agreement.max_abs_diff
 
 

@@ -43,7 +43,7 @@ DtypePolicy = Literal["exact", "cast"]
 _KINDS = ("base", "lora")
 _LAYOUTS = ("checkpoint",)
 # dtypes a tensor may travel as: every real torch dtype a checkpoint or adapter can hold
-_DTYPES = {
+_DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
     for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
                torch.int8, torch.uint8, torch.bool,

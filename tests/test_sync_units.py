@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from hwsync.cpu.link import GlooLink
 from hwsync.errors import AdapterFormatError, OptionError, SyncError
-from hwsync.payload import _companions
+from hwsync.payload import companions
 from hwsync.report import SyncReport
 from hwsync.strategy import choose
 from hwsync.transport.base import LinkSpec
@@ -180,10 +180,10 @@ def test_hybrid_companions_complete_engine_layers() -> None:
              "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
              "model.layers.0.mlp.gate.weight"]
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    assert _companions(["model.layers.0.mlp.experts.gate_up_proj"], names, packed) == {
+    assert companions(["model.layers.0.mlp.experts.gate_up_proj"], names, packed) == {
         "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
-    assert _companions(["model.layers.0.self_attn.k_proj.weight"], names, packed) == set(names[:3])
-    assert _companions(["model.layers.0.self_attn.o_proj.weight"], names, packed) == {names[3]}
+    assert companions(["model.layers.0.self_attn.k_proj.weight"], names, packed) == set(names[:3])
+    assert companions(["model.layers.0.self_attn.o_proj.weight"], names, packed) == {names[3]}
 
 
 def test_report_line_has_the_metrics() -> None:

@@ -127,7 +127,8 @@ class RemoteEngine(Engine):
         :func:`hwsync.verify`; ``None`` from an engine with several workers. One engine per handle: see :meth:`parts`."""
         if len(self.conns) > 1:
             raise UnsupportedSetupError("fingerprints come from one engine: ask each of RemoteEngine.parts()")
-        return self.conns[0].call("fingerprints", request)
+        got: dict[str, Any] | None = self.conns[0].call("fingerprints", request)
+        return got
 
     def parts(self) -> list[RemoteEngine]:
         """One handle per engine (itself when it spans one), over the same connections and lock, for queries:
@@ -231,7 +232,8 @@ class RemoteEngine(Engine):
             if isinstance(results, BaseException):
                 self._drop_link()  # the engines closed their ends of the group
                 raise results
-            return results[0]
+            summary: dict[str, Any] = results[0]
+            return summary
 
     def _verdict(self, conns: Sequence[_Conn], op: str, args: dict[str, Any], wait: bool = True) -> None:
         """Send ``commit`` / ``cancel`` to engines waiting after their go; ``wait``: read the (cancelled) sync's

@@ -90,14 +90,14 @@ def _scale_adapter(worker: Any, factor: float) -> int:
 
 
 def _zero_slot(worker: Any) -> int:
-    from hwsync.vllm.fingerprint import _stacked
+    from hwsync.vllm.fingerprint import stacked_buffers
 
     rec, manager = _manager(worker)
     slot = manager.lora_index_to_id.index(rec.state.lora_int_id)
     n = 0
     with torch.no_grad():
         for module in manager.modules.values():
-            for attr, _i, t in _stacked(module):
+            for attr, _i, t in stacked_buffers(module):
                 if attr.startswith("lora_b"):
                     t[slot].zero_()
                     n += 1
@@ -114,7 +114,7 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
 
     w = _worker(worker)
     rec = receiver_of(w)
-    applier = rec.applier
+    applier: Any = rec.applier  # the VllmApplier behind the receiver's Applier interface
     manager = lora_manager_of(w)
     lid = rec.state.lora_int_id
     lora = manager.get_adapter(lid) if manager is not None and lid is not None else None
@@ -260,7 +260,8 @@ class FaultInjector:
         """Put the engine back to serving the trainer's current weights."""
         import hwsync
 
-        kind, data = self._repair or ("sync", None)
+        repair: tuple[str, Any] = self._repair or ("sync", None)
+        kind, data = repair
         if kind == "write":
             self._write(data)
         else:
@@ -321,6 +322,7 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
         elif step != 8:
             _perturb(model, gen, base=base)
         report = hwsync.sync(llm, model, strategy=strategy)
+        assert report is not None  # an engine was passed
         r = check(llm, model, prompts)
         healthy.append({**metrics(r), "failed": [c.name for c in r.failed], "message": r.message(),
                         "version": report.version})

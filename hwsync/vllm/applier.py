@@ -155,7 +155,7 @@ def _check_routed_dtypes(names_plan: Any, routed: Mapping[str, str], cast: bool)
     """Names placed by vLLM's loader (resolve(route_unknown=True)) get the dtype check resolution gives every other
     name: a floating tensor whose engine parameter holds another dtype is refused unless the manifest allows casts
     (Granite-MoE-hybrid's ``A_log`` arrives in the engine's bf16, vLLM keeps ``A`` in fp32: precision already lost)."""
-    from hwsync.names.plan import _error
+    from hwsync.names.plan import resolution_error
 
     ns = names_plan.namespace
     problems = []
@@ -170,7 +170,7 @@ def _check_routed_dtypes(names_plan: Any, routed: Mapping[str, str], cast: bool)
                 problems.append(f"{name!r} -> {tg.param}: dtype does not fit: receiver holds "
                                 f"{dtype_name(held)}, got {dtype_name(dtype)}")
     if problems:
-        raise _error(problems, "nothing was written", len(names_plan.manifest), ns)
+        raise resolution_error(problems, "nothing was written", len(names_plan.manifest), ns)
 
 
 def expert_packing_problem(packed_modules_mapping: Mapping[str, Sequence[str]]) -> str | None:

@@ -125,9 +125,10 @@ def _pieces(name_map: Any, name: str, t: Tensor) -> list[tuple[str, Tensor]]:
 class _DryRun:
     """One pass of the model's ``load_weights`` over stand-in parameters (see :func:`dry_run_load`)."""
 
-    def __init__(self, model: torch.nn.Module, groups: dict[str, str], transformed: set[str] | None,
+    def __init__(self, model: Any, groups: dict[str, str], transformed: set[str] | None,
                  captured: dict[str, list[Tensor]] | None = None) -> None:
         self.model, self.groups, self.transformed, self.captured = model, groups, transformed, captured
+        """The vLLM model (its ``load_weights`` is vLLM's, not a ``torch.nn.Module`` method)."""
         self.path_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.current: list[str] = [""]
         self.source: list[Tensor | None] = [None]
@@ -136,13 +137,13 @@ class _DryRun:
         self.needed: dict[int, int] = {}
         self.params_of: dict[str, set[str]] = {}  # trainer name -> engine parameters its loads reached
 
-    def _stand_in(self, layer: torch.nn.Module, name: str, t: Tensor, counted: bool) -> int:
+    def _stand_in(self, layer: torch.nn.Module, name: str, t: Any, counted: bool) -> int:
         """Register ``t`` as ``layer.name`` with an intercepting loader; the elements a complete load of the layer
         needs from it (0 for tensors vLLM's reload does not count, e.g. e_score_correction_bias)."""
         from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
 
         original = getattr(t, "weight_loader", None)
-        while getattr(original, "__name__", "") == "online_process_loader":  # left by a past reload
+        while original is not None and getattr(original, "__name__", "") == "online_process_loader":  # a past reload
             original = original.__wrapped__
         t.weight_loader = _Intercept(layer, f"{self.path_of.get(id(layer), '?')}.{name}".lstrip("."), original,
                                      self.current, self.loaded if counted else {}, self.names_of, self.groups,
@@ -183,9 +184,10 @@ class _DryRun:
                     self.source[0] = t
                     yield load_name, t
 
-        saved: list[tuple[torch.nn.Module, dict[str, Tensor], dict[str, Tensor], set[str]]] = []
+        saved: list[tuple[torch.nn.Module, dict[str, Any], dict[str, Tensor], set[str]]] = []
         try:
             for layer in self.model.modules():
+                params: dict[str, Any]
                 params, buffers = get_layer_params_buffers(layer)
                 non_persistent = set(layer._non_persistent_buffers_set)
                 saved.append((layer, params, buffers, non_persistent))

@@ -3,7 +3,7 @@
 Runs in the worker (``collective_rpc``). For every trainer name the trainer asks about:
 
 * **Base tensors**: resolved with the same :mod:`hwsync.names` plan a sync uses; the probe goes through the plan's
-  own writers (:func:`hwsync.vllm.direct._pieces`: TP slices, packed q/k/v rows, fused experts in the engine's
+  own writers (:func:`hwsync.vllm.direct.write_pieces`: TP slices, packed q/k/v rows, fused experts in the engine's
   layout). What the kernels read is taken where they read it: the parameter itself; on vLLM's CPU build a linear's
   weight is handed to oneDNN / a packed kernel and emptied, so the kernel is asked (``cpu_linear`` on an identity
   matrix gives ``W^T`` exactly: every product is by 1.0, every sum adds zeros); MoE experts whose kernel prepacks
@@ -93,7 +93,7 @@ class _Unreadable(Exception):
 
 def _one_base(model: torch.nn.Module, name_map: Any, name: str, targets: Any, shape: tuple[int, ...],
               dtype: torch.dtype, live: Mapping[str, Tensor], seed: int) -> list[float]:
-    from hwsync.vllm.direct import _owner, _pieces, why_not_direct
+    from hwsync.vllm.direct import owner_module, write_pieces, why_not_direct
 
     ns = name_map.namespace
     total = magnitude = peak = 0.0
@@ -103,7 +103,7 @@ def _one_base(model: torch.nn.Module, name_map: Any, name: str, targets: Any, sh
         if tg.kind in ("loader", "routed"):  # the model's own checkpoint layout (Llama 4's [E, in, out] experts): only vLLM's
             raise _Unreadable("tensors in the model's own checkpoint layout, converted by vLLM's loader, are not "
                               "fingerprinted")
-        module = _owner(model, tg.param)
+        module = owner_module(model, tg.param)
         held = live.get(tg.param)
         if held is None:
             raise _Unreadable(f"{tg.param} is not a live parameter")
@@ -112,13 +112,13 @@ def _one_base(model: torch.nn.Module, name_map: Any, name: str, targets: Any, sh
             g = ns.group_of(tg.param)
             if g is None or g.sharding is None:
                 raise _Unreadable(f"{tg.param}: expert layout unknown ({getattr(g, 'unwritable', None)})")
-            ((dst, src),) = _pieces(name_map, tg, r, held)
+            ((dst, src),) = write_pieces(name_map, tg, r, held)
             if why_not_direct(module, tg.param, set()) is not None:  # the kernel keeps its own layout: replay it
                 src = _moe_post_load(module, g, tg.param, src)
             pairs = [(dst, src)]
         else:
             view = _kernel_view(module, tg.param, held, ns.spec_of(tg.param).shape)
-            pairs = _pieces(name_map, tg, r, view)
+            pairs = write_pieces(name_map, tg, r, view)
         for dst, src in pairs:
             v, m, top = dot(dst, src)
             total += v
@@ -127,7 +127,7 @@ def _one_base(model: torch.nn.Module, name_map: Any, name: str, targets: Any, sh
     return [total, magnitude, peak]
 
 
-def _kernel_view(module: torch.nn.Module, param: str, held: Tensor, shape: tuple[int, ...]) -> Tensor:
+def _kernel_view(module: Any, param: str, held: Tensor, shape: tuple[int, ...]) -> Tensor:
     """The weight as the module's kernel reads it, in checkpoint layout (``shape``)."""
     leaf = param.rsplit(".", 1)[-1]
     cpu_linear = getattr(module, "cpu_linear", None)
@@ -172,8 +172,8 @@ def _moe_post_load(module: torch.nn.Module, g: Any, param: str, src: Tensor) -> 
 
 
 # -- adapter -----------------------------------------------------------------------------------------------------
-def _stacked(module: Any) -> list[tuple[str, int | None, Tensor]]:
-    out = []
+def stacked_buffers(module: Any) -> list[tuple[str, int | None, Tensor]]:
+    out: list[tuple[str, int | None, Tensor]] = []
     for attr, value in vars(module).items():
         if "stacked" not in attr and attr != "adapter_enabled":
             continue
@@ -219,9 +219,9 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
         if weights is None:
             bad_slots.append(f"{name}: not in the installed adapter")
             continue
-        before = [(a, i, t[slot].clone()) for a, i, t in _stacked(module)]
+        before = [(a, i, t[slot].clone()) for a, i, t in stacked_buffers(module)]
         module.set_lora(slot, weights.lora_a, weights.lora_b)
-        now = {(a, i): t[slot] for a, i, t in _stacked(module)}
+        now = {(a, i): t[slot] for a, i, t in stacked_buffers(module)}
         if any(not torch.equal(now[(a, i)], b) for a, i, b in before):
             bad_slots.append(name)
         for a, i, b in before:  # leave the slot exactly as it was found
