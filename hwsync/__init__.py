@@ -25,7 +25,7 @@ from hwsync.errors import (
     VersionError,
 )
 
-__version__ = "0.1.0"
+from hwsync.version import __version__
 
 
 def _map_source_checkout_patches() -> None:
@@ -37,9 +37,12 @@ def _map_source_checkout_patches() -> None:
     own name only: nothing else beside ``hwsync/`` becomes importable.
     """
     import importlib.abc
+    import importlib.machinery
     import importlib.util
     import sys
+    from collections.abc import Sequence
     from pathlib import Path
+    from types import ModuleType
 
     here = Path(__file__).resolve().parent
     source = here.parent / "patches"
@@ -47,7 +50,8 @@ def _map_source_checkout_patches() -> None:
         return
 
     class _SourcePatches(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                      target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
             if fullname != "hwsync.patches":
                 return None
             return importlib.util.spec_from_file_location(fullname, source / "__init__.py",
@@ -116,19 +120,23 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers only
-    from hwsync.backend import (
-        Backend,
-        available_backends,
-        backend_for_device,
-        get_backend,
-        known_backends,
-        register_backend,
-    )
-    from hwsync.comm import broadcast, broadcast_coalesced
-    from hwsync.layouts import ExpertLayout, ExpertSharding
-    from hwsync.api import as_engine, generate, sync
-    from hwsync.report import SyncReport
-    from hwsync.server import connect, serve
-    from hwsync.verify import agreement, verify
-    from hwsync.wire import Strategy
+if TYPE_CHECKING:  # pragma: no cover - for type checkers only ("X as X": re-exported, the lazy names above)
+    from hwsync.api import as_engine as as_engine
+    from hwsync.api import generate as generate
+    from hwsync.api import sync as sync
+    from hwsync.backend import Backend as Backend
+    from hwsync.backend import available_backends as available_backends
+    from hwsync.backend import backend_for_device as backend_for_device
+    from hwsync.backend import get_backend as get_backend
+    from hwsync.backend import known_backends as known_backends
+    from hwsync.backend import register_backend as register_backend
+    from hwsync.comm import broadcast as broadcast
+    from hwsync.comm import broadcast_coalesced as broadcast_coalesced
+    from hwsync.layouts import ExpertLayout as ExpertLayout
+    from hwsync.layouts import ExpertSharding as ExpertSharding
+    from hwsync.report import SyncReport as SyncReport
+    from hwsync.server import connect as connect
+    from hwsync.server import serve as serve
+    from hwsync.verify import agreement as agreement
+    from hwsync.verify import verify as verify
+    from hwsync.wire import Strategy as Strategy

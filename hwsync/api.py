@@ -1,30 +1,36 @@
 """``hwsync.sync``: the call a trainer makes after each optimizer step.
 
-A sync is planned once per (engine, model, options): the engine is described, the strategy chosen
-(:mod:`hwsync.strategy`), the payload described (:mod:`hwsync.payload`) and the manifest built (:mod:`hwsync.wire`).
-Later syncs whose plan still holds -- same parameters, the engine at the version this trainer left it, the base
-weights unchanged -- reuse all of that and only stream tensors; the engine in turn reuses its validated plan for the
-same manifest digest (:mod:`hwsync.receiver`). Anything that no longer holds re-plans: a changed model, another
-writer on the engine (it answers :class:`~hwsync.errors.PlanChangedError` before writing), an error.
+A sync is planned once per (engine, model, :class:`SyncOptions`) into a :class:`SyncPlan`, from one description
+of the engine (:func:`describe_for`): the strategy chosen (:mod:`hwsync.strategy`), the payload described
+(:mod:`hwsync.payload`) and the manifest built (:mod:`hwsync.wire`). After a successful sync the engine's state is
+known (:meth:`SyncPlan.after_sync`: a first adapter/hybrid sync leaves the base, so the steady plan sends only what
+changes). Later syncs whose plan still holds -- same parameters, the engine at the version this trainer left it,
+the base weights unchanged -- reuse all of that and only stream tensors; the engine in turn reuses its validated
+plan for the same manifest digest (:mod:`hwsync.receiver`). Anything that no longer holds re-plans: a changed model,
+another writer on the engine (it answers :class:`~hwsync.errors.PlanChangedError` before writing), an error.
+:func:`last_plan` is how :mod:`hwsync.verify` finds what the trainer last synced.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from hwsync.engine import Engine, ProgressFn
-from hwsync.errors import OptionError, PlanChangedError, SyncError
-from hwsync.payload import Payload, base_shapes, build_payload, model_uuid, read_lora
+from hwsync.errors import AdapterFormatError, OptionError, PlanChangedError, SyncError
+from hwsync.lora_formats import FoldFn
+from hwsync.payload import Payload, TrainerLora, base_shapes, build_payload, has_adapter, model_uuid, read_lora
 from hwsync.report import SyncReport
 from hwsync.strategy import choose
 from hwsync.wire import EngineInfo, Manifest, Strategy, plan_buckets
 
-__all__ = ["sync", "generate", "as_engine", "default_bucket_mb", "parse_bucket_mb", "BUCKET_ENV"]
+__all__ = ["sync", "generate", "as_engine", "default_bucket_mb", "parse_bucket_mb", "BUCKET_ENV", "SyncOptions",
+           "SyncPlan", "SyncedPlan", "describe_for", "last_plan"]
 
 BUCKET_ENV = "HWSYNC_BUCKET_MB"
 # Measured with benchmarks/bench_sync.py (vLLM CPU build, 105 MB fp32 MoE, server mode over gloo/loopback, 2 shared
@@ -54,15 +60,132 @@ def default_bucket_mb(device_type: str = "cpu") -> float:
     return env if env is not None else float(_DEFAULT_MB.get(device_type, 512))
 
 
-@dataclass
-class _SyncPlan:
-    """What the trainer resolved for one (engine, model, options); reused while it holds."""
+@dataclass(frozen=True)
+class SyncOptions:
+    """What the caller asked of a sync (checked once, by :meth:`parse`); with the model, it keys the trainer's plans
+    on an engine handle."""
 
+    strategy: Strategy = Strategy.AUTO
+    bucket_mb: float | None = None
+    """``None``: :func:`default_bucket_mb` for the engine's device."""
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+    @classmethod
+    def parse(cls, strategy: str | Strategy = "auto", bucket_mb: float | None = None, lora_name: str | None = None,
+              lora_int_id: int | None = None) -> SyncOptions:
+        return cls(Strategy.parse(strategy), parse_bucket_mb(bucket_mb, "bucket_mb"), lora_name, lora_int_id)
+
+    def bucket_bytes(self, device_type: str) -> int:
+        mb = default_bucket_mb(device_type) if self.bucket_mb is None else self.bucket_mb
+        return max(1, int(mb * (1 << 20)))
+
+
+@dataclass
+class SyncPlan:
+    """What the trainer resolved for one (engine, model, options), from **one** description of the engine
+    (:func:`describe_for`); reused while it holds (:meth:`holds`)."""
+
+    options: SyncOptions
     signature: tuple[Any, ...]
+    info: EngineInfo
+    """The engine's description the plan was made from (after a sync: with the state that sync left)."""
+    lora: TrainerLora | AdapterFormatError | None
     payload: Payload
     manifest: Manifest
     synced_version: int = 0
     """The engine version the last sync of this plan left (the next one expects the engine there)."""
+
+    @classmethod
+    def make(cls, engine: Engine, model: nn.Module, options: SyncOptions,
+             signature: tuple[Any, ...] | None = None) -> SyncPlan:
+        """Describe the engine once and plan from that."""
+        from hwsync.merged import refuse_non_lora
+
+        refuse_non_lora(model)  # IA3, prompt tuning, ...: no strategy syncs them; said before the engine is asked
+        info, lora = describe_for(engine, model)
+        return cls.from_description(model, options, info, lora, _signature(model) if signature is None else signature)
+
+    @classmethod
+    def from_description(cls, model: nn.Module, options: SyncOptions, info: EngineInfo,
+                         lora: TrainerLora | AdapterFormatError | None, signature: tuple[Any, ...]) -> SyncPlan:
+        choice = choose(options.strategy, lora, info)
+        size = options.bucket_bytes(info.device_type)
+        trainer_lora = lora if choice.strategy is not Strategy.FULL and isinstance(lora, TrainerLora) else None
+        payload = build_payload(model, choice, trainer_lora, info, gather_bytes=size)
+        manifest = Manifest(
+            version=info.version + 1,
+            strategy=choice.strategy,
+            specs=tuple(payload.specs),
+            buckets=plan_buckets(payload.specs, size),
+            lora_meta=payload.lora_meta,
+            lora_base_names=dict(payload.lora_base_names),
+            base_key=payload.base_key,
+            lora_name=options.lora_name,
+            lora_int_id=options.lora_int_id,
+        )
+        return cls(options, signature, info, lora, payload, manifest, synced_version=info.version)
+
+    def holds(self, signature: tuple[Any, ...]) -> bool:
+        """Whether the plan still describes the model: the same parameters, and for adapter/hybrid the base the
+        engine holds unchanged (a base changed in place travels again: plan again)."""
+        if self.signature != signature:
+            return False
+        return self.payload.strategy is Strategy.FULL or self.payload.current_base_key() == self.payload.base_key
+
+    def manifest_for(self, version: int | None, *, fresh: bool) -> Manifest:
+        """The manifest of the next sync (``version``: default the engine's + 1). A reused plan is only valid on the
+        engine as this trainer left it, so it names that version (``expect_version``); a fresh one was just made."""
+        number = self.synced_version + 1 if version is None else int(version)
+        return self.manifest.with_version(number, expect_version=None if fresh else self.synced_version)
+
+    def after_sync(self, model: nn.Module, version: int) -> SyncPlan:
+        """This plan once the engine holds what the sync to ``version`` sent. The engine's state is known, not asked
+        again: after a first adapter/hybrid sync that carried the base, the steady plan (only what changes) is made
+        from the same description with the base the engine now holds, not stale, at ``version``."""
+        if not self.payload.includes_base or self.payload.strategy is Strategy.FULL:
+            self.synced_version = version
+            return self
+        held = dataclasses.replace(self.info, version=version, stale=False, base_key=self.manifest.base_key)
+        steady = SyncPlan.from_description(model, self.options, held, self.lora, self.signature)
+        steady.synced_version = version
+        return steady
+
+    def synced(self) -> SyncedPlan:
+        """What :mod:`hwsync.verify` checks the engine against: this plan's last sync, as plain data."""
+        return SyncedPlan(self.synced_version, self.manifest.strategy, self.manifest.lora_int_id, self.info)
+
+
+@dataclass(frozen=True)
+class SyncedPlan:
+    """A plan's last sync as plain data (it crosses a sharded trainer's ranks): the version it left, its strategy
+    and adapter id, and the engine's description it was planned from."""
+
+    version: int
+    strategy: Strategy
+    lora_int_id: int | None
+    info: EngineInfo
+
+    def reference_payload(self, model: nn.Module, fold: FoldFn | None = None) -> Payload:
+        """Every tensor a from-scratch sync of this strategy would send now (merged view for merged names, W0 for
+        frozen ones, folded LoRA A/B), read lazily: what the engine should hold."""
+        fresh = dataclasses.replace(self.info, base_key=None, stale=False)  # as if nothing were on the engine
+        lora = read_lora(model, fresh)
+        choice = choose(self.strategy, lora, fresh)
+        trainer_lora = lora if self.strategy is not Strategy.FULL and isinstance(lora, TrainerLora) else None
+        return build_payload(model, choice, trainer_lora, fresh, fold=fold)
+
+
+def _plans(engine: Engine, model: nn.Module) -> dict[SyncOptions, SyncPlan]:
+    """The trainer's plans for ``model`` on ``engine``'s handle, per options."""
+    plans: dict[SyncOptions, SyncPlan] = engine.plans.setdefault(model_uuid(model), {})
+    return plans
+
+
+def last_plan(engine: Engine, model: nn.Module) -> SyncPlan | None:
+    """The plan of ``model``'s last sync into ``engine`` (whatever its options); ``None`` before its first."""
+    plans = engine.plans.get(model_uuid(model), {})
+    return max(plans.values(), key=lambda p: p.synced_version) if plans else None
 
 
 _REGISTRATIONS = [0]
@@ -102,70 +225,35 @@ def _signature(model: nn.Module) -> tuple[Any, ...]:
     return signature
 
 
-_LAYOUTS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
+_SHARDINGS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], str]] = weakref.WeakKeyDictionary()
 
 
-def _layout(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
-    """The model's :func:`hwsync.gather.layout` and :func:`_signature`: one walk of the model per sync (the layout
+def _sharding(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
+    """The model's :func:`hwsync.gather.sharding` and :func:`_signature`: one walk of the model per sync (the sharding
     is looked at again only when the signature changes, e.g. after ``fully_shard``)."""
-    from hwsync.gather import layout
+    from hwsync.gather import sharding
 
     signature = _signature(model)
-    known = _LAYOUTS.get(model)
+    known = _SHARDINGS.get(model)
     if known is None or known[0] != signature:
-        known = (signature, layout(model))
-        _LAYOUTS[model] = known
+        known = (signature, sharding(model))
+        _SHARDINGS[model] = known
     return known[1], signature
 
 
-def describe_for(engine: Engine, model: nn.Module) -> tuple[EngineInfo, Any]:
-    """The engine's facts for syncing ``model`` and the trainer's LoRA (:func:`hwsync.payload.read_lora`): what it
-    serves, whether it serves LoRA on the trainer's modules, and which of the trainer's base tensors it keeps in a
-    wider dtype (those travel in it)."""
-    info = engine.describe()
-    lora = read_lora(model, info)
-    paths = lora.vllm_paths if lora is not None and not isinstance(lora, Exception) and info.lora_enabled else ()
-    info = engine.describe(paths, base_shapes(model))
-    return info, lora
-
-
-def _plan(engine: Engine, model: nn.Module, request: Strategy, bucket_mb: float | None, lora_name: str | None,
-          lora_int_id: int | None) -> _SyncPlan:
-    from hwsync.merged import refuse_non_lora
-
-    refuse_non_lora(model)  # IA3, prompt tuning, ...: no strategy syncs them; said before the engine is asked anything
-    info, lora = describe_for(engine, model)
-    choice = choose(request, lora, info)
-    mb = default_bucket_mb(info.device_type) if bucket_mb is None else bucket_mb
-    payload = build_payload(model, choice, lora if choice.strategy is not Strategy.FULL else None, info,  # type: ignore[arg-type]
-                            gather_bytes=max(1, int(mb * (1 << 20))))
-    manifest = Manifest(
-        version=info.version + 1,
-        strategy=choice.strategy,
-        specs=tuple(payload.specs),
-        buckets=plan_buckets(payload.specs, max(1, int(mb * (1 << 20)))),
-        lora_config=payload.lora_config,
-        lora_base_names=dict(payload.lora_base_names),
-        base_key=payload.base_key,
-        lora_name=lora_name,
-        lora_int_id=lora_int_id,
-    )
-    return _SyncPlan(_signature(model), payload, manifest, synced_version=info.version)
-
-
-def _reusable(plan: _SyncPlan | None, model: nn.Module, signature: tuple[Any, ...]) -> _SyncPlan | None:
-    """``plan`` if it still describes ``model``; for adapter/hybrid plans that carried the base, the steady-state
-    variant without it (the engine holds that base now), unless the base changed since."""
-    if plan is None or plan.signature != signature:
-        return None
-    payload = plan.payload
-    if payload.strategy is Strategy.FULL:
-        return plan
-    if payload.current_base_key() != payload.base_key:
-        return None  # the trainer's base changed in place: plan again (the base travels)
-    if not payload.includes_base:
-        return plan
-    return None  # first sync carried the base; the steady plan is built once, then reused
+def describe_for(engine: Engine, model: nn.Module) -> tuple[EngineInfo, TrainerLora | AdapterFormatError | None]:
+    """One description of the engine for syncing ``model``, and the trainer's LoRA as it would travel
+    (:func:`hwsync.payload.read_lora`): what the engine serves, whether it serves LoRA on the trainer's modules, and
+    which of the trainer's base tensors it keeps in a wider dtype (those travel in it). Two round trips for a PEFT
+    model (where its modules land in vLLM's LoRA format depends on the engine), one otherwise."""
+    lora: TrainerLora | AdapterFormatError | None = None
+    paths: list[str] = []
+    if has_adapter(model):
+        first = engine.describe()
+        lora = read_lora(model, first)
+        if isinstance(lora, TrainerLora) and first.lora_enabled:
+            paths = lora.vllm_paths
+    return engine.describe(paths, base_shapes(model)), lora
 
 
 def sync(
@@ -195,15 +283,10 @@ def sync(
     ranks with an engine pass it (several ranks may: colocated engines, one per rank or one tensor-parallel engine
     over the ranks), ranks without one pass ``None`` (they take part in the gathers and return ``None``).
     """
-    from hwsync import gather
-
-    request = Strategy.parse(strategy)
-    mb = parse_bucket_mb(bucket_mb, "bucket_mb")
-    key = f"{model_uuid(model)}:{request.value}:{mb}:{lora_name}:{lora_int_id}"
-    kind, signature = _layout(model)
+    options = SyncOptions.parse(strategy, bucket_mb, lora_name, lora_int_id)
+    kind, signature = _sharding(model)
     if kind != "plain":
-        return _sync_sharded(target, model, request, mb, key, version, progress, lora_name, lora_int_id,
-                             signature)
+        return _sync_sharded(target, model, options, version, progress, signature)
     if target is None:
         raise OptionError(
             "hwsync.sync(None, model) is for the ranks without an engine of a sharded (FSDP2 / ZeRO-3) trainer, "
@@ -212,42 +295,37 @@ def sync(
     engine = as_engine(target)
     t0 = time.perf_counter()
     for attempt in range(2):
-        plan, planned, manifest = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt,
-                                           signature)
+        plan, manifest = _prepare(engine, model, options, version, signature, retry=attempt > 0)
         try:
             result = engine.send(manifest, plan.payload.produce, progress)
         except PlanChangedError:
-            engine.plans.pop(key, None)
+            _plans(engine, model).pop(options, None)
             if attempt:
                 raise
             continue
         except BaseException:
-            engine.plans.pop(key, None)  # whatever the engine holds now, the next sync plans from scratch
+            _plans(engine, model).pop(options, None)  # whatever the engine holds now, the next sync plans anew
             raise
-        break
-    else:  # pragma: no cover - the loop either breaks or raises
-        raise SyncError("internal: sync retry loop ended without a result")
-    return _finish(engine, model, key, plan, planned, manifest, result, t0, request, mb, lora_name, lora_int_id)
+        return _finish(engine, model, plan, manifest, result, t0)
+    raise SyncError("internal: sync retry loop ended without a result")  # pragma: no cover
 
 
-def _prepare(engine: Engine, model: nn.Module, key: str, request: Strategy, mb: float | None, version: int | None,
-             lora_name: str | None, lora_int_id: int | None, attempt: int,
-             signature: tuple[Any, ...]) -> tuple[_SyncPlan, bool, Manifest]:
-    plan = _reusable(engine.plans.get(key), model, signature) if attempt == 0 else None
-    planned = plan is None
-    if planned:
-        engine.plans.pop(key, None)
-        plan = _plan(engine, model, request, mb, lora_name, lora_int_id)
+def _prepare(engine: Engine, model: nn.Module, options: SyncOptions, version: int | None,
+             signature: tuple[Any, ...], *, retry: bool) -> tuple[SyncPlan, Manifest]:
+    """The plan to sync with (the cached one while it holds; a new one on a retry) and its next manifest."""
+    plans = _plans(engine, model)
+    plan = None if retry else plans.get(options)
+    fresh = plan is None or not plan.holds(signature)
+    if fresh:
+        plans.pop(options, None)
+        plan = SyncPlan.make(engine, model, options, signature)
     assert plan is not None
-    next_version = plan.synced_version + 1 if version is None else int(version)
-    # a reused plan is only valid on the engine as this trainer left it; a fresh one was just checked
-    manifest = plan.manifest.with_version(next_version, expect_version=None if planned else plan.synced_version)
-    return plan, planned, manifest
+    return plan, plan.manifest_for(version, fresh=fresh)
 
 
-def _finish(engine: Engine, model: nn.Module, key: str, plan: _SyncPlan, planned: bool, manifest: Manifest,
-            result: Any, t0: float, request: Strategy, mb: float | None, lora_name: str | None,
-            lora_int_id: int | None, extra: str = "") -> SyncReport:
+def _finish(engine: Engine, model: nn.Module, plan: SyncPlan, manifest: Manifest, result: Any, t0: float,
+            extra: str = "") -> SyncReport:
+    reused = manifest.expect_version is not None
     report = SyncReport(
         strategy=manifest.strategy.value,
         tensors=len(manifest.specs),
@@ -255,26 +333,20 @@ def _finish(engine: Engine, model: nn.Module, key: str, plan: _SyncPlan, planned
         seconds=time.perf_counter() - t0,
         buckets=len(manifest.buckets),
         version=manifest.version,
-        reason=plan.payload.reason + ("" if planned else "; plan reused") + extra,
+        reason=plan.payload.reason + ("; plan reused" if reused else "") + extra,
         mode=engine.mode,
         base_tensors=len(manifest.base_specs),
         lora_tensors=len(manifest.lora_specs),
         path=str((result or {}).get("path", "")),
         lora_request=engine.lora_request if manifest.lora_specs or manifest.strategy is not Strategy.FULL else None,
     )
-    plan.synced_version = manifest.version
-    if plan.payload.includes_base and plan.payload.strategy is not Strategy.FULL:
-        # the engine holds this base now: later syncs of this plan send only what changes
-        steady = _plan(engine, model, request, mb, lora_name, lora_int_id)
-        plan = replace(steady, synced_version=manifest.version)
-    engine.plans[key] = plan
+    _plans(engine, model)[plan.options] = plan.after_sync(model, manifest.version)
     report.log()
     return report
 
 
-def _sync_sharded(target: Any, model: nn.Module, request: Strategy, mb: float | None, key: str,
-                  version: int | None, progress: ProgressFn | None, lora_name: str | None,
-                  lora_int_id: int | None, signature: tuple[Any, ...]) -> SyncReport | None:
+def _sync_sharded(target: Any, model: nn.Module, options: SyncOptions, version: int | None,
+                  progress: ProgressFn | None, signature: tuple[Any, ...]) -> SyncReport | None:
     """One sync of a sharded model, run by every rank together (protocol: :mod:`hwsync.gather`)."""
     from hwsync import gather
 
@@ -284,13 +356,12 @@ def _sync_sharded(target: Any, model: nn.Module, request: Strategy, mb: float | 
     t0 = time.perf_counter()
     done: SyncReport | None = None
     for attempt in range(2):
-        state: Any = None  # this rank's (plan, planned, manifest) while it still has to sync
+        state: tuple[SyncPlan, Manifest] | None = None  # this rank's plan and manifest while it still has to sync
         mine: list[list[str]] | None = None
         failure: BaseException | None = None
         if engine is not None and done is None:
             try:
-                state = _prepare(engine, model, key, request, mb, version, lora_name, lora_int_id, attempt,
-                                 signature)
+                state = _prepare(engine, model, options, version, signature, retry=attempt > 0)
                 mine = state[0].payload.schedule
                 if mine is None:
                     raise SyncError("internal: a sharded model's payload has no gather schedule")
@@ -312,18 +383,8 @@ def _sync_sharded(target: Any, model: nn.Module, request: Strategy, mb: float | 
         for sched in schedules:
             steps = gather.run_groups(model, sched)
             try:
-                if state is not None and outcome is None and sched == mine:
-                    plan, planned, manifest = state
-                    produce = plan.payload.produce_sharded
-                    assert produce is not None
-                    try:
-                        outcome = ("ok", engine.send(manifest, lambda: produce(steps), progress))  # type: ignore[union-attr]
-                    except PlanChangedError as e:
-                        engine.plans.pop(key, None)  # type: ignore[union-attr]
-                        outcome = ("retry", e)
-                    except BaseException as e:
-                        engine.plans.pop(key, None)  # type: ignore[union-attr]
-                        outcome = ("error", e)
+                if state is not None and engine is not None and outcome is None and sched == mine:
+                    outcome = _send_sharded(engine, model, options, state, steps, progress)
             finally:
                 gather.drain(steps)  # the rest of the schedule: every rank gathers every group
         tag = None if outcome is None else (outcome[0], f"{type(outcome[1]).__name__}: {outcome[1]}"
@@ -332,11 +393,9 @@ def _sync_sharded(target: Any, model: nn.Module, request: Strategy, mb: float | 
         if outcome is not None and outcome[0] == "error":
             raise outcome[1]
         failed = [(r, t[1]) for r, t in enumerate(results) if t is not None and t[0] == "error"]
-        if outcome is not None and outcome[0] == "ok":
-            plan, planned, manifest = state
+        if outcome is not None and outcome[0] == "ok" and engine is not None and state is not None:
             extra = f"; sharded trainer: {len(mine or [])} gather groups"
-            done = _finish(engine, model, key, plan, planned, manifest, outcome[1], t0, request,  # type: ignore[arg-type]
-                           mb, lora_name, lora_int_id, extra)
+            done = _finish(engine, model, state[0], state[1], outcome[1], t0, extra)
         if failed:
             raise SyncError(f"hwsync.sync failed on rank {failed[0][0]} ({failed[0][1]})"
                             + (f"; this rank's engine is at version {done.version}" if done else ""))
@@ -348,6 +407,23 @@ def _sync_sharded(target: Any, model: nn.Module, request: Strategy, mb: float | 
                 raise outcome[1]
             raise SyncError(f"rank {retry[0]}'s engine changed its plan twice during one sync")
     raise SyncError("internal: sharded sync retry loop ended without a result")  # pragma: no cover
+
+
+def _send_sharded(engine: Engine, model: nn.Module, options: SyncOptions, state: tuple[SyncPlan, Manifest],
+                  steps: Any, progress: ProgressFn | None) -> tuple[str, Any]:
+    """This rank's send inside its schedule's gathers: ``("ok", result)``, ``("retry", PlanChangedError)`` or
+    ``("error", exception)`` (every rank hears of it after the gathers)."""
+    plan, manifest = state
+    produce = plan.payload.produce_sharded
+    assert produce is not None
+    try:
+        return "ok", engine.send(manifest, lambda: produce(steps), progress)
+    except PlanChangedError as e:
+        _plans(engine, model).pop(options, None)
+        return "retry", e
+    except BaseException as e:
+        _plans(engine, model).pop(options, None)
+        return "error", e
 
 
 def generate(target: Any, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
@@ -362,13 +438,9 @@ def as_engine(target: Any) -> Engine:
     if isinstance(target, Engine):
         return target
     if hasattr(target, "llm_engine") and hasattr(target, "collective_rpc"):
-        handle = target.__dict__.get("_hwsync_engine")
-        if handle is None:
-            from hwsync.vllm.local import LocalEngine
+        from hwsync.vllm.local import local_engine
 
-            handle = LocalEngine(target)
-            target.__dict__["_hwsync_engine"] = handle
-        return handle
+        return local_engine(target)
     raise SyncError(
         f"cannot sync into a {type(target).__name__}: pass an in-process vllm.LLM (colocate) or the handle "
         "returned by hwsync.connect(address, token) (server mode)"

@@ -36,6 +36,7 @@ __all__ = [
     "get_backend",
     "available_backends",
     "backend_for_device",
+    "open_link",
     "known_backends",
 ]
 
@@ -109,7 +110,7 @@ class Backend(abc.ABC):
 
     def owns(self, device: DeviceLike) -> bool:
         """True when ``device`` is of this backend's kind."""
-        return _as_device(device).type == self.device_type
+        return as_device(device).type == self.device_type
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} dist_backend={self.dist_backend!r}>"
@@ -144,7 +145,7 @@ class AcceleratorBackend(Backend):
         return f"the {self.name} runtime is not installed ({error})"
 
     def _module(self) -> ModuleType:
-        module = getattr(self, "_device_module", None)  # cached: this is on every broadcast's path
+        module: ModuleType | None = getattr(self, "_device_module", None)  # cached: on every broadcast's path
         if module is None:
             self._load_runtime()
             module = self._device_module = torch.get_device_module(self.device_type)
@@ -176,7 +177,7 @@ class AcceleratorBackend(Backend):
     def _index(self, device: DeviceLike) -> int:
         if device is None:
             return self.current_device().index or 0
-        dev = _as_device(device, default_type=self.device_type)
+        dev = as_device(device, default_type=self.device_type)
         if dev.type != self.device_type:
             raise BackendUnavailableError(
                 f"{self.name} backend asked about device {dev}; pass a {self.device_type} device"
@@ -187,10 +188,12 @@ class AcceleratorBackend(Backend):
         return torch.device(self.device_type, self._module().current_device())
 
     def device_context(self, device: DeviceLike) -> contextlib.AbstractContextManager[None]:
-        return self._module().device(self._index(device))
+        context: contextlib.AbstractContextManager[None] = self._module().device(self._index(device))
+        return context
 
     def current_stream(self, device: DeviceLike = None) -> torch.Stream:
-        return self._module().current_stream(self._index(device))
+        stream: torch.Stream = self._module().current_stream(self._index(device))
+        return stream
 
     def synchronize(self, device: DeviceLike = None) -> None:
         self._module().synchronize(self._index(device))
@@ -205,7 +208,7 @@ class AcceleratorBackend(Backend):
         return int(free) + max(cached, 0)
 
 
-def _as_device(device: DeviceLike, default_type: str = "cpu") -> torch.device:
+def as_device(device: DeviceLike, default_type: str = "cpu") -> torch.device:
     if isinstance(device, torch.device):
         return device
     if isinstance(device, int):
@@ -356,7 +359,7 @@ def get_backend(name: str | None = None) -> Backend:
 
 def backend_for_device(device: DeviceLike) -> Backend:
     """The available backend that drives ``device``'s kind (``cuda:1`` -> the cuda backend)."""
-    dev = _as_device(device)
+    dev = as_device(device)
     cached = _by_device_type.get(dev.type)
     if cached is not None:
         return cached
@@ -364,6 +367,12 @@ def backend_for_device(device: DeviceLike) -> Backend:
     with _lock:
         _by_device_type[dev.type] = backend
     return backend
+
+
+def open_link(store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+    """The link (:class:`hwsync.transport.Link`) of ``device``'s backend (gloo / NCCL / HCCL) for rank ``rank`` of
+    ``spec``."""
+    return backend_for_device(device).open_link(store, spec, rank, device)
 
 
 def _backend_for_device_type(dev: torch.device) -> Backend:

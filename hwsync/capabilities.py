@@ -230,7 +230,7 @@ def environment_report(*, probe_vllm: bool = True) -> dict[str, Any]:
 
     ``probe_vllm=False`` skips importing vLLM (fast; ``vllm``/``strategies`` then say ``not probed``).
     """
-    from hwsync import __version__ as hwsync_version  # noqa: PLC0415 - avoid a cycle at import
+    from hwsync.version import __version__ as hwsync_version
 
     selected, backends = _backend_section()
     versions = package_versions()

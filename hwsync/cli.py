@@ -81,7 +81,7 @@ def _load_commands() -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hwsync import __version__
+    from hwsync.version import __version__
 
     parser = argparse.ArgumentParser(prog="hwsync", description="hwsync: trainer -> vLLM weight sync for MoE + LoRA")
     parser.add_argument("--version", action="version", version=f"hwsync {__version__}")

@@ -35,11 +35,11 @@ def _patch_rows() -> dict[str, Any]:
 
 def doctor_report(*, probe_vllm: bool = True) -> dict[str, Any]:
     """:func:`~hwsync.capabilities.environment_report` plus the patch table."""
-    from hwsync.gather import SUPPORTED_LAYOUTS
+    from hwsync.gather import SUPPORTED_PARALLELISM
 
     report = environment_report(probe_vllm=probe_vllm)
     report["patches"] = _patch_rows()
-    report["parallel_layouts"] = {side: dict(rows) for side, rows in SUPPORTED_LAYOUTS.items()}
+    report["parallelism"] = {side: dict(rows) for side, rows in SUPPORTED_PARALLELISM.items()}
     return report
 
 
@@ -106,10 +106,10 @@ def format_report(report: dict[str, Any]) -> str:
     out += _table(rows)
     out.append("")
 
-    layouts = report.get("parallel_layouts") or {}
-    if layouts:
-        out.append("Parallel layouts")
-        rows = [[f"{side}: {name}", what] for side, table in layouts.items() for name, what in table.items()]
+    parallelism = report.get("parallelism") or {}
+    if parallelism:
+        out.append("Parallelism")
+        rows = [[f"{side}: {name}", what] for side, table in parallelism.items() for name, what in table.items()]
         out += _table(rows)
         out.append("")
 

@@ -2,7 +2,7 @@
 
 Every error says what is wrong *and* how to fix it; nothing is half-applied when one is raised. This module is the
 one registry of hwsync's errors: an error raised in the engine process reaches the trainer as the same class
-(:func:`to_wire` / :func:`from_wire`).
+(:func:`encode_error` / :func:`decode_error`).
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
-    "to_wire",
-    "from_wire",
+    "encode_error",
+    "decode_error",
     "HwsyncError",
     "BackendUnavailableError",
     "BroadcastError",
@@ -82,7 +82,8 @@ class PlanChangedError(SyncError):
 
 
 class OptionError(HwsyncError, ValueError):
-    """An ``HWSYNC_*`` environment variable holds a value hwsync cannot use, or one it needs is missing."""
+    """An option -- an argument of hwsync's API (``strategy=``, ``bucket_mb=``, ...) or an ``HWSYNC_*`` environment
+    variable -- holds a value hwsync cannot use, or one it needs is missing; the message names the accepted values."""
 
 
 class PluginError(HwsyncError):
@@ -97,13 +98,13 @@ class FixtureConfigError(HwsyncError, ValueError):
     """A tiny-model request that vLLM's CPU build or transformers cannot serve; nothing was written."""
 
 
-def to_wire(error: BaseException) -> dict[str, str]:
+def encode_error(error: BaseException) -> dict[str, str]:
     """An error as plain data for the other process (class name + message)."""
     return {"type": type(error).__name__, "message": str(error)}
 
 
-def from_wire(data: Mapping[str, Any]) -> HwsyncError:
-    """The hwsync error :func:`to_wire` described; anything that is not one of ours becomes a :class:`SyncError`."""
+def decode_error(data: Mapping[str, Any]) -> HwsyncError:
+    """The hwsync error :func:`encode_error` described; anything not one of ours becomes a :class:`SyncError`."""
     cls = globals().get(str(data.get("type", "")))
     message = str(data.get("message", "remote error"))
     if isinstance(cls, type) and issubclass(cls, HwsyncError):

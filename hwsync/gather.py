@@ -35,10 +35,10 @@ from torch import Tensor, nn
 
 from hwsync.errors import SyncError, UnsupportedSetupError
 
-__all__ = ["Layout", "layout", "is_sharded", "full", "read", "global_shape", "placeholders", "gathered", "plan_groups",
-           "GatherStats", "stats", "run_groups", "collective", "rank0_value", "SUPPORTED_LAYOUTS"]
+__all__ = ["Sharding", "sharding", "is_sharded", "full", "read", "global_shape", "placeholders", "gathered", "plan_groups",
+           "GatherStats", "stats", "run_groups", "collective", "rank0_value", "SUPPORTED_PARALLELISM"]
 
-SUPPORTED_LAYOUTS = {
+SUPPORTED_PARALLELISM = {
     "trainer": {
         "single / DDP / ZeRO-1/2": "full parameters on every rank; each rank with an engine streams them",
         "FSDP2 (fully_shard, DTensor)": "gathered per bucket with DTensor.full_tensor(); all ranks call hwsync.sync "
@@ -75,9 +75,9 @@ SUPPORTED_LAYOUTS = {
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# layout detection
+# sharding detection
 # ---------------------------------------------------------------------------------------------------------------
-class Layout(str):
+class Sharding(str):
     PLAIN = "plain"
     FSDP2 = "fsdp2"
     ZERO3 = "zero3"
@@ -97,10 +97,10 @@ def _is_zero3(t: Any) -> bool:
 
 def param_kind(t: Any) -> str:
     if _is_dtensor(t):
-        return Layout.FSDP2
+        return Sharding.FSDP2
     if _is_zero3(t):
-        return Layout.ZERO3
-    return Layout.PLAIN
+        return Sharding.ZERO3
+    return Sharding.PLAIN
 
 
 def parameters(model: nn.Module) -> list[Tensor]:
@@ -123,15 +123,16 @@ def parameters(model: nn.Module) -> list[Tensor]:
     return out
 
 
-def layout(model: nn.Module) -> str:
-    """``"plain"``, ``"fsdp2"`` or ``"zero3"``; a clear error for sharded layouts hwsync cannot read."""
+def sharding(model: nn.Module) -> str:
+    """How the trainer's parameters are sharded: ``"plain"``, ``"fsdp2"`` or ``"zero3"``; a clear error for
+    shardings hwsync cannot read."""
     if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         raise UnsupportedSetupError(
             "the model is wrapped in FSDP1 (FullyShardedDataParallel, flat parameters): hwsync gathers FSDP2 "
             "(torch.distributed.fsdp.fully_shard) and DeepSpeed ZeRO-3 parameters. Use fully_shard "
             "(accelerate: fsdp_version 2; ms-swift: --fsdp with fsdp_version 2) or ZeRO-3")
     kinds = {param_kind(p) for p in model.parameters()}
-    if Layout.FSDP2 in kinds:
+    if Sharding.FSDP2 in kinds:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         for name, p in model.named_parameters():
@@ -139,17 +140,17 @@ def layout(model: nn.Module) -> str:
                 raise UnsupportedSetupError(
                     f"{name} is a DTensor with placements {p.placements}: hwsync gathers Shard/Replicate "
                     "placements (FSDP2 / HSDP) only")
-    if len(kinds - {Layout.PLAIN}) > 1:
+    if len(kinds - {Sharding.PLAIN}) > 1:
         raise UnsupportedSetupError("the model mixes FSDP2 DTensors and ZeRO-3 parameters: pick one sharding")
-    if Layout.ZERO3 in kinds:
-        return Layout.ZERO3
-    if Layout.FSDP2 in kinds:
-        return Layout.FSDP2
-    return Layout.PLAIN
+    if Sharding.ZERO3 in kinds:
+        return Sharding.ZERO3
+    if Sharding.FSDP2 in kinds:
+        return Sharding.FSDP2
+    return Sharding.PLAIN
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return layout(model) != Layout.PLAIN
+    return sharding(model) != Sharding.PLAIN
 
 
 def global_shape(t: Tensor) -> tuple[int, ...]:
@@ -184,7 +185,7 @@ def full(t: Tensor) -> Tensor:
     """``t`` as a full tensor: itself when not sharded; the gathered tensor inside :func:`gathered`; a ``meta``
     tensor of the global shape inside :func:`placeholders`; otherwise an error (never a silent read of a shard)."""
     kind = param_kind(t)
-    if kind == Layout.PLAIN:
+    if kind == Sharding.PLAIN:
         return t
     got = _state.gathered.get(id(t))
     if got is not None:
@@ -253,9 +254,9 @@ stats = GatherStats()
 def gathered(params: Sequence[Tensor]) -> Iterator[dict[int, Tensor]]:
     """Gather ``params`` (collective: every rank of the model's mesh calls this with the same list, in the same
     order); inside, :func:`full` returns their full tensors. Released on exit."""
-    plain = [p for p in params if param_kind(p) == Layout.PLAIN]
-    dt = [p for p in params if param_kind(p) == Layout.FSDP2]
-    z3 = [p for p in params if param_kind(p) == Layout.ZERO3]
+    plain = [p for p in params if param_kind(p) == Sharding.PLAIN]
+    dt = [p for p in params if param_kind(p) == Sharding.FSDP2]
+    z3 = [p for p in params if param_kind(p) == Sharding.ZERO3]
     del plain  # read as they are
     got: dict[int, Tensor] = {}
     with contextlib.ExitStack() as stack:
@@ -266,7 +267,7 @@ def gathered(params: Sequence[Tensor]) -> Iterator[dict[int, Tensor]]:
                 got[id(p)] = t
         if z3:
             try:
-                import deepspeed  # type: ignore[import-not-found]
+                import deepspeed
             except ImportError as e:  # pragma: no cover - only with ZeRO-3 parameters, which need deepspeed
                 raise UnsupportedSetupError(f"ZeRO-3 parameters but deepspeed cannot be imported ({e})") from None
             stack.enter_context(deepspeed.zero.GatheredParameters(list(z3), modifier_rank=None))

@@ -157,7 +157,7 @@ class ExpertSharding:
         if cfg is None:
             raise LayoutError(f"{type(experts).__name__} has no moe_config; pass a vLLM RoutedExperts/FusedMoE layer")
         par = cfg.moe_parallel_config
-        num = int(getattr(cfg, "num_experts"))
+        num = int(cfg.num_experts)
         logical = int(getattr(cfg, "num_logical_experts", num))
         if logical != num:
             raise LayoutError(

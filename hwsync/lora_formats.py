@@ -56,6 +56,7 @@ __all__ = [
     "from_peft_state_dict",
     "to_vllm_lora",
     "from_vllm_lora",
+    "lora_paths",
     "vllm_max_lora_rank",
     "VLLM_LORA_RANKS",
     "NON_GATED_EXPERTS",
@@ -345,7 +346,7 @@ def _stack_param_wrapper(a: Tensor, b: Tensor, num_experts: int) -> tuple[Tensor
     return a.reshape(num_experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, num_experts).permute(2, 0, 1)
 
 
-def _peft_layers(model: nn.Module, adapter_name: str) -> list[tuple[str, nn.Module]]:
+def _peft_layers(model: nn.Module, adapter_name: str) -> list[tuple[str, Any]]:
     """The LoRA layers of ``adapter_name`` (module path, layer), checked to be plain LoRA: one walk of the model."""
     from peft.tuners.lora.layer import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -381,13 +382,13 @@ def _peft_layers(model: nn.Module, adapter_name: str) -> list[tuple[str, nn.Modu
     return layers
 
 
-def _layer_module(path: str, layer: nn.Module, adapter_name: str,
+def _layer_module(path: str, layer: Any, adapter_name: str,
                   sources: tuple[str, str] = ("", "")) -> LoraModule:
     """The :class:`LoraModule` of one PEFT LoRA layer, its tensors read now (views of the weights)."""
     from peft.tuners.lora.layer import ParamWrapper
 
     a, b = read(layer.lora_A[adapter_name].weight), read(layer.lora_B[adapter_name].weight)
-    common = dict(
+    common: dict[str, Any] = dict(
         alpha=float(layer.lora_alpha[adapter_name]),
         scaling=float(layer.scaling[adapter_name]),
         use_rslora=bool(layer.use_rslora.get(adapter_name, False)),
@@ -623,11 +624,11 @@ def _group_experts(modules: dict[str, LoraModule]) -> dict[str, LoraModule]:
             if len({x.rank for x in per.values()}) != 1:
                 raise AdapterFormatError(f"{owner}: experts have different {proj} LoRA ranks")
 
-        def stacked(proj: str) -> tuple[Tensor, Tensor, float, float, bool] | None:
-            per = projs.get(proj)
+        def stacked(proj: str) -> tuple[Tensor, Tensor, float, float, bool] | None:  # called in this iteration only
+            per = projs.get(proj)  # noqa: B023
             if per is None:
                 return None
-            mods = [per[e] for e in range(n)]
+            mods = [per[e] for e in range(n)]  # noqa: B023
             s = mods[0].scaling
             bs = [x.lora_B if x.scaling == s else (x.lora_B.float() * (x.scaling / s)).to(x.lora_B.dtype) for x in mods]
             return torch.stack([x.lora_A for x in mods]), torch.stack(bs), mods[0].alpha, s, mods[0].use_rslora
@@ -786,6 +787,12 @@ def to_vllm_lora(
     if targets:
         config["target_parameters"] = sorted(targets)
     return tensors, config
+
+
+def lora_paths(tensors: Mapping[str, Tensor]) -> list[str]:
+    """The LoRA module paths (``base_model.model.`` kept) of adapter tensors in vLLM's format (:func:`to_vllm_lora`):
+    what the trainer asks the engine about and what the engine checks it serves."""
+    return sorted({k[: -len(".lora_A.weight")] for k in tensors if k.endswith(".lora_A.weight")})
 
 
 def from_vllm_lora(

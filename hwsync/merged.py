@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,10 +32,14 @@ __all__ = ["merged_named_weights", "delta_weight", "plain_weight", "logical_shap
 # Chunk the fp32 temporaries of stacked experts to about this many bytes.
 _CHUNK_BYTES = 256 << 20
 
+PeftLayer = Any
+"""A PEFT LoRA layer (``peft.tuners.lora.LoraLayer``): its per-adapter attributes (``lora_A[adapter]``, ``scaling``,
+...) are set at runtime, which torch's ``Module.__getattr__`` types as ``Tensor | Module``."""
+
 
 @dataclass(frozen=True)
 class _Contribution:
-    layer: nn.Module  # a peft LoraLayer
+    layer: PeftLayer
     adapter: str
     sign: float  # +1 add, -1 remove a delta that is merged into the stored weight but disabled
     part: str  # "weight" or "bias"
@@ -56,7 +61,7 @@ def refuse_non_lora(model: nn.Module) -> None:
             raise AdapterFormatError(not_lora_reason(name, peft_type(cfg)))
 
 
-def _active_lora_adapters(layer: nn.Module) -> tuple[list[str], list[str]]:
+def _active_lora_adapters(layer: PeftLayer) -> tuple[list[str], list[str]]:
     """(adapters to add, adapters to subtract), mirroring what the layer's forward uses."""
     merged = [a for a in getattr(layer, "merged_adapters", []) if a in _adapter_keys(layer)]
     if getattr(layer, "disable_adapters", False):
@@ -66,7 +71,7 @@ def _active_lora_adapters(layer: nn.Module) -> tuple[list[str], list[str]]:
     return [a for a in layer.active_adapters if a in _adapter_keys(layer)], []
 
 
-def _adapter_keys(layer: nn.Module) -> set[str]:
+def _adapter_keys(layer: PeftLayer) -> set[str]:
     keys = set(getattr(layer, "lora_A", {}).keys())
     keys |= set(getattr(layer, "lora_embedding_A", {}).keys())
     return keys
@@ -79,14 +84,16 @@ def _collect(model: nn.Module) -> tuple[dict[int, list[_Contribution]], set[int]
 
     try:
         from peft.utils.other import ModulesToSaveWrapper
+
+        wrappers: tuple[type[Any], ...] = (ModulesToSaveWrapper,)
     except ImportError:  # pragma: no cover - older peft
-        ModulesToSaveWrapper = ()  # type: ignore[assignment]
+        wrappers = ()
 
     contrib: dict[int, list[_Contribution]] = {}
     adapter_params: set[int] = set()
     hidden: set[int] = set()
     for mod_name, module in model.named_modules():
-        if ModulesToSaveWrapper and isinstance(module, ModulesToSaveWrapper):
+        if wrappers and isinstance(module, wrappers):
             act = module.active_adapters
             use = None if module.disable_adapters or not act or act[0] not in module.modules_to_save else act[0]
             for name, copy in module.modules_to_save.items():
@@ -123,7 +130,7 @@ def _collect(model: nn.Module) -> tuple[dict[int, list[_Contribution]], set[int]
     return contrib, adapter_params, hidden
 
 
-def delta_weight(layer: nn.Module, adapter: str = "default", *, experts: slice | None = None) -> Tensor:
+def delta_weight(layer: PeftLayer, adapter: str = "default", *, experts: slice | None = None) -> Tensor:
     """ΔW of one PEFT LoRA layer for ``adapter`` in fp32, in the layout of the parameter it adapts.
 
     Same formula as PEFT's ``get_delta_weight`` (``B @ A * scaling``; for a 3-D ``ParamWrapper``
@@ -139,7 +146,8 @@ def delta_weight(layer: nn.Module, adapter: str = "default", *, experts: slice |
             f"({type(layer.lora_variant[adapter]).__name__}) with no additive ΔW"
         )
     s = float(layer.scaling[adapter])
-    if isinstance(layer, ParamWrapper) and layer.num_experts > 1:
+    # issubclass, not isinstance: a PEFT layer stays PeftLayer (narrowing would retype its runtime attributes)
+    if issubclass(type(layer), ParamWrapper) and layer.num_experts > 1:
         e = layer.num_experts
         a = full(layer.lora_A[adapter].weight)
         b = full(layer.lora_B[adapter].weight)
@@ -149,7 +157,7 @@ def delta_weight(layer: nn.Module, adapter: str = "default", *, experts: slice |
             a, b = a[experts], b[..., experts]
         spec = "o r e, e r i -> e o i" if layer._did_swap_in_out_features else "o r e, e r i -> e i o"
         return torch.einsum(spec, b.float(), a.float()) * s
-    if isinstance(layer, Embedding) and adapter in layer.lora_embedding_A:
+    if issubclass(type(layer), Embedding) and adapter in layer.lora_embedding_A:
         a, b = full(layer.lora_embedding_A[adapter]), full(layer.lora_embedding_B[adapter])
         return (b.float() @ a.float()).T * s
     holder = getattr(layer, "lora_A", None)
@@ -162,7 +170,7 @@ def delta_weight(layer: nn.Module, adapter: str = "default", *, experts: slice |
     return layer.get_delta_weight(adapter).float()
 
 
-def _base_weight(layer: nn.Module, param: Tensor) -> Tensor:
+def _base_weight(layer: PeftLayer, param: Tensor) -> Tensor:
     """The base weight as a floating tensor (dequantized for bnb / HQQ / torchao QLoRA bases)."""
     if param.is_floating_point() and type(param).__name__ not in ("Params4bit", "Int8Params"):
         return full(param).detach()
@@ -197,7 +205,7 @@ def plain_weight(model: nn.Module, name: str, param: Tensor, dtype: torch.dtype 
     return weight.to(dtype) if dtype is not None else weight
 
 
-def _refuse_sharded(layer: nn.Module, what: str) -> None:
+def _refuse_sharded(layer: PeftLayer, what: str) -> None:
     if any(param_kind(p) != "plain" for p in layer.parameters()):
         raise UnsupportedSetupError(
             f"{type(layer).__name__}: the merged view of {what} runs PEFT's own code on the layer's parameters, "
@@ -229,9 +237,10 @@ def read_sets(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
-def _lora_dtype(layer: nn.Module, adapter: str) -> torch.dtype:
+def _lora_dtype(layer: PeftLayer, adapter: str) -> torch.dtype:
     holder = layer.lora_B[adapter] if adapter in getattr(layer, "lora_B", {}) else layer.lora_embedding_B[adapter]
-    return holder.weight.dtype if isinstance(holder, nn.Module) else holder.dtype
+    dtype: torch.dtype = holder.weight.dtype if issubclass(type(holder), nn.Module) else holder.dtype
+    return dtype
 
 
 def _merge(param: Tensor, contribs: list[_Contribution], dtype: torch.dtype | None) -> Tensor:

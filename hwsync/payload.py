@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,12 +26,10 @@ from torch import Tensor, nn
 
 from hwsync.errors import AdapterFormatError, SyncError, UnsupportedSetupError
 from hwsync.strategy import Choice
-from hwsync.lora_formats import NON_GATED_EXPERTS, FoldFn, wire_name
+from hwsync.lora_formats import NON_GATED_EXPERTS, FoldFn, lora_paths, wire_name
 from hwsync.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
 
-__all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "lora_paths", "read_lora"]
-
-_LORA_SUFFIX = ".lora_A.weight"
+__all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "has_adapter", "read_lora"]
 
 
 @dataclass
@@ -42,7 +41,8 @@ class Payload:
     specs: list[TensorSpec]
     produce: Callable[[], Iterator[Tensor]]
     """Yields one tensor per spec, in order (merged tensors are computed on demand, one at a time)."""
-    lora_config: dict[str, Any] | None = None
+    lora_meta: dict[str, Any] | None = None
+    """The LoRA tensors' metadata (:attr:`hwsync.wire.Manifest.lora_meta`) for the modules this sync sends."""
     lora_base_names: dict[str, tuple[int, ...]] = field(default_factory=dict)
     base_key: str | None = None
     includes_base: bool = False
@@ -69,6 +69,11 @@ def _peft_config(model: nn.Module) -> Any:
     return configs.get(active) if active in configs else next(iter(configs.values()))
 
 
+def has_adapter(model: nn.Module) -> bool:
+    """Whether ``model`` carries a PEFT adapter (:func:`read_lora` has something to read)."""
+    return _peft_config(model) is not None
+
+
 def _adapter_name(model: nn.Module) -> str:
     active = getattr(model, "active_adapter", "default")
     if isinstance(active, (list, tuple)):
@@ -91,7 +96,7 @@ def model_uuid(model: nn.Module) -> str:
     return value
 
 
-def _merged_names(model: nn.Module) -> list[str]:
+def merged_names(model: nn.Module) -> list[str]:
     """The names :func:`merged_named_weights` yields, in order, without computing anything."""
     from hwsync.merged import merged_named_weights
 
@@ -121,11 +126,6 @@ def _base_params_raw(model: nn.Module) -> dict[str, tuple[str, Tensor]]:
             continue
         out.setdefault(strip_peft_name(name), (name, p))
     return out
-
-
-def lora_paths(tensors: Mapping[str, Tensor]) -> list[str]:
-    """vLLM LoRA module paths (``base_model.model.`` kept) of an adapter's tensors."""
-    return sorted({k[: -len(_LORA_SUFFIX)] for k in tensors if k.endswith(_LORA_SUFFIX)})
 
 
 def _owners(trainer_modules: Sequence[str]) -> dict[str, list[str]]:
@@ -187,7 +187,7 @@ def read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora | None | Adapte
     """The model's LoRA as it travels; ``None`` without PEFT; the error when it cannot be served as LoRA."""
     from hwsync.gather import placeholders
 
-    if _peft_config(model) is None:
+    if not has_adapter(model):
         return None
     try:
         with placeholders():  # sharded parameters: shapes only (values are read, gathered, at every sync)
@@ -232,7 +232,7 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
 def _not_lora(modules: Mapping[str, Any]) -> dict[str, str]:
     """Trainer LoRA modules vLLM cannot serve as LoRA on any engine (-> why): stacked-expert LoRA on a parameter
     other than gate_up/down (non-gated experts, Nemotron-H's ``experts.up_proj``), and with it every other expert
-    LoRA of the same experts block, since ``hybrid`` merges a block whole (:func:`_companions`): a sibling left as
+    LoRA of the same experts block, since ``hybrid`` merges a block whole (:func:`companions`): a sibling left as
     LoRA would be applied twice."""
     from hwsync.lora_formats import LoraKind
 
@@ -261,7 +261,7 @@ def base_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {n: logical_shape(p) for n, p in _base_params(model).items() if p.is_floating_point() or is_quantized(p)}
 
 
-def _companions(unservable: Sequence[str], names: Sequence[str], packed: Mapping[str, Sequence[str]]) -> set[str]:
+def companions(unservable: Sequence[str], names: Sequence[str], packed: Mapping[str, Sequence[str]]) -> set[str]:
     """Parameters that must travel with merged ``unservable`` ones so every engine layer they touch is complete:
     all parameters of the same experts block, and the other parts of a packed projection (q/k/v)."""
     out: set[str] = set()
@@ -321,12 +321,12 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
     can be produced again at every sync while the model's structure stays the same). ``fold``: how LoRA scalings are
     folded into B (default :func:`hwsync.lora_formats.fold_scaling`, vLLM's rounding order; :mod:`hwsync.verify`
     passes vLLM's own ``LoRALayerWeights.optimize`` to compute what the engine should hold)."""
-    from hwsync.merged import is_quantized, logical_shape, merged_named_weights, plain_weight
+    from hwsync.merged import is_quantized, logical_shape
 
     strategy, reason, unservable = choice.strategy, choice.reason, choice.unservable
     reparametrized = _reparametrized(model)
 
-    names = _merged_names(model)
+    names = merged_names(model)
     raw_base = _base_params_raw(model)
     base = {clean: p for clean, (_, p) in raw_base.items()}
     missing = [n for n in names if n not in base]
@@ -341,7 +341,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
         includes_base = True
     else:
         assert lora is not None
-        merged = _companions(unservable, names, info.packed_modules_mapping) if strategy is Strategy.HYBRID else set()
+        merged = companions(unservable, names, info.packed_modules_mapping) if strategy is Strategy.HYBRID else set()
         frozen = [n for n in names if n not in merged]
         base_key = f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
         includes_base = info.stale or info.base_key != base_key
@@ -367,6 +367,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
                      "trainer's quantized base was loaded from)"
         send = list(names) if includes_base else [n for n in names if n in merged]
         if includes_base:
+            assert base_key is not None  # None only for an engine serving its own quantized base: never sent
             why = "engine is stale" if info.stale else "first sync" if info.base_key is None else (
                 "trainer base changed" if info.base_key.rsplit(":", 1)[0] == base_key.rsplit(":", 1)[0]
                 else "engine holds other base weights")
@@ -376,118 +377,124 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
 
     specs = [TensorSpec(n, logical_shape(base[n]), _wire_dtype(n, base[n], info), "base") for n in send]
     lora_modules: list[str] = []
-    lora_config = None
+    lora_meta = None
     lora_base_names: dict[str, tuple[int, ...]] = {}
     lora_dtype = dtype_from_name(info.lora_dtype) if info.lora_dtype else None
     if strategy is not Strategy.FULL and lora is not None:
         lora_modules = [m for m in lora.adapter.modules if m not in unservable]
         if lora_modules:
-            lora_config = dict(lora.meta, modules={m: lora.meta["modules"][m] for m in lora_modules})
+            lora_meta = dict(lora.meta, modules={m: lora.meta["modules"][m] for m in lora_modules})
             lora_base_names = {m: logical_shape(base[m]) for m in lora_modules if m in base}
         for m in lora_modules:
             for factor in ("A", "B"):
                 t = lora.tensors[wire_name(m, factor)]
                 specs.append(TensorSpec(wire_name(m, factor), tuple(t.shape), t.dtype, "lora"))
 
-    send_set = set(send)
-    merged_send = [n for n in send if n in merged]
-    reader: list[Any] = []  # resolved at the first produce, then reused: no walk of the model per sync
-
-    def lora_values() -> list[Tensor]:
-        if not reader:
-            from hwsync.lora_formats import PeftLoraReader
-
-            reader.append(PeftLoraReader(model, _adapter_name(model), lora_modules))
-        return reader[0].read(lora_dtype, fold)  # the values as of now: produced at every sync
-
-    def produce() -> Iterator[Tensor]:
-        it = merged_named_weights(model, include=lambda n: n in send_set and n in merged) if merged_send else iter(())
-        for name in send:
-            if name in merged:
-                got, t = next(it)
-                if got != name:
-                    raise SyncError(f"internal: merged view yielded {got} where {name} was expected")
-                yield t
-            else:
-                raw, param = raw_base[name]
-                yield plain_weight(model, raw, param)  # W0 as is; dequantized for a 4-bit (QLoRA) base
-        if lora_modules:
-            yield from lora_values()
+    items: list[tuple[str, str]] = [("base", n) for n in send] + [("lora", m) for m in lora_modules]
+    stream = _Stream(model, merged, raw_base, lora_dtype, fold)
 
     def current_base_key() -> str | None:
         if strategy is Strategy.FULL or base_key is None:  # full: no base identity; None: the engine's own base
             return None
         return f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
 
-    payload = Payload(strategy, reason, specs, produce, lora_config, lora_base_names, base_key, includes_base,
-                      current_base_key)
-    from hwsync.gather import layout
+    payload = Payload(strategy, reason, specs, lambda: stream.read([items]), lora_meta, lora_base_names, base_key,
+                      includes_base, current_base_key)
+    from hwsync.gather import sharding
 
-    if layout(model) != "plain":
-        _add_sharded(payload, model, send, merged, raw_base, lora_modules, lora_dtype, gather_bytes, fold)
+    if sharding(model) != "plain":
+        _add_sharded(payload, model, stream, items, merged, raw_base, gather_bytes)
     return payload
 
 
-def _add_sharded(payload: Payload, model: nn.Module, send: Sequence[str], merged: set[str],
-                 raw_base: Mapping[str, tuple[str, Tensor]], lora_modules: Sequence[str],
-                 lora_dtype: torch.dtype | None, gather_bytes: int, fold: FoldFn | None = None) -> None:
+class _Stream:
+    """Reads a payload's tensors in manifest order, group by group: one group for a plain model; for a sharded one
+    (:mod:`hwsync.gather`) the groups of its gather schedule, each read while gathered. Merged tensors are computed
+    on demand, base tensors read as they are, LoRA factors through one :class:`~hwsync.lora_formats.PeftLoraReader`
+    per group, resolved at the first read and reused (values are read at every sync)."""
+
+    def __init__(self, model: nn.Module, merged: set[str], raw_base: Mapping[str, tuple[str, Tensor]],
+                 lora_dtype: torch.dtype | None, fold: FoldFn | None = None) -> None:
+        self.model, self.merged, self.raw_base, self.lora_dtype = model, merged, raw_base, lora_dtype
+        self.fold = fold
+        self.readers: dict[int, Any] = {}
+
+    def read(self, groups: Sequence[Sequence[tuple[str, str]]], steps: Iterator[None] | None = None,
+             wire: Mapping[str, torch.dtype] | None = None) -> Iterator[Tensor]:
+        """The tensors of ``groups`` (``("base" | "lora", name)`` items, LoRA last in each group). With ``steps``
+        (:func:`hwsync.gather.run_groups`), advanced once per group, every tensor is checked to come from a gathered
+        parameter and cast to its ``wire`` dtype while the group is gathered: the bucket then holds wire-sized
+        copies and the gathered tensor is released with its group (an fp32 trainer feeding a bf16 engine would
+        otherwise keep twice a bucket of gathered fp32 tensors pending in the transport)."""
+        from hwsync.merged import merged_named_weights, plain_weight
+
+        for g, group in enumerate(groups):
+            if steps is not None:
+                next(steps)  # this group's parameters are gathered until the next step
+            in_group = {name for kind, name in group if kind == "base" and name in self.merged}
+            it = merged_named_weights(self.model, include=in_group.__contains__) if in_group else iter(())
+            lora = [name for kind, name in group if kind == "lora"]
+            for kind, name in group:
+                if kind != "base":
+                    continue
+                if name in self.merged:
+                    got, t = next(it)
+                    if got != name:
+                        raise SyncError(f"internal: merged view yielded {got} where {name} was expected")
+                else:
+                    raw, param = self.raw_base[name]
+                    t = plain_weight(self.model, raw, param)  # W0 as is; dequantized for a 4-bit (QLoRA) base
+                yield t if steps is None else _gathered(name, t, wire)
+            if lora:  # A, B per module; no cast: read in the engine's LoRA dtype
+                for i, t in enumerate(self._lora(g, lora, sharded=steps is not None)):
+                    yield t if steps is None else _gathered(lora[i // 2], t, None)
+            del it
+
+    def _lora(self, group: int, modules: Sequence[str], sharded: bool) -> list[Tensor]:
+        """A and B (scaling folded, in the engine's LoRA dtype) of ``modules``, as of now."""
+        from hwsync import gather
+        from hwsync.lora_formats import PeftLoraReader
+
+        with gather.placeholders() if sharded else contextlib.nullcontext():  # other groups' modules: shapes only
+            reader = self.readers.get(group)
+            if reader is None:
+                reader = self.readers[group] = PeftLoraReader(self.model, _adapter_name(self.model), modules)
+            return reader.read(self.lora_dtype, self.fold)
+
+
+def _gathered(name: str, t: Tensor, wire: Mapping[str, torch.dtype] | None) -> Tensor:
+    """``t`` read inside its gather, in its wire dtype (:meth:`_Stream.read`)."""
+    if t.is_meta:
+        raise SyncError(f"internal: {name} was produced from a parameter that was not gathered")
+    dtype = wire.get(name) if wire is not None else None
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+
+
+def _add_sharded(payload: Payload, model: nn.Module, stream: _Stream, items: Sequence[tuple[str, str]],
+                 merged: set[str], raw_base: Mapping[str, tuple[str, Tensor]], gather_bytes: int) -> None:
     """The gather schedule of a sharded model: the payload's tensors in order, grouped so the parameters gathered
     for one group stay within ``gather_bytes`` (one bucket); each group is read while gathered, then dropped."""
     from hwsync import gather
     from hwsync.lora_formats import extract_peft_lora
-    from hwsync.merged import merged_named_weights, plain_weight, read_sets
+    from hwsync.merged import read_sets
 
     params = dict(model.named_parameters())
-    reads = read_sets(model) if any(n in merged for n in send) else {}
-    items: list[tuple[tuple[str, str], list[str]]] = []
-    for name in send:
-        items.append((("base", name), reads[name] if name in merged else [raw_base[name][0]]))
-    if lora_modules:
+    reads = read_sets(model) if any(kind == "base" and n in merged for kind, n in items) else {}
+    sources: dict[tuple[str, str], list[str]] = {}
+    if any(kind == "lora" for kind, _ in items):
         with gather.placeholders():
             adapter = extract_peft_lora(model, _adapter_name(model))
-        for m in lora_modules:
-            sources = [s for s in adapter.modules[m].sources if s]
-            if len(sources) != 2:
-                raise SyncError(f"internal: LoRA module {m} has no parameter names to gather")
-            items.append((("lora", m), sources))
-    sizes = {n: gather.global_nbytes(params[n]) for _, names in items for n in names}
-    groups = gather.plan_groups(items, sizes, gather_bytes)
+    for kind, name in items:
+        if kind == "base":
+            sources[(kind, name)] = reads[name] if name in merged else [raw_base[name][0]]
+            continue
+        pair = [s for s in adapter.modules[name].sources if s]
+        if len(pair) != 2:
+            raise SyncError(f"internal: LoRA module {name} has no parameter names to gather")
+        sources[(kind, name)] = pair
+    sizes = {n: gather.global_nbytes(params[n]) for names in sources.values() for n in names}
+    groups = gather.plan_groups(list(sources.items()), sizes, gather_bytes)
     payload.schedule = [gather.group_params(g) for g in groups]
-
     wire = {s.name: s.dtype for s in payload.specs}
-
-    def check(name: str, t: Tensor) -> Tensor:
-        if t.is_meta:
-            raise SyncError(f"internal: {name} was produced from a parameter that was not gathered")
-        # cast to the wire dtype here, while the group is gathered: the bucket then holds wire-sized copies and the
-        # gathered tensor is released with its group (an fp32 trainer feeding a bf16 engine would otherwise keep
-        # twice a bucket of gathered fp32 tensors pending in the transport)
-        dtype = wire.get(name)
-        return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
-
-    def produce_sharded(steps: Iterator[None]) -> Iterator[Tensor]:
-        for group in groups:
-            next(steps)  # this group's parameters are gathered until the next step
-            in_group = {key[1] for key, _ in group if key[0] == "base" and key[1] in merged}
-            it = merged_named_weights(model, include=in_group.__contains__) if in_group else iter(())
-            adapter = None
-            for (kind, name), _ in group:
-                if kind == "base" and name in merged:
-                    got, t = next(it)
-                    if got != name:
-                        raise SyncError(f"internal: merged view yielded {got} where {name} was expected")
-                    yield check(name, t)
-                elif kind == "base":
-                    raw, param = raw_base[name]
-                    yield check(name, plain_weight(model, raw, param))
-                else:
-                    if adapter is None:
-                        with gather.placeholders():  # modules of other groups: shapes only, never produced
-                            adapter = extract_peft_lora(model, _adapter_name(model))
-                    f = adapter.modules[name].folded(lora_dtype, fold)
-                    yield check(name, f.lora_A)
-                    yield check(name, f.lora_B)
-                    del f
-            del it, adapter
-
-    payload.produce_sharded = produce_sharded
+    keys = [[key for key, _ in g] for g in groups]
+    payload.produce_sharded = lambda steps: stream.read(keys, steps, wire)

@@ -193,7 +193,7 @@ class Receiver:
                 stage = "adapter"
                 old = self.state.lora_int_id
                 if lora:
-                    name, lid = self.applier.load_lora(plan, lora, manifest.lora_config or {}, manifest.lora_name,
+                    name, lid = self.applier.load_lora(plan, lora, manifest.lora_meta or {}, manifest.lora_name,
                                                        manifest.lora_int_id, old)
                     self.state.lora_name, self.state.lora_int_id = name, lid
                     paths.append(str(getattr(self.applier, "last_lora_path", "") or ""))

@@ -7,18 +7,29 @@ refuses: it falls back to ``full``, which every engine serves.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hwsync.errors import AdapterFormatError
 from hwsync.wire import EngineInfo, Strategy
 
-if TYPE_CHECKING:
-    from hwsync.payload import TrainerLora
+__all__ = ["Choice", "LoraFacts", "choose", "RULES"]
 
-__all__ = ["Choice", "choose", "RULES"]
 
+class LoraFacts(Protocol):
+    """What the rules read of the trainer's adapter (`hwsync.payload.TrainerLora` has it)."""
+
+    @property
+    def max_rank(self) -> int: ...
+
+    @property
+    def by_module(self) -> Mapping[str, list[str]]:
+        """Trainer LoRA parameter name -> the vLLM LoRA module paths it becomes."""
+
+    @property
+    def not_lora(self) -> Mapping[str, str]:
+        """Trainer LoRA modules no vLLM engine serves as LoRA (-> why)."""
 
 
 @dataclass(frozen=True)
@@ -29,14 +40,14 @@ class Choice:
     """Trainer LoRA modules the engine cannot serve as LoRA (``hybrid`` sends them merged)."""
 
 
-Rule = Callable[[Strategy, "TrainerLora | AdapterFormatError | None", EngineInfo], "Choice | None"]
+Rule = Callable[[Strategy, "LoraFacts | AdapterFormatError | None", EngineInfo], "Choice | None"]
 
 
-def _full_requested(req: Strategy, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
+def _full_requested(req: Strategy, lora: LoraFacts | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
     return Choice(Strategy.FULL, "requested") if req is Strategy.FULL else None
 
 
-def _no_adapter(req: Strategy, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
+def _no_adapter(req: Strategy, lora: LoraFacts | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
     if lora is not None:
         return None
     if req is not Strategy.AUTO:
@@ -45,7 +56,7 @@ def _no_adapter(req: Strategy, lora: TrainerLora | AdapterFormatError | None, in
     return Choice(Strategy.FULL, "model has no LoRA adapter")
 
 
-def _not_servable_as_lora(req: Strategy, lora: TrainerLora | AdapterFormatError | None,
+def _not_servable_as_lora(req: Strategy, lora: LoraFacts | AdapterFormatError | None,
                           info: EngineInfo) -> Choice | None:
     if not isinstance(lora, AdapterFormatError):
         return None
@@ -54,7 +65,7 @@ def _not_servable_as_lora(req: Strategy, lora: TrainerLora | AdapterFormatError 
     return Choice(Strategy.FULL, f"adapter cannot be served as LoRA ({lora})")
 
 
-def _engine_without_lora(req: Strategy, lora: TrainerLora | AdapterFormatError | None,
+def _engine_without_lora(req: Strategy, lora: LoraFacts | AdapterFormatError | None,
                          info: EngineInfo) -> Choice | None:
     if info.lora_enabled:
         return None
@@ -66,7 +77,7 @@ def _engine_without_lora(req: Strategy, lora: TrainerLora | AdapterFormatError |
     return Choice(Strategy.FULL, why)
 
 
-def _rank_too_large(req: Strategy, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
+def _rank_too_large(req: Strategy, lora: LoraFacts | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
     assert lora is not None and not isinstance(lora, AdapterFormatError)
     if info.max_lora_rank is None or lora.max_rank <= info.max_lora_rank:
         return None
@@ -76,10 +87,10 @@ def _rank_too_large(req: Strategy, lora: TrainerLora | AdapterFormatError | None
     return Choice(Strategy.FULL, why)
 
 
-def _unservable(lora: TrainerLora, info: EngineInfo) -> tuple[list[str], str]:
+def _unservable(lora: LoraFacts, info: EngineInfo) -> tuple[list[str], str]:
     """Trainer LoRA modules not served as LoRA (the engine says so for their vLLM paths, or no vLLM serves them:
-    :attr:`TrainerLora.not_lora`) and why."""
-    not_lora = getattr(lora, "not_lora", {})
+    :attr:`LoraFacts.not_lora`) and why."""
+    not_lora = lora.not_lora
     modules = [m for m, paths in lora.by_module.items()
                if m in not_lora or any(p in info.unservable for p in paths)]
     reasons = {info.unservable[p] for m in modules for p in lora.by_module[m] if p in info.unservable}
@@ -87,7 +98,7 @@ def _unservable(lora: TrainerLora, info: EngineInfo) -> tuple[list[str], str]:
     return modules, "; ".join(sorted(reasons))
 
 
-def _all_servable(req: Strategy, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
+def _all_servable(req: Strategy, lora: LoraFacts | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
     assert lora is not None and not isinstance(lora, AdapterFormatError)
     if _unservable(lora, info)[0]:
         return None
@@ -98,7 +109,7 @@ def _all_servable(req: Strategy, lora: TrainerLora | AdapterFormatError | None, 
                   else "requested")
 
 
-def _some_unservable(req: Strategy, lora: TrainerLora | AdapterFormatError | None,
+def _some_unservable(req: Strategy, lora: LoraFacts | AdapterFormatError | None,
                      info: EngineInfo) -> Choice | None:
     assert lora is not None and not isinstance(lora, AdapterFormatError)
     modules, why_not = _unservable(lora, info)
@@ -128,7 +139,7 @@ RULES: Sequence[Rule] = (
 """In order; the last rule always decides."""
 
 
-def choose(requested: Strategy | str, lora: TrainerLora | AdapterFormatError | None, info: EngineInfo) -> Choice:
+def choose(requested: Strategy | str, lora: LoraFacts | AdapterFormatError | None, info: EngineInfo) -> Choice:
     """The strategy for this sync and why; refuses an explicit request the engine or the model cannot serve."""
     req = Strategy.parse(requested)
     for rule in RULES:

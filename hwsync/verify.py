@@ -24,10 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hwsync.api import as_engine
+from hwsync.api import SyncedPlan, SyncPlan, as_engine, last_plan
 from hwsync.engine import Engine
 from hwsync.errors import OptionError, SyncError, UnsupportedSetupError, VerifyError
+from hwsync.payload import Payload
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
+from hwsync.wire import TensorSpec
 
 __all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "as_vllm_loads", "check",
            "engine_logprobs", "gate_for", "parse_gate", "token_logprobs", "verify"]
@@ -163,7 +165,7 @@ def parse_gate(text: str, var: str = "HWSYNC_VERIFY_GATE") -> Gate:
         raise OptionError(f"{var}={text!r}: expected 'mean,p90,prob' or 'mean,p90,prob,max' (positive numbers: "
                           "mean |Δ logprob|, its 90th percentile, mean |Δ probability|, max |Δ logprob|; e.g. "
                           "0.5,0.8,0.05)") from None
-    return Gate(*parts[:3], max_abs=parts[3] if len(parts) == 4 else None)
+    return Gate(parts[0], parts[1], parts[2], max_abs=parts[3] if len(parts) == 4 else None)
 
 
 def gate_for(device_type: str, dtype: str) -> Gate:
@@ -197,8 +199,8 @@ class VerifyReport:
     """Every check of one :func:`check` call; ``failed`` lists the ones that did not pass."""
 
     checks: tuple[Check, ...]
-    agreement: Agreement | None
-    gate: Gate | None
+    agreement: Agreement
+    gate: Gate
     skipped: tuple[str, ...] = ()
     """Checks that could not run here, with why (e.g. content checks on a remote engine)."""
 
@@ -228,33 +230,13 @@ _HINT = ("the engine does not compute what the trainer computes: check the sync 
          "(raise the gate for this platform with gate= / HWSYNC_VERIFY_GATE only after checking the numbers)")
 
 
-def last_plan(engine: Any, model: nn.Module) -> Any:
-    from hwsync.payload import model_uuid
-
-    prefix = f"{model_uuid(model)}:"
-    plans = [p for k, p in engine.plans.items() if k.startswith(prefix)]
-    return max(plans, key=lambda p: p.synced_version) if plans else None
-
-
-@dataclass(frozen=True)
-class _Synced:
-    """What the checks need of the trainer's last sync plan (plain data: it crosses ranks)."""
-
-    version: int
-    strategy: Any
-    lora_int_id: int | None
-
-    @classmethod
-    def of(cls, plan: Any) -> _Synced | None:
-        if plan is None or isinstance(plan, _Synced):
-            return plan
-        return cls(plan.synced_version, plan.manifest.strategy, plan.manifest.lora_int_id)
-
-
-def _last_synced(engine: Any, model: nn.Module) -> _Synced | None:
+def _last_synced(engine: Any, model: nn.Module) -> SyncedPlan | None:
+    """The trainer's last sync of ``model`` into ``engine`` (for a sharded trainer whose rank 0 holds the engine:
+    rank 0's, on every rank)."""
     if isinstance(engine, _OnRank0):
-        return engine.ask(lambda e: _Synced.of(last_plan(e, model)))
-    return _Synced.of(last_plan(engine, model))
+        synced: SyncedPlan | None = engine.ask(lambda e: _synced(last_plan(e, model)))
+        return synced
+    return _synced(last_plan(engine, model))
 
 
 def as_vllm_loads(b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
@@ -270,23 +252,18 @@ def as_vllm_loads(b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.
     return LoRALayerWeights("hwsync.verify", int(t.shape[-1]), 1, None, t, scaling=scaling).optimize().lora_b
 
 
-def reference_tensors(engine: Any, model: nn.Module, plan: Any) -> tuple[Any, Iterator[tuple[Any, torch.Tensor]]]:
+def _synced(plan: SyncPlan | None) -> SyncedPlan | None:
+    return plan.synced() if plan is not None else None
+
+
+def reference_tensors(model: nn.Module, plan: SyncPlan | SyncedPlan
+                      ) -> tuple[Payload, Iterator[tuple[TensorSpec, torch.Tensor]]]:
     """``(payload, (spec, tensor) pairs)``: every tensor a from-scratch sync of ``plan``'s strategy would send now
     (merged view for merged names, W0 for frozen ones, LoRA A/B with the scaling folded by vLLM's own code,
-    :func:`as_vllm_loads`), lazily, as the engine should hold them."""
-    import dataclasses
-
-    from hwsync.api import describe_for
-    from hwsync.payload import build_payload
-    from hwsync.strategy import choose
-    from hwsync.wire import Strategy
-
-    info, lora = describe_for(engine, model)
-    strategy = _Synced.of(plan).strategy  # type: ignore[union-attr]
-    choice = choose(strategy, lora, info)
-    fresh = dataclasses.replace(info, base_key=None, stale=False)  # as if nothing were on the engine: all of it
-    trainer_lora = lora if strategy is not Strategy.FULL else None
-    payload = build_payload(model, choice, trainer_lora, fresh, fold=as_vllm_loads)  # type: ignore[arg-type]
+    :func:`as_vllm_loads`), lazily, as the engine should hold them;
+    planned from the engine's description ``plan`` was made from (no new round trip)."""
+    synced = plan.synced() if isinstance(plan, SyncPlan) else plan
+    payload = synced.reference_payload(model, fold=as_vllm_loads)
     return payload, _pairs(model, payload)
 
 
@@ -309,14 +286,14 @@ def _pairs(model: nn.Module, payload: Any) -> Iterator[tuple[Any, torch.Tensor]]
         gather.drain(steps)
 
 
-def _expected(engine: Any, model: nn.Module, plan: Any, seed: int
+def _expected(model: nn.Module, plan: SyncedPlan, seed: int
               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
     """(fingerprint request for the engine, its LoRA part, trainer fingerprints) over :func:`reference_tensors`,
     each fingerprinted as it travels (wire dtype)."""
     from hwsync.fingerprint import dot, probe
     from hwsync.wire import dtype_name
 
-    payload, pairs = reference_tensors(engine, model, plan)
+    payload, pairs = reference_tensors(model, plan)
     want: dict[str, tuple[float, float, float]] = {}
     dtypes: dict[str, torch.dtype] = {}
     base: list[Any] = []
@@ -334,7 +311,7 @@ def _expected(engine: Any, model: nn.Module, plan: Any, seed: int
                 lora_shapes.append(list(spec.shape))
             else:
                 base.append([spec.name, list(spec.shape), dtype_name(spec.dtype)])
-    lora_req = {"keys": lora_keys, "shapes": lora_shapes, "config": payload.lora_config or {}} if lora_keys else None
+    lora_req = {"keys": lora_keys, "shapes": lora_shapes, "meta": payload.lora_meta or {}} if lora_keys else None
     return {"seed": seed, "base": base, "lora": lora_req}, lora_req or {}, want, dtypes
 
 
@@ -365,7 +342,7 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tupl
         return [], [f"content: {type(engine).__name__} cannot read fingerprints back (logprob gate only)"]
     if info.workers > 1:  # each worker holds a TP shard, the trainer's fingerprints cover whole tensors
         return [], [f"content: the engine runs {info.workers} workers (tensor parallel shards): logprob gate only"]
-    request, lora_req, want, dtypes = _expected(engine, model, plan, seed)
+    request, lora_req, want, dtypes = _expected(model, plan, seed)
     got = fp(request)
     if got is None:
         return [], ["content: the engine runs with several workers (tensor parallel): logprob gate only"]
@@ -508,9 +485,7 @@ def _combined(reports: Sequence[VerifyReport], addresses: Sequence[str]) -> Veri
     checks = tuple(dataclasses.replace(c, detail=f"engine {a}: {c.detail}")
                    for r, a in zip(reports, addresses) for c in r.checks)
     skipped = tuple(f"engine {a}: {why}" for r, a in zip(reports, addresses) for why in r.skipped)
-    agreements = [r.agreement for r in reports if r.agreement is not None]
-    worst = max(agreements, key=lambda a: math.inf if a.max_abs_diff != a.max_abs_diff else a.max_abs_diff,
-                default=None)
+    worst = max((r.agreement for r in reports), key=lambda a: math.inf if a.max_abs_diff != a.max_abs_diff else a.max_abs_diff)
     return VerifyReport(checks, worst, reports[0].gate, skipped)
 
 
@@ -574,7 +549,7 @@ class _OnRank0(Engine):
 
     def ask(self, fn: Any) -> Any:
         """``fn(engine)`` on rank 0, its result (or error) on every rank."""
-        from hwsync.errors import from_wire, to_wire
+        from hwsync.errors import decode_error, encode_error
         from hwsync.gather import rank0_value
 
         out: Any = None
@@ -583,24 +558,26 @@ class _OnRank0(Engine):
             try:
                 out = ("ok", fn(self.inner))
             except Exception as e:  # noqa: BLE001 - raised on every rank below
-                error, out = e, ("error", to_wire(e))
+                error, out = e, ("error", encode_error(e))
         out = rank0_value(out)
         if error is not None:
             raise error
         if out is None:
             raise SyncError("internal: rank 0 holds no engine for hwsync.verify")
         if out[0] == "error":
-            raise from_wire(out[1])
+            raise decode_error(out[1])
         return out[1]
 
     def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> Any:
         return self.ask(lambda e: e.describe(lora_paths, base))
 
     def state(self) -> dict[str, Any]:
-        return self.ask(lambda e: e.state())
+        got: dict[str, Any] = self.ask(lambda e: e.state())
+        return got
 
     def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
-        return self.ask(lambda e: e.logprobs(prompts, max_tokens))
+        got: list[tuple[list[int], list[float]]] = self.ask(lambda e: e.logprobs(prompts, max_tokens))
+        return got
 
     def _fingerprints(self, request: dict[str, Any]) -> Any:
         return self.ask(lambda e: e.fingerprints(request))
@@ -609,8 +586,8 @@ class _OnRank0(Engine):
         count = self.ask(lambda e: len(_parts(e)))
         if count == 1:
             return [self]
-        inner = _parts(self.inner) if self.inner is not None else [None] * count
-        return [_OnRank0(p) for p in inner]  # type: ignore[arg-type]
+        inner: list[Engine | None] = list(_parts(self.inner)) if self.inner is not None else [None] * count
+        return [_OnRank0(p) for p in inner]
 
     def send(self, manifest: Any, produce: Any, progress: Any) -> dict[str, Any]:
         raise UnsupportedSetupError("internal: hwsync.verify's view of rank 0's engine does not sync")
@@ -647,7 +624,6 @@ def verify(
         legacy = next((c for c in report.failed if c.name == "max |Δ logprob|"), None)
         head = f"engine and trainer disagree: {legacy.detail}. " if legacy is not None else ""
         raise VerifyError(head + report.message())
-    assert report.agreement is not None
     return report.agreement.max_abs_diff
 
 

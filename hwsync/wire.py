@@ -1,9 +1,12 @@
 """Every type that crosses a process boundary during a sync, and its JSON form.
 
-Server mode sends these over a store as JSON (never pickle): the sync manifest (:class:`Manifest`, made of
-:class:`TensorSpec` and :class:`Bucket`), what an engine says about itself (:class:`EngineInfo`) and its sync state
-(:class:`ReceiverState`). Whatever arrives is validated completely here, in ``from_json``, before any other code
-looks at it: a malformed manifest is refused with one :class:`~hwsync.errors.SyncError` and nothing else runs.
+The sync manifest (:class:`Manifest`, made of :class:`TensorSpec` and :class:`Bucket`), what an engine says about
+itself (:class:`EngineInfo`) and its sync state (:class:`ReceiverState`). In server mode they travel as JSON (never
+pickle) in the control channel's authenticated frames (:mod:`hwsync.server.protocol`); the tensors follow on the
+data plane, one flat buffer per :class:`Bucket` plus a sealed trailer (:mod:`hwsync.transport.buckets`). A colocated
+engine gets the same objects in-process. Whatever arrives as JSON is validated completely here, in ``from_json``,
+before any other code looks at it: a malformed manifest is refused with one :class:`~hwsync.errors.SyncError` and
+nothing else runs.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from hwsync.errors import SyncError
+from hwsync.errors import OptionError, SyncError
 
 __all__ = [
     "ALIGN",
@@ -40,7 +43,7 @@ DtypePolicy = Literal["exact", "cast"]
 _KINDS = ("base", "lora")
 _LAYOUTS = ("checkpoint",)
 # dtypes a tensor may travel as: every real torch dtype a checkpoint or adapter can hold
-_DTYPES = {
+_DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
     for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
                torch.int8, torch.uint8, torch.bool,
@@ -63,10 +66,11 @@ class Strategy(str, enum.Enum):
 
     @classmethod
     def parse(cls, value: str | Strategy) -> Strategy:
+        """A caller's ``strategy=`` option; :class:`~hwsync.errors.OptionError` naming the choices otherwise."""
         try:
             return cls(str(value.value if isinstance(value, Strategy) else value).lower())
         except ValueError:
-            raise SyncError(f"unknown strategy {value!r}; choose one of {[s.value for s in cls]}") from None
+            raise OptionError(f"unknown strategy {value!r}; choose one of {[s.value for s in cls]}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -84,6 +88,14 @@ def _fail(what: str) -> SyncError:
     return SyncError(f"malformed sync manifest: {what}; sender and receiver run different hwsync versions?")
 
 
+def _strategy(value: Any) -> Strategy:
+    """A manifest's strategy (a wire field: a bad one is a malformed manifest, not a caller's option)."""
+    try:
+        return Strategy.parse(value)
+    except OptionError:
+        raise _fail(f"strategy {str(value)[:40]!r}") from None
+
+
 _INT_MAX = (1 << 63) - 1
 """Every integer in a manifest fits a signed 64-bit field (bucket trailers, tensor sizes, vLLM ids)."""
 
@@ -96,7 +108,9 @@ def _int(value: Any, what: str, minimum: int = 0, maximum: int = _INT_MAX) -> in
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a sync, in trainer naming (``kind="base"``) or vLLM LoRA naming (``kind="lora"``)."""
+    """One tensor of a sync: a base weight in trainer naming (``kind="base"``), or one factor of a trainer LoRA module
+    (``kind="lora"``, named ``<module>#A`` / ``<module>#B`` by :func:`hwsync.lora_formats.wire_name`: experts stacked,
+    scaling folded into B)."""
 
     name: str
     shape: tuple[int, ...]
@@ -136,7 +150,8 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Bucket:
-    """Spec indices carried by one bucket and their byte offsets in its flat buffer.
+    """Spec indices carried by one bucket and their byte offsets in its flat buffer (``nbytes`` long; on the data
+    plane a trailer follows it: :mod:`hwsync.transport.buckets`).
 
     Inside a bucket, tensors of one dtype sit back to back in one aligned run, so unpacking is pure views.
     """
@@ -235,8 +250,10 @@ class Manifest:
     strategy: Strategy
     specs: tuple[TensorSpec, ...]
     buckets: tuple[Bucket, ...]
-    lora_config: Mapping[str, Any] | None = None
-    """vLLM ``adapter_config`` of the LoRA tensors (``None`` when the sync carries none)."""
+    lora_meta: Mapping[str, Any] | None = None
+    """The LoRA tensors' metadata (``hwsync-lora/1``, :func:`hwsync.lora_formats.to_wire`: the adapter's name and
+    rank, per module its kind, orientation and row order), from which the receiver builds the LoRA format its engine
+    serves; ``None`` when the sync carries no LoRA."""
     lora_base_names: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Trainer name -> shape of each base weight the LoRA adapts: the receiver resolves them (without data) so an
     adapter for a differently shaped model is refused before it is installed."""
@@ -257,7 +274,7 @@ class Manifest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, Strategy):
-            object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
+            object.__setattr__(self, "strategy", _strategy(self.strategy))
         if self.strategy is Strategy.AUTO:
             raise _fail("strategy 'auto' is resolved by the sender; a manifest names full, adapter or hybrid")
 
@@ -278,7 +295,7 @@ class Manifest:
             "strategy": self.strategy.value,
             "specs": [s.to_json() for s in self.specs],
             "buckets": [b.to_json() for b in self.buckets],
-            "lora_config": self.lora_config,
+            "lora_meta": self.lora_meta,
             "lora_base_names": {k: list(v) for k, v in self.lora_base_names.items()},
             "base_key": self.base_key,
             "layout": self.layout,
@@ -336,11 +353,11 @@ class Manifest:
             bucket_objs.append(Bucket(_int(b[0], "bucket index"), tuple(_int(i, "bucket entry") for i in b[1]),
                                       tuple(_int(o, "bucket offset") for o in b[2]), _int(b[3], "bucket size"), b[4]))
         _check_buckets(spec_objs, bucket_objs)
-        lora_config = d.get("lora_config")
-        if lora_config is not None and not isinstance(lora_config, dict):
-            raise _fail("lora_config must be an object or null")
-        if any(s.kind == "lora" for s in spec_objs) and not lora_config:
-            raise _fail("LoRA tensors without an adapter config")
+        lora_meta = d.get("lora_meta")
+        if lora_meta is not None and not isinstance(lora_meta, dict):
+            raise _fail("lora_meta must be an object or null")
+        if any(s.kind == "lora" for s in spec_objs) and not lora_meta:
+            raise _fail("LoRA tensors without their metadata (lora_meta)")
         base_names = d.get("lora_base_names") or {}
         if not isinstance(base_names, dict) or not all(isinstance(v, list) for v in base_names.values()):
             raise _fail("lora_base_names must map names to shapes")
@@ -357,10 +374,10 @@ class Manifest:
         expect = d.get("expect_version")
         return cls(
             version=_int(d.get("version"), "version", 1),
-            strategy=Strategy.parse(d.get("strategy", "")),
+            strategy=_strategy(d.get("strategy", "")),
             specs=spec_objs,
             buckets=tuple(bucket_objs),
-            lora_config=lora_config,
+            lora_meta=lora_meta,
             lora_base_names={str(k): tuple(_int(x, f"{k}: dimension", 0, 1 << 40) for x in v)
                              for k, v in base_names.items()},
             base_key=d.get("base_key"),

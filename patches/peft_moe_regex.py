@@ -259,10 +259,10 @@ class PeftMoeRegexPatch(Patch):
         from peft import LoraConfig
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        small = dict(vocab_size=32, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=2,
+        small: dict[str, Any] = dict(vocab_size=32, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=2,
                      num_attention_heads=1, num_key_value_heads=1, head_dim=32, num_experts=2, num_experts_per_tok=1)
         with torch.device("meta"):
-            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=32, **small))
+            model: Any = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=32, **small))
         config = LoraConfig(r=2, lora_alpha=4, target_modules=_PROBE_REGEX)
         problems = []
         try:

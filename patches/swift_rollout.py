@@ -19,21 +19,32 @@ The wrapper keeps vLLM's engine core in the worker process (:func:`hwsync.swift.
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM's GPU default would otherwise not be), calls the original, then
 :func:`hwsync.swift._server.serve_rollout_engine` on the engine it returns,
 which starts :func:`hwsync.serve` when ``HWSYNC_SERVER`` is set (and does nothing otherwise). Installed by the
-hwsync ms-swift plugin (``hwsync.swift.install``) in the processes that import it; the probe says *not needed*
-unless ``HWSYNC_SERVER`` asks for hwsync's server.
+hwsync ms-swift plugin (``hwsync.swift.install``) in the processes that import it, which hands the wrapper those two
+steps (:func:`serve_with`: a patch calls into no hwsync module); the probe says *not needed* unless
+``HWSYNC_SERVER`` asks for hwsync's server.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import os
+from collections.abc import Callable
 from typing import Any
+
+from hwsync.errors import PatchError
 
 from ._base import APPLIES, NOT_NEEDED, Patch, ProbeResult, register
 
-__all__ = ["SwiftRolloutCpuPatch", "SwiftRolloutServePatch"]
+__all__ = ["SwiftRolloutCpuPatch", "SwiftRolloutServePatch", "serve_with"]
 
 _SERVER_ENV = "HWSYNC_SERVER"
+_steps: list[tuple[Callable[[], None], Callable[[Any, Any], Any]]] = []
+
+
+def serve_with(before: Callable[[], None], serve: Callable[[Any, Any], Any]) -> None:
+    """What ``swift_rollout_serve``'s wrapper runs around ms-swift's engine build: ``before()``, then
+    ``serve(engine, data_parallel_size)`` (hwsync's ms-swift plugin passes its own two functions)."""
+    _steps[:] = [(before, serve)]
 
 
 def _cpu_only() -> bool:
@@ -107,12 +118,14 @@ class SwiftRolloutServePatch(Patch):
 
         @functools.wraps(build)
         def get_infer_engine(*args: Any, **kwargs: Any) -> Any:
-            from hwsync.swift._server import keep_engine_in_process, serve_rollout_engine
-
-            keep_engine_in_process()
+            if not _steps:
+                raise PatchError("swift_rollout_serve is installed without its serve steps: install it through "
+                                 "hwsync's ms-swift plugin (hwsync.swift.install), which passes them")
+            before, serve = _steps[0]
+            before()
             engine = build(*args, **kwargs)
             rollout_args = args[0] if args else kwargs.get("args")  # swift's RolloutArguments
-            serve_rollout_engine(engine, getattr(rollout_args, "vllm_data_parallel_size", None))
+            serve(engine, getattr(rollout_args, "vllm_data_parallel_size", None))
             return engine
 
         return staticmethod(get_infer_engine)

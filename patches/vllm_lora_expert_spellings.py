@@ -49,10 +49,10 @@ def one_spelling_per_expert(entries: Sequence[str]) -> list[str]:
     return [e for e in entries if (m := _EXPERT.fullmatch(e)) is None or m.group(2) in keep]
 
 
-def _stand_in_mapping(cls: type) -> list[tuple[str, str, int, str]]:
+def _stand_in_mapping(cls: Any) -> list[tuple[str, str, int, str]]:
     """The unpatched ``cls.get_expert_mapping()`` on an uninitialised two-expert instance (only the attributes the
     mapping reads)."""
-    inst = object.__new__(cls)
+    inst: Any = object.__new__(cls)
     attrs = {
         "moe_config": types.SimpleNamespace(num_experts=2, num_logical_experts=2, is_act_and_mul=True),
         "expert_map_manager": types.SimpleNamespace(num_fused_shared_experts=0),

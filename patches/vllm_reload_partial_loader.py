@@ -48,8 +48,9 @@ class VllmReloadPartialLoaderPatch(Patch):
         import torch
 
         layer = torch.nn.Module()
-        layer.weight = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
-        layer.weight.weight_loader = functools.partial(lambda param, loaded, scale: None, scale=1.0)
+        weight: Any = torch.nn.Parameter(torch.zeros(2), requires_grad=False)  # a vLLM parameter: has a loader
+        layer.weight = weight
+        weight.weight_loader = functools.partial(lambda param, loaded, scale: None, scale=1.0)
         try:
             self.original(0)(layer)
         except AttributeError as e:

@@ -690,11 +690,11 @@ def _call(channel: Any, body: dict[str, Any]) -> dict[str, Any]:
 
 def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
     """A trainer with the token but a broken (or hostile) client: each request gets one error, nothing changes."""
-    from hwsync.api import _plan
+    from hwsync.api import SyncOptions, SyncPlan
     from hwsync.wire import Strategy
 
     before = base.remote.state()
-    plan = _plan(base.remote, base.model, Strategy.FULL, BUCKET_MB, None, None)
+    plan = SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB))
     good = json.loads(plan.manifest.to_json())
     good["version"] = before["version"] + 1
     manifest = json.dumps(good)
@@ -846,7 +846,7 @@ def _data_plane(tag: bytes, timeout_s: float) -> tuple[socket.socket, Any, Any]:
 def _forge(base: Baseline, kind: str) -> bool:
     """Be rank 0 of the engine's data-plane group (as if the rendezvous had been won) without the data key, and send
     buckets of the manifest's shapes. True when the engine refused before any loader saw them."""
-    from hwsync.api import _plan
+    from hwsync.api import SyncOptions, SyncPlan
     from hwsync.transport.buckets import TRAILER_BYTES, _HEAD
     from hwsync.transport.seal import Sealer
     from hwsync.wire import Strategy
@@ -857,7 +857,7 @@ def _forge(base: Baseline, kind: str) -> bool:
     else:
         evil = lora_trainer(base.path)
         _perturb(evil, 900, base=True)
-    plan = _plan(base.remote, evil, Strategy.FULL, BUCKET_MB, None, None)
+    plan = SyncPlan.make(base.remote, evil, SyncOptions(Strategy.FULL, BUCKET_MB))
     version = engine.state()["version"] + 1
     manifest = plan.manifest.with_version(version, None)
     sock, store, spec = _data_plane(b"\7", 5.0)
@@ -875,7 +875,7 @@ def _forge(base: Baseline, kind: str) -> bool:
 
     thread = threading.Thread(target=receive)
     thread.start()
-    from hwsync.transport.base import open_link
+    from hwsync.backend import open_link
 
     # join as a trainer on this machine would (CUDA: the GPU identity exchange first, then NCCL -- or gloo, as here,
     # when the engine shares the GPU): only the data key is missing
@@ -930,12 +930,12 @@ def _forge(base: Baseline, kind: str) -> bool:
 def test_a_peer_that_never_joins_the_data_plane_is_a_refused_sync(base: Baseline) -> None:
     """The control channel said "go" but nobody joins the data-plane group (a trainer that died, or a client that
     skips the GPU identity exchange): one SyncError after the link timeout, nothing applied, engine not stale."""
-    from hwsync.api import _plan
+    from hwsync.api import SyncOptions, SyncPlan
     from hwsync.wire import Strategy
 
     engine = hwsync.as_engine(base.llm)
     before = engine.state()
-    plan = _plan(base.remote, base.model, Strategy.FULL, BUCKET_MB, None, None)
+    plan = SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB))
     manifest = plan.manifest.with_version(before["version"] + 1, None)
     sock, store, spec = _data_plane(b"\6", 3.0)
     try:
@@ -1020,14 +1020,15 @@ def test_fuzzed_manifests(base: Baseline) -> None:
     """Seeded random mutations of real manifests (full and adapter syncs) and of their bytes: each is refused with
     one SyncError by ``Manifest.from_json`` or by the engine's validation, or is a valid manifest the engine
     prepares without writing anything."""
-    from hwsync.api import _plan
+    from hwsync.api import SyncOptions, SyncPlan
     from hwsync.wire import Manifest, Strategy
 
     engine = hwsync.as_engine(base.llm)
     lora = lora_trainer(base.path, ATTN)
     _perturb(lora, 1000)
-    docs = [json.loads(_plan(base.remote, base.model, Strategy.FULL, BUCKET_MB, None, None).manifest.to_json()),
-            json.loads(_plan(base.remote, lora, Strategy.ADAPTER, 0.01, None, None).manifest.to_json())]
+    plans = [SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB)),
+             SyncPlan.make(base.remote, lora, SyncOptions(Strategy.ADAPTER, 0.01))]
+    docs = [json.loads(p.manifest.to_json()) for p in plans]
     before = engine.state()
     for doc in docs:
         doc["version"] = before["version"] + 1

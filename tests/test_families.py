@@ -6,7 +6,7 @@ for the module) where vLLM and transformers disagree before any sync, for the fa
 model-specific route (GPT-OSS, Llama 4: both), and for every family off the CPU build (see
 ``hwsync.testing.families``).
 
-A family vLLM here cannot serve is recorded with the reason (the README table shows it); any hwsync failure fails
+A family vLLM here cannot serve is recorded with the reason (the table in docs/families.md shows it); any hwsync failure fails
 the test. ``HWSYNC_FAMILY_RESULTS=<file>`` keeps the results for ``python -m hwsync.testing.family_matrix --from
 <file> --write-readme``; ``HWSYNC_FAMILIES`` (names, ``cpu-unserved`` or ``all``, each optionally ``@k/n``: shard k
 of n) narrows the families;

@@ -19,7 +19,7 @@ from hwsync.names import (
     ExpertGroup,
     Namespace,
     ParamSpec,
-    PlanCache,
+    NameMapCache,
     Shard,
     Target,
     manifest_of,
@@ -342,7 +342,7 @@ def test_cast_and_require_complete():
 def test_plan_cache_and_signatures():
     ns = toy_namespace()
     specs = manifest_of(trainer_tensors())
-    cache = PlanCache()
+    cache = NameMapCache()
     p1 = cache.get(specs, ns)
     assert cache.get(dict(reversed(list(specs.items()))), ns) is p1  # order does not matter
     assert len(cache) == 1

@@ -10,7 +10,7 @@ name table was ever written for.
 A subprocess builds each vLLM model (``initialize_model``, no post-load processing) and loads the checkpoint with
 vLLM's own ``load_weights``: that is the reference. The test resolves every trainer name (checkpoint, transformers
 runtime, PEFT-wrapped) against the pickled namespace, applies the plan to zeroed copies of the parameters and
-requires bit-identical results; names translated by ``Plan.vllm_checkpoint_names`` are fed back through vLLM's own
+requires bit-identical results; names translated by ``NameMap.vllm_checkpoint_names`` are fed back through vLLM's own
 loader in the subprocess and must give the same parameters too.
 """
 from __future__ import annotations

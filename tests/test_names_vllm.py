@@ -3,9 +3,9 @@
 Every trainer spelling (HF checkpoint per-expert names, transformers-5 runtime names with fused experts,
 PEFT-wrapped names) resolves into the engine's live namespace. Writes are proven twice:
 
-* ``Plan.apply`` into fresh vLLM models (vLLM's own classes, no post-load processing) gives parameters
+* ``NameMap.apply`` into fresh vLLM models (vLLM's own classes, no post-load processing) gives parameters
   bit-identical to vLLM's own ``load_weights`` of the checkpoint;
-* the engine, started from *other* weights, is reloaded through ``Plan.vllm_weights`` (vLLM's
+* the engine, started from *other* weights, is reloaded through ``NameMap.vllm_weights`` (vLLM's
   ``reload_weights``: on the CPU build linear weights are repacked after loading, so in-place writes into the live
   engine are refused) and then serves the trainer's greedy tokens with logprobs within 1e-4 of transformers' (on
   GPUs, where no engine equals transformers that closely: exactly what a fresh engine on the trainer's checkpoint

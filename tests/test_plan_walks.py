@@ -24,19 +24,19 @@ def test_parameter_walk_is_torchs_order_and_dedup() -> None:
 
 
 def test_plan_signature_sees_new_parameters_and_adapter_switches() -> None:
-    from hwsync.api import _layout
+    from hwsync.api import _sharding
 
     model = nn.Sequential(nn.Linear(3, 3))
-    kind, sig = _layout(model)
-    assert kind == "plain" and _layout(model)[1] == sig
+    kind, sig = _sharding(model)
+    assert kind == "plain" and _sharding(model)[1] == sig
     with torch.no_grad():
         model[0].weight.add_(1)  # an optimizer step: same parameters, same plan
-    assert _layout(model)[1] == sig
+    assert _sharding(model)[1] == sig
     model[0].weight = nn.Parameter(torch.zeros(3, 3))  # a replaced parameter: a new plan
-    assert _layout(model)[1] != sig
-    sig = _layout(model)[1]
+    assert _sharding(model)[1] != sig
+    sig = _sharding(model)[1]
     model.active_adapter = "other"  # PEFT: another adapter made active
-    assert _layout(model)[1] != sig
+    assert _sharding(model)[1] != sig
 
 
 @pytest.mark.parametrize("case", ["transpose", "slice", "stack", "permute3d"])

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from hwsync.cpu.link import GlooLink
-from hwsync.errors import AdapterFormatError, SyncError
-from hwsync.payload import _companions
+from hwsync.errors import AdapterFormatError, OptionError, SyncError
+from hwsync.payload import companions
 from hwsync.report import SyncReport
 from hwsync.strategy import choose
 from hwsync.transport.base import LinkSpec
@@ -129,10 +129,11 @@ def _info(**kw: object) -> EngineInfo:
     return EngineInfo.from_dict(base)
 
 
-class _Lora:  # the shape of hwsync.payload.TrainerLora that choose() reads
+class _Lora:  # the shape of hwsync.payload.TrainerLora that choose() reads (hwsync.strategy.LoraFacts)
     def __init__(self, by_module: dict[str, list[str]], rank: int = 4) -> None:
         self.by_module = by_module
         self.max_rank = rank
+        self.not_lora: dict[str, str] = {}
 
 
 _ATTN = "model.layers.0.self_attn.q_proj.weight"
@@ -168,7 +169,7 @@ def test_explicit_strategies_refuse_what_cannot_work() -> None:
         choose("hybrid", lora, _info(lora_enabled=False))
     with pytest.raises(AdapterFormatError, match="no adapter"):
         choose("adapter", None, _info())
-    with pytest.raises(SyncError, match="unknown strategy"):
+    with pytest.raises(OptionError, match="unknown strategy"):  # a caller's option, like a bad bucket_mb=
         choose("merged", lora, _info())
     assert choose("full", lora, no_moe).strategy is Strategy.FULL
 
@@ -179,10 +180,10 @@ def test_hybrid_companions_complete_engine_layers() -> None:
              "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
              "model.layers.0.mlp.gate.weight"]
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    assert _companions(["model.layers.0.mlp.experts.gate_up_proj"], names, packed) == {
+    assert companions(["model.layers.0.mlp.experts.gate_up_proj"], names, packed) == {
         "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
-    assert _companions(["model.layers.0.self_attn.k_proj.weight"], names, packed) == set(names[:3])
-    assert _companions(["model.layers.0.self_attn.o_proj.weight"], names, packed) == {names[3]}
+    assert companions(["model.layers.0.self_attn.k_proj.weight"], names, packed) == set(names[:3])
+    assert companions(["model.layers.0.self_attn.o_proj.weight"], names, packed) == {names[3]}
 
 
 def test_report_line_has_the_metrics() -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hwsync.backend import Backend, DeviceLike, _as_device
+from hwsync.backend import Backend, DeviceLike, as_device
 from hwsync.errors import BackendUnavailableError
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class CpuBackend(Backend):
         return torch.device("cpu")
 
     def device_context(self, device: DeviceLike) -> contextlib.AbstractContextManager[None]:
-        dev = _as_device(device)
+        dev = as_device(device)
         if dev.type != "cpu":
             raise BackendUnavailableError(f"cpu backend asked to enter device {dev}; pass a cpu device")
         return contextlib.nullcontext()

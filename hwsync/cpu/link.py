@@ -40,12 +40,12 @@ class GlooLink:
         self.rank = rank
         self.world_size = spec.world_size
         self.device = torch.device("cpu")
-        opts = dist.ProcessGroupGloo._Options()
+        opts: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private in torch's stubs
         # gloo listens for its peers on the interface this process reaches the rendezvous on (loopback for a
         # loopback group), never on whatever the machine's hostname resolves to
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(spec.host, spec.port))]
         opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(spec.prefix, store), rank, spec.world_size, opts)
+        self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore(spec.prefix, store), rank, spec.world_size, opts)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> _Done:
         opts = dist.BroadcastOptions()

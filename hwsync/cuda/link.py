@@ -87,6 +87,7 @@ class NcclLink:
         self.world_size = spec.world_size
         self.device = torch.device(device)
         self.timeout_s = float(spec.timeout_s)
+        self.pg: Any = None  # torch's stubs declare no broadcast on the process group classes
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
         saved = os.environ.get(_HANDLING)

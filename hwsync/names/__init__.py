@@ -13,10 +13,10 @@ what the receiver itself declares (the verl #5599 idea, done generally):
 * transformers' checkpoint conversion renames for the model type, reversed (transformers-5 runtime names ->
   checkpoint names, e.g. Mixtral's ``.mlp.`` -> ``.block_sparse_moe.``).
 
-The whole manifest (name -> shape, dtype) is resolved once into a :class:`Plan`; every problem (unknown name,
+The whole manifest (name -> shape, dtype) is resolved once into a :class:`NameMap`; every problem (unknown name,
 ambiguity, shape or dtype that does not fit) is reported together in one :class:`~hwsync.errors.ResolutionError`
-before any tensor is written. The plan is reused every step: :meth:`Plan.apply` writes in place (packed rows, TP
-slices, experts through :mod:`hwsync.layouts`), :meth:`Plan.vllm_checkpoint_names` translates names for vLLM's own
+before any tensor is written. The name map is reused every step: :meth:`NameMap.apply` writes in place (packed rows, TP
+slices, experts through :mod:`hwsync.layouts`), :meth:`NameMap.vllm_checkpoint_names` translates names for vLLM's own
 ``load_weights`` / ``reload_weights`` path (needed where vLLM repacks weights after loading, e.g. its CPU build).
 """
 from __future__ import annotations
@@ -28,16 +28,16 @@ from hwsync.names.namespace import (
     Shard,
     namespace_from_vllm_model,
 )
-from hwsync.names.plan import Plan, Target
-from hwsync.names.resolve import PlanCache, manifest_of, manifest_signature, resolve
+from hwsync.names.plan import NameMap, Target
+from hwsync.names.resolve import NameMapCache, manifest_of, manifest_signature, resolve
 from hwsync.names.trainer import normalize_trainer_name, strip_peft_name
 
 __all__ = [
     "ExpertGroup",
     "Namespace",
     "ParamSpec",
-    "Plan",
-    "PlanCache",
+    "NameMap",
+    "NameMapCache",
     "Shard",
     "Target",
     "manifest_of",

@@ -17,7 +17,7 @@ from hwsync.layouts import (
 )
 
 
-def _canonical(live_name: str) -> str:
+def canonical(live_name: str) -> str:
     """A receiver name without vLLM-LoRA ``base_layer`` segments (so trainer names match with or without LoRA)."""
     return ".".join(p for p in live_name.split(".") if p != "base_layer")
 
@@ -141,7 +141,7 @@ class Namespace:
     """What a receiver holds and declares; built from a live vLLM model by :func:`namespace_from_vllm_model`.
 
     ``params`` is keyed by canonical name (vLLM-LoRA ``base_layer`` removed); ``live`` holds the parameters
-    themselves (not pickled, not part of the signature) so a :class:`Plan` can write into them.
+    themselves (not pickled, not part of the signature) so a :class:`NameMap` can write into them.
     """
 
     params: dict[str, ParamSpec]
@@ -244,9 +244,9 @@ def namespace_from_vllm_model(
         rec = recorded.get(id(mod), {})
         for pname, p in own.items():
             full = f"{mod_name}.{pname}" if mod_name else pname
-            ref = rec.get(pname, p)
-            params[_canonical(full)] = _param_spec(full, mod, ref)
-            live[_canonical(full)] = p
+            ref = rec[pname] if pname in rec else p
+            params[canonical(full)] = _param_spec(full, mod, ref)
+            live[canonical(full)] = p
         if "w13_weight" in own and "w2_weight" in own:
             group = _expert_group(model, mod_name, mod, rec, lay, sharding)
             groups[group.prefix] = group
@@ -256,13 +256,13 @@ def namespace_from_vllm_model(
     first: dict[int, str] = {}
     owner_name: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        owner = first.setdefault(id(p), _canonical(name))
+        owner = first.setdefault(id(p), canonical(name))
         owner_name.setdefault(id(p), name)
-        if owner != _canonical(name):
-            aliases[_canonical(name)] = owner
+        if owner != canonical(name):
+            aliases[canonical(name)] = owner
             mod_of = lambda n: model.get_submodule(n.rpartition(".")[0]) if "." in n else model  # noqa: E731
             if mod_of(name) is not mod_of(owner_name[id(p)]):
-                reprocessed.append(_canonical(name))
+                reprocessed.append(canonical(name))
 
     mappers: dict[int, tuple[str, Any]] = {}
     for mod_name, mod in model.named_modules():  # parents before children
@@ -277,7 +277,7 @@ def namespace_from_vllm_model(
             packed.setdefault(k, tuple(v))
 
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     model_type = trainer_model_type or getattr(text, "model_type", None)
     return Namespace(
         params=params,
@@ -363,12 +363,13 @@ def _param_spec(name: str, mod: Any, ref: Tensor) -> ParamSpec:
         )
         return ParamSpec(name, shape, dtype, out_dim, shards)
     if _is(mod, "MergedColumnParallelLinear") and out_dim is not None:
-        shards, off = [], 0
+        parts: list[Shard] = []
+        off = 0
         for i, size in enumerate(mod.output_sizes):
             local = size // tp_size
-            shards.append(Shard(i, size, off, tp_rank * local, local))
+            parts.append(Shard(i, size, off, tp_rank * local, local))
             off += local
-        return ParamSpec(name, shape, dtype, out_dim, tuple(shards))
+        return ParamSpec(name, shape, dtype, out_dim, tuple(parts))
     if _is(mod, "ReplicatedLinear") or tp_size == 1:
         return ParamSpec(name, shape, dtype)
     if _is(mod, "RowParallelLinear"):
@@ -474,10 +475,10 @@ def _experts_prefix(mod_name: str, layer_name: str | None) -> str:
     for cut in range(len(parts), 0, -1):
         path = ".".join(parts[:cut])
         if layer_name and (layer_name == path or layer_name.endswith("." + path)):
-            return _canonical(path)
+            return canonical(path)
     # no ancestor matches (MiniMax-M2 builds its MoE with prefix "...mlp" but stores it as "block_sparse_moe"): the
     # module path itself, without the LoRA wrapper's "base_layer" segment, which checkpoint names never carry
-    return _canonical(mod_name.removesuffix(".routed_experts"))
+    return canonical(mod_name.removesuffix(".routed_experts"))
 
 
 def _expert_names(model: Any, mod: Any) -> dict[str, str]:

@@ -18,6 +18,7 @@ from hwsync.layouts import (
     w13_shape,
 )
 from hwsync.names.namespace import Namespace, ShardId, Spec, Transform
+from hwsync.wire import dtype_name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -35,7 +36,7 @@ class Target:
     ``[E, in, out]`` experts): written through vLLM's reload path only (one expert at a time where the model's loader
     takes per-expert keys, :attr:`hwsync.names.ExpertGroup.streamed`). ``"routed"``: a name no declaration places,
     handed to vLLM's loader under its checkpoint spelling (``resolve(route_unknown=True)``); ``param`` is empty until
-    :meth:`Plan.bind_routed` turns it into ``"loader"`` targets on the parameters the loader wrote.
+    :meth:`NameMap.bind_routed` turns it into ``"loader"`` targets on the parameters the loader wrote.
     """
 
     param: str
@@ -45,7 +46,7 @@ class Target:
 
 
 @dataclass(frozen=True)
-class _Resolution:
+class Resolution:
     targets: tuple[Target, ...]
     load_name: str  # the spelling vLLM's own loader routes to the same targets
     expected: tuple[int, ...] | None  # None: vLLM splits it in a way hwsync cannot read (TP with a custom loader)
@@ -79,8 +80,8 @@ def _transpose_last(t: Tensor) -> Tensor:
 
 
 @dataclass
-class Plan:
-    """A resolved manifest: per trainer name, the receiver targets; reusable every step.
+class NameMap:
+    """The name map of a resolved manifest: per trainer name, the receiver targets; reusable every step.
 
     ``entries`` maps each trainer name (as given) to its targets; ``skipped`` maps names deliberately not
     written to the reason (allowed by the caller). ``manifest`` is what was validated; :meth:`apply` refuses
@@ -92,7 +93,7 @@ class Plan:
     manifest: dict[str, Spec]
     namespace: Namespace = field(repr=False)
     signature: str = ""
-    _resolutions: dict[str, _Resolution] = field(default_factory=dict, repr=False)
+    _resolutions: dict[str, Resolution] = field(default_factory=dict, repr=False)
 
     # -- writing in place -----------------------------------------------------------------------------------------
     def apply(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
@@ -114,7 +115,7 @@ class Plan:
                 if why:
                     problems.append(f"{name!r} -> {tg.param}: {why}")
         if problems:
-            raise _error(problems, "nothing was written", len(items))
+            raise resolution_error(problems, "nothing was written", len(items))
         dense_dst: list[Tensor] = []
         dense_src: list[Tensor] = []
         per_expert: dict[str, list[tuple[int, str, Tensor]]] = {}
@@ -161,8 +162,8 @@ class Plan:
                 continue
             shape, dtype = self.manifest[name]
             if tuple(t.shape) != shape or t.dtype != dtype:
-                problems.append(f"{name!r}: plan was made for {list(shape)} {_dt(dtype)}, got "
-                                f"{list(t.shape)} {_dt(t.dtype)}; resolve the new manifest")
+                problems.append(f"{name!r}: plan was made for {list(shape)} {dtype_name(dtype)}, got "
+                                f"{list(t.shape)} {dtype_name(t.dtype)}; resolve the new manifest")
                 continue
             todo.append((name, t, targets))
         return todo, problems
@@ -184,9 +185,9 @@ class Plan:
         if tg.kind in ("expert", "experts"):
             g = self.namespace.group_of(tg.param)
             if g is None or g.sharding is None:
-                return (g.unwritable if g else "no expert group") + "; use vllm_checkpoint_names() + reload_weights"
+                return f"{g.unwritable if g else 'no expert group'}; use vllm_checkpoint_names() + reload_weights"
             i, h = g.intermediate, g.hidden
-            want = w13_shape(g.sharding, i, h, g.layout) if tg.param == g.w13 else w2_shape(g.sharding, i, h, g.layout)
+            want: tuple[int, ...] = w13_shape(g.sharding, i, h, g.layout) if tg.param == g.w13 else w2_shape(g.sharding, i, h, g.layout)
         else:
             spec = self.namespace.spec_of(tg.param)
             if not spec.sharding_known:
@@ -242,8 +243,8 @@ class Plan:
             return [(res.load_name, None), *also]
         g = self.namespace.group_of(tg.param)
         assert g is not None
-        leaf = res.load_name.rsplit(".", 1)
-        stem = leaf[0] if leaf[-1] != "weight" else res.load_name.rsplit(".", 2)[0]
+        head, _, last = res.load_name.rpartition(".")
+        stem = head if last != "weight" else res.load_name.rsplit(".", 2)[0]
         fused = g.vllm_fused_gate_up if tg.shard_id == "w13" else g.vllm_fused_down
         if fused is not None:
             return [(f"{stem}.{fused}", _transpose_last if g.fused_transposed else None)]
@@ -263,7 +264,7 @@ class Plan:
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         todo, problems = self._check_batch(items)
         if problems:
-            raise _error(problems, "nothing was handed to vLLM", len(items))
+            raise resolution_error(problems, "nothing was handed to vLLM", len(items))
         return self._renamed_weights(todo)
 
     def _renamed_weights(self, todo: list[tuple[str, Tensor, tuple[Target, ...]]]) -> Iterator[tuple[str, Tensor]]:
@@ -287,9 +288,9 @@ class Plan:
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def unwritten(self) -> list[str]:
         """Receiver parameters (live names) that no trainer name in the manifest writes completely."""
-        return sorted(_uncovered(self.namespace, self.entries.values()))
+        return sorted(uncovered(self.namespace, self.entries.values()))
 
-    def rebind(self, ns: Namespace) -> Plan:
+    def rebind(self, ns: Namespace) -> NameMap:
         """The same plan writing into another receiver with an identical namespace signature."""
         if ns.signature != self.namespace.signature:
             raise ResolutionError("cannot rebind a plan to a receiver with a different namespace; resolve again")
@@ -310,14 +311,14 @@ class _Chunk:
         return t.chunk(2, dim=0)[self.i]
 
 
-def _atoms(ns: Namespace, tg: Target) -> list[tuple[str, Any]]:
+def atoms(ns: Namespace, tg: Target) -> list[tuple[str, Any]]:
     """The disjoint pieces of the receiver a target writes (to detect two trainer names writing one place)."""
     if tg.kind == "routed":  # not placed yet: vLLM's loader decides (bound after the dry run)
         return []
     if tg.kind == "loader":
         g = ns.group_of(tg.param)
         if g is not None:
-            return _atoms(ns, Target(tg.param, "experts", "w13" if tg.param == g.w13 else "w2"))
+            return atoms(ns, Target(tg.param, "experts", "w13" if tg.param == g.w13 else "w2"))
         return [(tg.param, "*")]
     if tg.kind in ("expert", "experts"):
         g = ns.group_of(tg.param)
@@ -334,15 +335,15 @@ def _atoms(ns: Namespace, tg: Target) -> list[tuple[str, Any]]:
     return [(tg.param, "*")]
 
 
-def _uncovered(ns: Namespace, targets: Iterable[tuple[Target, ...]]) -> set[str]:
-    covered = {a for ts in targets for tg in ts for a in _atoms(ns, tg)}
+def uncovered(ns: Namespace, targets: Iterable[tuple[Target, ...]]) -> set[str]:
+    covered = {a for ts in targets for tg in ts for a in atoms(ns, tg)}
     out = set()
     for spec in ns.params.values():
         g = ns.group_of(spec.name)
         if g is not None:
-            full = _atoms(ns, Target(spec.name, "experts", "w13" if spec.name == g.w13 else "w2"))
+            full = atoms(ns, Target(spec.name, "experts", "w13" if spec.name == g.w13 else "w2"))
         else:
-            full = _atoms(ns, Target(spec.name, "param"))
+            full = atoms(ns, Target(spec.name, "param"))
         if not all(a in covered for a in full):
             out.add(spec.name)
     return out
@@ -351,11 +352,7 @@ def _uncovered(ns: Namespace, targets: Iterable[tuple[Target, ...]]) -> set[str]
 _MAX_LISTED = 40
 
 
-def _dt(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
-
-
-def _error(problems: list[str], tail: str, total: int, ns: Namespace | None = None) -> ResolutionError:
+def resolution_error(problems: list[str], tail: str, total: int, ns: Namespace | None = None) -> ResolutionError:
     where = f" onto {ns.architecture}" if ns is not None and ns.architecture else ""
     shown = problems[:_MAX_LISTED]
     lines = "\n".join(f"  - {p}" for p in shown)

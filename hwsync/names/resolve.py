@@ -1,4 +1,4 @@
-"""Resolution: trainer names -> :class:`~hwsync.names.plan.Plan`, every problem in one error."""
+"""Resolution: trainer names -> :class:`~hwsync.names.plan.NameMap`, every problem in one error."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,17 +11,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hwsync.names.namespace import Namespace, ParamSpec, ShardId, Spec, _canonical
+from hwsync.names.namespace import Namespace, ParamSpec, ShardId, Spec, canonical
 from hwsync.names.plan import (
-    Plan,
+    NameMap,
+    Resolution,
     Target,
-    _atoms,
-    _dt,
-    _error,
-    _Resolution,
-    _uncovered,
+    atoms,
+    resolution_error,
+    uncovered,
 )
 from hwsync.names.trainer import ADAPTER, PEFT_ORIGINAL, normalize_trainer_name
+from hwsync.wire import dtype_name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -51,7 +51,7 @@ def resolve(
     cast: bool = False,
     require_complete: bool = False,
     route_unknown: bool = False,
-) -> Plan:
+) -> NameMap:
     """Resolve a whole manifest against a receiver namespace; raise one ResolutionError listing every problem.
 
     ``allow_skip_prefixes``: trainer-name prefixes (as given or normalized) that may be left unwritten when they
@@ -64,12 +64,12 @@ def resolve(
     parameter is not refused here but left to the model's own loader, spelled the checkpoint way (transformers'
     renames reversed), as a ``"routed"`` target: models rename inside ``load_weights`` where no declaration shows it
     (Ernie 4.5's ``moe_statics``, Granite-MoE-hybrid's ``router.layer``). The caller must find where vLLM's loader
-    puts it (:func:`hwsync.vllm.dry_run.dry_run_load` binds it with :meth:`Plan.bind_routed`) or refuse it.
+    puts it (:func:`hwsync.vllm.dry_run.dry_run_load` binds it with :meth:`NameMap.bind_routed`) or refuse it.
     """
     problems: list[str] = []
     entries: dict[str, tuple[Target, ...]] = {}
     skipped: dict[str, str] = {}
-    resolutions: dict[str, _Resolution] = {}
+    resolutions: dict[str, Resolution] = {}
     normalized = {name: normalize_trainer_name(name) for name in specs}
     trained_copies = {clean for clean, cat in normalized.values() if cat is None}
     by_clean = {clean: name for name, (clean, cat) in normalized.items() if cat is None}
@@ -94,7 +94,7 @@ def resolve(
             skipped[name] = f"frozen PEFT original; its trained copy {by_clean[clean]!r} is synced"
             continue
         outcome = _resolve_one(ns, clean, shape, shapes)
-        if isinstance(outcome, _Resolution):
+        if isinstance(outcome, Resolution):
             why = _fit_problem(outcome, shape, dtype, cast)
             if why:
                 problems.append(f"{name!r} -> {_describe(outcome.targets)}: {why}")
@@ -110,34 +110,34 @@ def resolve(
         elif kind == "missing" and allowed(name, clean):
             skipped[name] = "no receiver parameter (allowed by allow_skip_prefixes)"
         elif kind == "missing" and route_unknown:
-            res = _Resolution((Target("", "routed"),), _renamed(ns, clean), None, dtype,
-                              note=f"{name!r} {list(shape)} {_dt(dtype)}: {message}")
+            res = Resolution((Target("", "routed"),), _renamed(ns, clean), None, dtype,
+                              note=f"{name!r} {list(shape)} {dtype_name(dtype)}: {message}")
             entries[name], resolutions[name] = res.targets, res
         else:
-            problems.append(f"{name!r} {list(shape)} {_dt(dtype)}: {message}")
+            problems.append(f"{name!r} {list(shape)} {dtype_name(dtype)}: {message}")
 
     # a tied alias (lm_head.weight of a tied model) is redundant when its owner is sent too
-    direct = {a for n, ts in entries.items() if not resolutions[n].alias for tg in ts for a in _atoms(ns, tg)}
+    direct = {a for n, ts in entries.items() if not resolutions[n].alias for tg in ts for a in atoms(ns, tg)}
     for name in [n for n in entries if resolutions[n].alias]:
-        if all(a in direct for tg in entries[name] for a in _atoms(ns, tg)):
+        if all(a in direct for tg in entries[name] for a in atoms(ns, tg)):
             skipped[name] = f"tied to {entries[name][0].param} in the receiver, which another trainer name writes"
             del entries[name], resolutions[name]
     # two trainer names writing the same receiver rows
     owner: dict[tuple[str, Any], str] = {}
     for name, targets in entries.items():
         for tg in targets:
-            for atom in _atoms(ns, tg):
+            for atom in atoms(ns, tg):
                 first = owner.setdefault(atom, name)
                 if first != name:
                     problems.append(f"ambiguous: {first!r} and {name!r} both write {atom[0]} [{_atom_str(atom[1])}]"
                                     "; send only one of them")
                     break
     if require_complete:
-        for pname in sorted(_uncovered(ns, entries.values())):
+        for pname in sorted(uncovered(ns, entries.values())):
             problems.append(f"receiver parameter {pname} is not (fully) written by any trainer name")
     if problems:
-        raise _error(_dedupe(problems), "nothing was written", len(specs), ns)
-    plan = Plan(entries, skipped, {n: (tuple(s), d) for n, (s, d) in specs.items()}, ns,
+        raise resolution_error(_dedupe(problems), "nothing was written", len(specs), ns)
+    plan = NameMap(entries, skipped, {n: (tuple(s), d) for n, (s, d) in specs.items()}, ns,
                 f"{ns.signature}:{manifest_signature(specs)}", resolutions)
     return plan
 
@@ -152,7 +152,7 @@ def _atom_str(a: Any) -> str:
     return "whole" if a == "*" else f"shard {a!r}"
 
 
-def _fit_problem(res: _Resolution, shape: tuple[int, ...], dtype: torch.dtype, cast: bool) -> str | None:
+def _fit_problem(res: Resolution, shape: tuple[int, ...], dtype: torch.dtype, cast: bool) -> str | None:
     msgs = []
     if res.expected is not None and shape != res.expected:
         msgs.append(f"shape does not fit: expected {list(res.expected)}, got {list(shape)}")
@@ -160,7 +160,7 @@ def _fit_problem(res: _Resolution, shape: tuple[int, ...], dtype: torch.dtype, c
         castable = dtype.is_floating_point and res.dtype.is_floating_point
         if not (cast and castable):
             hint = " (pass cast=True to let the copy cast)" if castable else ""
-            msgs.append(f"dtype does not fit: receiver holds {_dt(res.dtype)}, got {_dt(dtype)}{hint}")
+            msgs.append(f"dtype does not fit: receiver holds {dtype_name(res.dtype)}, got {dtype_name(dtype)}{hint}")
     return "; ".join(msgs) or None
 
 
@@ -180,7 +180,7 @@ _Failure = tuple[str, str, str]  # (kind "skip" | "missing" | "ambiguous", messa
 
 
 def _resolve_one(ns: Namespace, clean: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]
-                 ) -> _Resolution | _Failure:
+                 ) -> Resolution | _Failure:
     # 1. the name as sent; 2. fallbacks, which must agree: transformers' runtime->checkpoint renames, and the
     # name re-rooted under each language-model root of the receiver (text-only trainer vs VL receiver and back).
     # A name the receiver's own mapper drops is a declaration, not a miss: no fallback for it.
@@ -212,9 +212,9 @@ def _resolve_one(ns: Namespace, clean: str, shape: tuple[int, ...], shapes: Mapp
 
 
 def _try_spellings(ns: Namespace, spellings: Sequence[str], shape: tuple[int, ...],
-                   shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[tuple[Target, ...], _Resolution], bool]:
+                   shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[tuple[Target, ...], Resolution], bool]:
     """Distinct resolutions of the spellings, and whether the receiver's mapper dropped any of them."""
-    found: dict[tuple[Target, ...], _Resolution] = {}
+    found: dict[tuple[Target, ...], Resolution] = {}
     dropped = False
     for spelling in spellings:
         mapped = _map(ns, spelling)
@@ -277,8 +277,8 @@ def _map(ns: Namespace, name: str) -> tuple[str, Any] | None:
 
 
 def _match(ns: Namespace, spelling: str, internal: str, shard: Any, shape: tuple[int, ...],
-           shapes: Mapping[str, tuple[int, ...]]) -> _Resolution | None:
-    c = _canonical(internal)
+           shapes: Mapping[str, tuple[int, ...]]) -> Resolution | None:
+    c = canonical(internal)
     alias_of = ns.aliases.get(c)
     if alias_of is not None:  # tied weights (lm_head -> embed_tokens): one receiver tensor under two names
         res = _match(ns, spelling, alias_of, shard, shape, shapes)
@@ -287,18 +287,18 @@ def _match(ns: Namespace, spelling: str, internal: str, shard: Any, shape: tuple
     if spec is not None and ns.group_of(spec.name) is None:
         if shard is None:
             expected = spec.trainer_shape() if spec.sharding_known else None
-            return _Resolution((Target(spec.name, "param"),), spelling, expected, spec.dtype)
+            return Resolution((Target(spec.name, "param"),), spelling, expected, spec.dtype)
         shard_ids = shard if isinstance(shard, list) else [shard]
         try:
-            expected = {spec.trainer_shape(s) for s in shard_ids}
+            shape_set = {spec.trainer_shape(s) for s in shard_ids}
         except (KeyError, IndexError):
             return None
-        if len(expected) != 1:
+        if len(shape_set) != 1:
             return None
         targets = tuple(Target(spec.name, "packed", s) for s in shard_ids)
-        return _Resolution(targets, spelling, expected.pop(), spec.dtype)
+        return Resolution(targets, spelling, shape_set.pop(), spec.dtype)
     if spec is not None:  # a stacked expert parameter named directly (vLLM-native trainer names)
-        return _Resolution((Target(spec.name, "param"),), spelling, spec.shape, spec.dtype)
+        return Resolution((Target(spec.name, "param"),), spelling, spec.shape, spec.dtype)
     packed = _match_packed(ns, spelling, c, shape, shapes)
     if packed is not None:
         return packed
@@ -306,7 +306,7 @@ def _match(ns: Namespace, spelling: str, internal: str, shard: Any, shape: tuple
 
 
 def _match_packed(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...],
-                  shapes: Mapping[str, tuple[int, ...]]) -> _Resolution | None:
+                  shapes: Mapping[str, tuple[int, ...]]) -> Resolution | None:
     """``x.q_proj.weight`` -> ``x.qkv_proj.weight`` shard, from ``packed_modules_mapping`` (older vLLM)."""
     module, _, leaf = c.rpartition(".")
     owner, _, last = module.rpartition(".")
@@ -324,7 +324,7 @@ def _match_packed(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...],
             if sid_or_none is None:
                 continue
             sid = sid_or_none
-        return _Resolution((Target(spec.name, "packed", sid),), spelling, spec.trainer_shape(sid), spec.dtype)
+        return Resolution((Target(spec.name, "packed", sid),), spelling, spec.trainer_shape(sid), spec.dtype)
     return None
 
 
@@ -360,7 +360,7 @@ def _span(spec: ParamSpec, constituents: Sequence[str], k: int, spelling: str, s
 _EXPERT_LEAF = re.compile(r"^(\d+)\.([^.]+)\.weight$")
 
 
-def _match_experts(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...] | None = None) -> _Resolution | None:
+def _match_experts(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...] | None = None) -> Resolution | None:
     parts = c.split(".")
     for cut in range(len(parts) - 1, 0, -1):
         g = ns.expert_groups.get(".".join(parts[:cut]))
@@ -376,22 +376,22 @@ def _match_experts(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...] 
         if e >= e_:
             return None
         if proj == g.gate:
-            return _Resolution((Target(g.w13, "expert", "w1", (e,)),), spelling, (i, h), g.dtype)
+            return Resolution((Target(g.w13, "expert", "w1", (e,)),), spelling, (i, h), g.dtype)
         if proj == g.up:
-            return _Resolution((Target(g.w13, "expert", "w3", (e,)),), spelling, (i, h), g.dtype)
+            return Resolution((Target(g.w13, "expert", "w3", (e,)),), spelling, (i, h), g.dtype)
         if proj == g.down:
-            return _Resolution((Target(g.w2, "expert", "w2", (e,)),), spelling, (h, i), g.dtype)
+            return Resolution((Target(g.w2, "expert", "w2", (e,)),), spelling, (h, i), g.dtype)
         if proj in g.fused_gate_up_names:
-            return _Resolution((Target(g.w13, "expert", "w13", (e,)),), spelling, (g.w13_rows, h), g.dtype)
+            return Resolution((Target(g.w13, "expert", "w13", (e,)),), spelling, (g.w13_rows, h), g.dtype)
         return None
     leaf = rest[: -len(".weight")] if rest.endswith(".weight") else rest
     # The receiver's mapper renamed the tensor onto a parameter of the experts module itself (GPT-OSS:
     # ``experts.gate_up_proj`` -> ``w13_weight``, ``gate_up_proj_bias`` -> ``w13_bias``): the tensor is in the
     # model's own checkpoint layout, which only its loader converts (GPT-OSS: [E, H, 2I] with gate/up interleaved).
-    owner = _canonical(g.w13).rsplit(".", 1)[0]
+    owner = canonical(g.w13).rsplit(".", 1)[0]
     native = ns.params.get(f"{owner}.{rest}") if "." not in rest else None
     if native is not None:
-        return _Resolution((Target(native.name, "loader"),), spelling, None, native.dtype)
+        return Resolution((Target(native.name, "loader"),), spelling, None, native.dtype)
     fused = {"w13": (g.w13, (e_, g.w13_rows, h))} if leaf in g.fused_gate_up_names else \
         {"w2": (g.w2, (e_, h, i))} if leaf in g.fused_down_names else {}
     for shard, (param, expected) in fused.items():
@@ -399,8 +399,8 @@ def _match_experts(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...] 
         if shape is not None and tuple(shape) == transposed and transposed != expected:
             # the trainer keeps the original [E, in, out] layout (transformers' Llama 4), as its checkpoint does:
             # vLLM's loader takes it as in the checkpoint (its own transposition), so it goes there unchanged
-            return _Resolution((Target(param, "loader"),), spelling, None, g.dtype)
-        return _Resolution((Target(param, "experts", shard),), spelling, expected, g.dtype)
+            return Resolution((Target(param, "loader"),), spelling, None, g.dtype)
+        return Resolution((Target(param, "experts", shard),), spelling, expected, g.dtype)
     return None
 
 
@@ -460,13 +460,13 @@ def _trainer_vocabulary(ns: Namespace) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # caching
 # ---------------------------------------------------------------------------------------------------------------
-class PlanCache:
+class NameMapCache:
     """Plans keyed by (namespace signature, manifest signature, options): resolve once, reuse every step."""
 
     def __init__(self) -> None:
-        self._plans: dict[tuple[Any, ...], Plan] = {}
+        self._plans: dict[tuple[Any, ...], NameMap] = {}
 
-    def get(self, specs: Mapping[str, Spec], ns: Namespace, **options: Any) -> Plan:
+    def get(self, specs: Mapping[str, Spec], ns: Namespace, **options: Any) -> NameMap:
         key = (ns.signature, manifest_signature(specs), tuple(sorted((k, repr(v)) for k, v in options.items())))
         plan = self._plans.get(key)
         if plan is None:

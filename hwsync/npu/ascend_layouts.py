@@ -146,8 +146,8 @@ def reattach_loaders(layer: Any, attrs: dict[str, dict[str, Any]], layout: Exper
     Preprocessed gets vLLM's loader back (the very object); processed gets :func:`processed_weight_loader`.
     """
     for name in _PARAMS:
-        param = layer._parameters.get(name)
-        if not isinstance(param, torch.Tensor):
+        param: Any = layer._parameters.get(name)  # a vLLM parameter: carries its weight_loader
+        if not issubclass(type(param), torch.Tensor):  # (not isinstance: param keeps its vLLM attributes' type)
             continue
         old = attrs.get(name, {})
         for key, value in old.items():

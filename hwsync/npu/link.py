@@ -55,7 +55,7 @@ class TorchNpuRuntime:
         import torch_npu  # only hwsync.npu may import it
 
         self._torch_npu = torch_npu
-        self._npu = torch.npu  # registered by torch_npu
+        self._npu = torch.npu  # type: ignore[attr-defined]  # registered by torch_npu
 
     def process_group(self, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
         c10d = self._torch_npu._C._distributed_c10d

@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hwsync.backend import open_link
 from hwsync.engine import Engine, ProgressFn
-from hwsync.errors import SyncError, UnsupportedSetupError, from_wire
+from hwsync.errors import SyncError, UnsupportedSetupError, decode_error
 from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, client_handshake, group_prefix, split_address
-from hwsync.transport.base import Link, LinkSpec, open_link
+from hwsync.transport.base import Link, LinkSpec
 from hwsync.transport.buckets import bucket_lists, pool_of, send_buckets
 from hwsync.transport.seal import Sealer
 from hwsync.wire import EngineInfo, Manifest
@@ -54,7 +55,7 @@ class _Conn:
             raise SyncError(f"lost the engine at {self.address} ({e})") from None
         if not rep.get("ok"):
             error = dict(rep.get("error") or {})
-            raise from_wire({**error, "message": self.label + str(error.get("message", "remote error"))})
+            raise decode_error({**error, "message": self.label + str(error.get("message", "remote error"))})
         return rep.get("result")
 
     def call(self, op: str, args: dict[str, Any]) -> Any:
@@ -126,7 +127,8 @@ class RemoteEngine(Engine):
         :func:`hwsync.verify`; ``None`` from an engine with several workers. One engine per handle: see :meth:`parts`."""
         if len(self.conns) > 1:
             raise UnsupportedSetupError("fingerprints come from one engine: ask each of RemoteEngine.parts()")
-        return self.conns[0].call("fingerprints", request)
+        got: dict[str, Any] | None = self.conns[0].call("fingerprints", request)
+        return got
 
     def parts(self) -> list[RemoteEngine]:
         """One handle per engine (itself when it spans one), over the same connections and lock, for queries:
@@ -230,7 +232,8 @@ class RemoteEngine(Engine):
             if isinstance(results, BaseException):
                 self._drop_link()  # the engines closed their ends of the group
                 raise results
-            return results[0]
+            summary: dict[str, Any] = results[0]
+            return summary
 
     def _verdict(self, conns: Sequence[_Conn], op: str, args: dict[str, Any], wait: bool = True) -> None:
         """Send ``commit`` / ``cancel`` to engines waiting after their go; ``wait``: read the (cancelled) sync's

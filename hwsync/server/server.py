@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hwsync.api import as_engine
-from hwsync.errors import SyncError, to_wire
+from hwsync.errors import SyncError, encode_error
 from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, group_prefix, server_handshake, split_address
 from hwsync.transport.base import LinkSpec
+from hwsync.vllm.local import LocalEngine, local_engine
 from hwsync.wire import Manifest
 
 __all__ = ["SyncServer", "serve"]
@@ -63,7 +63,8 @@ class SyncServer:
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_clients: int = 8) -> None:
         if not token:
             raise SyncError("serve() needs a non-empty token (a shared secret the trainer passes to connect())")
-        self.engine = as_engine(llm)  # the one handle of this engine: its lock also guards hwsync's generate
+        # the one handle of this engine (also hwsync.sync's and hwsync.generate's): its lock guards both
+        self.engine = llm if isinstance(llm, LocalEngine) else local_engine(llm)
         self.token = token
         self.timeout_s = float(timeout_s)
         host, port = split_address(address)
@@ -161,7 +162,7 @@ class SyncServer:
                         raise SyncError("request arguments must be a JSON object")
                     reply = {"ok": True, "result": handler(self, channel, args)}
                 except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer
-                    reply = {"ok": False, "error": to_wire(e)}
+                    reply = {"ok": False, "error": encode_error(e)}
                 try:
                     channel.send(reply)
                 except (ConnectionError, OSError, SyncError):
@@ -244,7 +245,8 @@ class SyncServer:
             channel.close()  # the trainer is gone or out of step: this connection is done
             raise SyncError(f"sync v{manifest.version}: the trainer's commit did not arrive ({e}); nothing was "
                             "applied") from None
-        args = msg.get("args") if isinstance(msg.get("args"), dict) else {}
+        raw = msg.get("args")
+        args = raw if isinstance(raw, dict) else {}
         if msg.get("op") == "commit":
             return args.get("reuse") is True
         if msg.get("op") == "cancel":

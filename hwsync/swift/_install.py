@@ -47,13 +47,17 @@ def install(*, patches: bool = True) -> None:
         mapping = _mapping()
         if patches:
             import hwsync.patches as hp
-            import hwsync.patches.swift_rollout  # noqa: F401  (registers the swift_rollout_* patches)
+            from hwsync.patches import swift_rollout  # registers the swift_rollout_* patches
             from hwsync.vllm_plugin import RECEIVER_SCOPED  # held by the receiver around each reload only
 
             before = {p.name for p in hp.registered() if p.installed}
             skip = set(RECEIVER_SCOPED)
             if not os.environ.get(ENV["server"]):  # colocate: do not even import swift's rollout server module
                 skip.update(("swift_rollout_serve", "swift_rollout_cpu"))
+            else:
+                from hwsync.swift._server import keep_engine_in_process, serve_rollout_engine
+
+                swift_rollout.serve_with(keep_engine_in_process, serve_rollout_engine)
             wanted = [n for n in hp.names() if n not in skip]
             _our_patches.extend(n for n in hp.apply(wanted) if n not in before and n not in _our_patches)
         if mapping[RLHF_TYPE] != TRAINER:

@@ -76,10 +76,9 @@ class SwiftOptions:
         return cls(
             strategy=strategy,
             bucket_mb=parse_bucket_mb(raw("bucket_mb")),
-            verify_every=_number(raw("verify_every"), ENV["verify_every"], int, minimum=0, default=1),
+            verify_every=_integer(raw("verify_every"), ENV["verify_every"], minimum=0, default=1),
             verify_atol=_number(raw("verify_atol"), ENV["verify_atol"], float, minimum=0.0, default=None),
-            verify_prompts=_number(raw("verify_prompts"), ENV["verify_prompts"], int, minimum=1, default=2,
-                                   exclusive=False),
+            verify_prompts=_integer(raw("verify_prompts"), ENV["verify_prompts"], minimum=1, default=2),
             metrics_path=raw("metrics_path"),
             server=_address(raw("server")),
             token=raw("token"),
@@ -119,6 +118,11 @@ def _address(text: str | None) -> str | None:
     if len(set(addresses)) != len(addresses):
         raise OptionError(f"{ENV['server']}={text!r} names an address twice: one host:port per engine")
     return ",".join(addresses)
+
+
+def _integer(text: str | None, var: str, *, minimum: int, default: int) -> int:
+    value = _number(text, var, int, minimum=minimum)
+    return default if value is None else int(value)
 
 
 def _number(text: str | None, var: str, kind: type, *, minimum: float, default: float | None = None,

@@ -33,7 +33,7 @@ Outcomes (``status``):
 * ``known``: a sync refused for a reason outside hwsync listed in :data:`KNOWN_FAILURES`;
 * ``fail``: a sync or its check failed (an hwsync bug unless the reason says otherwise).
 
-:mod:`hwsync.testing.family_matrix` renders the results as the README table.
+:mod:`hwsync.testing.family_matrix` renders the results as the table in docs/families.md.
 """
 from __future__ import annotations
 
@@ -163,8 +163,8 @@ def enumerate_families(include_dense: bool = True) -> list[Family]:
 
     served = set(ModelRegistry.get_supported_archs())
     out: list[Family] = []
-    for model_type, archs in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
-        archs = [a for a in ((archs,) if isinstance(archs, str) else archs) if a in served]
+    for model_type, names in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        archs = [a for a in ((names,) if isinstance(names, str) else names) if a in served]
         if not archs:
             continue
         try:
@@ -478,7 +478,7 @@ def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, 
         return {"status": "not_served", "detail": f"PEFT cannot adapt this model: {_short(e)}", "max_diff": None}
     step = 0
     try:
-        for step in range(syncs):
+        for step in range(syncs):  # noqa: B007 - read after the loop: the failing sync's number
             _perturb(model, gen, strategy)
             report = hwsync.sync(llm, model, strategy=strategy)
             if report.strategy != strategy:
@@ -503,7 +503,8 @@ def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, 
 def _row_orders_of(worker: Any) -> dict[str, Any]:
     from hwsync.vllm.worker import receiver_of
 
-    return receiver_of(worker).applier.lora_row_orders
+    applier: Any = receiver_of(worker).applier  # the VllmApplier behind the receiver's Applier interface
+    return applier.lora_row_orders
 
 
 def _engine_row_orders(llm: Any) -> dict[str, Any]:

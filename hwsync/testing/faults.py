@@ -95,14 +95,14 @@ def _scale_adapter(worker: Any, factor: float) -> int:
 
 
 def _zero_slot(worker: Any) -> int:
-    from hwsync.vllm.fingerprint import _stacked
+    from hwsync.vllm.fingerprint import stacked_buffers
 
     rec, manager = _manager(worker)
     slot = manager.lora_index_to_id.index(rec.state.lora_int_id)
     n = 0
     with torch.no_grad():
         for module in manager.modules.values():
-            for attr, _i, t in _stacked(module):
+            for attr, _i, t in stacked_buffers(module):
                 if attr.startswith("lora_b"):
                     t[slot].zero_()
                     n += 1
@@ -119,7 +119,7 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
 
     w = _worker(worker)
     rec = receiver_of(w)
-    applier = rec.applier
+    applier: Any = rec.applier  # the VllmApplier behind the receiver's Applier interface
     manager = lora_manager_of(w)
     lid = rec.state.lora_int_id
     lora = manager.get_adapter(lid) if manager is not None and lid is not None else None
@@ -171,10 +171,12 @@ class FaultInjector:
         self._repair: Any = None
 
     def _reference(self) -> dict[str, Tensor]:
-        from hwsync.verify import last_plan, reference_tensors
+        from hwsync.api import last_plan
+        from hwsync.verify import reference_tensors
 
         plan = last_plan(self.engine, self.model)
-        _, pairs = reference_tensors(self.engine, self.model, plan)
+        assert plan is not None, "the model was never synced into this engine"
+        _, pairs = reference_tensors(self.model, plan)
         return {s.name: t.detach().to(s.dtype).clone() for s, t in pairs if s.kind == "base"}
 
     def _layer_experts(self, ref: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -274,15 +276,18 @@ class FaultInjector:
                        for m in adapter.modules.values())
 
     def _strategy(self) -> str:
-        from hwsync.verify import last_plan
+        from hwsync.api import last_plan
 
-        return last_plan(self.engine, self.model).manifest.strategy.value
+        plan = last_plan(self.engine, self.model)
+        assert plan is not None, "the model was never synced into this engine"
+        return plan.manifest.strategy.value
 
     def repair(self) -> None:
         """Put the engine back to serving the trainer's current weights."""
         import hwsync
 
-        kind, data = self._repair or ("sync", None)
+        repair: tuple[str, Any] = self._repair or ("sync", None)
+        kind, data = repair
         if kind == "write":
             self._write(data)
         else:
@@ -362,6 +367,7 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
         elif step != 8:
             _perturb(model, gen, base=base)
         report = hwsync.sync(llm, model, strategy=strategy)
+        assert report is not None  # an engine was passed
         r = check(llm, model, prompts)
         healthy.append({**metrics(r), "failed": [c.name for c in r.failed], "message": r.message(),
                         "version": report.version})

@@ -75,12 +75,12 @@ def hybrid_merged_by(target: Any, model: Any) -> Callable[[str], bool]:
     instead of a guess from the platform (which cannot know, e.g., that MiniMax-M2's ``mlp.experts`` match no vLLM
     LoRA wrapper, or that vLLM cannot pack the Transformers backend's experts)."""
     from hwsync.api import as_engine, describe_for
-    from hwsync.payload import _companions, _merged_names
+    from hwsync.payload import companions, merged_names
     from hwsync.strategy import choose
 
     info, lora = describe_for(as_engine(target), model)  # a model hybrid cannot sync: choose raises why
-    names = _merged_names(model)
-    merged = _companions(choose("hybrid", lora, info).unservable, names, info.packed_modules_mapping)
+    names = merged_names(model)
+    merged = companions(choose("hybrid", lora, info).unservable, names, info.packed_modules_mapping)
     modules = tuple(sorted({n.rpartition(".")[0] + "." for n in merged}))
 
     def pick(name: str) -> bool:
@@ -349,7 +349,8 @@ def _serve(conn: Any, threads: int) -> None:
 
     vllm_plugin.register()  # what VLLM_PLUGINS=hwsync does: e.g. MoE + enable_lora on vLLM's CPU build
     os.environ["VLLM_PLUGINS"] = "hwsync"  # ... and in the engine's worker processes (mp executor, TP > 1)
-    llm, key = None, None
+    llm: Any = None
+    key: tuple[str, str] | None = None
     while True:
         msg = conn.recv()
         if msg is None:
@@ -463,16 +464,15 @@ class EngineReference:
                 raise ValueError("a hybrid reference needs the synced engine (engine=...: what hwsync merged there) "
                                  "or hybrid_merged=...")
             merged = hybrid_merged_by(engine, model)
-        pick = merged if strategy == "hybrid" else (lambda _n: False)
+        pick: Callable[[str], bool] = merged if strategy == "hybrid" and merged is not None else (lambda _n: False)
         if strategy == "adapter" and self.base_checkpoint is not None:
             ckpt = self.base_checkpoint
         else:
             ckpt = write_checkpoint(model, self.workdir, pick, dtype)
-        adapter: Path | None = write_adapter(model, self.workdir / "adapter", drop=pick, moe_format=self.moe_format,
-                                             rows=self.adapter_rows)
-        if not _has_tensors(adapter):  # hybrid merged every adapted module: the engine serves no adapter
-            adapter = None
-        return self._ask(ckpt, adapter, prompts, max_tokens)
+        written = write_adapter(model, self.workdir / "adapter", drop=pick, moe_format=self.moe_format,
+                                 rows=self.adapter_rows)
+        # hybrid merged every adapted module: the engine serves no adapter
+        return self._ask(ckpt, written if _has_tensors(written) else None, prompts, max_tokens)
 
     def check(self, target: Any, model: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 4,
               atol: float = EXACT_ATOL, strategy: str | None = None) -> float:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from ..errors import FixtureConfigError
+from hwsync.errors import FixtureConfigError
 from .tokenizer import VOCAB_SIZE, token_id, write_tokenizer
 
 __all__ = ["FAMILIES", "Family", "FixtureConfigError", "make_tiny_moe", "tiny_moe_config"]
@@ -202,7 +202,7 @@ def _mtp_weights(config: Any) -> dict[str, Any]:
         layer = m.Qwen3_5MoeDecoderLayer(layer_cfg, i)
         for k, v in layer.state_dict().items():
             weights[f"mtp.layers.{i}.{k}"] = torch.zeros_like(v) if k.endswith("norm.weight") else v
-    for k, v in weights.items():  # decoder layers are built with torch's default init: redo it at our scale
+    for v in weights.values():  # decoder layers are built with torch's default init: redo it at our scale
         if v.dim() >= 2:
             v.normal_(0.0, config.initializer_range)
     return weights

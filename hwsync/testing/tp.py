@@ -160,6 +160,7 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
             step(sharded, k, base=base)
             gather.stats.reset()
             report = hwsync.sync(llm, sharded, strategy=strategy, bucket_mb=BUCKET_MB)
+            assert report is not None  # this rank holds an engine
             got = as_engine(llm).logprobs(PROMPTS, 4)  # SPMD: both ranks generate the same prompts
             # hwsync.verify from the sharded trainer: both ranks at once (the sharded forward is collective; the
             # ranks of the one engine generate the same prompts); content checks skip a TP engine, the gate runs

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -51,9 +51,3 @@ class Link(Protocol):
     def close(self) -> None:
         """Release the group (idempotent); a later sync opens a new one."""
 
-
-def open_link(store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
-    """The link of ``device``'s backend (gloo / NCCL / HCCL) for rank ``rank`` of ``spec``."""
-    from hwsync.backend import backend_for_device
-
-    return backend_for_device(device).open_link(store, spec, rank, device)

@@ -97,7 +97,7 @@ class Sealer:
         if payload.device.type != "cpu":
             h.update(self._lane_digest(payload))
         elif payload.numel():
-            h.update(memoryview(payload.numpy()))
+            h.update(payload.numpy().data)
         return h.digest()
 
     def check(self, payload: Tensor, index: int, version: int, tag: bytes) -> None:

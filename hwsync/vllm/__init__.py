@@ -1,4 +1,5 @@
-"""Everything hwsync does inside vLLM (the only hwsync package that imports vLLM).
+"""Everything hwsync does inside vLLM (the hwsync package that imports vLLM; the few other modules that do, each
+with its reason, are listed in docs/architecture.md, "Import direction", and checked by tests/test_layering.py).
 
 * :mod:`hwsync.vllm.local`     -- :class:`LocalEngine`, the handle on an in-process ``vllm.LLM`` (colocate)
 * :mod:`hwsync.vllm.worker`    -- the functions that run in each worker (``collective_rpc``)

@@ -162,7 +162,7 @@ def _check_routed_dtypes(names_plan: Any, routed: Mapping[str, str], cast: bool)
     """Names placed by vLLM's loader (resolve(route_unknown=True)) get the dtype check resolution gives every other
     name: a floating tensor whose engine parameter holds another dtype is refused unless the manifest allows casts
     (Granite-MoE-hybrid's ``A_log`` arrives in the engine's bf16, vLLM keeps ``A`` in fp32: precision already lost)."""
-    from hwsync.names.plan import _error
+    from hwsync.names.plan import resolution_error
 
     ns = names_plan.namespace
     problems = []
@@ -177,7 +177,7 @@ def _check_routed_dtypes(names_plan: Any, routed: Mapping[str, str], cast: bool)
                 problems.append(f"{name!r} -> {tg.param}: dtype does not fit: receiver holds "
                                 f"{dtype_name(held)}, got {dtype_name(dtype)}")
     if problems:
-        raise _error(problems, "nothing was written", len(names_plan.manifest), ns)
+        raise resolution_error(problems, "nothing was written", len(names_plan.manifest), ns)
 
 
 def expert_packing_problem(packed_modules_mapping: Mapping[str, Sequence[str]]) -> str | None:
@@ -467,16 +467,16 @@ class VllmApplier:
             raise AdapterFormatError('the engine was started without enable_lora: use strategy="full" or restart '
                                      "vLLM with enable_lora=True")
         signature = _signature([(s.name, tuple(s.shape), s.dtype) for s in manifest.lora_specs],
-                               manifest.lora_config or {})
+                               manifest.lora_meta or {})
         if signature in self._lora_validated:
             # the same adapter structure passed every check below already (the first sync's manifest carried the
             # base as well, the steady one carries the adapter alone): a second sync costs what the third does
             self._check_install_memory(manifest)
             return
         meta = {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in manifest.lora_specs}
-        vllm_tensors, config = self.to_vllm_format(meta, manifest.lora_config or {})
+        vllm_tensors, config = self.to_vllm_format(meta, manifest.lora_meta or {})
         self._peft_helper(config)
-        from hwsync.payload import lora_paths
+        from hwsync.lora_formats import lora_paths
 
         bad = {p: why for p in lora_paths(vllm_tensors) if (why := self._unservable(manager, p)) is not None}
         if bad:
@@ -507,7 +507,7 @@ class VllmApplier:
             return
         manager = lora_manager_of(self.worker)
         signature = _signature([(s.name, tuple(s.shape), s.dtype) for s in manifest.lora_specs],
-                               manifest.lora_config or {})
+                               manifest.lora_meta or {})
         if self._slot_writers.get(signature) is not None and any(
                 getattr(a, "_hwsync_signature", None) == signature for a in manager.list_adapters().values()):
             return  # a steady rewrite of the installed adapter

@@ -3,7 +3,7 @@
 vLLM's reload path (``reload_weights``) is always correct but slow: it restores every layer in checkpoint format,
 calls each parameter's loader once per expert and projection, re-runs post-load processing and copies the result
 back. Where the kernels read a parameter exactly as checkpoint layout puts it, all of that is a copy: this module
-writes those parameters directly (:meth:`hwsync.names.Plan.apply`: TP slices, packed rows, fused experts through
+writes those parameters directly (:meth:`hwsync.names.NameMap.apply`: TP slices, packed rows, fused experts through
 :mod:`hwsync.layouts`) and leaves every other layer to the reload path.
 
 A parameter is written in place only when both hold:
@@ -80,18 +80,18 @@ def mla_consumed_modules(model: torch.nn.Module) -> set[int]:
     return out
 
 
-def _owner(model: torch.nn.Module, live_name: str) -> torch.nn.Module:
+def owner_module(model: torch.nn.Module, live_name: str) -> torch.nn.Module:
     return model.get_submodule(live_name.rsplit(".", 1)[0]) if "." in live_name else model
 
 
-def eligible_names(model: torch.nn.Module, names_plan: Any) -> tuple[dict[str, str], dict[str, str]]:
+def eligible_names(model: torch.nn.Module, name_map: Any) -> tuple[dict[str, str], dict[str, str]]:
     """(trainer name -> live parameters it writes, for names whose every target is direct-eligible;
     trainer name -> why not, for the others)."""
-    ns = names_plan.namespace
+    ns = name_map.namespace
     mla = mla_consumed_modules(model)
     out: dict[str, str] = {}
     why: dict[str, str] = {}
-    for name, targets in names_plan.entries.items():
+    for name, targets in name_map.entries.items():
         reason = None
         for tg in targets:
             if tg.kind in ("loader", "routed"):
@@ -105,7 +105,7 @@ def eligible_names(model: torch.nn.Module, names_plan: Any) -> tuple[dict[str, s
                 # or a layout hwsync cannot read) go through vLLM's reload (an H100 run hit the writer's assert)
                 reason = (g.unwritable if g is not None else None) or "expert group not writable"
             else:
-                reason = why_not_direct(_owner(model, tg.param), tg.param, mla)
+                reason = why_not_direct(owner_module(model, tg.param), tg.param, mla)
             if reason is not None:
                 break
         if reason is None:
@@ -115,7 +115,7 @@ def eligible_names(model: torch.nn.Module, names_plan: Any) -> tuple[dict[str, s
     return out, why
 
 
-def raw_writable(model: torch.nn.Module, names_plan: Any, raw: dict[str, str]) -> None:
+def raw_writable(model: torch.nn.Module, name_map: Any, raw: dict[str, str]) -> None:
     """Refuse (one :class:`~hwsync.errors.ResolutionError`, before any write) names the model's loader copies
     itself (``raw``, see :func:`hwsync.vllm.dry_run.dry_run_load`) where hwsync cannot write them in place: a kernel
     that reads a processed copy, or a split hwsync cannot read. vLLM's reload cannot write them either."""
@@ -124,9 +124,9 @@ def raw_writable(model: torch.nn.Module, names_plan: Any, raw: dict[str, str]) -
     mla = mla_consumed_modules(model)
     problems = []
     for name in sorted(raw):
-        for tg in names_plan.entries[name]:
-            why = why_not_direct(_owner(model, tg.param), tg.param, mla)
-            if why is None and not names_plan.namespace.spec_of(tg.param).sharding_known:
+        for tg in name_map.entries[name]:
+            why = why_not_direct(owner_module(model, tg.param), tg.param, mla)
+            if why is None and not name_map.namespace.spec_of(tg.param).sharding_known:
                 why = "vLLM shards it with a loader hwsync cannot read"
             if why is not None:
                 problems.append(f"{name} -> {tg.param}: {why}")
@@ -150,14 +150,14 @@ def _checksum(x: Tensor) -> tuple[float, float]:
     return total, magnitude
 
 
-def _pieces(names_plan: Any, tg: Any, t: Tensor, live: Tensor) -> list[tuple[Tensor, Tensor]]:
+def write_pieces(name_map: Any, tg: Any, t: Tensor, live: Tensor) -> list[tuple[Tensor, Tensor]]:
     """(destination view of ``live``, what the in-place writer puts there) for one target of ``t``."""
     if tg.kind in ("param", "packed"):
         dsts: list[Tensor] = []
         srcs: list[Tensor] = []
-        names_plan._dense_pieces(tg, t, live, dsts, srcs)
+        name_map._dense_pieces(tg, t, live, dsts, srcs)
         return list(zip(dsts, srcs))
-    g = names_plan.namespace.group_of(tg.param)
+    g = name_map.namespace.group_of(tg.param)
     assert g is not None and g.sharding is not None
     make = w13_from_fused if tg.shard_id == "w13" else w2_from_fused
     return [(live, make(t, g.sharding, g.layout))]
@@ -167,7 +167,7 @@ def _pieces(names_plan: Any, tg: Any, t: Tensor, live: Tensor) -> list[tuple[Ten
 class Calibration:
     """Checksums of what the in-place writer would write, taken while vLLM's reload writes the real thing."""
 
-    names_plan: Any
+    name_map: Any
     eligible: dict[str, str]
     live: dict[str, Tensor]
     expected: dict[str, list[tuple[str, tuple[float, float]]]] = field(default_factory=dict)
@@ -177,9 +177,9 @@ class Calibration:
             return
         sums = []
         with torch.no_grad():
-            for tg in self.names_plan.entries[name]:
+            for tg in self.name_map.entries[name]:
                 live = self.live[tg.param]
-                for dst, src in _pieces(self.names_plan, tg, t, live):
+                for dst, src in write_pieces(self.name_map, tg, t, live):
                     sums.append((tg.param, _checksum(src.to(dst.dtype))))
         self.expected[name] = sums
 
@@ -188,9 +188,9 @@ class Calibration:
         ok: set[str] = set()
         with torch.no_grad():
             for name, sums in self.expected.items():
-                shape = tuple(self.names_plan.manifest[name][0])
-                actual = [_checksum(dst) for tg in self.names_plan.entries[name]
-                          for dst in _destinations(self.names_plan, tg, shape, self.live[tg.param])]
+                shape = tuple(self.name_map.manifest[name][0])
+                actual = [_checksum(dst) for tg in self.name_map.entries[name]
+                          for dst in _destinations(self.name_map, tg, shape, self.live[tg.param])]
                 if len(actual) == len(sums) and all(_same(a, e) for a, (_, e) in zip(actual, sums)):
                     ok.add(name)
         return ok
@@ -201,19 +201,19 @@ def _same(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return abs(a[0] - b[0]) <= tol and abs(a[1] - b[1]) <= tol
 
 
-def _destinations(names_plan: Any, tg: Any, src_shape: tuple[int, ...], live: Tensor) -> list[Tensor]:
-    """The views of ``live`` a target writes (the geometry of :func:`_pieces` without the source data)."""
+def _destinations(name_map: Any, tg: Any, src_shape: tuple[int, ...], live: Tensor) -> list[Tensor]:
+    """The views of ``live`` a target writes (the geometry of :func:`write_pieces` without the source data)."""
     if tg.kind not in ("param", "packed"):
         return [live]
     stand_in = torch.zeros((), dtype=live.dtype, device=live.device).expand(src_shape)
-    return [dst for dst, _ in _pieces(names_plan, tg, stand_in, live)]
+    return [dst for dst, _ in write_pieces(name_map, tg, stand_in, live)]
 
 
 @dataclass
 class DirectWriter:
     """Writes the proven names in place; hands every other name on to vLLM's reload path."""
 
-    names_plan: Any
+    name_map: Any
     names: frozenset[str]
     live: dict[str, Tensor]
 
@@ -222,9 +222,9 @@ class DirectWriter:
         with torch.no_grad():
             for name, t in weights:
                 if name in self.names:
-                    dtype = self.names_plan.manifest[name][1]
+                    dtype = self.name_map.manifest[name][1]
                     if t.dtype != dtype and t.is_floating_point():  # colocate hands the trainer's dtype; vLLM's
                         t = t.to(dtype)  # loaders cast on copy, and so must the in-place writer (bf16 engines)
-                    self.names_plan.apply([(name, t)], self.live)
+                    self.name_map.apply([(name, t)], self.live)
                 else:
                     yield name, t

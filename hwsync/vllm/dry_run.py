@@ -19,7 +19,7 @@ __all__ = ["dry_run_load"]
 
 
 def dry_run_load(
-    model: torch.nn.Module, specs: Sequence[TensorSpec], names_plan: Any = None,
+    model: torch.nn.Module, specs: Sequence[TensorSpec], name_map: Any = None,
     transformed: set[str] | None = None, raw: dict[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[str, tuple[int, int, set[str]]]]:
     """Route ``specs`` through the model's own ``load_weights``, writing nothing.
@@ -33,7 +33,7 @@ def dry_run_load(
     meta tensor") is run again on a zero-filled scratch copy of that one parameter and of the loaded tensor, never on
     the live one. This is exactly the decision the reload makes, so it tells, before any write: which names vLLM
     does not know, which shapes its loaders reject, and which layers would be only partly loaded.
-    ``names_plan`` (a :class:`hwsync.names.Plan`) renames trainer names to the spellings vLLM's loader takes.
+    ``name_map`` (a :class:`hwsync.names.NameMap`) renames trainer names to the spellings vLLM's loader takes.
     Returns (trainer name -> engine layer path, {layer: (elements loaded, elements needed, names)} for partial layers).
     ``transformed`` (optional) collects the trainer names whose tensor reached a weight loader as something other
     than a view of what was yielded: the model's ``load_weights`` computed a new tensor from it (Llama 4 permutes
@@ -41,38 +41,38 @@ def dry_run_load(
 
     A name that reaches no weight loader may still be written by the model's ``load_weights`` itself, with a plain
     ``param.copy_`` (GPT-OSS's attention sinks): vLLM's layerwise reload never sees such a write (it lands on the
-    ``meta`` stand-in), so a reload leaves the old value in place. With ``names_plan``, such names get a second pass:
+    ``meta`` stand-in), so a reload leaves the old value in place. With ``name_map``, such names get a second pass:
     their resolved parameters become zero-filled scratch tensors (everything else stays ``meta``), a probe tensor
     goes through ``load_weights``, and the name is accepted only if the model's own code left exactly what
-    :meth:`hwsync.names.Plan.apply` writes from the same probe. Those names are returned in ``raw`` (trainer name ->
+    :meth:`hwsync.names.NameMap.apply` writes from the same probe. Those names are returned in ``raw`` (trainer name ->
     engine parameters), to be written in place by hwsync (:mod:`hwsync.vllm.applier`); any other name no loader
     took is refused. Without ``raw`` they are refused too.
     """
     groups: dict[str, str] = {}
     run = _DryRun(model, groups, transformed)
-    skipped = getattr(names_plan, "skipped", {})
-    routed = names_plan.routed() if names_plan is not None and hasattr(names_plan, "routed") else {}
+    skipped = getattr(name_map, "skipped", {})
+    routed = name_map.routed() if name_map is not None and hasattr(name_map, "routed") else {}
     try:
-        run.load([(sp.name, _pieces(names_plan, sp.name, torch.empty(sp.shape, dtype=sp.dtype, device="meta")))
+        run.load([(sp.name, _pieces(name_map, sp.name, torch.empty(sp.shape, dtype=sp.dtype, device="meta")))
                   for sp in specs])
     except ResolutionError as e:
-        if _per_expert_only(names_plan, run.current[0]):  # learned: this model's loader takes no fused experts
-            return dry_run_load(model, specs, names_plan, transformed, raw)
+        if _per_expert_only(name_map, run.current[0]):  # learned: this model's loader takes no fused experts
+            return dry_run_load(model, specs, name_map, transformed, raw)
         if run.current[0] not in routed:
             raise
         raise ResolutionError(f"1 problem(s) resolving {len(specs)} trainer tensor(s); nothing was written:\n  - "
                               f"{routed[run.current[0]]} (and vLLM's own loader refuses it: {e})") from e
     for name in routed:  # names only vLLM's loader could place: where it put them
         if run.params_of.get(name):
-            names_plan.bind_routed(name, run.params_of[name])
+            name_map.bind_routed(name, run.params_of[name])
     unknown = [sp.name for sp in specs if sp.name not in groups and sp.name not in skipped]
     if any(n in routed for n in unknown):
         notes = [routed[n] for n in unknown if n in routed]
         raise ResolutionError(
             f"{len(notes)} tensor(s) resolve to no engine parameter and vLLM's own loader takes them nowhere either; "
             "nothing was written:\n" + "\n".join(f"  - {x}" for x in notes[:40]))
-    copied = _raw_copies(model, [sp for sp in specs if sp.name in unknown], names_plan) \
-        if unknown and names_plan is not None and raw is not None else {}
+    copied = _raw_copies(model, [sp for sp in specs if sp.name in unknown], name_map) \
+        if unknown and name_map is not None and raw is not None else {}
     unknown = [n for n in unknown if n not in copied]
     if unknown:
         raise ResolutionError(
@@ -92,16 +92,16 @@ def dry_run_load(
     return groups, partial
 
 
-def _per_expert_only(names_plan: Any, name: str) -> bool:
+def _per_expert_only(name_map: Any, name: str) -> bool:
     """After vLLM's loader refused ``name`` in the fused spelling its MoE layer advertises (``experts.gate_up_proj``,
     from ``get_expert_mapping(include_fused=True)``), hand every expert tensor over per expert from now on
     (``experts.{e}.gate_proj.weight``, ...): the model's ``load_weights`` may map only per-expert checkpoint names
     (vLLM 0.32's DeepSeek-V2/V3 and GLM-4-MoE-lite use a model-level mapping without fused entries). Returns whether
     anything changed (the dry run then runs again, once)."""
-    if names_plan is None or name not in getattr(names_plan, "entries", {}):
+    if name_map is None or name not in getattr(name_map, "entries", {}):
         return False
-    ns = names_plan.namespace
-    targets = names_plan.entries[name]
+    ns = name_map.namespace
+    targets = name_map.entries[name]
     if not any(t.kind == "experts" for t in targets):
         return False
     fused = {k: g for k, g in ns.expert_groups.items() if g.vllm_fused_gate_up or g.vllm_fused_down}
@@ -115,19 +115,20 @@ def _per_expert_only(names_plan: Any, name: str) -> bool:
     return True
 
 
-def _pieces(names_plan: Any, name: str, t: Tensor) -> list[tuple[str, Tensor]]:
-    """``(vLLM spelling, tensor)`` pairs for trainer tensor ``t``, as :meth:`hwsync.names.Plan.vllm_weights` renames."""
-    if names_plan is None:
+def _pieces(name_map: Any, name: str, t: Tensor) -> list[tuple[str, Tensor]]:
+    """``(vLLM spelling, tensor)`` pairs for trainer tensor ``t``, as :meth:`hwsync.names.NameMap.vllm_weights` renames."""
+    if name_map is None:
         return [(name, t)]
-    return [(load_name, fn(t) if fn is not None else t) for load_name, fn in names_plan.vllm_checkpoint_names(name)]
+    return [(load_name, fn(t) if fn is not None else t) for load_name, fn in name_map.vllm_checkpoint_names(name)]
 
 
 class _DryRun:
     """One pass of the model's ``load_weights`` over stand-in parameters (see :func:`dry_run_load`)."""
 
-    def __init__(self, model: torch.nn.Module, groups: dict[str, str], transformed: set[str] | None,
+    def __init__(self, model: Any, groups: dict[str, str], transformed: set[str] | None,
                  captured: dict[str, list[Tensor]] | None = None) -> None:
         self.model, self.groups, self.transformed, self.captured = model, groups, transformed, captured
+        """The vLLM model (its ``load_weights`` is vLLM's, not a ``torch.nn.Module`` method)."""
         self.path_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.current: list[str] = [""]
         self.source: list[Tensor | None] = [None]
@@ -136,13 +137,13 @@ class _DryRun:
         self.needed: dict[int, int] = {}
         self.params_of: dict[str, set[str]] = {}  # trainer name -> engine parameters its loads reached
 
-    def _stand_in(self, layer: torch.nn.Module, name: str, t: Tensor, counted: bool) -> int:
+    def _stand_in(self, layer: torch.nn.Module, name: str, t: Any, counted: bool) -> int:
         """Register ``t`` as ``layer.name`` with an intercepting loader; the elements a complete load of the layer
         needs from it (0 for tensors vLLM's reload does not count, e.g. e_score_correction_bias)."""
         from hwsync.vllm.compat import tensor_load_numel
 
         original = getattr(t, "weight_loader", None)
-        while getattr(original, "__name__", "") == "online_process_loader":  # left by a past reload
+        while original is not None and getattr(original, "__name__", "") == "online_process_loader":  # a past reload
             original = original.__wrapped__
         t.weight_loader = _Intercept(layer, f"{self.path_of.get(id(layer), '?')}.{name}".lstrip("."), original,
                                      self.current, self.loaded if counted else {}, self.names_of, self.groups,
@@ -183,9 +184,10 @@ class _DryRun:
                     self.source[0] = t
                     yield load_name, t
 
-        saved: list[tuple[torch.nn.Module, dict[str, Tensor], dict[str, Tensor], set[str]]] = []
+        saved: list[tuple[torch.nn.Module, dict[str, Any], dict[str, Tensor], set[str]]] = []
         try:
             for layer in self.model.modules():
+                params: dict[str, Any]
                 params, buffers = get_layer_params_buffers(layer)
                 non_persistent = set(layer._non_persistent_buffers_set)
                 saved.append((layer, params, buffers, non_persistent))
@@ -243,35 +245,35 @@ def _probe(shape: Sequence[int], dtype: torch.dtype) -> Tensor:
     return ((torch.arange(n, dtype=torch.int64) % 251 + 1).to(torch.float32) / 256).to(dtype).reshape(tuple(shape))
 
 
-def _raw_copies(model: torch.nn.Module, specs: Sequence[TensorSpec], names_plan: Any) -> dict[str, str]:
+def _raw_copies(model: torch.nn.Module, specs: Sequence[TensorSpec], name_map: Any) -> dict[str, str]:
     """The names among ``specs`` (which reached no weight loader) that the model's ``load_weights`` copies into
     their resolved parameters itself, exactly as hwsync's writer would (see :func:`dry_run_load`): name -> live
     parameters (comma-separated)."""
-    candidates = [sp for sp in specs if sp.dtype.is_floating_point and sp.name in names_plan.entries
-                  and all(tg.kind in ("param", "packed") for tg in names_plan.entries[sp.name])]
+    candidates = [sp for sp in specs if sp.dtype.is_floating_point and sp.name in name_map.entries
+                  and all(tg.kind in ("param", "packed") for tg in name_map.entries[sp.name])]
     if not candidates:
         return {}
-    live = {names_plan.namespace.params[c].name: t for c, t in names_plan.namespace.live.items()}
-    params = sorted({tg.param for sp in candidates for tg in names_plan.entries[sp.name]})
+    live = {name_map.namespace.params[c].name: t for c, t in name_map.namespace.live.items()}
+    params = sorted({tg.param for sp in candidates for tg in name_map.entries[sp.name]})
     if any(p not in live for p in params):
         return {}
     scratch = {p: torch.zeros(live[p].shape, dtype=live[p].dtype, device=live[p].device) for p in params}
     expected = {p: torch.zeros_like(t) for p, t in scratch.items()}
     probes = [(sp.name, _probe(sp.shape, sp.dtype)) for sp in candidates]
     try:
-        names_plan.apply(probes, expected)
+        name_map.apply(probes, expected)
     except ResolutionError:
         return {}
-    _DryRun(model, {}, None).load([(name, _pieces(names_plan, name, t)) for name, t in probes], scratch)
+    _DryRun(model, {}, None).load([(name, _pieces(name_map, name, t)) for name, t in probes], scratch)
     out: dict[str, str] = {}
     for sp in candidates:
-        targets = [tg.param for tg in names_plan.entries[sp.name]]
+        targets = [tg.param for tg in name_map.entries[sp.name]]
         if all(bool(expected[p].ne(0).any()) and torch.equal(scratch[p], expected[p]) for p in targets):
             out[sp.name] = ",".join(dict.fromkeys(targets))
     return out
 
 
-def row_orders(model: torch.nn.Module, specs: Sequence[TensorSpec], names_plan: Any) -> dict[str, Tensor | str]:
+def row_orders(model: torch.nn.Module, specs: Sequence[TensorSpec], name_map: Any) -> dict[str, Tensor | str]:
     """How the model's ``load_weights`` reorders the rows of each of ``specs`` (trainer names whose tensor it
     transforms, see ``transformed`` of :func:`dry_run_load`) before its weight loader sees it: name -> the row index
     ``perm`` with ``loaded = trainer[perm]`` (Llama 4's q/k rotary permutation), or a string saying why it is no row
@@ -286,7 +288,7 @@ def row_orders(model: torch.nn.Module, specs: Sequence[TensorSpec], names_plan: 
             out[sp.name] = f"{list(sp.shape)}: not a matrix hwsync can trace"
             continue
         probe = torch.arange(sp.shape[0] * sp.shape[1], dtype=torch.float64).reshape(tuple(sp.shape))
-        probes.append((sp.name, _pieces(names_plan, sp.name, probe)))
+        probes.append((sp.name, _pieces(name_map, sp.name, probe)))
     captured: dict[str, list[Tensor]] = {}
     if probes:
         _DryRun(model, {}, None, captured).load(probes)

@@ -3,7 +3,7 @@
 Runs in the worker (``collective_rpc``). For every trainer name the trainer asks about:
 
 * **Base tensors**: resolved with the same :mod:`hwsync.names` plan a sync uses; the probe goes through the plan's
-  own writers (:func:`hwsync.vllm.direct._pieces`: TP slices, packed q/k/v rows, fused experts in the engine's
+  own writers (:func:`hwsync.vllm.direct.write_pieces`: TP slices, packed q/k/v rows, fused experts in the engine's
   layout). What the kernels read is taken where they read it: the parameter itself; on vLLM's CPU build a linear's
   weight is handed to oneDNN / a packed kernel and emptied, so the kernel is asked (``cpu_linear`` on an identity
   matrix gives ``W^T`` exactly: every product is by 1.0, every sum adds zeros); MoE experts whose kernel prepacks
@@ -31,7 +31,7 @@ __all__ = ["fingerprints"]
 
 def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     """``request``: ``seed``, ``base`` ([name, shape, dtype] of trainer tensors), ``lora`` (None or ``keys``,
-    ``shapes``, ``config``). Returns the receiver state plus ``base``/``lora``: name -> [value, magnitude] or a
+    ``shapes``, ``meta``). Returns the receiver state plus ``base``/``lora``: name -> [value, magnitude] or a
     string saying why that tensor cannot be read back here."""
     from hwsync.vllm.worker import _worker, receiver_of
 
@@ -62,26 +62,26 @@ def _base(w: Any, applier: Any, specs_in: list[Any], seed: int) -> dict[str, Any
     if cached is None:
         from hwsync.vllm.dry_run import dry_run_load
 
-        names_plan = applier._names_plan(specs, cast=True)
+        name_map = applier._names_plan(specs, cast=True)
         transformed: set[str] = set()  # computed by the model's load_weights, not laid out: no probe can follow
-        dry_run_load(model, specs, names_plan, transformed=transformed, raw={})  # raw copies: read as written
+        dry_run_load(model, specs, name_map, transformed=transformed, raw={})  # raw copies: read as written
         cache.clear()
-        cache[key] = cached = (names_plan, transformed)
-    names_plan, transformed = cached
-    ns = names_plan.namespace
+        cache[key] = cached = (name_map, transformed)
+    name_map, transformed = cached
+    ns = name_map.namespace
     live = {ns.params[c].name: t for c, t in ns.live.items()}
     shapes = {s.name: s.shape for s in specs}
     dtypes = {s.name: s.dtype for s in specs}
     out: dict[str, Any] = {}
-    for name, targets in names_plan.entries.items():
-        if name in names_plan.skipped:
+    for name, targets in name_map.entries.items():
+        if name in name_map.skipped:
             continue
         if name in transformed:
             out[name] = ("computed from the trainer's tensor by the model's own load_weights (not a re-layout, e.g. "
                          "Llama 4's q/k rotary permutation): not fingerprinted")
             continue
         try:
-            out[name] = _one_base(model, names_plan, name, targets, shapes[name], dtypes[name], live, seed)
+            out[name] = _one_base(model, name_map, name, targets, shapes[name], dtypes[name], live, seed)
         except _Unreadable as e:
             out[name] = str(e)
     return out
@@ -91,11 +91,11 @@ class _Unreadable(Exception):
     pass
 
 
-def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, shape: tuple[int, ...],
+def _one_base(model: torch.nn.Module, name_map: Any, name: str, targets: Any, shape: tuple[int, ...],
               dtype: torch.dtype, live: Mapping[str, Tensor], seed: int) -> list[float]:
-    from hwsync.vllm.direct import _owner, _pieces, why_not_direct
+    from hwsync.vllm.direct import owner_module, write_pieces, why_not_direct
 
-    ns = names_plan.namespace
+    ns = name_map.namespace
     total = magnitude = peak = 0.0
     for tg in targets:
         if tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
@@ -103,7 +103,7 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
         if tg.kind in ("loader", "routed"):  # the model's own checkpoint layout (Llama 4's [E, in, out] experts): only vLLM's
             raise _Unreadable("tensors in the model's own checkpoint layout, converted by vLLM's loader, are not "
                               "fingerprinted")
-        module = _owner(model, tg.param)
+        module = owner_module(model, tg.param)
         held = live.get(tg.param)
         if held is None:
             raise _Unreadable(f"{tg.param} is not a live parameter")
@@ -112,13 +112,13 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
             g = ns.group_of(tg.param)
             if g is None or g.sharding is None:
                 raise _Unreadable(f"{tg.param}: expert layout unknown ({getattr(g, 'unwritable', None)})")
-            ((dst, src),) = _pieces(names_plan, tg, r, held)
+            ((dst, src),) = write_pieces(name_map, tg, r, held)
             if why_not_direct(module, tg.param, set()) is not None:  # the kernel keeps its own layout: replay it
                 src = _moe_post_load(module, g, tg.param, src)
             pairs = [(dst, src)]
         else:
             view = _kernel_view(module, tg.param, held, ns.spec_of(tg.param).shape)
-            pairs = _pieces(names_plan, tg, r, view)
+            pairs = write_pieces(name_map, tg, r, view)
         for dst, src in pairs:
             v, m, top = dot(dst, src)
             total += v
@@ -127,7 +127,7 @@ def _one_base(model: torch.nn.Module, names_plan: Any, name: str, targets: Any, 
     return [total, magnitude, peak]
 
 
-def _kernel_view(module: torch.nn.Module, param: str, held: Tensor, shape: tuple[int, ...]) -> Tensor:
+def _kernel_view(module: Any, param: str, held: Tensor, shape: tuple[int, ...]) -> Tensor:
     """The weight as the module's kernel reads it, in checkpoint layout (``shape``)."""
     leaf = param.rsplit(".", 1)[-1]
     cpu_linear = getattr(module, "cpu_linear", None)
@@ -172,8 +172,8 @@ def _moe_post_load(module: torch.nn.Module, g: Any, param: str, src: Tensor) -> 
 
 
 # -- adapter -----------------------------------------------------------------------------------------------------
-def _stacked(module: Any) -> list[tuple[str, int | None, Tensor]]:
-    out = []
+def stacked_buffers(module: Any) -> list[tuple[str, int | None, Tensor]]:
+    out: list[tuple[str, int | None, Tensor]] = []
     for attr, value in vars(module).items():
         if "stacked" not in attr and attr != "adapter_enabled":
             continue
@@ -199,13 +199,13 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
     if lid not in manager.lora_index_to_id:
         return f"adapter id {lid} is not active in a LoRA slot"
     slot = manager.lora_index_to_id.index(lid)
-    keys, shapes, config = list(req["keys"]), [tuple(s) for s in req["shapes"]], dict(req["config"])
-    key = json.dumps([keys, shapes, config, lid], sort_keys=True, default=str)
+    keys, shapes, meta = list(req["keys"]), [tuple(s) for s in req["shapes"]], dict(req["meta"])
+    key = json.dumps([keys, shapes, meta, lid], sort_keys=True, default=str)
     cache = w.__dict__.setdefault("_hwsync_fp_writers", {})
     writer = cache.get(key)
     if writer is None:
-        build = applier._adapter_builder(config, lid)
-        writer = SlotWriter.trace(manager, build, config, dict(zip(keys, shapes)),
+        build = applier._adapter_builder(meta, lid)
+        writer = SlotWriter.trace(manager, build, meta, dict(zip(keys, shapes)),
                                   getattr(w.model_runner, "device", torch.device("cpu")))
         if isinstance(writer, str):
             return f"the adapter's layout cannot be traced: {writer}"
@@ -219,9 +219,9 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
         if weights is None:
             bad_slots.append(f"{name}: not in the installed adapter")
             continue
-        before = [(a, i, t[slot].clone()) for a, i, t in _stacked(module)]
+        before = [(a, i, t[slot].clone()) for a, i, t in stacked_buffers(module)]
         module.set_lora(slot, weights.lora_a, weights.lora_b)
-        now = {(a, i): t[slot] for a, i, t in _stacked(module)}
+        now = {(a, i): t[slot] for a, i, t in stacked_buffers(module)}
         if any(not torch.equal(now[(a, i)], b) for a, i, b in before):
             bad_slots.append(name)
         for a, i, b in before:  # leave the slot exactly as it was found

@@ -16,13 +16,13 @@ from torch import Tensor
 
 from hwsync.capabilities import check_vllm_supported
 from hwsync.engine import Engine, ProgressFn
-from hwsync.errors import SyncError, from_wire
+from hwsync.errors import SyncError, decode_error
 from hwsync.transport.base import LinkSpec
 from hwsync.transport.buckets import bucket_lists
 from hwsync.vllm import worker
 from hwsync.wire import EngineInfo, Manifest
 
-__all__ = ["LocalEngine"]
+__all__ = ["LocalEngine", "local_engine"]
 
 
 def _shapes(base: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]] | None:
@@ -54,7 +54,7 @@ class LocalEngine(Engine):
         replies = list(self.llm.collective_rpc(worker.answered, args=(self.in_process, fn, *args)))
         for status, value in replies:
             if status != "ok":
-                raise value if isinstance(value, BaseException) else from_wire(value)
+                raise value if isinstance(value, BaseException) else decode_error(value)
         return [value for _, value in replies]
 
     def rpc(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -133,3 +133,15 @@ class LocalEngine(Engine):
                                 detokenize=False)
         outs = self.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
         return [engine_logprobs(out) for out in outs]
+
+
+def local_engine(llm: Any) -> LocalEngine:
+    """The one handle on an in-process ``vllm.LLM``, made at the first call and kept on it: ``hwsync.sync``,
+    ``hwsync.generate`` and ``hwsync.serve`` of one engine share its lock."""
+    kept = getattr(llm, "__dict__", None)
+    handle = kept.get("_hwsync_engine") if kept is not None else None
+    if handle is None:
+        handle = LocalEngine(llm)  # refuses what is not an in-process engine
+        if kept is not None:
+            kept["_hwsync_engine"] = handle
+    return handle

@@ -54,7 +54,7 @@ def checkpoint_names(model: torch.nn.Module) -> Iterator[int]:
     for name in sorted(above):
         module = modules[name]
         if "named_parameters" not in vars(module):
-            module.named_parameters = _view(module)  # type: ignore[method-assign]
+            module.named_parameters = _view(module)
             changed.append(module)
     try:
         yield len(changed)

@@ -33,7 +33,7 @@ def answered(worker: Any, local: bool, fn: Any, *args: Any) -> tuple[str, Any]:
     vLLM's multiprocess executor raises at the first failed reply and leaves the other workers' replies in their
     queues, where the next ``collective_rpc`` reads them as its own (seen on a TP=2 engine: a failed sync's leftover
     error answered the next ``state()``). ``local``: this is the caller's process (the exception object itself goes
-    back); otherwise it travels as :func:`hwsync.errors.to_wire` data, which keeps hwsync's error types."""
+    back); otherwise it travels as :func:`hwsync.errors.encode_error` data, which keeps hwsync's error types."""
     try:
         return "ok", fn(worker, *args)
     except Exception as e:  # noqa: BLE001 - re-raised by the caller (hwsync.vllm.local.LocalEngine.rpc_all)
@@ -41,11 +41,11 @@ def answered(worker: Any, local: bool, fn: Any, *args: Any) -> tuple[str, Any]:
             return "error", e
         import logging
 
-        from hwsync.errors import to_wire
+        from hwsync.errors import encode_error
 
         logging.getLogger("hwsync.worker").debug("hwsync: %s failed on worker rank %d", getattr(fn, "__name__", fn),
                                                  rank(worker), exc_info=True)
-        return "error", to_wire(e)
+        return "error", encode_error(e)
 
 
 def receiver_of(worker: Any) -> Receiver:
@@ -102,7 +102,8 @@ def _device(worker: Any) -> torch.device:
 
 def _link(worker: Any, spec: Mapping[str, Any], link_rank: int) -> Any:
     """The worker's end of a data-plane group (kept while its prefix is the same; one live group per worker)."""
-    from hwsync.transport.base import LinkSpec, open_link
+    from hwsync.backend import open_link
+    from hwsync.transport.base import LinkSpec
 
     w = _worker(worker)
     held = w.__dict__.get("_hwsync_link")
