@@ -210,7 +210,7 @@ def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     return getattr(cfg, key, default)
 
 
-def _pattern_value(pattern: Mapping[str, Any] | None, name: str) -> Any:
+def pattern_value(pattern: Mapping[str, Any] | None, name: str) -> Any:
     """PEFT's ``get_pattern_key`` rule (also vLLM's): a key matches a dotted suffix of ``name``; first match wins."""
     for key, value in (pattern or {}).items():
         if re.match(rf"(.*\.)?({key})$", name):
@@ -475,10 +475,10 @@ class PeftLoraReader:
         if cached is not None:
             return cached
         mods = [_layer_module(path, layer, self.adapter_name) for _, path, layer in self._layers]
-        from hwsync.gather import Layout, param_kind
+        from hwsync.gather import Sharding, param_kind
 
-        if all(param_kind(layer.lora_A[self.adapter_name].weight) == Layout.PLAIN
-               and param_kind(layer.lora_B[self.adapter_name].weight) == Layout.PLAIN for _, _, layer in self._layers):
+        if all(param_kind(layer.lora_A[self.adapter_name].weight) == Sharding.PLAIN
+               and param_kind(layer.lora_B[self.adapter_name].weight) == Sharding.PLAIN for _, _, layer in self._layers):
             self._views = mods
         return mods
 
@@ -543,8 +543,8 @@ def from_peft_state_dict(
     targets = list(_cfg_get(peft_config, "target_parameters", None) or [])
 
     def rank_alpha(key: str) -> tuple[int, float]:
-        r = _pattern_value(rp, key)
-        a = _pattern_value(ap, key)
+        r = pattern_value(rp, key)
+        a = pattern_value(ap, key)
         return int(r if r is not None else r0), float(a if a is not None else alpha0)
 
     def wrapped_leafs(owner: str) -> set[str]:
@@ -812,8 +812,8 @@ def from_vllm_lora(
     rp, ap = _cfg_get(config, "rank_pattern", {}) or {}, _cfg_get(config, "alpha_pattern", {}) or {}
 
     def rank_scale(key: str) -> tuple[int, float, float]:
-        r = _pattern_value(rp, key)
-        a = _pattern_value(ap, key)
+        r = pattern_value(rp, key)
+        a = pattern_value(ap, key)
         r = int(r if r is not None else r0)
         a = float(a if a is not None else alpha0)
         return r, a, _scaling(r, a, rslora)

@@ -74,7 +74,7 @@ def has_adapter(model: nn.Module) -> bool:
     return _peft_config(model) is not None
 
 
-def _adapter_name(model: nn.Module) -> str:
+def active_adapter_name(model: nn.Module) -> str:
     active = getattr(model, "active_adapter", "default")
     if isinstance(active, (list, tuple)):
         if len(active) != 1:
@@ -199,7 +199,7 @@ def read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora | None | Adapte
 def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
     from hwsync.lora_formats import extract_peft_lora, to_vllm_lora, to_wire
 
-    adapter = extract_peft_lora(model, _adapter_name(model))
+    adapter = extract_peft_lora(model, active_adapter_name(model))
     cfg = _peft_config(model)
     experts = [n for n, m in adapter.modules.items() if m.kind.value != "linear" or ".experts." in n]
     dropout = float(getattr(cfg, "lora_dropout", 0.0) or 0.0)
@@ -458,7 +458,7 @@ class _Stream:
         with gather.placeholders() if sharded else contextlib.nullcontext():  # other groups' modules: shapes only
             reader = self.readers.get(group)
             if reader is None:
-                reader = self.readers[group] = PeftLoraReader(self.model, _adapter_name(self.model), modules)
+                reader = self.readers[group] = PeftLoraReader(self.model, active_adapter_name(self.model), modules)
             return reader.read(self.lora_dtype, self.fold)
 
 
@@ -483,7 +483,7 @@ def _add_sharded(payload: Payload, model: nn.Module, stream: _Stream, items: Seq
     sources: dict[tuple[str, str], list[str]] = {}
     if any(kind == "lora" for kind, _ in items):
         with gather.placeholders():
-            adapter = extract_peft_lora(model, _adapter_name(model))
+            adapter = extract_peft_lora(model, active_adapter_name(model))
     for kind, name in items:
         if kind == "base":
             sources[(kind, name)] = reads[name] if name in merged else [raw_base[name][0]]

@@ -32,6 +32,8 @@ VLLM_IMPORTERS = {
     "hwsync.names.namespace": "reads vLLM's own reload helpers to name what a layer's loader accepts",
     "hwsync.swift._engine_view": "the view on the vLLM engine ms-swift's rollout builds",
     "hwsync.testing": "builds real vLLM engines and references for the tests",
+    "hwsync.verify": "folds the LoRA scaling with vLLM's own LoRALayerWeights.optimize, so the adapter-content check "
+                     "compares with what vLLM's own loading would hold (where vLLM is importable)",
 }
 """Who may import ``vllm`` / ``vllm_ascend``, and why (docs/architecture.md lists the same)."""
 

@@ -554,7 +554,7 @@ X
 def write_results(results: list[FamilyResult], file: str | Path, syncs: int = SYNCS) -> None:
     from .engine import on_cpu
 
-    meta = _versions()
+    meta = run_versions()
     platform = "cpu" if on_cpu() else _device_name()
     Path(file).write_text(json.dumps({"versions": meta, "platform": platform, "syncs": syncs,
                                       "results": [r.to_json() for r in results]}, indent=1) + "\n")
@@ -579,7 +579,7 @@ def _device_name() -> str:
         return "gpu"
 
 
-def _versions() -> dict[str, str]:
+def run_versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {}

@@ -263,14 +263,14 @@ class FaultInjector:
         """Whether folding the trainer's LoRA scalings in fp32 (one rounding) gives other bits than vLLM's order in
         the engine's LoRA dtype, for any module (no: every scaling a power of two, or an fp32 LoRA dtype)."""
         from hwsync.lora_formats import extract_peft_lora, fold_scaling
-        from hwsync.payload import _adapter_name
+        from hwsync.payload import active_adapter_name
         from hwsync.wire import dtype_from_name
 
         lora_dtype = self.engine.describe().lora_dtype
         if not lora_dtype:
             return False
         dtype = dtype_from_name(lora_dtype)
-        adapter = extract_peft_lora(self.model, _adapter_name(self.model))
+        adapter = extract_peft_lora(self.model, active_adapter_name(self.model))
         with torch.no_grad():
             return any(not torch.equal(fold_scaling(m.lora_B, m.scaling, dtype), _fold_fp32(m.lora_B, m.scaling, dtype))
                        for m in adapter.modules.values())

@@ -321,11 +321,11 @@ def _exact(cell: Cell, llm: Any, reference: Any, model: Any, strategy: str, n: i
 def write_results(results: Mapping[str, Mapping[str, Any]], file: str | os.PathLike[str], *, platform: str,
                   engine: Mapping[str, Any], syncs: tuple[int, int]) -> None:
     """``results`` (cell name -> strategy -> result) as the results file the table is rendered from."""
-    from .families import _versions
+    from .families import run_versions
 
     rows = [{"cell": c.name, "about": c.about, "strategies": dict(results[c.name])} for c in CELLS
             if c.name in results]
-    Path(file).write_text(json.dumps({"versions": _versions(), "platform": platform, "engine": dict(engine),
+    Path(file).write_text(json.dumps({"versions": run_versions(), "platform": platform, "engine": dict(engine),
                                       "syncs": syncs[0], "full_syncs": syncs[1], "results": rows}, indent=1,
                                      default=str) + "\n")
 

@@ -284,7 +284,7 @@ def _per_expert_patterns(config: dict[str, Any], tensors: Mapping[str, Any], num
     ``experts.gate_up_proj`` / ``experts.down_proj``, as vLLM's ``get_rank_and_scaling`` matches its 3-D keys)
     written as explicit patterns of the per-expert 2-D keys :func:`peft_moe_lora_to_2d` makes, first in each pattern:
     the 2-D adapter carries the scalings vLLM applies to the 3-D one."""
-    from hwsync.lora_formats import _pattern_value
+    from hwsync.lora_formats import pattern_value
 
     rp, ap = dict(config.get("rank_pattern") or {}), dict(config.get("alpha_pattern") or {})
     if not rp and not ap:
@@ -297,7 +297,7 @@ def _per_expert_patterns(config: dict[str, Any], tensors: Mapping[str, Any], num
             if marker not in key:
                 continue
             owner = key.split(marker)[0].removeprefix("base_model.model.") + ".experts"
-            r, a = _pattern_value(rp, f"{owner}.{pname}"), _pattern_value(ap, f"{owner}.{pname}")
+            r, a = pattern_value(rp, f"{owner}.{pname}"), pattern_value(ap, f"{owner}.{pname}")
             for e in range(num_experts):
                 for part in parts:
                     name = re.escape(f"{owner}.{e}.{part}")

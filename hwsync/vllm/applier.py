@@ -496,7 +496,7 @@ class VllmApplier:
         in vLLM's LoRA dtype (what vLLM holds), the trace of one layer in float64 and vLLM's construction of the
         sampled layers. A steady rewrite of the installed adapter allocates nothing of the kind."""
         from hwsync.backend import backend_for_device
-        from hwsync.vllm.lora_slots import _LAYER
+        from hwsync.vllm.lora_slots import LAYER_NAME
 
         device = self._device()
         try:
@@ -519,7 +519,7 @@ class VllmApplier:
             for s in spec.shape:
                 n *= s
             numel += n
-            m = _LAYER.match(spec.name)
+            m = LAYER_NAME.match(spec.name)
             key = (m["prefix"], m["index"]) if m is not None else ("", spec.name)
             per_layer[key] = per_layer.get(key, 0) + n
         layer = max(per_layer.values(), default=0)

@@ -43,13 +43,14 @@ from torch import Tensor
 
 from hwsync.vllm.compat import check_adapter
 
-__all__ = ["SlotWriter", "LayerGroups", "layer_groups", "NOT_TRACED"]
+__all__ = ["SlotWriter", "LayerGroups", "layer_groups", "NOT_TRACED", "LAYER_NAME"]
 
 NOT_TRACED = "slots not traced yet"
 
 logger = logging.getLogger("hwsync.vllm")
 
-_LAYER = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<index>\d+)\.(?P<rest>.+)$")
+LAYER_NAME = re.compile(r"^(?P<prefix>.*?\blayers)\.(?P<index>\d+)\.(?P<rest>.+)$")
+"""A name inside a numbered layer: what precedes ``layers``, the index, the rest."""
 
 
 # -- layer groups -------------------------------------------------------------------------------------------------
@@ -73,7 +74,7 @@ def layer_groups(modules: Mapping[str, Any], shapes: Mapping[str, tuple[Any, ...
     layers: dict[tuple[str, int], list[tuple[str, str]]] = {}
     outside: list[str] = []
     for name in modules:
-        m = _LAYER.match(name)
+        m = LAYER_NAME.match(name)
         if m is None:
             outside.append(name)
         else:
@@ -260,7 +261,7 @@ class SlotWriter:
         group_of: dict[str, tuple[str, int] | None] = {}
         for (prefix, rep), _ in groups.members.items():
             for m in groups.traced:
-                mm = _LAYER.match(m)
+                mm = LAYER_NAME.match(m)
                 if mm is not None and mm["prefix"] == prefix and int(mm["index"]) == rep:
                     group_of[m] = (prefix, rep)
         # each vLLM module of the template belongs to the group of the trainer modules it reads from
@@ -338,7 +339,7 @@ class SlotWriter:
             for index in indices:
                 keys = {}
                 for m in self.groups.traced:
-                    mm = _LAYER.match(m)
+                    mm = LAYER_NAME.match(m)
                     if mm is None or mm["prefix"] != prefix or int(mm["index"]) != rep:
                         continue
                     target = f"{prefix}.{index}.{mm['rest']}"
