@@ -76,6 +76,7 @@ _LAZY: dict[str, str] = {
     "as_engine": "hwsync.api",
     "connect": "hwsync.server",
     "serve": "hwsync.server",
+    "new_token": "hwsync.tokens",
     "ExpertLayout": "hwsync.layouts",
     "ExpertSharding": "hwsync.layouts",
 }

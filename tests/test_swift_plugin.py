@@ -171,7 +171,7 @@ def test_trainer_takes_sharded_and_tp_setups_with_the_check(plugin, over):
     checked = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy="auto"))
     HwsyncGRPOTrainer._hwsync_check_setup(checked)
     if over.get("_is_fsdp2"):
-        credentials = {"server": "127.0.0.1:29555,127.0.0.1:29556", "token": "t" * 32}
+        credentials = {"server": "127.0.0.1:29555,127.0.0.1:29556", "token": "a test token, strong enough: 32+"}
         served = SimpleNamespace(**_setup(**over, vllm_mode="server"), hwsync_options=plugin.SwiftOptions(**credentials))
         HwsyncGRPOTrainer._hwsync_check_setup(served)
     fsdp1 = SimpleNamespace(**_setup(is_fsdp_enabled=True), hwsync_options=plugin.SwiftOptions(verify_every=0))

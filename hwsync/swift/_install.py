@@ -53,7 +53,7 @@ def install(*, patches: bool = True) -> None:
             before = {p.name for p in hp.registered() if p.installed}
             skip = set(RECEIVER_SCOPED)
             if not os.environ.get(ENV["server"]):  # colocate: do not even import swift's rollout server module
-                skip.update(("swift_rollout_serve", "swift_rollout_cpu"))
+                skip.update(("swift_rollout_serve", "swift_rollout_cpu", "swift_weight_communicator"))
             wanted = [n for n in hp.names() if n not in skip]
             _our_patches.extend(n for n in hp.apply(wanted) if n not in before and n not in _our_patches)
         if mapping[RLHF_TYPE] != TRAINER:
