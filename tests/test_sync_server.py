@@ -127,3 +127,43 @@ def test_sender_exception_and_killed_sender_leave_engine_stale_then_recover(
         hwsync.verify(engine, model, PROMPTS)
     hwsync.sync(engine, model, strategy="full")
     assert assert_serves(engine, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
+
+
+def test_a_stopped_engine_bounds_every_trainer_call(server: tuple[str, Any], reference: EngineReference,
+                                                     tiny_qwen3_moe_dir: Path) -> None:
+    """The engine process is stopped (SIGSTOP) in the middle of a sync, then between syncs: each trainer call ends
+    after ``timeout_s`` with one SyncError instead of waiting forever; once the engine runs again the same handle
+    reconnects and a complete sync brings the engine back."""
+    import signal
+    import time
+
+    address, proc = server
+    engine = hwsync.connect(address, TOKEN, timeout_s=5)
+    model = lora_trainer(tiny_qwen3_moe_dir)
+    perturb(model, 31, base=True)
+    hwsync.sync(engine, model, strategy="full", bucket_mb=0.25)
+
+    def stop_engine(index: int, total: int) -> None:
+        if index == 1:
+            os.kill(proc.pid, signal.SIGSTOP)
+
+    took = {}
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SyncError):
+            hwsync.sync(engine, model, strategy="full", bucket_mb=0.25, progress=stop_engine)
+        took["sync"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(SyncError, match="within 5 s|during authentication"):
+            engine.state()
+        took["state()"] = time.monotonic() - t0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert took["sync"] < 60 and took["state()"] < 20, took  # bounded (the data plane's timeout, then the reply's)
+    for _ in range(60):
+        if engine.state()["stale"]:  # the engine notices the broken transfer once it runs again
+            break
+        time.sleep(0.5)
+    hwsync.sync(engine, model, strategy="full", bucket_mb=0.25)
+    assert assert_serves(engine, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
+    engine.close()
