@@ -1152,6 +1152,7 @@ def test_data_plane_listens_only_during_a_sync(base: Baseline, monkeypatch: pyte
     for seed in (1, 2):
         m = lora_trainer(base.path)
         _perturb(m, 1200 + seed, base=True)
+        base.remote._drop_link()  # a fresh group each time (where groups are kept between syncs, too)
         hwsync.sync(base.remote, m, strategy="full", bucket_mb=BUCKET_MB)
         left = _listening_ports() - between
         assert during and not left, f"data-plane listeners left after the sync: {sorted(left)}"
