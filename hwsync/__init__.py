@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from hwsync.errors import (
     AdapterFormatError,
+    EngineBusyError,
     OptionError,
     PlanChangedError,
     UnsupportedSetupError,
@@ -85,6 +86,7 @@ __all__ = [
     "__version__",
     *sorted(_LAZY),
     "AdapterFormatError",
+    "EngineBusyError",
     "OptionError",
     "PlanChangedError",
     "UnsupportedSetupError",

@@ -1216,7 +1216,7 @@ def test_slow_handshakes_hold_no_slot_past_the_deadline(base: Baseline) -> None:
 def test_busy_engine_says_busy(base: Baseline) -> None:
     """Every slot held: the trainer is told the engine is busy (not that it refused the token), after retrying for
     a while when unauthenticated connections hold the handshake slots."""
-    from hwsync.server.protocol import EngineBusyError
+    from hwsync.errors import EngineBusyError
 
     with _server(base, max_clients=1, idle_s=60.0) as server:
         holder = hwsync.connect(server.address, TOKEN, timeout_s=10)

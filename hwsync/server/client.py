@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hwsync.engine import Engine, ProgressFn
-from hwsync.errors import SyncError, UnsupportedSetupError, from_wire
-from hwsync.server.protocol import (DEFAULT_TIMEOUT_S, Channel, EngineBusyError, IdleTimeout, check_token,
-                                    client_handshake, group_prefix, split_address)
+from hwsync.errors import EngineBusyError, SyncError, UnsupportedSetupError, from_wire
+from hwsync.server.protocol import (DEFAULT_TIMEOUT_S, Channel, IdleTimeout, check_token, client_handshake,
+                                    group_prefix, split_address)
 from hwsync.transport.base import Link, LinkSpec, open_link
 from hwsync.transport.buckets import bucket_lists, pool_of, send_buckets
 from hwsync.transport.seal import Sealer
@@ -362,8 +362,10 @@ class _EngineView(RemoteEngine):
 def connect(address: str | Sequence[str], token: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
             data_host: str | None = None) -> RemoteEngine:
     """A handle on the engine(s) :func:`hwsync.serve`-d at ``address`` (several: data-parallel engines fed by one
-    broadcast); a wrong ``token`` raises :class:`~hwsync.errors.SyncError` here. ``data_host`` is the interface the
-    engines reach this trainer on for the data plane (default: the one this process reaches the first engine from).
+    broadcast); a wrong ``token`` raises :class:`~hwsync.errors.SyncError` here (the engine proves the token first).
+    Every answer is awaited at most ``timeout_s``; a connection the engine closed as idle is opened again by the next
+    call. ``data_host`` is the interface the engines reach this trainer on for the data plane (default: the one this
+    process reaches the first engine from).
     """
     return RemoteEngine(address, token, timeout_s=timeout_s, data_host=data_host)
 

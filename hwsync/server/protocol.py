@@ -32,10 +32,10 @@ import struct
 import time
 from typing import Any
 
-from hwsync.errors import SyncError
+from hwsync.errors import EngineBusyError, SyncError
 from hwsync.tokens import MIN_TOKEN_CHARS, check_token, new_token
 
-__all__ = ["Channel", "DEFAULT_TIMEOUT_S", "EngineBusyError", "FRAME_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S",
+__all__ = ["Channel", "DEFAULT_TIMEOUT_S", "FRAME_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S",
            "IDLE_TIMEOUT_S", "IdleTimeout", "MAX_FRAME", "MIN_TOKEN_CHARS", "check_token", "client_handshake",
            "group_prefix", "new_token", "refuse_busy", "server_handshake", "split_address", "stretch"]
 
@@ -58,10 +58,6 @@ _HELLO = b"HWS2"  # server hello of this protocol (the first one, before the ser
 _BUSY = b"HWSB"  # server hello when every handshake slot is taken (a flood): retry shortly
 _CLIENT = b"HWC2"
 _SCRYPT = {"n": 1 << 14, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}  # ~16 MiB and tens of ms per guess
-
-
-class EngineBusyError(SyncError):
-    """The engine refused a connection because all its slots are taken; nothing about the token was decided."""
 
 
 class IdleTimeout(TimeoutError):

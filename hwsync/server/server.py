@@ -85,7 +85,7 @@ class SyncServer:
         self.max_clients = max_clients
         self._slots = threading.BoundedSemaphore(max_clients)  # authenticated trainers
         self._pending = threading.BoundedSemaphore(4 * max_clients)  # handshakes in progress (handshake_s each)
-        self._held: bytes | None = None  # the data-plane group the workers hold (kept between syncs)
+        self._held: bytes | None = None  # the data-plane group the workers hold (persistent links only)
         self._stop = threading.Event()
         self._shutdown = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="hwsync-sync-server", daemon=True)
@@ -231,9 +231,9 @@ class SyncServer:
     def _sync(self, channel: Channel, args: Mapping[str, Any]) -> Any:
         """Validate, say go, receive the buckets over the data plane, report (the reply to the request).
 
-        The workers keep their data-plane group between syncs; the trainer proposes the group it holds and a new
-        one, and the server picks the held one only if its workers still hold it (no other trainer synced since,
-        no failure closed it)."""
+        Where the link is persistent (NCCL, HCCL) the workers keep their data-plane group between syncs; the trainer
+        proposes the group it holds and a new one, and the server picks the held one only if its workers still hold
+        it (no other trainer synced since, no failure closed it). gloo groups are closed after every sync."""
         manifest = Manifest.from_json(args["manifest"])
         group = args["group"]
         held = channel.open_secret("group", args["group_id"])
