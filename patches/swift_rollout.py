@@ -136,8 +136,8 @@ class SwiftWeightCommunicatorPatch(Patch):
     def check(self) -> ProbeResult:
         if not os.environ.get(_SERVER_ENV):
             return ProbeResult(NOT_NEEDED, f"server mode not requested ({_SERVER_ENV} unset)")
-        return ProbeResult(APPLIES, f"{_SERVER_ENV} is set: hwsync syncs the weights, and the engine refuses ms-swift's "
-                                    "weight communicator that GRPO's server mode opens at start-up")
+        return ProbeResult(APPLIES, f"{_SERVER_ENV} is set: hwsync syncs the weights, and the engine refuses "
+                                    "ms-swift's weight communicator that GRPO's server mode opens at start-up")
 
     def replacement(self, original: Any, target: str) -> Any:
         if not callable(original):

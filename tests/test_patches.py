@@ -270,8 +270,8 @@ def test_registry_api():
     assert set(patches.names()) == {"rope_config", "peft_moe_regex", "mtp_config", "vllm_cpu_moe_lora",
                                     "vllm_cpu_moe_prepack", "vllm_cpu_mamba_conv", "vllm_reload_partial_loader",
                                     "vllm_cpu_lora_logits",
-                                    "vllm_transformers_backend", "vllm_lora_expert_spellings", "vllm_offline_failed_requests",
-                                    "vllm_ascend",
+                                    "vllm_transformers_backend", "vllm_lora_expert_spellings",
+                                    "vllm_offline_failed_requests", "vllm_ascend",
                                     "swift_rollout_cpu",
                                     "swift_rollout_serve", "swift_weight_communicator"}
     assert patches.get("mtp_config").name == "mtp_config"
