@@ -38,7 +38,7 @@ import torch
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-TOKEN = "bench-token"
+TOKEN = "bench_sync: a fixed token, 32+ characters"  # the engine process imports it (no command line)
 SHAPES = {
     # the tiny fixture (hwsync.testing) grown a little: what the CPU job runs
     "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,

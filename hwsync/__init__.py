@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from hwsync.errors import (
     AdapterFormatError,
+    EngineBusyError,
     OptionError,
     PlanChangedError,
     UnsupportedSetupError,
@@ -80,6 +81,7 @@ _LAZY: dict[str, str] = {
     "as_engine": "hwsync.api",
     "connect": "hwsync.server",
     "serve": "hwsync.server",
+    "new_token": "hwsync.tokens",
     "ExpertLayout": "hwsync.layouts",
     "ExpertSharding": "hwsync.layouts",
 }
@@ -88,6 +90,7 @@ __all__ = [
     "__version__",
     *sorted(_LAZY),
     "AdapterFormatError",
+    "EngineBusyError",
     "OptionError",
     "PlanChangedError",
     "UnsupportedSetupError",

@@ -26,7 +26,7 @@ from importlib import metadata
 
 __all__ = ["Command", "command", "main", "COMMAND_MODULES", "ENTRY_POINT_GROUP"]
 
-COMMAND_MODULES: tuple[str, ...] = ("hwsync.doctor", "hwsync.plugin_paths")
+COMMAND_MODULES: tuple[str, ...] = ("hwsync.doctor", "hwsync.plugin_paths", "hwsync.tokens")
 ENTRY_POINT_GROUP = "hwsync.commands"
 
 Run = Callable[[argparse.Namespace], int]

@@ -19,7 +19,11 @@ from torch import Tensor
 from hwsync.errors import StaleEngineError
 from hwsync.wire import EngineInfo, Manifest
 
-__all__ = ["Engine", "ProgressFn"]
+__all__ = ["Engine", "IN_MEMORY_LORA", "ProgressFn"]
+
+IN_MEMORY_LORA = "hwsync-in-memory://"
+"""Path prefix of the ``LoRARequest`` hwsync reports: the adapter lives in the engine's memory only, so vLLM cannot load
+it again once evicted (:func:`hwsync.vllm.worker.receiver_of` makes that one clear error)."""
 
 ProgressFn = Callable[[int, int], None]
 """``progress(bucket_index, num_buckets)``, called after a bucket is ready and before it is handed over; raising
@@ -65,7 +69,7 @@ class Engine(abc.ABC):
         st = self.state()
         if st.get("stale"):
             raise StaleEngineError(
-                f"engine is stale: {st.get('last_error') or 'an interrupted sync'} left part of the weights written. "
+                f"engine is stale: {st.get('last_error') or 'an interrupted sync left part of the weights written'}. "
                 "Run a complete hwsync.sync(...) before generating"
             )
 
@@ -80,4 +84,4 @@ class Engine(abc.ABC):
         except ImportError:  # a trainer process without vLLM (server mode): nothing to generate with here
             return None
 
-        return LoRARequest(st["lora_name"], st["lora_int_id"], f"hwsync-in-memory://{st['lora_name']}")
+        return LoRARequest(st["lora_name"], st["lora_int_id"], f"{IN_MEMORY_LORA}{st['lora_name']}")

@@ -20,6 +20,7 @@ __all__ = [
     "AdapterFormatError",
     "SyncError",
     "StaleEngineError",
+    "EngineBusyError",
     "VersionError",
     "VerifyError",
     "PatchError",
@@ -62,6 +63,11 @@ class SyncError(HwsyncError):
 
 class StaleEngineError(SyncError):
     """The engine holds a partially applied weight set and must not serve until a full sync lands."""
+
+
+class EngineBusyError(SyncError):
+    """A served engine turned a connection away because all its slots are held (try again later); the token was not
+    refused."""
 
 
 class VersionError(SyncError):

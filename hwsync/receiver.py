@@ -8,9 +8,9 @@ Consistency rules
 * A manifest is validated (version, names, shapes, dtypes, layer completeness, adapter config) before anything is
   written; a refused manifest leaves the engine exactly as it was. The validated plan is kept per manifest digest
   (everything but the version), so a trainer that syncs the same tensors every step pays for validation once.
-* Versions strictly increase; an older or equal version is refused with :class:`~hwsync.errors.VersionError`. A
-  manifest planned against another engine version (``expect_version``) is refused with
-  :class:`~hwsync.errors.PlanChangedError` before anything is written: the sender re-plans.
+* Versions strictly increase, by at most :data:`MAX_VERSION_STEP` per sync; anything else is refused with
+  :class:`~hwsync.errors.VersionError`. A manifest planned against another engine version (``expect_version``) is
+  refused with :class:`~hwsync.errors.PlanChangedError` before anything is written: the sender re-plans.
 * LoRA tensors are accumulated across buckets and installed once, after the last bucket: a sync that dies earlier
   leaves the previous adapter serving. If installing itself fails, the engine is marked stale (it must not serve a
   half-installed adapter, nor silently the base model).
@@ -37,6 +37,8 @@ __all__ = ["Applier", "Receiver"]
 logger = logging.getLogger("hwsync.receiver")
 
 _PLANS_KEPT = 8
+MAX_VERSION_STEP = 1 << 32
+"""Largest step from the engine's version to a sync's: ~2^31 syncs before the 64-bit range runs out, not one."""
 
 
 class Applier(Protocol):
@@ -95,13 +97,20 @@ class Receiver:
                         lora_int_id=self.state.lora_int_id, lora_name=self.state.lora_name)
             return info
 
+    def mark_stale(self, reason: str) -> None:
+        """Refuse to generate until a complete sync lands (the weights are written but something after the receive,
+        e.g. vLLM's prefix-cache reset, did not happen)."""
+        with self.lock:
+            self.state.stale = True
+            self.state.last_error = reason
+
     def check_servable(self) -> None:
         """Raise :class:`StaleEngineError` while a partially applied weight set is loaded."""
         if self.state.stale:
             raise StaleEngineError(
-                f"engine is stale: a sync after v{self.state.version} was interrupted "
-                f"({self.state.last_error or 'unknown cause'}) and left part of the weights written. Run a complete "
-                "hwsync.sync(...) before generating (adapter/hybrid resend the base automatically)"
+                f"engine is stale: {self.state.last_error or 'an interrupted sync left part of the weights written'} "
+                f"(last complete sync: v{self.state.version}). Run a complete hwsync.sync(...) before generating "
+                "(adapter/hybrid resend the base automatically)"
             )
 
     # -- the sync -------------------------------------------------------------------------------------------------
@@ -119,6 +128,11 @@ class Receiver:
                     f"sync version {manifest.version} is not newer than the engine's v{self.state.version}: versions "
                     f"must strictly increase (pass version={self.state.version + 1} or more, or let hwsync number them)"
                 )
+            if manifest.version - self.state.version > MAX_VERSION_STEP:
+                raise VersionError(
+                    f"sync version {manifest.version} jumps more than 2^32 past the engine's v{self.state.version}: "
+                    "one sync may not use up the version range (later syncs could never be newer); pass a version at "
+                    f"most {self.state.version + MAX_VERSION_STEP}, e.g. the training step, or let hwsync number them")
             if (manifest.strategy is not Strategy.FULL and not manifest.base_specs
                     and manifest.base_key is not None and self.state.base_key != manifest.base_key):
                 raise PlanChangedError(

@@ -45,6 +45,7 @@ from . import vllm_reload_partial_loader  # noqa: E402,F401  isort: skip
 from . import vllm_cpu_lora_logits  # noqa: E402,F401  isort: skip
 from . import vllm_transformers_backend  # noqa: E402,F401  isort: skip
 from . import vllm_lora_expert_spellings  # noqa: E402,F401  isort: skip
+from . import vllm_offline_failed_requests  # noqa: E402,F401  isort: skip
 from . import vllm_ascend  # noqa: E402,F401  isort: skip
 from . import swift_rollout  # noqa: E402,F401  isort: skip  (opt_in: applied by hwsync.swift only)
 

@@ -38,7 +38,7 @@ from hwsync.testing.trainer import lora_trainer, perturb
 
 pytestmark = pytest.mark.vllm
 
-TOKEN = "attack-suite token"
+TOKEN = "attack suite: a test token of 40+ chars"
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -483,15 +483,33 @@ def _raw_connect(address: str) -> socket.socket:
     return sock
 
 
-def _hello(sock: socket.socket) -> bytes:
+def _exactly(sock: socket.socket, n: int) -> bytes:
     data = b""
-    while len(data) < 36:
-        chunk = sock.recv(36 - len(data))
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
         if not chunk:
             raise ConnectionError("closed")
         data += chunk
-    assert data[:4] == b"HWSY"
-    return data[4:]
+    return data
+
+
+def _hello(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The server's hello: (salt, nonce)."""
+    data = _exactly(sock, 4 + 16 + 32)
+    assert data[:4] == b"HWS2"
+    return data[4:20], data[20:]
+
+
+def _mac(key: bytes, *parts: bytes | str) -> bytes:
+    import hashlib
+    import hmac
+
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for p in parts:
+        b = p if isinstance(p, bytes) else p.encode()
+        h.update(struct.pack("<I", len(b)))
+        h.update(b)
+    return h.digest()
 
 
 def _hang_up(sock: socket.socket) -> None:
@@ -538,9 +556,11 @@ class _Proxy:
 
         threading.Thread(target=down, daemon=True).start()
         try:
-            hs = self._exact(client, 4 + 32 + 32)
-            self.captured.append(hs)
+            hs = self._exact(client, 4 + 32)  # the client's nonce; its proof follows the server's
             upstream.sendall(hs)
+            proof = self._exact(client, 32)
+            upstream.sendall(proof)
+            self.captured.append(hs + proof)
             first = True
             while True:
                 head = self._exact(client, 4 + 32)
@@ -622,23 +642,20 @@ def test_unauthenticated_inputs_are_refused(base: Baseline) -> None:
         sock.sendall(bytes(random.Random(1).getrandbits(8) for _ in range(200)))
 
     def wrong_token(sock: socket.socket) -> None:
-        import hashlib
-        import hmac
+        from hwsync.server.protocol import stretch
 
-        nonce = _hello(sock)
+        salt, nonce = _hello(sock)
         mine = b"\1" * 32
-        h = hmac.new(b"wrong", digestmod=hashlib.sha256)
-        for p in (b"client-auth", nonce, mine):
-            h.update(struct.pack("<I", len(p)))
-            h.update(p)
-        sock.sendall(b"HWSC" + mine + h.digest())
+        sock.sendall(b"HWC2" + mine)
+        _exactly(sock, 32)  # the server proves first
+        sock.sendall(_mac(stretch("a wrong token, but a long one: 1234", salt), "client-auth", nonce, mine))
 
     def silent(sock: socket.socket) -> None:
         _hello(sock)  # never answers: dropped after the handshake timeout
 
     def oversized_hello(sock: socket.socket) -> None:
         _hello(sock)
-        sock.sendall(b"HWSC" + b"\xff" * (1 << 16))
+        sock.sendall(b"HWC2" + b"\xff" * (1 << 16))
 
     def http(sock: socket.socket) -> None:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -1069,6 +1086,469 @@ def test_fuzzed_manifests(base: Baseline) -> None:
     assert not crashes, crashes[:5]
     assert not half_applied(base.llm, base.sig)
     print(f"fuzz: {prepared} mutants were valid manifests (prepared, nothing written)")
+
+
+# -- issue 27: no unauthenticated crash, no hang without a deadline, no commit that serves mixed weights ---------------
+def _listening_ports() -> set[int]:
+    """TCP ports this process listens on (read from /proc: no tool needed)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            col = row.split()
+            if col[3] == "0A" and col[9] in inodes:  # LISTEN
+                ports.add(int(col[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _flood(port: int, times: int) -> int:
+    """Connect and close ``times`` times without a word; returns how many connects were accepted."""
+    accepted = 0
+    for _ in range(times):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            accepted += 1
+        except OSError:
+            pass
+    return accepted
+
+
+def test_data_plane_listens_only_during_a_sync(base: Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo's listener leaks a descriptor per connection that closes before gloo's handshake and aborts the process
+    at the limit (``gloo::EnforceNotMet ... accept: Too many open files``, the engine or the trainer). hwsync's gloo
+    data plane therefore exists only during a sync: afterwards nothing of it listens, and a connect/close flood on
+    what does listen (the sync server, the trainer's rendezvous store) costs no descriptor."""
+    from hwsync.cpu.link import GlooLink
+
+    base.restore()  # the rendezvous store exists: what listens now is what listens between syncs
+    between = _listening_ports()
+    during: set[int] = set()
+    opened = GlooLink.__init__
+
+    def watched(self: Any, *args: Any, **kwargs: Any) -> None:
+        opened(self, *args, **kwargs)
+        during.update(_listening_ports() - between)  # this group's listener, seen while it exists
+
+    monkeypatch.setattr(GlooLink, "__init__", watched)
+    for seed in (1, 2):
+        m = lora_trainer(base.path)
+        _perturb(m, 1200 + seed, base=True)
+        base.remote._drop_link()  # a fresh group each time (where groups are kept between syncs, too)
+        hwsync.sync(base.remote, m, strategy="full", bucket_mb=BUCKET_MB)
+        left = _listening_ports() - between
+        assert during and not left, f"data-plane listeners left after the sync: {sorted(left)}"
+        record("data plane: listener after a sync", refused=not left)
+        # the ports the data plane used are closed: a flood there is refused by the kernel, not leaked by gloo
+        fds = _open_fds()
+        assert sum(_flood(p, 200) for p in during) == 0
+        assert _open_fds() <= fds + 2
+        record("data plane: connect/close flood between syncs", refused=True)
+        during.clear()
+    monkeypatch.undo()
+    base.restore()
+    store = base.remote._rendezvous_store().port
+    for port, what in ((base.server.port, "sync server"), (store, "rendezvous store")):
+        fds = _open_fds()
+        assert _flood(port, 600) == 600
+        time.sleep(1.0)  # the server threads see EOF and close their ends
+        assert _open_fds() <= fds + 4, (what, fds, _open_fds())
+        record(f"connect/close flood: {what}", refused=True, half=half_applied(base.llm, base.sig))
+
+
+def _server(base: Baseline, **kwargs: Any) -> Any:
+    """A second sync server on the suite's engine (same handle and lock), with its own limits."""
+    from hwsync.server.server import SyncServer
+
+    return SyncServer(base.llm, "127.0.0.1:0", TOKEN, timeout_s=30, **kwargs)
+
+
+def test_slow_handshakes_hold_no_slot_past_the_deadline(base: Baseline) -> None:
+    """Slow-loris: every handshake slot held by a socket that sends one byte every 0.3 s. One deadline for the whole
+    handshake (not per read) frees them, and a trainer then gets in."""
+    with _server(base, max_clients=1, handshake_s=2.0) as server:
+        lorises = [_raw_connect(server.address) for _ in range(4)]  # 4 * max_clients handshake slots
+        stop = threading.Event()
+
+        def trickle(sock: socket.socket) -> None:
+            try:
+                _hello(sock)
+                for b in b"HWC2" + b"\0" * 32:
+                    if stop.wait(0.3):
+                        return
+                    sock.sendall(bytes([b]))
+            except OSError:
+                pass
+
+        threads = [threading.Thread(target=trickle, args=(s,), daemon=True) for s in lorises]
+        for t in threads:
+            t.start()
+        time.sleep(3.0)  # past the 2 s deadline, while each socket still sends a byte every 0.3 s
+        remote = hwsync.connect(server.address, TOKEN, timeout_s=10)
+        assert remote.state()["version"] == base.remote.state()["version"]
+        remote.close()
+        stop.set()
+        for sock in lorises:
+            closed = _closed_by_server(sock, timeout=1.0)
+            sock.close()
+            record("slow-loris handshakes", refused=closed)
+            assert closed
+
+
+def test_busy_engine_says_busy(base: Baseline) -> None:
+    """Every slot held: the trainer is told the engine is busy (not that it refused the token), after retrying for
+    a while when unauthenticated connections hold the handshake slots."""
+    from hwsync.errors import EngineBusyError
+
+    with _server(base, max_clients=1, idle_s=60.0) as server:
+        holder = hwsync.connect(server.address, TOKEN, timeout_s=10)
+        with pytest.raises(EngineBusyError, match="busy: all 1 trainer slots"):
+            hwsync.connect(server.address, TOKEN, timeout_s=2)
+        record("busy: every trainer slot held", refused=True)
+        holder.close()
+    with _server(base, max_clients=1, handshake_s=30.0) as server:
+        mute = [_raw_connect(server.address) for _ in range(4)]  # hold every handshake slot, say nothing
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        with pytest.raises(EngineBusyError, match="busy authenticating other connections"):
+            hwsync.connect(server.address, TOKEN, timeout_s=3)
+        assert time.perf_counter() - t0 < 10  # retried within its timeout, then said why
+        record("busy: every handshake slot held", refused=True)
+        for sock in mute:
+            sock.close()
+        time.sleep(0.5)
+        assert hwsync.connect(server.address, TOKEN, timeout_s=10).state()["stale"] is False
+
+
+def test_idle_and_stalled_trainers_lose_their_slot(base: Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Token holders that idle, or stall in the middle of a frame, do not lock a trainer out: an idle one loses its
+    slot after ``idle_s`` (its handle reconnects by itself on its next call), a stalled frame is dropped after the
+    frame deadline."""
+    import hwsync.server.protocol as protocol
+
+    monkeypatch.setattr(protocol, "FRAME_TIMEOUT_S", 2.0)
+    with _server(base, max_clients=1, idle_s=1.5) as server:
+        idle = hwsync.connect(server.address, TOKEN, timeout_s=10)
+        version = idle.state()["version"]
+        time.sleep(3.0)
+        other = hwsync.connect(server.address, TOKEN, timeout_s=10)  # the idle one's slot was freed
+        assert other.state()["version"] == version
+        other.close()
+        record("token holder idles", refused=True)
+        assert idle.state()["version"] == version  # reconnected transparently
+        idle.close()
+        stalled = _authenticated(server.address)
+        stalled.sock.sendall(struct.pack("<I", 1000) + b"\0" * 10)  # a frame that never completes
+        time.sleep(3.0)
+        other = hwsync.connect(server.address, TOKEN, timeout_s=10)
+        assert other.state()["version"] == version
+        other.close()
+        assert _closed_by_server(stalled.sock, timeout=1.0)
+        stalled.close()
+        record("token holder stalls mid-frame", refused=True)
+
+
+def test_accept_survives_running_out_of_descriptors(base: Baseline, caplog: pytest.LogCaptureFixture) -> None:
+    """``accept`` fails with EMFILE while the process has no descriptor left: the server logs it and keeps accepting
+    once descriptors are free again (it used to end its accept loop silently and answer nobody, ever)."""
+    import os
+    import resource
+
+    with _server(base) as server:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        fds = [int(f) for f in os.listdir("/proc/self/fd")]
+        filler: list[int] = []
+        client = None
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(fds) + 1, hard))
+            with caplog.at_level("ERROR", logger="hwsync.server"):
+                while True:  # take every free descriptor below the limit
+                    try:
+                        filler.append(os.open(os.devnull, os.O_RDONLY))
+                    except OSError:
+                        break
+                os.close(filler.pop())  # one for the client's socket: the server's accept gets none
+                client = socket.create_connection(_host_port(server.address), timeout=5)
+                deadline = time.time() + 10
+                while "accept failed" not in caplog.text and time.time() < deadline:
+                    time.sleep(0.1)
+        finally:
+            for fd in filler:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert "accept failed" in caplog.text and "Too many open files" in caplog.text
+        assert client is not None
+        salt, _ = _hello(client)  # the connection that waited in the backlog is served now
+        client.close()
+        assert hwsync.connect(server.address, TOKEN, timeout_s=10).state()["stale"] is False
+        record("accept fails (out of descriptors)", refused=True)
+
+
+class _Frozen:
+    """Between a trainer and the server: forwards the handshake and the first frames, then stops forwarding the
+    server's answers (an engine stopped with SIGSTOP, a dead link): the trainer waits on a socket that stays open."""
+
+    def __init__(self, address: str) -> None:
+        self.target = _host_port(address)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.frozen = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:  # a handle that timed out reconnects: that connection is frozen as well
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, freezes: bool) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if not (freezes and self.frozen.is_set()):
+                    dst.sendall(chunk)
+        except OSError:
+            pass
+
+
+def test_every_trainer_call_is_bounded_by_its_timeout(base: Baseline) -> None:
+    """The engine stops answering (frozen): ``state()`` and ``sync`` raise after ``timeout_s`` instead of waiting
+    forever, and the handle works again once the engine answers."""
+    link = _Frozen(base.server.address)
+    remote = hwsync.connect(link.address, TOKEN, timeout_s=2)
+    version = remote.state()["version"]
+    link.frozen.set()
+    for what, call in (("state()", remote.state),
+                       ("sync", lambda: hwsync.sync(remote, base.model, strategy="full", bucket_mb=BUCKET_MB))):
+        outcome: list[BaseException | None] = []
+        thread = threading.Thread(target=lambda: outcome.append(_raises(call)), daemon=True)
+        t0 = time.perf_counter()
+        thread.start()
+        thread.join(30)
+        took = time.perf_counter() - t0
+        assert outcome and isinstance(outcome[0], SyncError), (what, outcome)
+        assert took < 15, (what, took, outcome[0])  # 2 s for the answer (a reconnect: 2 s for the handshake)
+        if what == "state()":
+            assert "did not answer within 2 s" in str(outcome[0]), outcome[0]
+        record("engine stops answering (trainer waits)", refused=True, half=half_applied(base.llm, base.sig))
+    link.listener.close()
+    assert base.remote.state()["version"] == version
+
+
+def _raises(call: Any) -> BaseException | None:
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001
+        return e
+    return None
+
+
+def _reset_declined(llm: Any, monkeypatch: pytest.MonkeyPatch, when: Any = None) -> None:
+    """vLLM declines to reset its prefix cache (as it does while a request it cannot preempt holds KV blocks)."""
+    original = llm.reset_prefix_cache
+
+    def reset(*args: Any, **kwargs: Any) -> bool:
+        if when is None or when():
+            return False
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "reset_prefix_cache", reset)
+
+
+@pytest.mark.parametrize("mode", ["server", "colocate"])
+def test_a_declined_cache_reset_leaves_the_engine_stale(base: Baseline, monkeypatch: pytest.MonkeyPatch,
+                                                        mode: str) -> None:
+    """The weights are written but vLLM declines the prefix-cache reset: cached KV of the old weights would mix into
+    what the engine serves, so the sync fails with the engine marked stale (generation refused) until a sync
+    completes with the reset."""
+    target = base.remote if mode == "server" else base.llm
+    m1 = lora_trainer(base.path)
+    _perturb(m1, 1300, base=True)
+    _reset_declined(base.llm, monkeypatch)
+    with pytest.raises(SyncError, match="could not reset its prefix cache.*marked stale"):
+        hwsync.sync(target, m1, strategy="full", bucket_mb=BUCKET_MB)
+    assert base.remote.state()["stale"]
+    with pytest.raises(StaleEngineError, match="prefix cache"):
+        hwsync.generate(base.llm, [{"prompt_token_ids": PROMPTS[0]}])
+    record("prefix-cache reset declined after the write", refused=True, half=half_applied(base.llm, base.sig),
+           attack=False)
+    monkeypatch.undo()
+    base.restore()
+
+
+def test_a_failed_sync_keeps_its_own_error(base: Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync that fails while vLLM would also decline the reset reports its own failure, not the reset's."""
+    from hwsync.vllm.applier import VllmApplier
+
+    original = VllmApplier.load_base
+
+    def failing(self: Any, plan: Any, weights: Any) -> str:
+        def gen() -> Iterator[Any]:
+            for i, item in enumerate(weights):
+                if i == 3:
+                    raise RuntimeError("injected: the original error")
+                yield item
+
+        return original(self, plan, gen())
+
+    m1 = lora_trainer(base.path)
+    _perturb(m1, 1310, base=True)
+    _reset_declined(base.llm, monkeypatch)
+    monkeypatch.setattr(VllmApplier, "load_base", failing)
+    with pytest.raises(SyncError, match="injected: the original error") as err:
+        hwsync.sync(base.remote, m1, strategy="full", bucket_mb=BUCKET_MB)
+    assert "prefix cache" not in str(err.value)
+    record("sync fails, reset declined too", refused=True, half=half_applied(base.llm, base.sig), attack=False)
+    monkeypatch.undo()
+    base.restore()
+
+
+def test_plan_changed_is_re_planned_not_reported_as_written(base: Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer moved the engine on: the cached plan is refused as plan-changed before anything is written,
+    and ``hwsync.sync`` re-plans and syncs -- also while vLLM would decline a reset at that moment (the refusal
+    used to be replaced by "the weights were written but vLLM could not reset its prefix cache")."""
+    engine = hwsync.as_engine(base.llm)
+    lora = lora_trainer(base.path, ATTN)
+    _perturb(lora, 1320)
+    hwsync.sync(base.llm, lora, strategy="adapter", bucket_mb=BUCKET_MB)  # colocated: the plan is cached
+    other = lora_trainer(base.path, ATTN)
+    _perturb(other, 1321)
+    hwsync.sync(base.remote, other, strategy="adapter", bucket_mb=BUCKET_MB)  # another writer (server mode)
+    moved = engine.state()["version"]
+    _reset_declined(base.llm, monkeypatch, when=lambda: engine.state()["version"] == moved)  # nothing new written
+    _perturb(lora, 1322)
+    report = hwsync.sync(base.llm, lora, strategy="adapter", bucket_mb=BUCKET_MB)
+    assert report.version == moved + 1 and "plan reused" not in report.reason, report.line()
+    assert not engine.state()["stale"]
+    record("plan changed by another writer", refused=False, attack=False)
+    monkeypatch.undo()
+    base.restore()
+
+
+def test_one_recorded_handshake_allows_no_fast_guessing(base: Baseline) -> None:
+    """The client proves nothing to a peer that has not proven the token first (an impostor on the engine's address
+    gets a nonce and nothing else); what the server proves to anyone costs a scrypt per offline guess (the HMAC it
+    replaced allowed ~300k guesses per second and core)."""
+    from hwsync.server.protocol import stretch
+
+    impostor = socket.create_server(("127.0.0.1", 0))
+    heard: list[bytes] = []
+
+    def play() -> None:
+        conn, _ = impostor.accept()
+        with conn:
+            conn.sendall(b"HWS2" + b"\7" * 16 + b"\1" * 32)
+            conn.settimeout(5)
+            try:
+                heard.append(_exactly(conn, 36))
+                conn.sendall(b"\0" * 32)  # cannot prove the token
+                heard.append(conn.recv(1024))  # anything more the client says
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=play, daemon=True)
+    thread.start()
+    with pytest.raises(SyncError, match="does not know this token"):
+        hwsync.connect(f"127.0.0.1:{impostor.getsockname()[1]}", TOKEN, timeout_s=10)
+    thread.join(10)
+    impostor.close()
+    assert heard and heard[0][:4] == b"HWC2" and heard[1:] in ([], [b""]), heard  # a nonce, then nothing
+    record("impostor server collects a proof", refused=True)
+
+    sock = _raw_connect(base.server.address)  # anyone can make the real server prove the token
+    salt, nonce = _hello(sock)
+    mine = b"\2" * 32
+    sock.sendall(b"HWC2" + mine)
+    proof = _exactly(sock, 32)
+    sock.close()
+    guesses, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 1.0:
+        assert _mac(stretch(f"guess number {guesses:08d} of a dictionary", salt), "server-auth", nonce,
+                    mine) != proof
+        guesses += 1
+    assert _mac(stretch(TOKEN, salt), "server-auth", nonce, mine) == proof  # the right guess would match
+    assert guesses < 200, guesses  # per second and core (HMAC-SHA256 alone: ~300k)
+    record("offline guessing from a server proof", refused=True)
+
+
+def test_weak_tokens_are_refused(base: Baseline) -> None:
+    import subprocess as sp
+
+    for weak in ("", "secret", "attack-suite token", "a" * 64, "abcabcabcabcabcabcabcabcabcabcabcab"):
+        for call in (lambda: hwsync.serve(base.llm, "127.0.0.1:0", weak),
+                     lambda: hwsync.connect(base.server.address, weak, timeout_s=5)):
+            with pytest.raises(SyncError, match=r"too weak .*hwsync token.*secrets.token_urlsafe\(32\)"):
+                call()
+            record("weak tokens", refused=True)
+    made = sp.run([sys.executable, "-m", "hwsync", "token"], capture_output=True, text=True, check=True).stdout.strip()
+    from hwsync.tokens import check_token
+
+    assert check_token(made) == made and made != hwsync.new_token()
+
+
+def test_a_version_cannot_use_up_the_range(base: Baseline) -> None:
+    """A token holder syncing version 2^63 - 1 used to lock the engine out for good (every later version was
+    "malformed"); a version may now step at most 2^32 past the engine's."""
+    from hwsync.errors import VersionError
+
+    before = base.remote.state()["version"]
+    for version in (2**63 - 1, before + 2**32 + 1):
+        with pytest.raises(VersionError, match="jumps more than 2\\^32"):
+            hwsync.sync(base.remote, base.model, strategy="full", bucket_mb=BUCKET_MB, version=version)
+        assert base.remote.state()["version"] == before
+        record("version at the end of the range", refused=True)
+    r = hwsync.sync(base.remote, base.model, strategy="full", bucket_mb=BUCKET_MB, version=before + 2**32)
+    assert r.version == before + 2**32
+    base.restore()
+    assert base.remote.state()["version"] == before + 2**32 + 1
+
+
+def test_swift_rollout_weight_routes_are_closed(base: Baseline) -> None:
+    """While hwsync serves ``swift rollout``'s engine, ms-swift's own weight routes (``/init_communicator/``,
+    ``/update_flattened_params/``, ...: no key, no lock, no stale flag) end in one error in the engine;
+    hwsync's own calls go through."""
+    pytest.importorskip("swift")
+    from hwsync.errors import UnsupportedSetupError
+    from hwsync.swift._server import SWIFT_WEIGHT_METHODS, close_weight_routes
+
+    llm_engine = base.llm.llm_engine
+    close_weight_routes(llm_engine, base.server.address)
+    close_weight_routes(llm_engine, base.server.address)  # idempotent
+    try:
+        calls = {"init_communicator": {"args": ("0.0.0.0", 29999, 2)},  # as swift rollout's routes send them
+                 "update_flattened_params": {"args": ([{"name": "x", "dtype": "torch.float32", "shape": [1]}],)},
+                 "process_weights_after_loading": {"args": ()}}
+        assert set(calls) <= SWIFT_WEIGHT_METHODS
+        for method, kwargs in calls.items():
+            with pytest.raises(UnsupportedSetupError, match=f"weight route '{method}' is closed"):
+                llm_engine.collective_rpc(method=method, **kwargs)
+            record("swift rollout's own weight routes", refused=True, half=half_applied(base.llm, base.sig))
+        assert base.remote.state()["version"] >= 1  # hwsync's collective_rpc (a callable) goes through
+        base.restore()
+    finally:
+        del llm_engine.collective_rpc  # the instance attribute; vLLM's method again
 
 
 # -- the table -------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from hwsync.verify import check
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TOKEN = "two engines one broadcast"
+TOKEN = "two engines, one broadcast: test token"
 ATOL = 1e-4
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]

@@ -26,7 +26,7 @@ from hwsync.testing.served import served_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TOKEN = "sharded trainer, served engine"
+TOKEN = "sharded trainer, served engine: test token"
 ATOL = 1e-4
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ENGINE_ARGS = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}

@@ -26,7 +26,7 @@ from hwsync.testing.trainer import fail_at, lora_trainer, perturb
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-TOKEN = "tp two workers"
+TOKEN = "tensor parallel, two workers: test token"
 ATOL = 1e-4
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]

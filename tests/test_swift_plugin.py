@@ -171,7 +171,7 @@ def test_trainer_takes_sharded_and_tp_setups_with_the_check(plugin, over):
     checked = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy="auto"))
     HwsyncGRPOTrainer._hwsync_check_setup(checked)
     if over.get("_is_fsdp2"):
-        credentials = {"server": "127.0.0.1:29555,127.0.0.1:29556", "token": "t" * 32}
+        credentials = {"server": "127.0.0.1:29555,127.0.0.1:29556", "token": "a test token, strong enough: 32+"}
         served = SimpleNamespace(**_setup(**over, vllm_mode="server"), hwsync_options=plugin.SwiftOptions(**credentials))
         HwsyncGRPOTrainer._hwsync_check_setup(served)
     fsdp1 = SimpleNamespace(**_setup(is_fsdp_enabled=True), hwsync_options=plugin.SwiftOptions(verify_every=0))
@@ -248,6 +248,32 @@ def test_swift_rollout_serve_patch_only_when_server_mode_is_asked(plugin, monkey
         assert SwiftRolloutDeploy.__dict__["get_infer_engine"] is original
     finally:
         patch.probe(refresh=True)  # the cached probe must reflect this process's real environment again
+
+
+def test_swift_trainer_opens_no_weight_communicator_while_hwsync_serves(plugin, monkeypatch):
+    """swift rollout's engine refuses ms-swift's weight routes while hwsync serves it (tests/test_attacks.py), so
+    ms-swift's GRPO trainer must not open its communicator at start-up (it would wait for a group that never
+    forms): with HWSYNC_SERVER set, VLLMClient.init_communicator sends nothing."""
+    from types import SimpleNamespace
+
+    import hwsync.patches as patches
+    import hwsync.patches.swift_rollout  # noqa: F401
+    from swift.rlhf_trainers.vllm_client import VLLMClient
+
+    patch = patches.get("swift_weight_communicator")
+    original = VLLMClient.__dict__["init_communicator"]
+    try:
+        monkeypatch.delenv("HWSYNC_SERVER", raising=False)
+        assert patch.probe(refresh=True).state == patches.NOT_NEEDED
+        monkeypatch.setenv("HWSYNC_SERVER", "127.0.0.1:29555")
+        assert patch.probe(refresh=True).state == patches.APPLIES
+        with patch:
+            client = SimpleNamespace(pynccl_comms=["stale"])  # no sessions: ms-swift's own method would post
+            VLLMClient.init_communicator(client, device=0)
+            assert client.pynccl_comms == []
+        assert VLLMClient.__dict__["init_communicator"] is original
+    finally:
+        patch.probe(refresh=True)
 
 
 def test_served_rollout_engine_stays_in_the_worker_process(plugin, monkeypatch):

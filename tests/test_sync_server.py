@@ -9,6 +9,7 @@ same weights within 1e-6 elsewhere).
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -29,7 +30,7 @@ ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 pytestmark = pytest.mark.vllm
 
-TOKEN = "correct horse battery staple"
+TOKEN = "served engine in its own process: test token"
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ATOL = 1e-4
 ENGINE_ARGS = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
@@ -38,8 +39,8 @@ DYING_TRAINER = textwrap.dedent("""
     import os, sys, torch
     import hwsync
     from transformers import AutoModelForCausalLM
-    engine = hwsync.connect(sys.argv[1], sys.argv[2], timeout_s=20)
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[3], dtype=torch.float32)
+    engine = hwsync.connect(sys.argv[1], os.environ["HWSYNC_TOKEN"], timeout_s=20)
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.01)
@@ -68,8 +69,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineRefere
 
 def test_wrong_token_is_rejected(server: tuple[str, Any]) -> None:
     address, _ = server
-    with pytest.raises(SyncError, match="refused the token"):
-        hwsync.connect(address, "not the token", timeout_s=30)
+    with pytest.raises(SyncError, match="does not know this token"):
+        hwsync.connect(address, "not the token, though strong enough", timeout_s=30)
 
 
 def test_syncs_across_processes_verify_each(server: tuple[str, Any], reference: EngineReference,
@@ -110,8 +111,8 @@ def test_sender_exception_and_killed_sender_leave_engine_stale_then_recover(
     assert assert_serves(engine, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
 
     # a trainer process killed in the middle of a sync: the engine notices, turns stale, and a new trainer recovers
-    dying = subprocess.run([sys.executable, "-c", DYING_TRAINER, address, TOKEN, str(tiny_qwen3_moe_dir)],
-                           capture_output=True, text=True, timeout=300)
+    dying = subprocess.run([sys.executable, "-c", DYING_TRAINER, address, str(tiny_qwen3_moe_dir)],
+                           env={**os.environ, "HWSYNC_TOKEN": TOKEN}, capture_output=True, text=True, timeout=300)
     assert dying.returncode == 17, dying.stderr[-2000:]
     state = engine.state()
     for _ in range(60):
@@ -126,3 +127,43 @@ def test_sender_exception_and_killed_sender_leave_engine_stale_then_recover(
         hwsync.verify(engine, model, PROMPTS)
     hwsync.sync(engine, model, strategy="full")
     assert assert_serves(engine, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
+
+
+def test_a_stopped_engine_bounds_every_trainer_call(server: tuple[str, Any], reference: EngineReference,
+                                                     tiny_qwen3_moe_dir: Path) -> None:
+    """The engine process is stopped (SIGSTOP) in the middle of a sync, then between syncs: each trainer call ends
+    after ``timeout_s`` with one SyncError instead of waiting forever; once the engine runs again the same handle
+    reconnects and a complete sync brings the engine back."""
+    import signal
+    import time
+
+    address, proc = server
+    engine = hwsync.connect(address, TOKEN, timeout_s=5)
+    model = lora_trainer(tiny_qwen3_moe_dir)
+    perturb(model, 31, base=True)
+    hwsync.sync(engine, model, strategy="full", bucket_mb=0.25)
+
+    def stop_engine(index: int, total: int) -> None:
+        if index == 1:
+            os.kill(proc.pid, signal.SIGSTOP)
+
+    took = {}
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SyncError):
+            hwsync.sync(engine, model, strategy="full", bucket_mb=0.25, progress=stop_engine)
+        took["sync"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(SyncError, match="within 5 s|during authentication"):
+            engine.state()
+        took["state()"] = time.monotonic() - t0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert took["sync"] < 60 and took["state()"] < 20, took  # bounded (the data plane's timeout, then the reply's)
+    for _ in range(60):
+        if engine.state()["stale"]:  # the engine notices the broken transfer once it runs again
+            break
+        time.sleep(0.5)
+    hwsync.sync(engine, model, strategy="full", bucket_mb=0.25)
+    assert assert_serves(engine, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
+    engine.close()

@@ -34,7 +34,14 @@ class _Done:
 
 class GlooLink:
     """Rank ``rank`` of a gloo group formed through ``store`` under ``spec.prefix`` (independent of any default
-    group the trainer or vLLM initialised)."""
+    group the trainer or vLLM initialised).
+
+    Not :attr:`~hwsync.transport.base.Link.persistent`: gloo's TCP listener accepts any connection while its group
+    lives and leaks a descriptor for each one that closes before gloo's own handshake; at the descriptor limit it
+    aborts the process (``gloo::EnforceNotMet ... accept: Too many open files``). The group therefore exists only
+    while a sync forms it and moves bytes, and :meth:`close` releases its listener."""
+
+    persistent = False
 
     def __init__(self, store: Any, spec: LinkSpec, rank: int) -> None:
         self.rank = rank
@@ -54,4 +61,4 @@ class GlooLink:
         return _Done(self.pg.broadcast([tensor], opts))
 
     def close(self) -> None:
-        self.pg = None  # gloo has no abort; dropping the group closes its sockets
+        self.pg = None  # gloo has no abort; dropping the group closes its sockets and its listener

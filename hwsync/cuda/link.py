@@ -82,6 +82,8 @@ class _Pending:
 class NcclLink:
     """Rank ``rank`` of an NCCL group over ``spec`` on ``device``."""
 
+    persistent = True  # kept between syncs (communicator setup is costly); not flood-tested: GPU only
+
     def __init__(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> None:
         self.rank = rank
         self.world_size = spec.world_size

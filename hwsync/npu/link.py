@@ -101,6 +101,8 @@ class HcclTransfer:
 class HcclLink:
     """Rank ``rank`` of a standalone HCCL group on ``device`` (rank 0: the trainer; 1..: engine workers)."""
 
+    persistent = True  # kept between syncs (communicator setup is costly); not flood-tested: no NPU
+
     def __init__(self, store: Any, spec: LinkSpec, rank: int, device: torch.device | str | int,
                  runtime: NpuRuntime | None = None) -> None:
         self._runtime = runtime if runtime is not None else TorchNpuRuntime()

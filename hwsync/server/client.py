@@ -12,8 +12,11 @@ per-sync key (:mod:`hwsync.transport.seal`).
 from __future__ import annotations
 
 import datetime
+import logging
 import secrets
+import select
 import socket
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,8 +26,9 @@ from torch import Tensor
 
 from hwsync.backend import open_link
 from hwsync.engine import Engine, ProgressFn
-from hwsync.errors import SyncError, UnsupportedSetupError, decode_error
-from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, client_handshake, group_prefix, split_address
+from hwsync.errors import EngineBusyError, SyncError, UnsupportedSetupError, decode_error
+from hwsync.server.protocol import (DEFAULT_TIMEOUT_S, Channel, IdleTimeout, check_token, client_handshake,
+                                    group_prefix, split_address)
 from hwsync.transport.base import Link, LinkSpec
 from hwsync.transport.buckets import bucket_lists, pool_of, send_buckets
 from hwsync.transport.seal import Sealer
@@ -32,27 +36,99 @@ from hwsync.wire import EngineInfo, Manifest
 
 __all__ = ["RemoteEngine", "connect"]
 
+logger = logging.getLogger("hwsync.server")
+
 
 class _Conn:
+    """The connection to one engine. Every wait for an answer is bounded by ``timeout_s``; a connection the server
+    closed while idle (``bye``) is opened again before the next request."""
+
     def __init__(self, address: str, token: str, timeout_s: float) -> None:
         self.address = address
         self.label = ""  # "engine <address>: " in front of its errors when a handle spans several engines
-        host, port = split_address(address)
-        try:
-            sock = socket.create_connection((host, port), timeout=min(timeout_s, 30.0))
-        except OSError as e:
-            raise SyncError(f"cannot reach an hwsync engine at {address} ({e}); is serve() running there?") from None
-        self.channel: Channel = client_handshake(sock, token, address)
+        self.timeout_s = timeout_s
+        self._token = token
+        self.channel: Channel | None = None
+        self._open()
+
+    def _open(self) -> None:
+        host, port = split_address(self.address)
+        patience = time.monotonic() + min(self.timeout_s, 30.0)
+        pause = 0.2
+        while True:
+            try:
+                sock = socket.create_connection((host, port), timeout=min(self.timeout_s, 30.0))
+            except OSError as e:
+                raise SyncError(f"cannot reach an hwsync engine at {self.address} ({e}); is serve() running "
+                                "there?") from None
+            try:
+                self.channel = client_handshake(sock, self._token, self.address, min(self.timeout_s, 30.0))
+                break
+            except EngineBusyError:
+                sock.close()
+                if time.monotonic() + pause > patience:
+                    raise
+                time.sleep(pause)  # a flood of handshakes holds the slots for a few seconds at most: try again
+                pause = min(2 * pause, 2.0)
+            except BaseException:
+                sock.close()
+                raise
         self.local_host = sock.getsockname()[0]
 
-    def request(self, op: str, args: dict[str, Any]) -> None:
-        self.channel.send({"op": op, "args": args})
+    def _drop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def live(self) -> Channel:
+        """The channel, opened again if the server closed it: between requests the server only ever speaks to say
+        so (``bye``, then EOF)."""
+        ch = self.channel
+        if ch is not None and select.select([ch.sock], [], [], 0)[0]:
+            try:
+                bye = ch.recv(wait=1.0)
+            except (OSError, SyncError):
+                bye = {}
+            logger.info("hwsync: the engine at %s closed the connection (%s); reconnecting", self.address,
+                        str(bye.get("bye", "connection closed"))[:200])
+            self._drop()
+        if self.channel is None:
+            self._open()
+        assert self.channel is not None
+        return self.channel
+
+    def request(self, op: str, args: dict[str, Any], *, reopen: bool = True) -> None:
+        """Send a request (``reopen``: on a fresh connection if the server closed the idle one; ``False`` inside a
+        sync, whose steps belong to one connection)."""
+        ch = self.live() if reopen else self.channel
+        if ch is None:
+            raise SyncError(f"{self.label}lost the engine at {self.address} during the sync")
+        try:
+            ch.send({"op": op, "args": args})
+        except (OSError, SyncError) as e:
+            self._drop()
+            raise SyncError(f"{self.label}lost the engine at {self.address} ({e})") from None
 
     def reply(self) -> Any:
+        """The answer to the last request, within ``timeout_s``; past it the connection is closed (a late answer
+        would be out of step) and the next request opens a new one."""
+        ch = self.channel
+        if ch is None:
+            raise SyncError(f"{self.label}lost the engine at {self.address}")
         try:
-            rep = self.channel.recv()
-        except (ConnectionError, OSError) as e:
-            raise SyncError(f"lost the engine at {self.address} ({e})") from None
+            rep = ch.recv(wait=self.timeout_s)
+        except IdleTimeout:
+            self._drop()
+            raise SyncError(f"{self.label}the engine at {self.address} did not answer within {self.timeout_s:g} s "
+                            "(stopped, overloaded or unreachable); the connection was closed, the next call opens a "
+                            "new one") from None
+        except (ConnectionError, OSError, SyncError) as e:
+            self._drop()
+            raise SyncError(f"{self.label}lost the engine at {self.address} ({e})") from None
+        if "bye" in rep:  # closed as idle just as the request left: the server never read it
+            self._drop()
+            raise _Closed(f"{self.label}the engine at {self.address} closed the connection ({str(rep['bye'])[:100]}) "
+                          "before reading the request: nothing was done")
         if not rep.get("ok"):
             error = dict(rep.get("error") or {})
             raise decode_error({**error, "message": self.label + str(error.get("message", "remote error"))})
@@ -60,7 +136,15 @@ class _Conn:
 
     def call(self, op: str, args: dict[str, Any]) -> Any:
         self.request(op, args)
-        return self.reply()
+        try:
+            return self.reply()
+        except _Closed:
+            self.request(op, args)
+            return self.reply()
+
+
+class _Closed(SyncError):
+    """The server closed the connection before reading the request (idle): nothing was done."""
 
 
 class RemoteEngine(Engine):
@@ -77,6 +161,7 @@ class RemoteEngine(Engine):
         if len(set(addrs)) != len(addrs):
             raise SyncError(f"connect() got the same engine address twice ({', '.join(addrs)}): list each engine once")
         self.timeout_s = float(timeout_s)
+        check_token(token)
         self.conns = [_Conn(a, token, self.timeout_s) for a in addrs]
         if len(self.conns) > 1:
             for conn in self.conns:
@@ -148,7 +233,7 @@ class RemoteEngine(Engine):
     def close(self) -> None:
         self._drop_link()
         for c in self.conns:
-            c.channel.close()
+            c._drop()
 
     # -- the sync -------------------------------------------------------------------------------------------------
     def _rendezvous_store(self) -> Any:
@@ -188,7 +273,7 @@ class RemoteEngine(Engine):
             firsts = [1 + sum(self._workers[:k]) for k in range(len(self.conns))]
             several = len(self.conns) > 1
             for conn, first in zip(self.conns, firsts):
-                ch = conn.channel
+                ch = conn.live()  # the secrets are sealed for this connection's next frame
                 conn.request("sync", {
                     "manifest": manifest.to_json(),
                     "group": {"host": self.data_host, "port": store.port, "world_size": world, "first_rank": first},
@@ -197,7 +282,7 @@ class RemoteEngine(Engine):
                     "data_key": ch.seal_secret("data", data_key),
                     "timeout": self.timeout_s,
                     "confirm": several,  # several engines: each waits for the commit below before the data plane
-                })
+                }, reopen=False)
             answers = self._answers()
             refusal = next((v for ok, v in answers if not ok), None)
             if refusal is not None:
@@ -229,8 +314,9 @@ class RemoteEngine(Engine):
                     raise SyncError(str(results)) from e
                 raise
             results = self._collect()
+            if isinstance(results, BaseException) or not getattr(link, "persistent", False):
+                self._drop_link()  # the engines closed their ends of the group (gloo's after every sync)
             if isinstance(results, BaseException):
-                self._drop_link()  # the engines closed their ends of the group
                 raise results
             summary: dict[str, Any] = results[0]
             return summary
@@ -239,7 +325,7 @@ class RemoteEngine(Engine):
         """Send ``commit`` / ``cancel`` to engines waiting after their go; ``wait``: read the (cancelled) sync's
         reply so each channel stays in step."""
         for conn in conns:
-            conn.request(op, args)
+            conn.request(op, args, reopen=False)
         if wait:
             self._answers(conns)
 
@@ -279,8 +365,10 @@ class _EngineView(RemoteEngine):
 def connect(address: str | Sequence[str], token: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
             data_host: str | None = None) -> RemoteEngine:
     """A handle on the engine(s) :func:`hwsync.serve`-d at ``address`` (several: data-parallel engines fed by one
-    broadcast); a wrong ``token`` raises :class:`~hwsync.errors.SyncError` here. ``data_host`` is the interface the
-    engines reach this trainer on for the data plane (default: the one this process reaches the first engine from).
+    broadcast); a wrong ``token`` raises :class:`~hwsync.errors.SyncError` here (the engine proves the token first).
+    Every answer is awaited at most ``timeout_s``; a connection the engine closed as idle is opened again by the next
+    call. ``data_host`` is the interface the engines reach this trainer on for the data plane (default: the one this
+    process reaches the first engine from).
     """
     return RemoteEngine(address, token, timeout_s=timeout_s, data_host=data_host)
 

@@ -4,16 +4,24 @@ Threat model: anyone who can reach the engine's port may connect and send bytes;
 make the engine do anything, learn where the data plane meets, or feed it weights. (The channel is authenticated,
 not encrypted: run it on the network your collectives use anyway.)
 
-* Handshake: the server sends a fresh nonce, the client answers with its own and ``HMAC(token, both)``, the server
-  proves the token back. A connection that fails or stalls is dropped; the token never travels.
+* Token: a random secret of at least 32 characters (:func:`hwsync.tokens.check_token`; ``hwsync token`` makes
+  one). Neither side ever sends it or a plain MAC of it: both prove knowledge of ``scrypt(token, salt)``, the salt
+  drawn fresh by each server, so one recorded or provoked proof costs an offline guesser a scrypt per guess (tens of
+  milliseconds) instead of one HMAC (~300k per second and core).
+* Handshake, the server proving first: server hello (salt, nonce), client nonce, the server's proof over both nonces,
+  then the client's; the client sends nothing derived from the token to a peer that has not proven it knows it. The
+  whole handshake has one deadline (:data:`HANDSHAKE_TIMEOUT_S`), however slowly the bytes trickle in. An
+  authenticated connection then gets one frame, ``welcome`` or ``busy`` (every trainer slot held).
 * Frames: ``[4-byte length][32-byte MAC][JSON body]``, ``MAC = HMAC(session_key, direction, sequence, body)``. The
-  MAC is checked before the body is even parsed, sequence numbers make replays and reorderings fail, and a frame
-  larger than :data:`MAX_FRAME` is refused before it is read.
+  MAC is checked before the body is even parsed, sequence numbers make replays and reorderings fail, a frame larger
+  than :data:`MAX_FRAME` is refused before it is read, and one whose first byte arrived must be complete within
+  :data:`FRAME_TIMEOUT_S`. Sockets keep TCP keepalive on, so a peer that vanished is noticed while waiting.
 * Secrets for one sync (the data-plane group id and the bucket-sealing key) travel encrypted under the session key,
   so reading the traffic does not tell where to join.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -21,20 +29,39 @@ import os
 import secrets
 import socket
 import struct
+import time
 from typing import Any
 
-from hwsync.errors import SyncError
+from hwsync.errors import EngineBusyError, SyncError
+from hwsync.tokens import MIN_TOKEN_CHARS, check_token, new_token
 
-__all__ = ["Channel", "DEFAULT_TIMEOUT_S", "MAX_FRAME", "client_handshake", "group_prefix", "server_handshake",
-           "split_address"]
+__all__ = ["Channel", "DEFAULT_TIMEOUT_S", "FRAME_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S",
+           "IDLE_TIMEOUT_S", "IdleTimeout", "MAX_FRAME", "MIN_TOKEN_CHARS", "check_token", "client_handshake",
+           "group_prefix", "new_token", "refuse_busy", "server_handshake", "split_address", "stretch"]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("HWSYNC_TIMEOUT_S", "600"))
-"""Longest a data-plane transfer may stall before both sides give up (the server caps what clients ask for)."""
+"""Longest a data-plane transfer may stall, and a trainer waits for any answer, before giving up (the server caps what
+clients ask for)."""
 MAX_FRAME = 256 << 20
 """Largest control message (a manifest of ~10^6 tensors fits); bigger frames are refused unread."""
+HANDSHAKE_TIMEOUT_S = 10.0
+"""Deadline of a whole handshake, from the connection's accept to its last byte."""
+FRAME_TIMEOUT_S = 60.0
+"""Deadline of the rest of a frame once its first byte arrived (and of sending one): 256 MB at ~4.5 MB/s."""
+IDLE_TIMEOUT_S = 300.0
+"""An authenticated trainer that sends nothing for this long loses its slot (its handle reconnects by itself)."""
 _LEN = struct.Struct("<I")
 _MAC_BYTES = 32
-HANDSHAKE_TIMEOUT_S = 10.0
+_NONCE_BYTES = 32
+_SALT_BYTES = 16
+_HELLO = b"HWS2"  # server hello of this protocol (the first one, before the server proved first, was HWSY)
+_BUSY = b"HWSB"  # server hello when every handshake slot is taken (a flood): retry shortly
+_CLIENT = b"HWC2"
+_SCRYPT = {"n": 1 << 14, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}  # ~16 MiB and tens of ms per guess
+
+
+class IdleTimeout(TimeoutError):
+    """No frame started within the time given (the peer is idle, stopped or gone); the channel is still in step."""
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -46,6 +73,12 @@ def split_address(address: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+@functools.lru_cache(maxsize=16)
+def stretch(token: str, salt: bytes) -> bytes:
+    """The key both sides prove knowledge of: ``scrypt(token, salt)`` (cached per server salt)."""
+    return hashlib.scrypt(token.encode(), salt=b"hwsync/token/" + salt, **_SCRYPT)
+
+
 def _mac(key: bytes, *parts: bytes | str | int) -> bytes:
     h = hmac.new(key, digestmod=hashlib.sha256)
     for p in parts:
@@ -55,9 +88,17 @@ def _mac(key: bytes, *parts: bytes | str | int) -> bytes:
     return h.digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    """``n`` bytes, all by ``deadline`` (``time.monotonic()``; ``None``: no limit), or ``TimeoutError``."""
     chunks = []
     while n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            sock.settimeout(left)
+        else:
+            sock.settimeout(None)
         chunk = sock.recv(min(n, 1 << 20))
         if not chunk:
             raise ConnectionError("connection closed")
@@ -66,16 +107,30 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
+def _send_by(sock: socket.socket, data: bytes, deadline: float) -> None:
+    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    sock.sendall(data)
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Probe a silent peer after 30 s, give up after 3 unanswered probes 10 s apart (Linux knobs where present)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 class Channel:
     """One authenticated connection (either end)."""
 
     def __init__(self, sock: socket.socket, session_key: bytes, side: str) -> None:
         self.sock = sock
-        # small frames in both directions (a sync's "go" then its result): with Nagle on, the second frame waits for
-        # the peer's delayed ACK of the first, ~40 ms per sync on Linux -- measured as a fixed 43-48 ms per
-        # server-mode sync on CPU and on 2 x H200 whatever the bytes moved
         if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # small frames in both directions (a sync's "go" then its result): with Nagle on, the second frame waits
+            # for the peer's delayed ACK of the first, ~40 ms per sync on Linux -- measured as a fixed 43-48 ms per
+            # server-mode sync on CPU and on 2 x H200 whatever the bytes moved
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
         self.key = session_key
         self.side = side
         self.other = "server" if side == "client" else "client"
@@ -83,19 +138,30 @@ class Channel:
         self.received = 0
 
     def send(self, body: dict[str, Any]) -> None:
+        """Send one frame; a peer that does not take it within :data:`FRAME_TIMEOUT_S` raises ``TimeoutError``."""
         data = json.dumps(body, separators=(",", ":")).encode()
         if len(data) > MAX_FRAME:
             raise SyncError(f"control message of {len(data)} bytes exceeds {MAX_FRAME}")
         self.sent += 1
         mac = _mac(self.key, self.side, self.sent, data)
-        self.sock.sendall(_LEN.pack(len(data)) + mac + data)
+        _send_by(self.sock, _LEN.pack(len(data)) + mac + data, time.monotonic() + FRAME_TIMEOUT_S)
 
-    def recv(self) -> dict[str, Any]:
-        (n,) = _LEN.unpack(_recv_exact(self.sock, _LEN.size))
-        if n > MAX_FRAME:
-            raise SyncError(f"refused a control frame of {n} bytes (> {MAX_FRAME})")
-        mac = _recv_exact(self.sock, _MAC_BYTES)
-        data = _recv_exact(self.sock, n)
+    def recv(self, wait: float | None = None) -> dict[str, Any]:
+        """The next frame: its first byte within ``wait`` seconds (``None``: however long; past it
+        :class:`IdleTimeout`), the rest within :data:`FRAME_TIMEOUT_S` (past it ``TimeoutError``)."""
+        try:
+            first = _recv_exact(self.sock, 1, None if wait is None else time.monotonic() + wait)
+        except TimeoutError:
+            raise IdleTimeout(f"no frame within {wait:g} s") from None
+        deadline = time.monotonic() + FRAME_TIMEOUT_S
+        try:
+            (n,) = _LEN.unpack(first + _recv_exact(self.sock, _LEN.size - 1, deadline))
+            if n > MAX_FRAME:
+                raise SyncError(f"refused a control frame of {n} bytes (> {MAX_FRAME})")
+            mac = _recv_exact(self.sock, _MAC_BYTES, deadline)
+            data = _recv_exact(self.sock, n, deadline)
+        except TimeoutError:
+            raise TimeoutError(f"a control frame stalled: not complete {FRAME_TIMEOUT_S:g} s after it began") from None
         if not hmac.compare_digest(mac, _mac(self.key, self.other, self.received + 1, data)):
             raise SyncError("control frame fails authentication (forged, replayed or reordered)")
         self.received += 1
@@ -133,39 +199,70 @@ class Channel:
             pass
 
 
-def server_handshake(sock: socket.socket, token: str) -> Channel:
-    """Authenticate a new connection; raise (and the caller drops it) on anything but the right token."""
-    sock.settimeout(HANDSHAKE_TIMEOUT_S)
-    server_nonce = secrets.token_bytes(32)
-    sock.sendall(b"HWSY" + server_nonce)
-    msg = _recv_exact(sock, 4 + 32 + _MAC_BYTES)
-    if msg[:4] != b"HWSC":
-        raise SyncError("not an hwsync client")
-    client_nonce, proof = msg[4:36], msg[36:]
-    if not hmac.compare_digest(proof, _mac(token.encode(), "client-auth", server_nonce, client_nonce)):
+def server_handshake(sock: socket.socket, key: bytes, salt: bytes,
+                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
+    """Authenticate a new connection within ``timeout_s`` (one deadline for the whole exchange); raise (and the
+    caller drops it) on anything but a client that proves ``key`` (:func:`stretch` of the token and ``salt``)."""
+    deadline = time.monotonic() + timeout_s
+    server_nonce = secrets.token_bytes(_NONCE_BYTES)
+    _send_by(sock, _HELLO + salt + server_nonce, deadline)
+    msg = _recv_exact(sock, 4 + _NONCE_BYTES, deadline)
+    if msg[:4] != _CLIENT:
+        raise SyncError("not an hwsync client of this version")
+    client_nonce = msg[4:]
+    _send_by(sock, _mac(key, "server-auth", server_nonce, client_nonce), deadline)
+    proof = _recv_exact(sock, _MAC_BYTES, deadline)
+    if not hmac.compare_digest(proof, _mac(key, "client-auth", server_nonce, client_nonce)):
         raise SyncError("wrong token")
-    sock.sendall(_mac(token.encode(), "server-auth", client_nonce, server_nonce))
-    sock.settimeout(None)
-    return Channel(sock, _mac(token.encode(), "session", server_nonce, client_nonce), "server")
+    return Channel(sock, _mac(key, "session", server_nonce, client_nonce), "server")
 
 
-def client_handshake(sock: socket.socket, token: str, address: str) -> Channel:
-    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+def refuse_busy(sock: socket.socket) -> None:
+    """Tell a connection that every handshake slot is taken (no authentication: a hint to retry, then close)."""
     try:
-        hello = _recv_exact(sock, 4 + 32)
-        if hello[:4] != b"HWSY":
-            raise SyncError(f"{address} is not an hwsync sync server")
-        server_nonce = hello[4:]
-        client_nonce = secrets.token_bytes(32)
-        sock.sendall(b"HWSC" + client_nonce + _mac(token.encode(), "client-auth", server_nonce, client_nonce))
-        proof = _recv_exact(sock, _MAC_BYTES)
-    except (ConnectionError, socket.timeout, OSError) as e:
-        raise SyncError(f"the engine at {address} refused the token (connection closed during authentication: "
-                        f"{e}): pass the token its serve() was started with") from None
-    if not hmac.compare_digest(proof, _mac(token.encode(), "server-auth", client_nonce, server_nonce)):
-        raise SyncError(f"the server at {address} does not know the token (another service on that port?)")
-    sock.settimeout(None)
-    return Channel(sock, _mac(token.encode(), "session", server_nonce, client_nonce), "client")
+        sock.setblocking(False)
+        sock.send(_BUSY)
+    except OSError:
+        pass
+    sock.close()
+
+
+def client_handshake(sock: socket.socket, token: str, address: str,
+                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
+    """Authenticate to the server on ``sock``: it proves the token first, then this side; its first frame says
+    ``welcome`` (or ``busy``: :class:`EngineBusyError`)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        tag = _recv_exact(sock, 4, deadline)
+        if tag == _BUSY:
+            raise EngineBusyError(f"the engine at {address} is busy authenticating other connections (every "
+                                  "handshake slot is taken: a connection flood?); retry shortly")
+        if tag != _HELLO:
+            raise SyncError(f"{address} is not an hwsync sync server of this version (both sides must run the same "
+                            "hwsync)")
+        hello = _recv_exact(sock, _SALT_BYTES + _NONCE_BYTES, deadline)
+        salt, server_nonce = hello[:_SALT_BYTES], hello[_SALT_BYTES:]
+        client_nonce = secrets.token_bytes(_NONCE_BYTES)
+        _send_by(sock, _CLIENT + client_nonce, deadline)
+        proof = _recv_exact(sock, _MAC_BYTES, deadline)
+    except (ConnectionError, TimeoutError, OSError) as e:
+        raise SyncError(f"the engine at {address} closed the connection during authentication ({e}): is it an "
+                        "hwsync engine of this version?") from None
+    key = stretch(token, salt)
+    if not hmac.compare_digest(proof, _mac(key, "server-auth", server_nonce, client_nonce)):
+        raise SyncError(f"the engine at {address} does not know this token (its serve() was started with another "
+                        "one, or another service answers there): pass the token the engine was served with")
+    channel = Channel(sock, _mac(key, "session", server_nonce, client_nonce), "client")
+    try:
+        _send_by(sock, _mac(key, "client-auth", server_nonce, client_nonce), deadline)
+        first = channel.recv(wait=max(deadline - time.monotonic(), 1e-3))
+    except (ConnectionError, TimeoutError, OSError) as e:
+        raise SyncError(f"the engine at {address} closed the connection after authenticating itself ({e})") from None
+    if "busy" in first:
+        raise EngineBusyError(f"the engine at {address} is busy: {str(first['busy'])[:300]}")
+    if first.get("welcome") is not True:
+        raise SyncError(f"the engine at {address} answered the handshake with {str(first)[:80]}")
+    return channel
 
 
 def group_prefix(group_id: bytes) -> str:

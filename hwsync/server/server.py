@@ -1,22 +1,28 @@
 """Engine side of server mode: :func:`serve` accepts syncs into a ``vllm.LLM`` running in this process.
 
-One thread accepts connections on exactly the address given (loopback by default); each authenticated client gets a
-thread of its own (at most ``max_clients``; state per client is its connection only). Requests are a small table of
-operations (:attr:`SyncServer.OPS`). A sync holds the engine's lock (the same lock generation through hwsync takes)
-from validation to the last bucket; its transfer timeout is the smaller of the client's and the server's.
+One thread accepts connections on exactly the address given (loopback by default) and survives any error of
+``accept`` (logged, retried: e.g. out of file descriptors); each connection gets a thread of its own, first for the
+handshake (one deadline, at most ``4 * max_clients`` at once), then, authenticated, as one of ``max_clients`` trainers
+(state per client is its connection only). A trainer idle for ``idle_s`` loses its slot (its handle reconnects by
+itself); with every slot held, a new one is told the engine is busy. Requests are a small table of operations
+(:attr:`SyncServer.OPS`). A sync holds the engine's lock (the same lock generation through hwsync takes) from
+validation to the last bucket; its transfer timeout is the smaller of the client's and the server's.
 """
 from __future__ import annotations
 
 import ipaddress
 import logging
+import secrets
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from hwsync.errors import SyncError, encode_error
-from hwsync.server.protocol import DEFAULT_TIMEOUT_S, Channel, group_prefix, server_handshake, split_address
+from hwsync.server.protocol import (DEFAULT_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, IDLE_TIMEOUT_S, Channel, IdleTimeout,
+                                    check_token, group_prefix, refuse_busy, server_handshake, split_address, stretch)
 from hwsync.transport.base import LinkSpec
 from hwsync.vllm.local import LocalEngine, local_engine
 from hwsync.wire import Manifest
@@ -60,13 +66,16 @@ class SyncServer:
     """Serves syncs into an in-process ``vllm.LLM`` for trainers that :func:`hwsync.connect` with the token."""
 
     def __init__(self, llm: Any, address: str = "127.0.0.1:0", token: str = "", *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, max_clients: int = 8) -> None:
-        if not token:
-            raise SyncError("serve() needs a non-empty token (a shared secret the trainer passes to connect())")
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_clients: int = 8, idle_s: float = IDLE_TIMEOUT_S,
+                 handshake_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+        salt = secrets.token_bytes(16)  # fresh per server: no guess computed for another one applies here
+        self._key = stretch(check_token(token), salt)
+        self._salt = salt
         # the one handle of this engine (also hwsync.sync's and hwsync.generate's): its lock guards both
         self.engine = llm if isinstance(llm, LocalEngine) else local_engine(llm)
-        self.token = token
         self.timeout_s = float(timeout_s)
+        self.idle_s = float(idle_s)
+        self.handshake_s = float(handshake_s)
         host, port = split_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.create_server((host, port), family=family, backlog=16)
@@ -76,8 +85,8 @@ class SyncServer:
                            "only holders of the token can sync", host, self.port)
         self.max_clients = max_clients
         self._slots = threading.BoundedSemaphore(max_clients)  # authenticated trainers
-        self._pending = threading.BoundedSemaphore(4 * max_clients)  # handshakes in progress (10 s each at most)
-        self._held: bytes | None = None  # the data-plane group the workers hold (kept between syncs)
+        self._pending = threading.BoundedSemaphore(4 * max_clients)  # handshakes in progress (handshake_s each)
+        self._held: bytes | None = None  # the data-plane group the workers hold (persistent links only)
         self._stop = threading.Event()
         self._shutdown = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="hwsync-sync-server", daemon=True)
@@ -118,39 +127,65 @@ class SyncServer:
 
     # -- connections ----------------------------------------------------------------------------------------------
     def _accept(self) -> None:
+        failing = 0
         while not self._stop.is_set():
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                break
+            except OSError as e:
+                if self._stop.is_set():
+                    break
+                if not failing:  # once per streak: a loop of errors must not flood the log either
+                    logger.error("hwsync sync server on %s: accept failed (%s); retrying", self.address, e)
+                failing += 1
+                time.sleep(min(1.0, 0.05 * failing))
+                continue
+            if failing:
+                logger.warning("hwsync sync server on %s: accepting again after %d failed accepts", self.address,
+                               failing)
+                failing = 0
             if not self._pending.acquire(blocking=False):
                 logger.warning("hwsync sync server: refused %s (too many unauthenticated connections)", peer)
-                conn.close()
+                refuse_busy(conn)
                 continue
-            threading.Thread(target=self._serve_client, args=(conn, peer), daemon=True,
-                             name=f"hwsync-client-{peer}").start()
+            try:
+                threading.Thread(target=self._serve_client, args=(conn, peer), daemon=True,
+                                 name=f"hwsync-client-{peer}").start()
+            except RuntimeError as e:  # no thread to be had: drop this connection, keep accepting
+                self._pending.release()
+                conn.close()
+                logger.error("hwsync sync server: cannot serve %s (%s)", peer, e)
 
     def _serve_client(self, conn: socket.socket, peer: Any) -> None:
         try:
-            channel = server_handshake(conn, self.token)
-        except Exception as e:  # noqa: BLE001 - wrong token, garbage, timeout: drop it
+            channel = server_handshake(conn, self._key, self._salt, self.handshake_s)
+        except Exception as e:  # noqa: BLE001 - wrong token, garbage, too slow: drop it
             logger.warning("hwsync sync server: refused a connection from %s (%s)", peer, e)
             conn.close()
             return
         finally:
             self._pending.release()
         if not self._slots.acquire(blocking=False):
-            logger.warning("hwsync sync server: refused %s (more than %d trainers connected)", peer, self.max_clients)
+            logger.warning("hwsync sync server: %s is busy (%d trainers connected)", peer, self.max_clients)
+            try:
+                channel.send({"busy": f"all {self.max_clients} trainer slots are held by other connections (a "
+                                      f"trainer idle for {self.idle_s:g} s loses its slot); retry later or close "
+                                      "handles you no longer use"})
+            except (OSError, SyncError):
+                pass
             channel.close()
             return
         try:
+            channel.send({"welcome": True})
             while not self._stop.is_set():
                 try:
-                    msg = channel.recv()
-                except (ConnectionError, OSError):
+                    msg = channel.recv(wait=self.idle_s)
+                except IdleTimeout:
+                    logger.info("hwsync sync server: closed %s, idle for %g s", peer, self.idle_s)
+                    channel.send({"bye": f"idle for {self.idle_s:g} s"})  # the trainer's handle reconnects
                     break
-                except SyncError as e:  # forged / replayed frame: this connection is done
-                    logger.warning("hwsync sync server: dropped %s: %s", peer, e)
+                except (ConnectionError, OSError, SyncError) as e:  # gone, stalled mid-frame, forged, replayed
+                    if not isinstance(e, ConnectionError):
+                        logger.warning("hwsync sync server: dropped %s: %s", peer, e)
                     break
                 op = msg.get("op")
                 handler = self.OPS.get(op) if isinstance(op, str) else None
@@ -163,10 +198,9 @@ class SyncServer:
                     reply = {"ok": True, "result": handler(self, channel, args)}
                 except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer
                     reply = {"ok": False, "error": encode_error(e)}
-                try:
-                    channel.send(reply)
-                except (ConnectionError, OSError, SyncError):
-                    break
+                channel.send(reply)
+        except (OSError, SyncError):  # the trainer does not take its frames: this connection is done
+            pass
         finally:
             channel.close()
             self._slots.release()
@@ -198,9 +232,9 @@ class SyncServer:
     def _sync(self, channel: Channel, args: Mapping[str, Any]) -> Any:
         """Validate, say go, receive the buckets over the data plane, report (the reply to the request).
 
-        The workers keep their data-plane group between syncs; the trainer proposes the group it holds and a new
-        one, and the server picks the held one only if its workers still hold it (no other trainer synced since,
-        no failure closed it)."""
+        Where the link is persistent (NCCL, HCCL) the workers keep their data-plane group between syncs; the trainer
+        proposes the group it holds and a new one, and the server picks the held one only if its workers still hold
+        it (no other trainer synced since, no failure closed it). gloo groups are closed after every sync."""
         manifest = Manifest.from_json(args["manifest"])
         group = args["group"]
         held = channel.open_secret("group", args["group_id"])
@@ -221,12 +255,8 @@ class SyncServer:
             spec = LinkSpec(host=str(group["host"]), port=int(group["port"]), prefix=group_prefix(gid),
                             world_size=world, timeout_s=timeout)
             self._held = None
-            try:
-                result = self.engine.receive_remote(manifest, spec, first_rank, data_key,
-                                                    spec.prefix + "abort")
-            finally:
-                self.engine.reset_cache()
-            self._held = gid
+            result = self.engine.receive_remote(manifest, spec, first_rank, data_key, spec.prefix + "abort")
+            self._held = gid if result.pop("link_kept", False) else None
             return result
 
     @staticmethod
@@ -269,10 +299,11 @@ SyncServer.OPS = {
 
 
 def serve(llm: Any, address: str = "127.0.0.1:0", token: str = "", *,
-          timeout_s: float = DEFAULT_TIMEOUT_S) -> SyncServer:
+          timeout_s: float = DEFAULT_TIMEOUT_S, idle_s: float = IDLE_TIMEOUT_S) -> SyncServer:
     """Accept syncs into ``llm`` (in this process) from trainers holding ``token``; returns at once.
 
     ``address`` is ``host:port`` to listen on, exactly (``port`` 0 picks a free one: read ``server.address``);
-    the default is loopback. Serving on another interface is logged.
+    the default is loopback. Serving on another interface is logged. ``token``: a random secret of at least 32
+    characters (``hwsync token`` prints one). A trainer idle for ``idle_s`` loses its slot; its handle reconnects.
     """
-    return SyncServer(llm, address, token, timeout_s=timeout_s)
+    return SyncServer(llm, address, token, timeout_s=timeout_s, idle_s=idle_s)

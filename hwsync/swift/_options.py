@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from hwsync.api import parse_bucket_mb
-from hwsync.errors import HwsyncError, OptionError
+from hwsync.errors import HwsyncError, OptionError, SyncError
 from hwsync.server.protocol import split_address
+from hwsync.tokens import check_token
 from hwsync.verify import Gate, parse_gate
 from hwsync.wire import Strategy
 
@@ -97,9 +98,11 @@ class SwiftOptions:
             raise OptionError(
                 f"--vllm_mode server with hwsync needs {' and '.join(missing)} in the environment of both "
                 f"`swift rollout` and `swift rlhf`: {ENV['server']}=host:port (a free port for hwsync's sync server, "
-                f"not swift's --port) and {ENV['token']}=<shared secret>, e.g. $(python -c 'import secrets; "
-                "print(secrets.token_hex(16))')")
-        return self.server, self.token
+                f"not swift's --port) and {ENV['token']}=<shared secret>, e.g. {ENV['token']}=$(hwsync token)")
+        try:
+            return self.server, check_token(self.token)
+        except SyncError as e:
+            raise OptionError(f"{ENV['token']}: {e}") from None
 
 
 def _address(text: str | None) -> str | None:

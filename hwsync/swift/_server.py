@@ -20,8 +20,8 @@ from hwsync.swift._engine_view import LLMEngineView
 from hwsync.errors import UnsupportedSetupError
 from hwsync.swift._options import ENV, SwiftOptions
 
-__all__ = ["connect_to_rollout_engine", "guard_generation", "keep_engine_in_process", "rollout_address",
-           "serve_rollout_engine"]
+__all__ = ["SWIFT_WEIGHT_METHODS", "close_weight_routes", "connect_to_rollout_engine", "guard_generation",
+           "keep_engine_in_process", "rollout_address", "serve_rollout_engine"]
 
 logger = get_logger()
 
@@ -74,6 +74,7 @@ def serve_rollout_engine(engine: Any, data_parallel_size: int | None = None) -> 
     server = serve(LLMEngineView.of(llm_engine), address, token)
     _servers.append(server)
     guard_generation(engine, server.engine)
+    close_weight_routes(llm_engine, server.address)
     logger.info(f"hwsync: serving weight syncs into swift rollout's engine on {server.address}"
                 + (f" (data-parallel engine {dp_rank} of {dp_size})" if dp_size > 1 else ""))
     return server
@@ -106,6 +107,35 @@ def guard_generation(engine: Any, handle: Any) -> None:
 
     infer._hwsync_guarded = True  # type: ignore[attr-defined]
     engine.infer = infer
+
+
+SWIFT_WEIGHT_METHODS = frozenset({
+    "init_communicator", "update_named_param", "update_adapter_flattened_param", "update_adapter_param",
+    "update_flattened_params", "process_weights_after_loading", "update_weights_from_ipc"})
+"""The methods of ms-swift's ``WeightSyncWorkerExtension`` that ``swift rollout``'s weight routes
+(``/init_communicator/``, ``/update_flattened_params/``, ...) reach through ``collective_rpc``: no token, no lock, no
+stale flag, and a PyNccl group whose store listens wherever the request says."""
+
+
+def close_weight_routes(llm_engine: Any, address: str) -> None:
+    """While hwsync serves this engine, ``swift rollout``'s own weight routes end in one error each: the engine's
+    ``collective_rpc`` refuses :data:`SWIFT_WEIGHT_METHODS` (ms-swift's worker loop logs it). hwsync's trainer never
+    calls them (the patch ``swift_weight_communicator`` keeps ms-swift's trainer from opening its communicator)."""
+    original = llm_engine.collective_rpc
+    if getattr(original, "_hwsync_closed", False):
+        return
+
+    @functools.wraps(original)
+    def collective_rpc(method: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(method, str) and method in SWIFT_WEIGHT_METHODS:
+            raise UnsupportedSetupError(
+                f"swift rollout's weight route '{method}' is closed: hwsync serves this engine's weights (only "
+                f"through its authenticated sync server on {address}, {ENV['server']}); sync with swift rlhf and the "
+                "hwsync plugin, or unset HWSYNC_SERVER to use ms-swift's own routes")
+        return original(method, *args, **kwargs)
+
+    collective_rpc._hwsync_closed = True  # type: ignore[attr-defined]
+    llm_engine.collective_rpc = collective_rpc
 
 
 def connect_to_rollout_engine(opts: SwiftOptions) -> Any:

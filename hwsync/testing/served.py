@@ -17,15 +17,17 @@ from typing import Any
 __all__ = ["ENGINE_SCRIPT", "served_engine", "served_engines"]
 
 ENGINE_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import hwsync
     from hwsync.testing import make_llm
-    llm = make_llm(sys.argv[1], worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **json.loads(sys.argv[4]))
-    with hwsync.serve(llm, "127.0.0.1:0", sys.argv[2], timeout_s=120) as server:
+    llm = make_llm(sys.argv[1], worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **json.loads(sys.argv[3]))
+    with hwsync.serve(llm, "127.0.0.1:0", os.environ.pop("HWSYNC_TOKEN"), timeout_s=120) as server:
         print("HWSYNC_ADDRESS", server.address, flush=True)
-        server.wait(timeout=float(sys.argv[3]))
+        server.wait(timeout=float(sys.argv[2]))
     print("HWSYNC_BYE", flush=True)
 """)
+"""The engine process: the token comes in its environment (``HWSYNC_TOKEN``), never on its command line, where any
+local user could read it (``ps``)."""
 
 
 @contextlib.contextmanager
@@ -45,13 +47,14 @@ def served_engines(model_dir: str | os.PathLike[str], token: str, engine_kwargs:
     side: data-parallel engines for one ``hwsync.connect([...])``. Yields ``[(address, process), ...]``."""
     from hwsync.testing.engine import vllm_env
 
-    full_env = {**os.environ, **vllm_env(plugins=("hwsync",)), "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, **vllm_env(plugins=("hwsync",)), "OMP_NUM_THREADS": "1", **(env or {}),
+                "HWSYNC_TOKEN": token}
     procs: list[subprocess.Popen[str]] = []
     served: list[tuple[str, Any]] = []
     try:
         for kwargs in engine_kwargs:
-            procs.append(subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, str(Path(model_dir)), token,
-                                           str(serve_s), json.dumps(dict(kwargs))], env=full_env,
+            procs.append(subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, str(Path(model_dir)), str(serve_s),
+                                           json.dumps(dict(kwargs))], env=full_env,
                                           stdout=subprocess.PIPE, text=True))
         for proc in procs:
             served.append((_address_of(proc), proc))

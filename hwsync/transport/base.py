@@ -43,6 +43,10 @@ class Link(Protocol):
     """Device every buffer passed to :meth:`broadcast` must live on."""
     rank: int
     world_size: int
+    persistent: bool
+    """Whether the group may stay open between syncs (reused by the next one). ``False`` closes it after every sync:
+    gloo's, whose listener would accept anyone's connections meanwhile until the process runs out of file
+    descriptors (and gloo then aborts it)."""
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Transfer:
         """Send ``tensor`` (contiguous, on :attr:`device`) from ``src`` into the same-shaped tensor of every

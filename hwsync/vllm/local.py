@@ -72,10 +72,10 @@ class LocalEngine(Engine):
 
     def receive_remote(self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes,
                        abort_key: str) -> dict[str, Any]:
-        """Every worker joins the data plane ``spec`` and receives the buckets the trainer broadcasts."""
-        results = self.rpc_all(worker.receive_remote, manifest.to_json(), spec.__dict__, first_rank, secret,
-                               abort_key)
-        return results[0]
+        """Every worker joins the data plane ``spec`` and receives the buckets the trainer broadcasts; then vLLM's
+        prefix cache is reset (:meth:`committed`)."""
+        return self.committed(manifest, lambda: self.rpc_all(worker.receive_remote, manifest.to_json(),
+                                                             spec.__dict__, first_rank, secret, abort_key)[0])
 
     def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """Content fingerprints of what the worker's kernels read (:mod:`hwsync.vllm.fingerprint`); ``None`` with
@@ -98,11 +98,26 @@ class LocalEngine(Engine):
         try:
             done = self.llm.reset_prefix_cache(reset_running_requests=True)
         except RuntimeError as e:  # vLLM: requests waiting for a remote KV transfer cannot be preempted
-            raise SyncError(f"the weights were written but vLLM could not reset its prefix cache ({e}); cached KV "
-                            "of the old weights could be reused: do not serve from this engine") from e
+            raise SyncError(f"vLLM could not reset its prefix cache ({e})") from e
         if not done:
-            raise SyncError("the weights were written but vLLM could not reset its prefix cache even after "
-                            "preempting its running requests: do not serve from this engine")
+            raise SyncError("vLLM could not reset its prefix cache even after preempting its running requests")
+
+    def committed(self, manifest: Manifest, receive: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``receive()``, then the prefix-cache reset (:meth:`reset_cache`), before the sync counts as done.
+
+        A receive that raises keeps its own error and needs no reset: the receiver left the engine as it was (the old
+        weights' KV still matches them) or stale (it refuses to generate). A reset vLLM declines after the weights
+        were written marks the engine stale, so no output mixes the new weights with cached KV of the old ones; the
+        next complete sync clears it."""
+        result = receive()
+        try:
+            self.reset_cache()
+        except SyncError as e:
+            reason = f"sync v{manifest.version} wrote the weights but {e}, so cached KV of the old weights could mix in"
+            self.rpc_all(worker.mark_stale, reason)
+            raise SyncError(f"{reason}: the engine is marked stale and refuses to generate through hwsync until a "
+                            "sync completes with the reset") from e
+        return result
 
     def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
              progress: ProgressFn | None) -> dict[str, Any]:
@@ -112,10 +127,8 @@ class LocalEngine(Engine):
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 (one worker per process; ms-swift's colocate TP engines qualify), "
                 "or serve the engine (hwsync.serve on its side, hwsync.connect(address, token) in the trainer)")
         with self.lock:
-            try:
-                return self.rpc(worker.receive, manifest, bucket_lists(manifest, produce, progress))
-            finally:
-                self.reset_cache()
+            return self.committed(manifest, lambda: self.rpc(worker.receive, manifest,
+                                                             bucket_lists(manifest, produce, progress)))
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
         with self.lock:

@@ -17,8 +17,8 @@ from torch import Tensor
 from hwsync.receiver import Receiver
 from hwsync.wire import Manifest
 
-__all__ = ["answered", "check_servable", "describe", "prepare", "rank", "receive", "receive_remote", "receiver_of",
-           "state"]
+__all__ = ["answered", "check_servable", "describe", "mark_stale", "prepare", "rank", "receive", "receive_remote",
+           "receiver_of", "state"]
 
 
 def _worker(obj: Any) -> Any:
@@ -56,7 +56,39 @@ def receiver_of(worker: Any) -> Receiver:
     if rec is None:
         rec = Receiver(VllmApplier(w))
         w.__dict__["_hwsync_receiver"] = rec
+        explain_evicted_adapters(w)
     return rec
+
+
+def explain_evicted_adapters(worker: Any) -> None:
+    """Make a request for hwsync's adapter after vLLM dropped it one clear error.
+
+    hwsync installs its adapter from memory; its ``LoRARequest`` carries the path ``hwsync-in-memory://<name>``. Once
+    vLLM evicts it (another adapter took its slot: ``max_loras`` / ``max_cpu_loras``) or a reload dropped it, vLLM
+    would load that path from disk or the Hugging Face Hub and fail with an unrelated ``HFValidationError``. The
+    worker's adapter loader (an attribute of this worker's LoRA manager, nothing of vLLM's class) refuses such a
+    request first, saying what happened and that a sync installs the adapter again."""
+    from hwsync.engine import IN_MEMORY_LORA
+
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    load = getattr(manager, "_load_adapter", None)
+    if load is None or getattr(load, "_hwsync_explains", False):
+        return
+
+    def _load_adapter(lora_request: Any) -> Any:
+        path = str(getattr(lora_request, "lora_path", "") or "")
+        if path.startswith(IN_MEMORY_LORA):
+            from hwsync.errors import SyncError
+
+            raise SyncError(
+                f"LoRA adapter '{lora_request.lora_name}' (id {lora_request.lora_int_id}) was synced by hwsync and is "
+                "no longer in the engine: vLLM evicted it for another adapter (max_loras / max_cpu_loras) or a "
+                "reload dropped it, and it exists only in memory, so vLLM cannot load it again. Run hwsync.sync(...) "
+                "to install it again (and keep max_cpu_loras above the adapters served beside it)")
+        return load(lora_request)
+
+    _load_adapter._hwsync_explains = True  # type: ignore[attr-defined]
+    manager._load_adapter = _load_adapter
 
 
 def _manifest(m: Manifest | str | bytes) -> Manifest:
@@ -80,6 +112,11 @@ def state(worker: Any) -> dict[str, Any]:
 
 def check_servable(worker: Any) -> None:
     receiver_of(worker).check_servable()
+
+
+def mark_stale(worker: Any, reason: str) -> None:
+    """The engine must not serve until a complete sync lands (e.g. its prefix cache still holds the old weights' KV)."""
+    receiver_of(worker).mark_stale(reason)
 
 
 def prepare(worker: Any, manifest: Manifest | str) -> dict[str, Any]:
@@ -154,7 +191,11 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
 
     buckets = receive_buckets(m, link, pool_of(_worker(worker).__dict__, link.device), Sealer(secret), abort_reason)
     try:
-        return receiver_of(worker).receive(m, buckets)
+        result = receiver_of(worker).receive(m, buckets)
     except BaseException:
         close_link(worker)  # the group may be mid-collective or out of step: the next sync forms a fresh one
         raise
+    kept = bool(getattr(link, "persistent", False))
+    if not kept:
+        close_link(worker)  # gloo: no listener outlives the sync (hwsync.cpu.link.GlooLink)
+    return {**result, "link_kept": kept}
