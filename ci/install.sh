@@ -60,6 +60,13 @@ if [[ "${HWSYNC_WITH_SWIFT:-1}" != 0 ]]; then
         step "installing ${SWIFT_PINS[*]}"; "${PIP[@]}" "${SWIFT_PINS[@]}" "$TORCH_PIN"; fi
 fi
 
+# TRL before the removal below: resolving it with the vLLM pin brings torchvision & co. back
+if [[ "${HWSYNC_WITH_TRL:-0}" == 1 ]]; then
+    TRL_PIN="trl==1.16.0"
+    if satisfied "$TRL_PIN"; then step "$TRL_PIN: already installed"; else
+        step "installing $TRL_PIN"; "${PIP[@]}" "$TRL_PIN" "$TORCH_PIN" "$VLLM_PIN"; fi
+fi
+
 present=()
 for pkg in "${DROP[@]}"; do satisfied "$pkg" && present+=("$pkg"); done
 if ((${#present[@]})); then
@@ -77,12 +84,6 @@ else
     step "installing hwsync -e '.[test,lint]'"
     "${PIP[@]}" -e ".[test,lint]" "$TORCH_PIN"
     echo "$want_stamp" > "$stamp"
-fi
-
-if [[ "${HWSYNC_WITH_TRL:-0}" == 1 ]]; then
-    TRL_PIN="trl==1.16.0"
-    if satisfied "$TRL_PIN"; then step "$TRL_PIN: already installed"; else
-        step "installing $TRL_PIN"; "${PIP[@]}" "$TRL_PIN" "$TORCH_PIN" "$VLLM_PIN"; fi
 fi
 
 # DeepSpeed for the ZeRO-3 cases of tests/test_gather.py (CPU accelerator over gloo). DS_BUILD_OPS=0: no op is built
