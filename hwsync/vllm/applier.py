@@ -610,9 +610,11 @@ class VllmApplier:
             build = self._adapter_builder(config, lid)
             lora = build({k: v.detach().clone() for k, v in tensors.items()})
             try:
-                manager._validate_moe_lora_format(lora)
-                manager._validate_modules_to_save(lora)
-                manager._validate_token_classification_lora(lora)
+                for check in ("_validate_moe_lora_format", "_validate_modules_to_save",
+                              "_validate_token_classification_lora"):  # vLLM 0.31 lacks the first
+                    validate = getattr(manager, check, None)
+                    if validate is not None:
+                        validate(lora)
             except ValueError as e:
                 raise AdapterFormatError(f"vLLM refuses this adapter: {e}") from e
             # vLLM packs the adapter (q/k/v, gate/up, experts) inside add_adapter, after the previous adapter was
