@@ -163,9 +163,10 @@ def vllm_server(model: Path, port: int, log: Path, env: dict[str, str], timeout_
 
 
 def train(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: bool = False,
-          server_port: int | None = None, hwsync: bool = True, callbacks: list[Any] | None = None,
-          **overrides: Any) -> Any:
-    """Build and run the TRL trainer (``hwsync=False``: TRL's own ``GRPOTrainer``, its own sync); returns it."""
+          server_port: int | None = None, hwsync: bool = True, trainer_cls: type | None = None,
+          callbacks: list[Any] | None = None, **overrides: Any) -> Any:
+    """Build and run the TRL trainer (``hwsync=False``: TRL's own ``GRPOTrainer``, its own sync, with the same
+    engine settings; ``trainer_cls``: a subclass of hwsync's); returns it."""
     from peft import LoraConfig
 
     args = config(output_dir, steps=steps, gspo=gspo, server_port=server_port, **overrides)
@@ -174,13 +175,28 @@ def train(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: bool =
     if hwsync:
         from hwsync.trl import GRPOTrainer
 
-        trainer = GRPOTrainer(**common, engine_kwargs=engine_kwargs() if server_port is None else None)
+        cls = trainer_cls or GRPOTrainer
+        trainer = cls(**common, engine_kwargs=engine_kwargs() if server_port is None else None)
+    elif server_port is None:
+        trainer = stock_trainer(common, engine_kwargs())
     else:
         from trl import GRPOTrainer
 
         trainer = GRPOTrainer(**common)
     trainer.train()
     return trainer
+
+
+def stock_trainer(common: dict[str, Any], engine: dict[str, Any]) -> Any:
+    """TRL's own ``GRPOTrainer`` (its own sync: merge, every weight through ``load_weights``, unmerge), its colocated
+    engine built with the same settings as hwsync's but without LoRA serving (TRL's sync never uses it), through the
+    same scoped patch that lets hwsync's trainer pass them."""
+    import hwsync.patches as patches
+    from hwsync.patches.trl_vllm_generation import engine_settings
+    from trl import GRPOTrainer
+
+    with engine_settings(engine), patches.get("trl_vllm_generation").scoped():
+        return GRPOTrainer(**common)
 
 
 def records(path: Path) -> list[dict[str, Any]]:
