@@ -48,6 +48,7 @@ from . import vllm_lora_expert_spellings  # noqa: E402,F401  isort: skip
 from . import vllm_offline_failed_requests  # noqa: E402,F401  isort: skip
 from . import vllm_ascend  # noqa: E402,F401  isort: skip
 from . import swift_rollout  # noqa: E402,F401  isort: skip  (opt_in: applied by hwsync.swift only)
+from . import trl_vllm_generation  # noqa: E402,F401  isort: skip  (opt_in: held by hwsync.trl.GRPOTrainer only)
 
 __all__ = [
     "APPLIES",

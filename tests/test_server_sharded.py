@@ -101,20 +101,22 @@ def _plugin_syncs(rank: int, engine: Any, model: Any) -> dict[str, Any]:
 
     from hwsync.swift._options import SwiftOptions
     from hwsync.swift._trainer import HwsyncGRPOTrainer
+    from hwsync.trainer_sync import TrainerSync
 
     trainer = HwsyncGRPOTrainer.__new__(HwsyncGRPOTrainer)  # not a whole GRPO run: its step, on real ranks
+    options = SwiftOptions(strategy="adapter", verify_atol=ATOL)
     trainer.__dict__.update(
-        hwsync_options=SwiftOptions(strategy="adapter", verify_atol=ATOL), vllm_mode="server", model=model,
+        hwsync_options=options, vllm_mode="server", model=model,
         accelerator=SimpleNamespace(is_main_process=rank == 0, unwrap_model=lambda m: m), _is_fsdp2=True,
-        _hwsync_target=engine, _hwsync_syncs=0, _hwsync_gate=None, _hwsync_probe=None, _hwsync_probe_ref=None,
-        _hwsync_log=None, state=SimpleNamespace(global_step=0), _metrics={"train": defaultdict(list)})
-    trainer._hwsync_probe = trainer._same_on_every_rank(PROMPTS if rank == 0 else [[7, 7]])
+        _hwsync_target=engine, _hwsync=TrainerSync(options), state=SimpleNamespace(global_step=0),
+        _metrics={"train": defaultdict(list)})
+    trainer._hwsync.probe = trainer._same_on_every_rank(PROMPTS if rank == 0 else [[7, 7]])
     shifts = []
     for k in range(2):
         tp.step(model, 20 + k, base=False)
         trainer._hwsync_sync()
-        shifts.append(trainer._hwsync_policy_shift(model))
-    return {"syncs": trainer._hwsync_syncs, "probe": trainer._hwsync_probe, "shifts": shifts,
+        shifts.append(trainer._hwsync.policy_shift(model))
+    return {"syncs": trainer._hwsync.syncs, "probe": trainer._hwsync.probe, "shifts": shifts,
             "verified": list(trainer._metrics["train"]["hwsync/verify_max_abs_dlogp"])}
 
 

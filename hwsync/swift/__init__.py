@@ -10,14 +10,14 @@ Importing this package (ms-swift imports ``plugin.py`` for you through ``--exter
 
 Options are environment variables (``HWSYNC_STRATEGY``, ``HWSYNC_BUCKET_MB``, ``HWSYNC_VERIFY_EVERY``,
 ``HWSYNC_VERIFY_ATOL``, ``HWSYNC_VERIFY_PROMPTS``, ``HWSYNC_METRICS``; see :class:`SwiftOptions`). Per-sync and
-per-step records go to a JSONL file (:mod:`hwsync.swift._metrics`). Without the plugin ms-swift is untouched;
+per-step records go to a JSONL file (:mod:`hwsync.metrics`). Without the plugin ms-swift is untouched;
 :func:`uninstall` restores it in-process.
 """
 from __future__ import annotations
 
 from hwsync.errors import OptionError, PluginError, UnsupportedSetupError
 from hwsync.swift._install import install, installed, uninstall
-from hwsync.swift._metrics import format_summary, read_metrics
+from hwsync.metrics import format_summary, read_metrics
 from hwsync.swift._options import ENV, SwiftOptions
 
 __all__ = ["ENV", "OptionError", "PluginError", "SwiftOptions", "UnsupportedSetupError", "format_summary", "install",

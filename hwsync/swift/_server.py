@@ -18,7 +18,7 @@ from swift.utils import get_logger
 
 from hwsync.swift._engine_view import LLMEngineView
 from hwsync.errors import UnsupportedSetupError
-from hwsync.swift._options import ENV, SwiftOptions
+from hwsync.swift._options import ENV, SWIFT_SERVER, SwiftOptions
 
 __all__ = ["SWIFT_WEIGHT_METHODS", "close_weight_routes", "connect_to_rollout_engine", "guard_generation",
            "keep_engine_in_process", "rollout_address", "serve_rollout_engine"]
@@ -59,7 +59,7 @@ def serve_rollout_engine(engine: Any, data_parallel_size: int | None = None) -> 
     opts = SwiftOptions.from_env()
     if opts.server is None:
         return None
-    _, token = opts.server_credentials()
+    _, token = opts.server_credentials(*SWIFT_SERVER)
     dp_rank = int(os.environ.get("SWIFT_ROLLOUT_DP_RANK", "0") or 0)
     dp_size = max(data_parallel_size or 1, dp_rank + 1)
     address = rollout_address(opts, dp_rank, dp_size)
@@ -141,7 +141,7 @@ def close_weight_routes(llm_engine: Any, address: str) -> None:
 def connect_to_rollout_engine(opts: SwiftOptions) -> Any:
     """The trainer's handle on the engine(s) served by :func:`serve_rollout_engine` (``HWSYNC_SERVER`` /
     ``_TOKEN``): every data-parallel engine, fed by one broadcast per sync."""
-    _, token = opts.server_credentials()
+    _, token = opts.server_credentials(*SWIFT_SERVER)
     from hwsync.server import connect
 
     return connect(opts.servers, token)

@@ -39,3 +39,20 @@ class HwsyncWorkerExtension:
     def hwsync_receive_remote(self, manifest: Manifest | str, spec: Mapping[str, Any], first_rank: int,
                               secret: bytes, abort_key: str) -> dict[str, Any]:
         return _w.receive_remote(self, manifest, spec, first_rank, secret, abort_key)
+
+    def hwsync_call(self, name: str, *args: Any) -> tuple[str, Any]:
+        """``(status, value)`` of the worker function ``name`` (:data:`CALLS`): every worker answers, and errors
+        travel as data that keeps their hwsync type (:func:`hwsync.vllm.worker.answered`). What a driver in another
+        process uses (:class:`hwsync.server.vllm_api.ServedEngine`: vLLM's API server, through its engine client)."""
+        fn = _calls().get(name)
+        if fn is None:
+            return "error", {"type": "SyncError", "message": f"unknown hwsync worker call {str(name)[:40]!r}"}
+        return _w.answered(self, False, fn, *args)
+
+
+def _calls() -> dict[str, Any]:
+    """The worker functions :meth:`HwsyncWorkerExtension.hwsync_call` reaches by name."""
+    from hwsync.vllm.fingerprint import fingerprints
+
+    return {"describe": _w.describe, "state": _w.state, "prepare": _w.prepare, "receive_remote": _w.receive_remote,
+            "fingerprints": fingerprints}

@@ -1,4 +1,4 @@
-"""Per-sync and per-step records of an ms-swift run, as JSON lines, plus the human summary table.
+"""Per-sync and per-step records of a training run (ms-swift, TRL), as JSON lines, plus the human summary table.
 
 Records (one JSON object per line, ``event`` tells which):
 
@@ -8,8 +8,8 @@ Records (one JSON object per line, ``event`` tells which):
   (``null`` when the check did not run), ``verify_tokens`` and ``policy_shift`` (max |Δ logprob| of the trainer
   on the check prompts since the first sync: evidence that the policy the engine now matches has moved).
 * ``step``  -- after every logged optimizer step: ``step``, ``reward``, ``reward_std``, ``loss``,
-  ``rollout_max_abs_dlogp`` (engine vs trainer on the tokens the engine actually sampled this step, from
-  ms-swift's rollout logprobs), ``rollout_tokens``.
+  ``rollout_max_abs_dlogp`` (engine vs trainer on the tokens the engine actually sampled this step, from the
+  trainer's rollout logprobs), ``rollout_tokens``.
 * ``summary`` -- at the end of training: ``text``, the table :func:`format_summary` printed.
 
 The file is appended to, so a run resumed into the same file keeps its history.
