@@ -459,7 +459,7 @@ class PeftLoraReader:
     def read(self, dtype: torch.dtype | None, fold: FoldFn | None = None) -> list[Tensor]:
         """A and B (scaling folded, :meth:`LoraModule.folded`, in ``dtype``) of every module, in order."""
         out: list[Tensor] = []
-        for name, path, layer in self._layers:
+        for name, _path, layer in self._layers:
             if self.adapter_name not in layer.lora_A:
                 raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
         for m in self._modules():

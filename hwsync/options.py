@@ -78,10 +78,10 @@ class SyncOptions:
         return cls(
             strategy=strategy,
             bucket_mb=parse_bucket_mb(raw("bucket_mb")),
-            verify_every=_number(raw("verify_every"), ENV["verify_every"], int, minimum=0, default=1),
+            verify_every=int(_number(raw("verify_every"), ENV["verify_every"], int, minimum=0, default=1) or 0),
             verify_atol=_number(raw("verify_atol"), ENV["verify_atol"], float, minimum=0.0, default=None),
-            verify_prompts=_number(raw("verify_prompts"), ENV["verify_prompts"], int, minimum=1, default=2,
-                                   exclusive=False),
+            verify_prompts=int(_number(raw("verify_prompts"), ENV["verify_prompts"], int, minimum=1, default=2,
+                                       exclusive=False) or 2),
             metrics_path=raw("metrics_path"),
             server=_address(raw("server")),
             token=raw("token"),

@@ -45,7 +45,7 @@ class TrainerSync:
         self._rollout: tuple[float, int] | None = None  # (max |Δ|, tokens) of the current step's rollouts
 
     # ---------------------------------------------------------------------------------------------------- sync
-    def sync(self, target: Any, model: nn.Module, step: int) -> tuple[Any, dict[str, float]]:
+    def sync(self, target: Any, model: nn.Module, step: int) -> tuple[Any, dict[str, Any]]:
         """Sync ``model`` into ``target`` (``None``: a rank of a sharded trainer whose rank 0 holds the engine), then
         check it when due. Returns the :class:`~hwsync.report.SyncReport` (``None`` on such ranks) and the numbers
         for the trainer's logs (``hwsync/sync_ms``, ``hwsync/sync_mb``, ``hwsync/verify_*_abs_dlogp``)."""
@@ -72,7 +72,7 @@ class TrainerSync:
             verdict = check(target, model, self.probe, gate=self.gate or opts.verify_gate, atol=opts.verify_atol,
                             batch=False)
             shift = self.policy_shift(model)
-            a = verdict.agreement
+            a: Any = verdict.agreement
             self.log(f"hwsync: verify after sync v{report.version if report else '?'}: "
                      f"{'passed' if verdict.ok else 'FAILED'} "
                      f"({'; '.join(f'{c.name} ok' if c.ok else f'{c.name} FAILED' for c in verdict.checks)}); "

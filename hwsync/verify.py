@@ -249,7 +249,10 @@ def as_vllm_loads(b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.
         from vllm.lora.lora_weights import LoRALayerWeights
     except Exception:  # noqa: BLE001 - no (working) vLLM in this process
         return t if scaling == 1 else t.mul_(scaling)
-    return LoRALayerWeights("hwsync.verify", int(t.shape[-1]), 1, None, t, scaling=scaling).optimize().lora_b
+    weights: Any = LoRALayerWeights("hwsync.verify", int(t.shape[-1]), 1, None, t,  # type: ignore[arg-type]
+                                    scaling=scaling)
+    out: torch.Tensor = weights.optimize().lora_b
+    return out
 
 
 def _synced(plan: SyncPlan | None) -> SyncedPlan | None:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hwsync.engine import Engine
-from hwsync.errors import OptionError, SyncError, UnsupportedSetupError, from_wire
+from hwsync.errors import OptionError, SyncError, UnsupportedSetupError, decode_error
 from hwsync.transport.base import LinkSpec
 from hwsync.wire import EngineInfo, Manifest
 
@@ -90,7 +90,7 @@ class ServedEngine(Engine):
         replies = self._run(self.client.collective_rpc("hwsync_call", args=(name, *args)))
         for status, value in replies:
             if status != "ok":
-                raise from_wire(value)
+                raise decode_error(value)
         return [value for _, value in replies]
 
     # -- Engine ---------------------------------------------------------------------------------------------------

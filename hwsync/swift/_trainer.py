@@ -10,7 +10,6 @@ the GRPO/GSPO loss, sleep/wake, async generation — is ms-swift's own code.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch

@@ -307,11 +307,11 @@ def fp32_fold() -> Iterator[None]:
     import hwsync.lora_formats as formats
 
     original = formats.fold_scaling
-    formats.fold_scaling = _fold_fp32  # type: ignore[assignment]
+    formats.fold_scaling = _fold_fp32
     try:
         yield
     finally:
-        formats.fold_scaling = original  # type: ignore[assignment]
+        formats.fold_scaling = original
 
 
 def _swap_halves(t: Tensor) -> Tensor:

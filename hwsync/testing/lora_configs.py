@@ -260,6 +260,7 @@ def _refusal(llm: Any, model: Any, strategy: str, pattern: str) -> dict[str, Any
     before = engine.state()
     try:
         report = hwsync.sync(llm, model, strategy=strategy)
+        assert report is not None
     except Exception as e:  # noqa: BLE001 - the refusal under test
         message = f"{type(e).__name__}: {e}"
     else:
@@ -284,6 +285,7 @@ def _exact(cell: Cell, llm: Any, reference: Any, model: Any, strategy: str, n: i
     for i in range(n):
         _step(model, cell, gen, i)
         report = hwsync.sync(llm, model, strategy=strategy)
+        assert report is not None  # an in-process engine: every call syncs
         if report.strategy != strategy:
             return {"status": "fail", "detail": f"asked for {strategy}, synced {report.strategy}: {report.reason}"}
         got = engine.logprobs(PROMPTS, 4)
@@ -312,7 +314,7 @@ def _exact(cell: Cell, llm: Any, reference: Any, model: Any, strategy: str, n: i
         detail += f"; merged weights = PEFT's merge_and_unload ({merge:.0e})" if merge else \
             "; merged weights = PEFT's merge_and_unload (same bits)"
     return {"status": "exact", "detail": detail, "max_diff": worst, "syncs": n, "merge_diff": merge,
-            "moved": moved, "path": report.path}
+            "moved": moved, "path": report.path if report is not None else ""}
 
 
 # ---------------------------------------------------------------------------------------------------------------

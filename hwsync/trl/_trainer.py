@@ -70,7 +70,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         path = None
         if self.use_vllm:
             _check_engine(self, settings)
-            self.vllm_generation = HwsyncGeneration(self.vllm_generation, self.hwsync_sync)
+            self.vllm_generation: Any = HwsyncGeneration(self.vllm_generation, self.hwsync_sync)
             if self.accelerator.is_main_process:
                 path = self.hwsync_options.metrics_path or os.path.join(self.args.output_dir, "hwsync_metrics.jsonl")
         self._hwsync = TrainerSync(self.hwsync_options, metrics_path=path, log=logger.info)

@@ -378,7 +378,7 @@ class SlotWriter:
         return tuple(out), prototypes, key_maps
 
     # -- install --------------------------------------------------------------------------------------------------
-    def _reader(self, tensors: Mapping[str, Tensor]) -> Callable[[_View], Tensor]:
+    def _reader(self, tensors: Mapping[str, Tensor]) -> Callable[[_View, tuple[int, ...]], Tensor]:
         """``view -> tensor``: the strided view of the manifest tensor (its own dtype and device: ``copy_`` casts)."""
         flat: dict[str, Tensor] = {}
 
@@ -610,7 +610,8 @@ def _meta(t: Tensor) -> Tensor:
 
 def _code_ranges(lm: Any) -> tuple[list[str], list[int], list[int]]:
     """The manifest keys the template's codes stand for, with their ranges in the concatenation."""
-    return lm._hwsync_code_ranges  # type: ignore[no-any-return]
+    ranges: tuple[list[str], list[int], list[int]] = lm._hwsync_code_ranges
+    return ranges
 
 
 def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:

@@ -88,6 +88,7 @@ def explain_evicted_adapters(worker: Any) -> None:
         return load(lora_request)
 
     _load_adapter._hwsync_explains = True  # type: ignore[attr-defined]
+    assert manager is not None  # it has the loader wrapped above
     manager._load_adapter = _load_adapter
 
 
