@@ -222,7 +222,7 @@ def checks(recs: list[dict[str, Any]], trainer: Any, steps: int, steps_per_gener
             any((s.get("policy_shift") or 0.0) > 100 * ATOL for s in syncs),
         "the attention and expert LoRA trained (every lora_B left zero)":
             any(".mlp.experts" in n for n in lora_b) and any("self_attn" in n for n in lora_b)
-            and all(float(p.detach().abs().max()) > 0 for p in lora_b.values()),
+            and _all_nonzero(list(lora_b.values())),
     }
     if not has_gpu():
         out[f"CPU fp32: engine == trainer after every sync (max |Δ logprob| <= {ATOL:g})"] = \
@@ -230,6 +230,14 @@ def checks(recs: list[dict[str, Any]], trainer: Any, steps: int, steps_per_gener
         out[f"CPU fp32: rollouts sampled from the trained policy (max |Δ logprob| <= {ATOL:g})"] = \
             bool(rollout) and all(v <= ATOL for v in rollout)
     return out
+
+
+def _all_nonzero(params: list[Any]) -> bool:
+    """Whether every tensor has a non-zero entry (read whole under a sharded trainer: ZeRO-3 / FSDP2)."""
+    from hwsync import gather
+
+    with gather.gathered(params):
+        return all(float(gather.full(p).detach().abs().max()) > 0 for p in params)
 
 
 def main(argv: list[str] | None = None) -> int:
