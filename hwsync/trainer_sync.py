@@ -64,6 +64,7 @@ class TrainerSync:
             info = _describe(target)
             self.gate = opts.verify_gate or gate_for(info.device_type, info.dtype)
         verdict = shift = None
+        verify_s = 0.0
         if opts.verify_every and self.syncs % opts.verify_every == 0 and self.probe:
             t0 = time.perf_counter()
             # exact content fingerprints + this platform's logprob gate (+ the strict max |Δ| check when
@@ -72,12 +73,13 @@ class TrainerSync:
             verdict = check(target, model, self.probe, gate=self.gate or opts.verify_gate, atol=opts.verify_atol,
                             batch=False)
             shift = self.policy_shift(model)
+            verify_s = time.perf_counter() - t0
             a: Any = verdict.agreement
             self.log(f"hwsync: verify after sync v{report.version if report else '?'}: "
                      f"{'passed' if verdict.ok else 'FAILED'} "
                      f"({'; '.join(f'{c.name} ok' if c.ok else f'{c.name} FAILED' for c in verdict.checks)}); "
                      f"mean |Δ logprob| {a.mean_abs_diff:.2e}, max {a.max_abs_diff:.2e} over {a.tokens} tokens "
-                     f"({time.perf_counter() - t0:.2f}s)")
+                     f"({verify_s:.2f}s)")
         if report is None:  # a rank without the engine: rank 0 records; the same verdict stops this rank too
             if verdict is not None and not verdict.ok:
                 raise VerifyError(f"after the sync (step {step}; checked by rank 0's engine): {verdict.message()}")
@@ -93,14 +95,15 @@ class TrainerSync:
                       verify_failed=[c.name for c in verdict.failed] if verdict else None,
                       verify_skipped=list(verdict.skipped) if verdict else None,
                       verify_tokens=a.tokens if a else 0,
-                      greedy_mismatches=len(a.greedy_mismatches) if a else 0, policy_shift=shift)
+                      greedy_mismatches=len(a.greedy_mismatches) if a else 0, policy_shift=shift,
+                      verify_seconds=verify_s if verdict is not None else None)
         if self.records is not None:
             self.records.write("sync", **record)
         self.log(report.line())
         numbers = {"hwsync/sync_mb": record["mb"], "hwsync/sync_ms": 1000 * report.seconds}
         if a is not None:
             numbers.update({"hwsync/verify_max_abs_dlogp": a.max_abs_diff,
-                            "hwsync/verify_mean_abs_dlogp": a.mean_abs_diff})
+                            "hwsync/verify_mean_abs_dlogp": a.mean_abs_diff, "hwsync/verify_ms": 1000 * verify_s})
         if verdict is not None and not verdict.ok:
             where = f"after sync v{report.version} (step {step}, strategy {report.strategy})"
             raise VerifyError(f"{where}: rollouts would not come from the policy being trained. {verdict.message()}"
