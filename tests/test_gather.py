@@ -264,7 +264,7 @@ def case_refusals(ref: Any, sharded: Any, rank: int) -> dict[str, Any]:
 
     wrapped = torch.nn.Sequential(FullyShardedDataParallel())
     try:
-        gather.layout(wrapped)
+        gather.sharding(wrapped)
     except UnsupportedSetupError as e:
         out["fsdp1"] = str(e)
     return out
