@@ -59,7 +59,7 @@ declare -A ABOUT=(
     [multigpu-z3]="${MODULES[multigpu-z3]} -k zero3 (2 GPUs: the same with a DeepSpeed ZeRO-3 trainer; skipped on fewer GPUs)"
     [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile [--server with 2 GPUs] (every strategy, exactness vs vLLM own loading; server mode vs the colocated engine)"
     [verify]="${MODULES[verify]} (no false alarm over 20 syncs per strategy, every injected fault caught), benchmarks/verify_table.py (healthy max vs faulty min per check, bf16 + fp32)"
-    [qwen35]="Qwen3.5-MoE on the GPU, side by side: tests/test_sync_exact.py -k qwen3_5 (every strategy x MoE-LoRA format, 10 syncs each == vLLM's own loading, A_log kept fp32; two processes), tests/test_verify_faults_qwen3_5.py (no false alarm, every fault caught), examples/grpo_tiny_moe.py --family qwen3_5_moe GRPO then --gspo (4 steps each); then alone: benchmarks/bench_sync.py --shapes qwen3.5-moe --layers 4 --rank 32 --strategies full,adapter (\$OUT/bench_qwen35.json)"
+    [qwen35]="Qwen3.5-MoE on the GPU, side by side: tests/test_sync_exact.py -k qwen3_5 (every strategy x MoE-LoRA format, 10 syncs each == vLLM's own loading, A_log kept fp32; two processes), tests/test_verify_faults_qwen3_5.py (no false alarm, every fault caught) + tests/test_fixtures.py -k 'qwen3_5 or gated_deltanet' (vLLM serves the fixture), examples/grpo_tiny_moe.py --family qwen3_5_moe GRPO then --gspo (4 steps each); then alone: benchmarks/bench_sync.py --shapes qwen3.5-moe --layers 4 --rank 32 --strategies full,adapter (\$OUT/bench_qwen35.json)"
 )
 
 unit_modules() {  # $1 = a|b: that half (by name) of the test modules no other part names, space-separated
@@ -150,7 +150,8 @@ run_part() {
             local pids=() pid work="${TMPDIR:-/tmp}/hwsync-qwen35"
             qwen35_job "exact" run_modules tests/test_sync_exact.py -k "qwen3_5 and not 3d" & pids+=($!); sleep 20
             qwen35_job "exact-3d" run_modules tests/test_sync_exact.py -k "qwen3_5 and 3d" & pids+=($!); sleep 20
-            qwen35_job "verify" run_modules tests/test_verify_faults_qwen3_5.py & pids+=($!); sleep 20
+            qwen35_job "verify" run_modules "tests/test_verify_faults_qwen3_5.py tests/test_fixtures.py" \
+                -k "qwen3_5 or gated_deltanet" & pids+=($!); sleep 20
             (  # the main job: GRPO, then GSPO (each engine 0.15 of the GPU); both run, either failing fails the part
                 export HWSYNC_EXAMPLE_GPU_UTIL=0.15
                 qwen35_job "grpo" "$PY" examples/grpo_tiny_moe.py --family qwen3_5_moe --steps 4 --workdir "$work"
