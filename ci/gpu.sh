@@ -27,7 +27,7 @@ export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 [ -n "${OUT:-}" ] && export HWSYNC_TEST_LOG="${HWSYNC_TEST_LOG:-$OUT/failed-modules.log}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 bench verify qwen35)
+PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 bench verify qwen35 trl trl-b)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -42,6 +42,7 @@ declare -A MODULES=(
     [multigpu]="tests/test_multigpu_fsdp_tp.py tests/test_server_tp.py"
     [multigpu-z3]="tests/test_multigpu_fsdp_tp.py"
     [qwen35]="tests/test_sync_exact.py tests/test_verify_faults_qwen3_5.py"
+    [trl-b]="tests/test_trl_plugin.py tests/test_trl_grpo.py tests/test_trl_exact.py tests/test_trl_qlora.py tests/test_trl_server.py tests/test_trl_zero3.py"
 )
 declare -A ABOUT=(
     [unit-a]="the first half (by name) of every module no other part names: backend, broadcast (cuda/multigpu), doctor, layouts, LoRA formats, merged view, names, ..."
@@ -60,6 +61,8 @@ declare -A ABOUT=(
     [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile [--server with 2 GPUs] (every strategy, exactness vs vLLM own loading; server mode vs the colocated engine)"
     [verify]="${MODULES[verify]} (no false alarm over 20 syncs per strategy, every injected fault caught), benchmarks/verify_table.py (healthy max vs faulty min per check, bf16 + fp32)"
     [qwen35]="Qwen3.5-MoE on the GPU, side by side: tests/test_sync_exact.py -k qwen3_5 (every strategy x MoE-LoRA format, 10 syncs each == vLLM's own loading, A_log kept fp32; two processes), tests/test_verify_faults_qwen3_5.py (no false alarm, every fault caught) + tests/test_fixtures.py -k 'qwen3_5 or gated_deltanet' (vLLM serves the fixture), examples/grpo_tiny_moe.py --family qwen3_5_moe GRPO then --gspo (4 steps each); then alone: benchmarks/bench_sync.py --shapes qwen3.5-moe --layers 4 --rank 32 --strategies full,adapter (\$OUT/bench_qwen35.json)"
+    [trl]="examples/trl_grpo_tiny_moe.py (the TRL main job, GRPO and GSPO, colocated on one GPU) and benchmarks/bench_trl_sync.py --shapes qwen3-30b-a3b --layers 4 (TRL's own sync vs hwsync's); needs trl 1.16 beside vLLM (pip install --no-deps trl==1.16.0)"
+    [trl-b]="${MODULES[trl-b]} (TRL 1.16: main job colocated and in server mode, == vLLM's own loading after every sync, QLoRA, ZeRO-3)"
 )
 
 unit_modules() {  # $1 = a|b: that half (by name) of the test modules no other part names, space-separated
@@ -94,6 +97,10 @@ run_part() {
         swift)
             "$PY" examples/grpo_tiny_moe.py --steps 4 --workdir "${TMPDIR:-/tmp}/hwsync-grpo-gpu" || rc=$?
             run_modules "${MODULES[swift]}" || rc=$? ;;
+        trl)
+            "$PY" examples/trl_grpo_tiny_moe.py --workdir "${TMPDIR:-/tmp}/hwsync-trl-gpu" || rc=$?
+            "$PY" examples/trl_grpo_tiny_moe.py --gspo --workdir "${TMPDIR:-/tmp}/hwsync-trl-gpu" || rc=$?
+            "$PY" benchmarks/bench_trl_sync.py --shapes qwen3-30b-a3b --layers 4 ${OUT:+--out "$OUT/bench_trl_sync.json"} || rc=$? ;;
         multigpu|multigpu-z3)
             local gpus
             gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)

@@ -43,6 +43,7 @@ PACKAGES: dict[str, tuple[str, ...]] = {
     "vllm_ascend": ("vllm-ascend", "vllm_ascend"),
     "torch_npu": ("torch-npu", "torch_npu"),
     "ms-swift": ("ms-swift",),
+    "trl": ("trl",),
     "triton": ("triton",),
 }
 

@@ -32,6 +32,8 @@ VLLM_IMPORTERS = {
     "hwsync.names.namespace": "reads vLLM's own reload helpers to name what a layer's loader accepts",
     "hwsync.swift._engine_view": "the view on the vLLM engine ms-swift's rollout builds",
     "hwsync.testing": "builds real vLLM engines and references for the tests",
+    "hwsync.server.vllm_api": "hwsync's sync server inside vLLM's own API server (`vllm serve`, `trl vllm-serve`): "
+                              "the worker extension and the HTTP middleware are vLLM's",
     "hwsync.verify": "folds the LoRA scaling with vLLM's own LoRALayerWeights.optimize, so the adapter-content check "
                      "compares with what vLLM's own loading would hold (where vLLM is importable)",
 }
@@ -40,7 +42,7 @@ VLLM_IMPORTERS = {
 LIBRARY_OWNERS = {
     "torch_npu": ("hwsync.npu",),
     "swift": ("hwsync.swift", "hwsync.patches.swift_rollout"),
-    "trl": ("hwsync.trl",),
+    "trl": ("hwsync.trl", "hwsync.patches.trl_vllm_generation"),
 }
 """A device library only in its backend's folder; a trainer framework only in its integration package (and the
 patch of it)."""
