@@ -17,6 +17,11 @@ Consistency rules
 * Base weights stream into the engine as they arrive (memory stays bounded by a bucket, not the model). From the
   first base write until the sync completes the receiver is **stale**: generation through hwsync refuses with
   :class:`~hwsync.errors.StaleEngineError` until a complete sync lands.
+
+The contract with an :class:`Applier` is explicit: a load returns :class:`Loaded` (how it wrote, and the adapter
+identity it installed), or raises. An error wrapped in :class:`NothingWritten` says the engine is exactly as before
+the call (an adapter built and validated aside); any other error counts as *partly written*. Whether a failed sync
+leaves the engine stale is :func:`leaves_stale` of what the receiver saw and that one answer.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -32,13 +38,39 @@ from torch import Tensor
 from hwsync.errors import HwsyncError, PlanChangedError, StaleEngineError, SyncError, VersionError
 from hwsync.wire import Manifest, ReceiverState, Strategy
 
-__all__ = ["Applier", "Receiver"]
+__all__ = ["Applier", "Loaded", "NothingWritten", "Receiver", "leaves_stale"]
 
 logger = logging.getLogger("hwsync.receiver")
 
 _PLANS_KEPT = 8
 MAX_VERSION_STEP = 1 << 32
 """Largest step from the engine's version to a sync's: ~2^31 syncs before the 64-bit range runs out, not one."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What an :class:`Applier` load did: ``how`` (one line for the sync report) and, for an adapter, the identity it
+    now serves under."""
+
+    how: str
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+
+class NothingWritten(Exception):  # noqa: N818 - a statement about the engine, raised around the real error
+    """Raised by an :class:`Applier` load that failed before changing anything the engine serves; ``cause`` is the
+    error the caller gets. Any other error out of a load means the engine may be partly written."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+def leaves_stale(*, base_reached: bool, adapter_lost: bool, adapter_stage: bool, nothing_written: bool) -> bool:
+    """The atomicity rule: a failed sync leaves the engine stale (it refuses to generate through hwsync until a
+    complete sync lands) when a base tensor reached the engine's loader, when the adapter it served is gone, or when
+    the adapter load failed without saying it wrote nothing. Otherwise the engine serves the previous sync exactly."""
+    return base_reached or adapter_lost or (adapter_stage and not nothing_written)
 
 
 class Applier(Protocol):
@@ -51,15 +83,16 @@ class Applier(Protocol):
     def validate(self, manifest: Manifest) -> Any:
         """Resolve and check the whole manifest against the live engine; return a plan. Must not write."""
 
-    def load_base(self, plan: Any, weights: Iterator[tuple[str, Tensor]]) -> str:
-        """Write base tensors (checkpoint layout); return how (one line for the report). On error leave the engine
-        structurally usable (values may be partial: the receiver marks it stale)."""
+    def load_base(self, plan: Any, weights: Iterator[tuple[str, Tensor]]) -> Loaded:
+        """Write base tensors (checkpoint layout); return how. On error leave the engine structurally usable (values
+        may be partial: once a tensor was taken, the receiver marks the engine stale)."""
 
     def load_lora(self, plan: Any, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None,
-                  lora_int_id: int | None, replaces: int | None) -> tuple[str, int]:
+                  lora_int_id: int | None, replaces: int | None) -> Loaded:
         """Install the adapter (or update the installed one in place) under ``name``/``lora_int_id`` (``None``: the
-        engine's default identity), then drop ``replaces`` if it is another id; return the identity used. Either the
-        new adapter serves afterwards or the call raises."""
+        engine's default identity), then drop ``replaces`` if it is another id; return how, with the identity used.
+        Either the new adapter serves afterwards or the call raises (:class:`NothingWritten` when the previous
+        adapter still serves untouched)."""
 
     def drop_lora(self, lora_int_id: int) -> None:
         """Forget the adapter (the engine now serves merged weights)."""
@@ -198,7 +231,7 @@ class Receiver:
             try:
                 if has_base:
                     weights = stream()
-                    paths.append(self.applier.load_base(plan, weights))
+                    paths.append(self.applier.load_base(plan, weights).how)
                     for _ in weights:  # a loader that stopped early must not leave buckets unread
                         raise SyncError("engine loader stopped before the last base tensor")
                 else:
@@ -207,21 +240,21 @@ class Receiver:
                 stage = "adapter"
                 old = self.state.lora_int_id
                 if lora:
-                    name, lid = self.applier.load_lora(plan, lora, manifest.lora_meta or {}, manifest.lora_name,
-                                                       manifest.lora_int_id, old)
-                    self.state.lora_name, self.state.lora_int_id = name, lid
-                    paths.append(str(getattr(self.applier, "last_lora_path", "") or ""))
+                    loaded = self.applier.load_lora(plan, lora, manifest.lora_meta or {}, manifest.lora_name,
+                                                    manifest.lora_int_id, old)
+                    self.state.lora_name, self.state.lora_int_id = loaded.lora_name, loaded.lora_int_id
+                    paths.append(loaded.how)
                 elif has_base and old is not None:
                     self.applier.drop_lora(old)  # the base was replaced; an old adapter on it would be wrong
                     self.state.lora_name = self.state.lora_int_id = None
-            except BaseException as e:
+            except BaseException as raised:
+                e = raised.cause if isinstance(raised, NothingWritten) else raised
                 where = f"after bucket {received[0]} of {len(manifest.buckets)}"
-                # an adapter install that failed is harmless only if the previous adapter still serves, untouched
                 lid_before = self.state.lora_int_id
-                lost_adapter = lid_before is not None and not self.applier.has_lora(lid_before)
-                touched = wrote[0] or lost_adapter or (stage == "adapter" and not (
-                    self.state.lora_int_id is not None and self.applier.has_lora(self.state.lora_int_id)
-                    and not getattr(e, "adapter_touched", True)))
+                touched = leaves_stale(
+                    base_reached=wrote[0], adapter_stage=stage == "adapter",
+                    adapter_lost=lid_before is not None and not self.applier.has_lora(lid_before),
+                    nothing_written=isinstance(raised, NothingWritten))
                 if touched:
                     self.state.stale = True
                     self.state.last_error = f"sync v{manifest.version} failed {where} ({stage}): {type(e).__name__}: {e}"
@@ -236,7 +269,9 @@ class Receiver:
                                type(e).__name__, e, origin, consequence)
                 logger.debug("hwsync: sync v%d: the error's traceback", manifest.version, exc_info=e)
                 if not isinstance(e, Exception) or (isinstance(e, HwsyncError) and not isinstance(e, SyncError)):
-                    raise
+                    if e is raised:
+                        raise
+                    raise e from e.__cause__  # what the applier wrapped in NothingWritten, as it was
                 raise SyncError(f"sync v{manifest.version} aborted {where} ({type(e).__name__}: {e}{origin}); "
                                 f"{consequence}") from e
             self.state.version = manifest.version

@@ -9,8 +9,6 @@ CPU build runs in-process; anything else still goes to the original check.
 
 ``swift_rollout_serve``: give hwsync's sync server the engine ``swift rollout`` builds.
 
-``swift_weight_communicator``: keep ms-swift's trainer from opening its own weight communicator to that engine.
-
 ms-swift 4.6 builds the rollout engine inside each rollout worker process (``llm_worker`` ->
 ``SwiftRolloutDeploy.get_infer_engine``), hard-codes its own weight-sync worker extension, and hands plugins no
 reference to the engine: ``--external_plugins`` are imported before the engine exists. Its weight routes broadcast
@@ -21,11 +19,10 @@ The wrapper keeps vLLM's engine core in the worker process (:func:`hwsync.swift.
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM's GPU default would otherwise not be), calls the original, then
 :func:`hwsync.swift._server.serve_rollout_engine` on the engine it returns,
 which starts :func:`hwsync.serve` when ``HWSYNC_SERVER`` is set (and does nothing otherwise) and closes ms-swift's own
-weight routes on that engine (:func:`hwsync.swift._server.close_weight_routes`: ``/init_communicator/``,
-``/update_flattened_params/``, ... reach it without a key, past hwsync's lock and stale flag). ms-swift's GRPO trainer
-in server mode still calls ``/init_communicator/`` when it starts (``RLHFArguments._init_external_vllm``) and then
-waits for the engine to join a PyNccl group; ``swift_weight_communicator`` makes ``VLLMClient.init_communicator`` a
-logged no-op instead (hwsync's trainer never sends weights through it). Installed by the hwsync ms-swift plugin
+weight-writing routes on that engine (:func:`hwsync.swift._server.close_weight_routes`:
+``/update_flattened_params/``, ... reach it without a key, past hwsync's lock and stale flag). ``/init_communicator/``
+stays open: ms-swift's GRPO trainer calls it while parsing its arguments, before its plugins are imported, and waits
+for the engine to join (the group carries nothing while hwsync serves). Installed by the hwsync ms-swift plugin
 (``hwsync.swift.install``) in the processes that import it, which hands the wrapper its two steps (:func:`serve_with`:
 a patch calls into no hwsync module); the probes say *not needed* unless ``HWSYNC_SERVER`` asks for hwsync's server.
 """
@@ -41,7 +38,7 @@ from hwsync.errors import PatchError
 
 from ._base import APPLIES, NOT_NEEDED, Patch, ProbeResult, register
 
-__all__ = ["SwiftRolloutCpuPatch", "SwiftRolloutServePatch", "SwiftWeightCommunicatorPatch", "serve_with"]
+__all__ = ["SwiftRolloutCpuPatch", "SwiftRolloutServePatch", "serve_with"]
 
 _SERVER_ENV = "HWSYNC_SERVER"
 _steps: list[tuple[Callable[[], None], Callable[[Any, Any], Any]]] = []
@@ -137,37 +134,5 @@ class SwiftRolloutServePatch(Patch):
         return staticmethod(get_infer_engine)
 
 
-class SwiftWeightCommunicatorPatch(Patch):
-    name = "swift_weight_communicator"
-    targets = ("swift.rlhf_trainers.vllm_client:VLLMClient.init_communicator",)
-    upstream = "https://github.com/modelscope/ms-swift/blob/v4.6.0/swift/arguments/rlhf_args.py"
-    seen_in = ("ms-swift 4.6.0",)
-    remove_when = "ms-swift lets a plugin own server-mode weight sync (no communicator opened for it)"
-    opt_in = True
-
-    def check(self) -> ProbeResult:
-        if not os.environ.get(_SERVER_ENV):
-            return ProbeResult(NOT_NEEDED, f"server mode not requested ({_SERVER_ENV} unset)")
-        return ProbeResult(APPLIES, f"{_SERVER_ENV} is set: hwsync syncs the weights, and the engine refuses "
-                                    "ms-swift's weight communicator that GRPO's server mode opens at start-up")
-
-    def replacement(self, original: Any, target: str) -> Any:
-        if not callable(original):
-            raise TypeError(f"{target} is {type(original).__name__}, expected a function")
-
-        @functools.wraps(original)
-        def init_communicator(self: Any, *args: Any, **kwargs: Any) -> None:
-            if not os.environ.get(_SERVER_ENV):
-                return original(self, *args, **kwargs)
-            from swift.utils import get_logger
-
-            self.pynccl_comms = []
-            get_logger().info(f"hwsync: ms-swift's weight communicator is not opened ({_SERVER_ENV} is set: weights "
-                              "travel through hwsync's sync server)")
-
-        return init_communicator
-
-
 register(SwiftRolloutCpuPatch())
 register(SwiftRolloutServePatch())
-register(SwiftWeightCommunicatorPatch())

@@ -78,6 +78,27 @@ def test_gathers_that_are_not_views_are_refused() -> None:
         assert _index_view(index, tuple(index.shape), ["a", "b"], starts, sizes) is None
 
 
+def test_reorderings_that_are_no_strided_view_become_index_gathers() -> None:
+    """Llama 4's loader interleaves each head's q/k rows: no strided view of the LoRA B tensor reproduces vLLM's, so
+    the trace keeps the positions (an index gather of one tensor); reading and writing back through it round-trip."""
+    from hwsync.vllm.lora_slots import SlotWriter
+
+    heads, dim, rank = 2, 4, 3
+    b = torch.arange(heads * dim * rank, dtype=torch.float32).reshape(heads * dim, rank)
+    rows = torch.arange(heads * dim).view(heads, 2, dim // 2).transpose(1, 2).reshape(-1)  # interleaved halves
+    vllm_b = b[rows]
+    positions = torch.arange(b.numel()).view_as(b)[rows]
+    view = _index_view(positions.reshape(-1), tuple(vllm_b.shape), ["b"], [0], [b.numel()], gather=True)
+    assert view is not None and view.index is not None and view.source == "b"
+    writer = SlotWriter(("b",), (), (), None)  # type: ignore[arg-type]
+    assert torch.equal(writer._reader({"b": b})(view, tuple(vllm_b.shape)), vllm_b)
+    back = torch.zeros_like(b)
+    view.write(back, vllm_b)
+    assert torch.equal(back, b)
+    # across two tensors there is still no view of one
+    assert _index_view(torch.tensor([22, 23, 24, 25]), (4,), ["a", "b"], [0, 24], [24, 10], gather=True) is None
+
+
 def test_ranks_learn_whether_they_share_a_device() -> None:
     """The exchange the CUDA link runs before choosing NCCL (distinct GPUs) or gloo (a shared GPU: NCCL refuses
     two ranks on one device). Exercised here over a real TCPStore with two ranks in threads."""

@@ -250,32 +250,6 @@ def test_swift_rollout_serve_patch_only_when_server_mode_is_asked(plugin, monkey
         patch.probe(refresh=True)  # the cached probe must reflect this process's real environment again
 
 
-def test_swift_trainer_opens_no_weight_communicator_while_hwsync_serves(plugin, monkeypatch):
-    """swift rollout's engine refuses ms-swift's weight routes while hwsync serves it (tests/test_attacks.py), so
-    ms-swift's GRPO trainer must not open its communicator at start-up (it would wait for a group that never
-    forms): with HWSYNC_SERVER set, VLLMClient.init_communicator sends nothing."""
-    from types import SimpleNamespace
-
-    import hwsync.patches as patches
-    import hwsync.patches.swift_rollout  # noqa: F401
-    from swift.rlhf_trainers.vllm_client import VLLMClient
-
-    patch = patches.get("swift_weight_communicator")
-    original = VLLMClient.__dict__["init_communicator"]
-    try:
-        monkeypatch.delenv("HWSYNC_SERVER", raising=False)
-        assert patch.probe(refresh=True).state == patches.NOT_NEEDED
-        monkeypatch.setenv("HWSYNC_SERVER", "127.0.0.1:29555")
-        assert patch.probe(refresh=True).state == patches.APPLIES
-        with patch:
-            client = SimpleNamespace(pynccl_comms=["stale"])  # no sessions: ms-swift's own method would post
-            VLLMClient.init_communicator(client, device=0)
-            assert client.pynccl_comms == []
-        assert VLLMClient.__dict__["init_communicator"] is original
-    finally:
-        patch.probe(refresh=True)
-
-
 def test_served_rollout_engine_stays_in_the_worker_process(plugin, monkeypatch):
     """vLLM's GPU default moves the engine core into a child process, out of hwsync's server's reach (seen on an
     H100: swift rollout exited before serving); server mode keeps it in-process, and refuses an explicit 1."""

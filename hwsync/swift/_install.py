@@ -53,7 +53,7 @@ def install(*, patches: bool = True) -> None:
             before = {p.name for p in hp.registered() if p.installed}
             skip = set(RECEIVER_SCOPED)
             if not os.environ.get(ENV["server"]):  # colocate: do not even import swift's rollout server module
-                skip.update(("swift_rollout_serve", "swift_rollout_cpu", "swift_weight_communicator"))
+                skip.update(("swift_rollout_serve", "swift_rollout_cpu"))
             else:
                 from hwsync.swift._server import keep_engine_in_process, serve_rollout_engine
 

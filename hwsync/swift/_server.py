@@ -110,17 +110,20 @@ def guard_generation(engine: Any, handle: Any) -> None:
 
 
 SWIFT_WEIGHT_METHODS = frozenset({
-    "init_communicator", "update_named_param", "update_adapter_flattened_param", "update_adapter_param",
-    "update_flattened_params", "process_weights_after_loading", "update_weights_from_ipc"})
-"""The methods of ms-swift's ``WeightSyncWorkerExtension`` that ``swift rollout``'s weight routes
-(``/init_communicator/``, ``/update_flattened_params/``, ...) reach through ``collective_rpc``: no token, no lock, no
-stale flag, and a PyNccl group whose store listens wherever the request says."""
+    "update_named_param", "update_adapter_flattened_param", "update_adapter_param", "update_flattened_params",
+    "process_weights_after_loading", "update_weights_from_ipc"})
+"""The methods of ms-swift's ``WeightSyncWorkerExtension`` that write weights, reached from ``swift rollout``'s weight
+routes (``/update_flattened_params/``, ...) through ``collective_rpc``: no token, no lock, no stale flag.
+
+``init_communicator`` (and ``close_communicator``) stay ms-swift's: its GRPO trainer opens the communicator while it
+parses its arguments (``RLHFArguments._init_external_vllm``), before ``--external_plugins`` are imported, and would
+wait 300 s for an engine that refused to join. The group it opens carries nothing while hwsync serves."""
 
 
 def close_weight_routes(llm_engine: Any, address: str) -> None:
-    """While hwsync serves this engine, ``swift rollout``'s own weight routes end in one error each: the engine's
-    ``collective_rpc`` refuses :data:`SWIFT_WEIGHT_METHODS` (ms-swift's worker loop logs it). hwsync's trainer never
-    calls them (the patch ``swift_weight_communicator`` keeps ms-swift's trainer from opening its communicator)."""
+    """While hwsync serves this engine, ``swift rollout``'s own weight-writing routes end in one error each: the
+    engine's ``collective_rpc`` refuses :data:`SWIFT_WEIGHT_METHODS` (ms-swift's worker loop logs it). hwsync's
+    trainer never calls them."""
     original = llm_engine.collective_rpc
     if getattr(original, "_hwsync_closed", False):
         return

@@ -26,15 +26,20 @@ import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from hwsync.errors import AdapterFormatError, ResolutionError, SyncError
 from hwsync.progress import counted, phase
+from hwsync.receiver import Loaded, NothingWritten
 from hwsync.vllm.lora_slots import NOT_TRACED
 from hwsync.wire import Manifest, TensorSpec, dtype_name
+
+if TYPE_CHECKING:
+    from hwsync.names import NameMap
+    from hwsync.vllm.direct import DirectWriter
 
 __all__ = ["VllmApplier", "LORA_NAME", "LORA_INT_ID", "vllm_reload", "expert_packing_problem"]
 
@@ -138,20 +143,20 @@ def vllm_reload(runner: Any, weights: Any) -> None:
 
 
 @dataclass
-class Plan:
+class LoadPlan:
     """What validation found out about one manifest, reused for every sync with the same digest."""
 
     groups: dict[str, str] = field(default_factory=dict)
     """Trainer name -> engine layer (module path) its tensor loads into."""
-    names: Any = None
-    """:class:`hwsync.names.Plan`: trainer name -> live parameters, and the spellings vLLM's loader takes."""
+    names: NameMap | None = None
+    """:class:`hwsync.names.NameMap`: trainer name -> live parameters, and the spellings vLLM's loader takes."""
     eligible: dict[str, str] = field(default_factory=dict)
     """Trainer names whose parameters the kernels read as stored (:func:`hwsync.vllm.direct.eligible_names`)."""
     ineligible: dict[str, str] = field(default_factory=dict)
     """Trainer name -> why it always goes through vLLM's reload."""
-    direct: Any = None
+    direct: DirectWriter | None = None
     """:class:`hwsync.vllm.direct.DirectWriter` for the names proven equal to vLLM's own load path (else ``None``)."""
-    raw: Any = None
+    raw: DirectWriter | None = None
     """:class:`hwsync.vllm.direct.DirectWriter` for the names the model's ``load_weights`` copies itself, which vLLM's
     reload cannot see (:func:`hwsync.vllm.dry_run.dry_run_load`): written in place on every sync (else ``None``)."""
     calibrated: bool = False
@@ -204,7 +209,7 @@ def expert_packing_problem(packed_modules_mapping: Mapping[str, Sequence[str]]) 
     return None
 
 
-def _whole_layers(proven: set[str], plan: Plan) -> set[str]:
+def _whole_layers(proven: set[str], plan: LoadPlan) -> set[str]:
     """The proven names whose engine layer is written in place entirely. vLLM's reload re-materialises every layer
     it loads into and copies *all* of that layer's tensors back, so a name written in place beside one that goes
     through the reload in the same layer (Mamba2's ``D`` beside the ``A`` its loader computes from ``A_log``) would be
@@ -226,7 +231,6 @@ class VllmApplier:
         # kernel tensors: until one vLLM reload has run to the end, nothing is written in place (see _recover)
         self._layers_unrestored = False
         self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
-        self.last_lora_path = ""
         self._packing: tuple[Any, str | None] | None = None  # (experts packing list, its expert_packing_problem)
 
     # -- facts ----------------------------------------------------------------------------------------------------
@@ -382,8 +386,8 @@ class VllmApplier:
         return dict(self._row_orders)
 
     # -- validation -----------------------------------------------------------------------------------------------
-    def validate(self, manifest: Manifest) -> Plan:
-        plan = Plan()
+    def validate(self, manifest: Manifest) -> LoadPlan:
+        plan = LoadPlan()
         if manifest.base_specs:
             plan = self._resolve_base(manifest.base_specs, require_complete=True,
                                       cast=manifest.dtype_policy == "cast")
@@ -401,7 +405,7 @@ class VllmApplier:
                        route_unknown=True)  # the dry run places (or refuses) what no declaration shows
 
     def _resolve_base(self, specs: Sequence[TensorSpec], *, require_complete: bool, cast: bool = True,
-                      transformed: set[str] | None = None) -> Plan:
+                      transformed: set[str] | None = None) -> LoadPlan:
         from hwsync.vllm.dry_run import dry_run_load
 
         names_plan = self._names_plan(specs, cast)
@@ -416,7 +420,7 @@ class VllmApplier:
                 f"elements from {sorted(names)[:4]}. vLLM re-processes a layer from its complete set of weights, so "
                 "a sync must carry all tensors of every layer it touches (all of q/k/v, all experts of a MoE block)"
             )
-        plan = Plan(groups, names_plan)
+        plan = LoadPlan(groups, names_plan)
         if raw and require_complete:
             from hwsync.vllm.direct import DirectWriter, raw_writable
 
@@ -553,7 +557,7 @@ class VllmApplier:
                                  if not isinstance(perm, str)})
 
     # -- base weights ---------------------------------------------------------------------------------------------
-    def load_base(self, plan: Plan, weights: Iterator[tuple[str, Tensor]]) -> str:
+    def load_base(self, plan: LoadPlan, weights: Iterator[tuple[str, Tensor]]) -> Loaded:
         """Proven names in place, the rest through vLLM's reload; the first sync of a plan calibrates. Returns how
         the tensors were written (for the sync report)."""
         from hwsync.vllm.direct import Calibration, DirectWriter
@@ -602,13 +606,14 @@ class VllmApplier:
                      + (f"; reloaded because {reasons[0]}" + (f" (+{len(reasons) - 1} reasons)" if len(reasons) > 1
                                                               else "") if reasons else ""))
             logger.info("hwsync: %s", path)
-        return path
+        return Loaded(path)
 
-    def _live(self, plan: Plan) -> dict[str, Tensor]:
+    def _live(self, plan: LoadPlan) -> dict[str, Tensor]:
+        assert plan.names is not None  # a plan with base weights always resolved their names
         ns = plan.names.namespace
         return {ns.params[c].name: t for c, t in ns.live.items()}
 
-    def _reload(self, plan: Plan, weights: Iterator[tuple[str, Tensor]]) -> None:
+    def _reload(self, plan: LoadPlan, weights: Iterator[tuple[str, Tensor]]) -> None:
         if plan.names is not None:
             weights = _vllm_spellings(plan.names, weights)
         vllm_reload(self.worker.model_runner, counted("base weights through vLLM's reload", weights))
@@ -644,8 +649,8 @@ class VllmApplier:
             logger.warning("hwsync: resetting LoRA state after a failed reload failed: %s: %s", type(e).__name__, e)
 
     # -- adapters -------------------------------------------------------------------------------------------------
-    def load_lora(self, plan: Plan, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None = None,
-                  lora_int_id: int | None = None, replaces: int | None = None) -> tuple[str, int]:
+    def load_lora(self, plan: LoadPlan, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None = None,
+                  lora_int_id: int | None = None, replaces: int | None = None) -> Loaded:
         """The same adapter structure again: rewrite it in place (:mod:`hwsync.vllm.lora_slots`); anything else:
         build and validate a new adapter aside, then swap it in under its id. ``tensors``/``config`` are the
         trainer's modules (:func:`hwsync.lora_formats.to_wire`)."""
@@ -660,9 +665,8 @@ class VllmApplier:
             installed = manager.get_adapter(lid)
             if installed is not None and getattr(installed, "_hwsync_signature", None) == signature:
                 writer.write(manager, installed, tensors)
-                self.last_lora_path = "adapter: rewritten in place" + (
-                    "; slots written directly" if writer.blocks else "; slots by vLLM's set_lora")
-                return name, lid
+                return Loaded("adapter: rewritten in place" + (
+                    "; slots written directly" if writer.blocks else "; slots by vLLM's set_lora"), name, lid)
         try:
             if lid <= 0:
                 raise AdapterFormatError(f"LoRA int id must be positive (vLLM reserves 0 for no adapter), got {lid}")
@@ -690,8 +694,7 @@ class VllmApplier:
                 # writer, the trace already ran vLLM's packing on the template layers, and the adapter is packed.
                 manager._create_merged_loras_inplace(build({k: v.detach().clone() for k, v in tensors.items()}))
         except BaseException as e:
-            e.adapter_touched = False  # type: ignore[attr-defined]  # built and validated aside: nothing changed
-            raise
+            raise NothingWritten(e) from e  # built and validated aside: the previous adapter serves untouched
         # validated: replace under one id (load_inplace semantics), dropping a previous identity first so an LRU
         # cache of capacity max_cpu_loras never has to evict a pinned adapter
         if replaces is not None and replaces != lid:
@@ -712,8 +715,8 @@ class VllmApplier:
                     writer.release_codes()
                 if why:
                     logger.info("hwsync: adapter slots are rewritten by vLLM's set_lora: %s", why)
-        self.last_lora_path = f"adapter: {how}" + ("; later syncs rewrite it in place" if writer is not None else "")
-        return name, lid
+        return Loaded(f"adapter: {how}" + ("; later syncs rewrite it in place" if writer is not None else ""),
+                      name, lid)
 
     def _device(self) -> Any:
         return getattr(self.worker.model_runner, "device", torch.device("cpu"))

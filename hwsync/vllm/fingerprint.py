@@ -241,7 +241,7 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
         if src is None:
             shape = shapes[keys.index(g.view.source)]
             src = sources[g.view.source] = torch.zeros(shape, dtype=t.dtype, device=t.device)
-        src.as_strided(g.shape, g.view.strides, g.view.offset).copy_(t)
+        g.view.write(src, t)
     for k, shape in zip(keys, shapes):
         src = sources.get(k)
         if src is None:

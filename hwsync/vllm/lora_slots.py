@@ -11,7 +11,7 @@ and a stack per expert group: seconds at Qwen3-30B-A3B scale (48 layers x 128 ex
   ``_create_merged_loras_inplace``. Every element vLLM would hand to ``set_lora`` then says which manifest element it
   came from (0: vLLM's zero fill); anything that is not pure data movement (a scaling other than 1, which hwsync
   never sends) leaves non-index values and disables the writer. The gathers found are strided views of one manifest
-  tensor; the other layers of the group get the same views of their own tensors. The trace costs one layer per
+  tensor (or, for a reordering no strided view fits, index gathers of one); the other layers of the group get the same views of their own tensors. The trace costs one layer per
   structure, whatever the depth of the model (a 48-layer model traces as fast as a 2-layer one).
 * **The slots, traced the same way** once the adapter is installed: each template module's ``set_lora`` runs once
   more with its stacked slot tensors swapped for float64 stand-ins (NaN: not written) and the index-valued adapter as
@@ -116,11 +116,37 @@ def _renamer(prefix: str, source: int, target: int) -> Callable[[str], str | Non
 # -- gathers and blocks -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _View:
-    """``contiguous(tensors[source]).as_strided(shape, strides, offset)``."""
+    """vLLM's tensor as a view of one (contiguous) manifest tensor: ``as_strided(shape, strides, offset)``, or, where
+    vLLM reorders elements no strided view reproduces (Llama 4's loader interleaves the q/k rows of every head), the
+    source's flat positions ``index`` (a gather: one extra temporary per read)."""
 
     source: str
-    strides: tuple[int, ...]
-    offset: int
+    strides: tuple[int, ...] = ()
+    offset: int = 0
+    index: Tensor | None = field(default=None, compare=False, repr=False)
+    """int64 flat positions in the source, in vLLM's element order (None: the strided view)."""
+    _on: dict[Any, Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def _positions(self, device: torch.device) -> Tensor:
+        assert self.index is not None
+        t = self._on.get(device)
+        if t is None:
+            t = self._on[device] = self.index.to(device)
+        return t
+
+    def read(self, t: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """The view of contiguous ``t`` (a copy for an index view). ``as_strided``'s offset counts from the storage's
+        start: a tensor received in a bucket is a view at an offset into that bucket."""
+        if self.index is None:
+            return t.as_strided(shape, self.strides, t.storage_offset() + self.offset)
+        return t.reshape(-1).index_select(0, self._positions(t.device)).reshape(shape)
+
+    def write(self, t: Tensor, value: Tensor) -> None:
+        """Write ``value`` (vLLM's tensor) back through the view into contiguous ``t``."""
+        if self.index is None:
+            t.as_strided(tuple(value.shape), self.strides, t.storage_offset() + self.offset).copy_(value)
+        else:
+            t.view(-1).index_copy_(0, self._positions(t.device), value.reshape(-1).to(t.dtype))
 
 
 @dataclass(frozen=True)
@@ -148,9 +174,9 @@ class _Block:
 
 
 def _index_view(index: Tensor, shape: tuple[int, ...], keys: Sequence[str], starts: Sequence[int],
-                sizes: Sequence[int]) -> _View | None:
+                sizes: Sequence[int], gather: bool = False) -> _View | None:
     """``index`` (positions in the concatenated tensors, any device) as a strided view of one of them, if it is
-    one."""
+    one; with ``gather``, any reordering of one of them (an index view) where no strided view fits."""
     if index.numel() == 0:
         return None
     lo, hi = int(index.min()), int(index.max())
@@ -171,7 +197,7 @@ def _index_view(index: Tensor, shape: tuple[int, ...], keys: Sequence[str], star
         view[d] = n
         expect += (torch.arange(n, dtype=torch.int64, device=index.device) * st).view(view)
     if not torch.equal(expect, local):
-        return None
+        return _View(keys[source], index=local.reshape(-1).clone()) if gather else None
     return _View(keys[source], tuple(strides), offset)
 
 
@@ -325,9 +351,9 @@ class SlotWriter:
                     if not bool(values.any()):
                         gathers.append(_Gather(name, fld, pos, tuple(t.shape), None))
                         continue
-                    view = _index_view(values.to(torch.int64) - 1, tuple(t.shape), keys, starts, sizes)
+                    view = _index_view(values.to(torch.int64) - 1, tuple(t.shape), keys, starts, sizes, gather=True)
                     if view is None:
-                        return f"{name}.{fld}: vLLM's tensor is not a strided view of one adapter tensor"
+                        return f"{name}.{fld}: vLLM's tensor reads from several adapter tensors"
                     gathers.append(_Gather(name, fld, pos, tuple(t.shape), view))
         return lm, gathers
 
@@ -387,9 +413,7 @@ class SlotWriter:
             if t is None:
                 t = tensors[view.source].detach()
                 t = flat[view.source] = t if t.is_contiguous() else t.contiguous()
-            # as_strided's offset counts from the storage's start: a tensor received in a bucket is a view at an
-            # offset into that bucket
-            return t.as_strided(shape, view.strides, t.storage_offset() + view.offset)
+            return view.read(t, shape)
 
         return read
 
@@ -536,9 +560,9 @@ class SlotWriter:
                     if bool(torch.isnan(codes).any()) or bool((codes < 1).any()):
                         return f"{name}.{attr}: set_lora writes a slot region that is not one dense block"
                     index = codes.reshape(-1).to(torch.int64) - 1
-                    view = _index_view(index, tuple(codes.shape), keys, starts, sizes)
+                    view = _index_view(index, tuple(codes.shape), keys, starts, sizes, gather=True)
                     if view is None:
-                        return f"{name}.{attr}: a slot block is not a strided view of one adapter tensor"
+                        return f"{name}.{attr}: a slot block reads from several adapter tensors"
                     blocks.append(_Block(name, attr, pos, box, tuple(codes.shape), view))
         return blocks
 
@@ -571,12 +595,12 @@ class SlotWriter:
         dsts = self._destinations(manager, lora_model, slot)
         srcs: list[Tensor] = []
         contiguous: dict[str, Tensor] = {}
-        for key, shape, strides, offset in self._reads:
-            t = contiguous.get(key)
+        for view, shape in self._reads:
+            t = contiguous.get(view.source)
             if t is None:
-                t = tensors[key].detach()
-                t = contiguous[key] = t if t.is_contiguous() else t.contiguous()
-            srcs.append(t.as_strided(shape, strides, t.storage_offset() + offset))
+                t = tensors[view.source].detach()
+                t = contiguous[view.source] = t if t.is_contiguous() else t.contiguous()
+            srcs.append(view.read(t, shape))
         with torch.no_grad():
             _copy_all(dsts, srcs)
             if not self.blocks:
@@ -591,14 +615,14 @@ class SlotWriter:
         if cached is not None and cached[0]() is lora_model and cached[1] == (slot, len(self.blocks)):
             return cached[2]
         dsts: list[Tensor] = []
-        reads: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+        reads: list[tuple[_View, tuple[int, ...]]] = []
         for g in self.gathers:
             if g.view is not None:
                 dsts.append(_get(lora_model.loras[g.module], g))
-                reads.append((g.view.source, g.shape, g.view.strides, g.view.offset))
+                reads.append((g.view, g.shape))
         for b in self.blocks:
             dsts.append(self._slot_block(manager, b, slot))
-            reads.append((b.view.source, b.shape, b.view.strides, b.view.offset))
+            reads.append((b.view, b.shape))
         self._reads = reads
         self._dst_cache = (weakref.ref(lora_model), (slot, len(self.blocks)), dsts)
         return dsts
