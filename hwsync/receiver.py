@@ -249,31 +249,13 @@ class Receiver:
                     self.state.lora_name = self.state.lora_int_id = None
             except BaseException as raised:
                 e = raised.cause if isinstance(raised, NothingWritten) else raised
-                where = f"after bucket {received[0]} of {len(manifest.buckets)}"
-                lid_before = self.state.lora_int_id
-                touched = leaves_stale(
-                    base_reached=wrote[0], adapter_stage=stage == "adapter",
-                    adapter_lost=lid_before is not None and not self.applier.has_lora(lid_before),
-                    nothing_written=isinstance(raised, NothingWritten))
-                if touched:
-                    self.state.stale = True
-                    self.state.last_error = f"sync v{manifest.version} failed {where} ({stage}): {type(e).__name__}: {e}"
-                    consequence = (f"engine is stale ({stage} partly written) and refuses to generate through hwsync "
-                                   "until a complete sync lands")
-                else:
-                    self.state.stale, self.state.last_error = was_stale, last_error
-                    consequence = (f"nothing was applied; the engine still serves v{self.state.version}"
-                                   + (" (and stays stale from before)" if was_stale else ""))
-                origin = "" if isinstance(e, HwsyncError) else _origin(e)  # a bare `assert` in vLLM says nothing
-                logger.warning("hwsync: sync v%d aborted %s: %s: %s%s; %s", manifest.version, where,
-                               type(e).__name__, e, origin, consequence)
-                logger.debug("hwsync: sync v%d: the error's traceback", manifest.version, exc_info=e)
-                if not isinstance(e, Exception) or (isinstance(e, HwsyncError) and not isinstance(e, SyncError)):
+                error = self._aborted(manifest, raised, f"after bucket {received[0]} of {len(manifest.buckets)}",
+                                      stage, wrote[0], (was_stale, last_error))
+                if error is None:
                     if e is raised:
                         raise
                     raise e from e.__cause__  # what the applier wrapped in NothingWritten, as it was
-                raise SyncError(f"sync v{manifest.version} aborted {where} ({type(e).__name__}: {e}{origin}); "
-                                f"{consequence}") from e
+                raise error from e
             self.state.version = manifest.version
             self.state.strategy = manifest.strategy.value
             if has_base:
@@ -283,6 +265,31 @@ class Receiver:
             return {"version": manifest.version, "seconds": time.perf_counter() - t0, "lora": len(lora),
                     "base": len(manifest.base_specs), "path": "; ".join(p for p in paths if p)}
 
+
+    def _aborted(self, manifest: Manifest, raised: BaseException, where: str, stage: str, base_reached: bool,
+                 before: tuple[bool, str | None]) -> SyncError | None:
+        """After a failed receive: stale or not (:func:`leaves_stale`), logged; the :class:`SyncError` to raise, or
+        ``None`` to re-raise the error itself (an interrupt, or an :class:`HwsyncError` that names its own fix)."""
+        e = raised.cause if isinstance(raised, NothingWritten) else raised
+        lid = self.state.lora_int_id
+        if leaves_stale(base_reached=base_reached, adapter_stage=stage == "adapter",
+                        adapter_lost=lid is not None and not self.applier.has_lora(lid),
+                        nothing_written=isinstance(raised, NothingWritten)):
+            self.state.stale = True
+            self.state.last_error = f"sync v{manifest.version} failed {where} ({stage}): {type(e).__name__}: {e}"
+            consequence = (f"engine is stale ({stage} partly written) and refuses to generate through hwsync "
+                           "until a complete sync lands")
+        else:
+            self.state.stale, self.state.last_error = before
+            consequence = (f"nothing was applied; the engine still serves v{self.state.version}"
+                           + (" (and stays stale from before)" if before[0] else ""))
+        origin = "" if isinstance(e, HwsyncError) else _origin(e)  # a bare `assert` in vLLM says nothing
+        logger.warning("hwsync: sync v%d aborted %s: %s: %s%s; %s", manifest.version, where,
+                       type(e).__name__, e, origin, consequence)
+        logger.debug("hwsync: sync v%d: the error's traceback", manifest.version, exc_info=e)
+        if not isinstance(e, Exception) or (isinstance(e, HwsyncError) and not isinstance(e, SyncError)):
+            return None
+        return SyncError(f"sync v{manifest.version} aborted {where} ({type(e).__name__}: {e}{origin}); {consequence}")
 
 def _origin(e: BaseException) -> str:
     """`` (raised at <file>:<line> in <function>)`` of the innermost frame: where an unexpected error came from."""
