@@ -8,7 +8,7 @@ patch an earlier module removed. One interpreter per module is what a user's pro
 
     python ci/run_tests.py [--modules=tests/a.py,tests/b.py] [--jobs=N] [pytest args...]   # e.g. -k sync, -x
 
-``--modules`` runs only those modules (in that order). ``--jobs`` (or ``HWSYNC_TEST_JOBS``; default: 2 where the
+``--modules`` runs only those modules. ``--jobs`` (or ``HWSYNC_TEST_JOBS``; default: 2 where the
 machine has 2 or more cores) runs that many modules side by side: most modules are one engine and one trainer on one
 thread, so CI's 2 cores take two at once. Modules in :data:`ALONE` (2-rank scenarios: two processes of their own,
 and timing they assert on) run with nothing beside them. ``HWSYNC_PYTEST`` replaces the pytest command (default
@@ -33,10 +33,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # 2-rank scenarios (each rank a process that also drives an engine worker): alone, first
 ALONE = ("tests/test_fsdp_tp_cpu.py", "tests/test_server_tp.py", "tests/test_gather.py",
          "tests/test_multigpu_fsdp_tp.py", "tests/test_server_sharded.py")
+# the longest modules on CI's 2 cores (several minutes each), started first so that no long one starts last and runs
+# alone at the end
+LONG = ("tests/test_swift_server.py", "tests/test_families.py", "tests/test_lora_configs.py", "tests/test_attacks.py",
+        "tests/test_swift_grpo.py")
 # modules made for another venv (an upstream pin keeps their library out of ./.venv): the default module list leaves
-# them out where that library is missing, and says where they run
-ELSEWHERE = {"tests/test_trl_": ("trl", "TRL 1.16 declares vllm<=0.31: ci/run-trl.sh and the vLLM matrix's 0.31 leg "
-                                        "(ci/run-vllm-matrix.sh) run them in .venv-trl")}
+# them out where that library, at the version they need, is missing, and says where they run
+ELSEWHERE = {"tests/test_trl_": ("trl", (1, 16), "TRL 1.16 declares vllm<=0.31 (ms-swift 4.6 pins trl<1): "
+                                                 "ci/run-trl.sh and the vLLM matrix's 0.31 leg run them in .venv-trl")}
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
 
@@ -91,8 +95,10 @@ def main(argv: list[str]) -> int:
                 with open(os.environ["HWSYNC_TEST_LOG"], "a") as f:
                     f.write(f"\n===== {module} ({seconds:.0f} s): {summary}\n{out}\n")
 
-    # the 2-rank scenarios first, each alone; then the rest, n_jobs at a time, in name order
-    queue = [m for m in modules if m in ALONE] + [m for m in modules if m not in ALONE] if n_jobs > 1 else list(modules)
+    # the 2-rank scenarios first, each alone; then the long ones; then the rest, n_jobs at a time, in name order
+    # (--modules: the same rules over the modules given)
+    rest = [m for m in modules if m in LONG] + [m for m in modules if m not in ALONE and m not in LONG]
+    queue = [m for m in modules if m in ALONE] + rest if n_jobs > 1 else list(modules)
     running: dict[Future[tuple[str, float, subprocess.CompletedProcess[str]]], str] = {}
     with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
         while queue or running:
@@ -115,15 +121,23 @@ def main(argv: list[str]) -> int:
 
 
 def _runnable_here(modules: list[str]) -> list[str]:
-    """``modules`` without those of :data:`ELSEWHERE` whose library this interpreter lacks (named, not silent)."""
-    from importlib.util import find_spec
+    """``modules`` without those of :data:`ELSEWHERE` whose library this interpreter lacks at the version they need
+    (named, not silent)."""
+    from importlib import metadata
 
     out = []
     for m in modules:
         home = next((v for k, v in ELSEWHERE.items() if m.startswith(k)), None)
-        if home is not None and find_spec(home[0]) is None:
-            print(f"not here {m:<44} no {home[0]} in this venv; {home[1]}", flush=True)
-            continue
+        if home is not None:
+            dist, minimum, where = home
+            try:
+                have = tuple(int(x) for x in re.findall(r"\d+", metadata.version(dist))[:2])
+            except metadata.PackageNotFoundError:
+                have = ()
+            if have < minimum:
+                print(f"not here {m:<44} needs {dist}>={'.'.join(map(str, minimum))} "
+                      f"({'.'.join(map(str, have)) or 'not installed'} here); {where}", flush=True)
+                continue
         out.append(m)
     return out
 
