@@ -66,6 +66,7 @@ __all__ = [
     "not_lora_reason",
     "peft_type",
     "trained_biases",
+    "experts_stored_in_out",
 ]
 
 #: ``LoRAConfig.max_lora_rank`` values vLLM accepts (vllm/config/lora.py ``MaxLoRARanks``).
@@ -322,7 +323,7 @@ def _experts_kind(name: str, param_name: str) -> LoraKind:
     return LoraKind.EXPERTS_OTHER
 
 
-def _stored_in_out(experts: nn.Module) -> bool | None:
+def experts_stored_in_out(experts: nn.Module) -> bool | None:
     """Whether a gated experts module stores its weights ``[E, in, out]`` (``True``) or ``[E, out, in]``
     (``False``), told from the shapes of its ``gate_up_proj`` and ``down_proj`` alone (``[E, 2I, H]`` + ``[E, H, I]``
     against ``[E, H, 2I]`` + ``[E, I, H]``; both cannot fit); ``None`` without such a pair."""
@@ -402,7 +403,7 @@ def _layer_module(path: str, layer: Any, adapter_name: str,
             sa, sb = _stack_param_wrapper(a, b, layer.num_experts)
             transposed = not layer._did_swap_in_out_features
             experts = layer.get_base_layer()
-            stored = _stored_in_out(experts)
+            stored = experts_stored_in_out(experts)
             if stored is not None and stored != transposed:
                 # PEFT took the parameter for the other orientation (transformers' Llama 4 stores [E, in, out] and
                 # declares no ``is_transposed``): its B A is the parameter's ΔW all the same, but A's columns are

@@ -230,15 +230,8 @@ def test_the_doc_lists_the_same_vllm_importers() -> None:
     assert not missing, f"docs/architecture.md does not name these vLLM importers: {missing}"
 
 
-PRIVATE_IMPORTS_LEFT = {
-    ("hwsync.testing.faults", "hwsync.vllm.worker._worker"),
-    ("hwsync.testing.faults", "hwsync.vllm.applier._vllm_spellings"),
-    ("hwsync.testing.reference", "hwsync.lora_formats._stored_in_out"),
-    ("hwsync.vllm.fingerprint", "hwsync.vllm.worker._worker"),
-    ("hwsync.vllm.fingerprint", "hwsync.vllm.lora_slots._get"),
-}
-"""The last private names imported across modules (19 before issue 30): their modules are being rewritten on other
-branches, which make them public or drop them; this set only shrinks."""
+PRIVATE_IMPORTS_LEFT: set[tuple[str, str]] = set()
+"""Private names imported across modules: 19 before issue 30, none now; this set stays empty."""
 
 
 def test_no_private_names_across_modules() -> None:

@@ -51,9 +51,9 @@ def applicable(fault: str, strategy: str) -> bool:
 # -- functions run inside the worker (collective_rpc) ----------------------------------------------------------------
 def _manager(worker: Any) -> tuple[Any, Any]:
     from hwsync.vllm.applier import lora_manager_of
-    from hwsync.vllm.worker import _worker, receiver_of
+    from hwsync.vllm.worker import unwrap_worker, receiver_of
 
-    w = _worker(worker)
+    w = unwrap_worker(worker)
     return receiver_of(w), lora_manager_of(w)
 
 
@@ -113,11 +113,11 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
     """Write trainer tensors into the engine through vLLM's own ``reload_weights`` (the sync's reload path),
     optionally with every MoE kernel's post-load step made a no-op for this reload; whether the parameters the
     tensors land in changed."""
-    from hwsync.vllm.applier import _vllm_spellings, lora_manager_of, model_of, vllm_reload
-    from hwsync.vllm.worker import _worker, receiver_of
+    from hwsync.vllm.applier import vllm_spellings, lora_manager_of, model_of, vllm_reload
+    from hwsync.vllm.worker import unwrap_worker, receiver_of
     from hwsync.wire import TensorSpec
 
-    w = _worker(worker)
+    w = unwrap_worker(worker)
     rec = receiver_of(w)
     applier: Any = rec.applier  # the VllmApplier behind the receiver's Applier interface
     manager = lora_manager_of(w)
@@ -144,7 +144,7 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
     for cls in skipped:  # the reload builds new kernel objects: the step is skipped on their class
         cls.process_weights_after_loading = lambda self, layer: None
     try:
-        vllm_reload(w.model_runner, _vllm_spellings(names_plan, iter(list(items))))
+        vllm_reload(w.model_runner, vllm_spellings(names_plan, iter(list(items))))
     finally:
         for cls, fn in originals:
             cls.process_weights_after_loading = fn

@@ -230,12 +230,12 @@ def _peft_in_out_owners(model: Any) -> set[str]:
     their gate_up/down shapes say ``[E, in, out]`` (:func:`peft_moe_lora_to_2d` ``in_out``)."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    from hwsync.lora_formats import _stored_in_out
+    from hwsync.lora_formats import experts_stored_in_out
 
     owners = set()
     for path, layer in model.named_modules():
         if isinstance(layer, ParamWrapper) and layer._did_swap_in_out_features \
-                and _stored_in_out(layer.get_base_layer()) is True and ".experts" in path:
+                and experts_stored_in_out(layer.get_base_layer()) is True and ".experts" in path:
             owners.add(path[: path.index(".experts")])
     return owners
 

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from hwsync.names import NameMap
     from hwsync.vllm.direct import DirectWriter
 
-__all__ = ["VllmApplier", "LORA_NAME", "LORA_INT_ID", "vllm_reload", "expert_packing_problem"]
+__all__ = ["VllmApplier", "LORA_NAME", "LORA_INT_ID", "vllm_reload", "vllm_spellings", "expert_packing_problem"]
 
 logger = logging.getLogger("hwsync.vllm")
 
@@ -119,7 +119,7 @@ def _observed(weights: Iterator[tuple[str, Tensor]], calibration: Any) -> Iterat
         yield name, t
 
 
-def _vllm_spellings(names_plan: Any, weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+def vllm_spellings(names_plan: Any, weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
     """Trainer names -> the spellings vLLM's loader takes, lazily: one bucket in flight, never the whole model (the
     manifest was validated as a whole before the first tensor arrived)."""
     for name, t in weights:
@@ -615,7 +615,7 @@ class VllmApplier:
 
     def _reload(self, plan: LoadPlan, weights: Iterator[tuple[str, Tensor]]) -> None:
         if plan.names is not None:
-            weights = _vllm_spellings(plan.names, weights)
+            weights = vllm_spellings(plan.names, weights)
         vllm_reload(self.worker.model_runner, counted("base weights through vLLM's reload", weights))
 
     def _recover(self) -> None:

@@ -33,9 +33,9 @@ def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     """``request``: ``seed``, ``base`` ([name, shape, dtype] of trainer tensors), ``lora`` (None or ``keys``,
     ``shapes``, ``meta``). Returns the receiver state plus ``base``/``lora``: name -> [value, magnitude] or a
     string saying why that tensor cannot be read back here."""
-    from hwsync.vllm.worker import _worker, receiver_of
+    from hwsync.vllm.worker import unwrap_worker, receiver_of
 
-    w = _worker(worker)
+    w = unwrap_worker(worker)
     rec = receiver_of(w)
     st = rec.refresh()
     out: dict[str, Any] = {"version": st.version, "stale": st.stale, "lora_int_id": st.lora_int_id,
@@ -186,7 +186,7 @@ def stacked_buffers(module: Any) -> list[tuple[str, int | None, Tensor]]:
 
 def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: int) -> Any:
     from hwsync.vllm.applier import lora_manager_of
-    from hwsync.vllm.lora_slots import SlotWriter, _get
+    from hwsync.vllm.lora_slots import SlotWriter, held_tensor
 
     manager = lora_manager_of(w)
     if manager is None:
@@ -232,11 +232,11 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
     sources: dict[str, Tensor] = {}
     for g in writer.gathers:
         weights = installed.loras.get(g.module)
-        if weights is None or tuple(_get(weights, g).shape) != g.shape:
+        if weights is None or tuple(held_tensor(weights, g).shape) != g.shape:
             return f"installed adapter's {g.module}.{g.field} does not have the planned layout"
         if g.view is None:
             continue
-        t = _get(weights, g)
+        t = held_tensor(weights, g)
         src = sources.get(g.view.source)
         if src is None:
             shape = shapes[keys.index(g.view.source)]

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from hwsync.vllm.compat import check_adapter
 
-__all__ = ["SlotWriter", "LayerGroups", "layer_groups", "NOT_TRACED", "LAYER_NAME"]
+__all__ = ["SlotWriter", "LayerGroups", "layer_groups", "held_tensor", "NOT_TRACED", "LAYER_NAME"]
 
 NOT_TRACED = "slots not traced yet"
 
@@ -208,7 +208,8 @@ def _fields(weights: Any, field: str) -> list[tuple[int | None, Tensor]]:
     return [] if value is None else [(None, value)]
 
 
-def _get(weights: Any, g: _Gather | _Block) -> Tensor:
+def held_tensor(weights: Any, g: _Gather | _Block) -> Tensor:
+    """The tensor of a layer-weight object (or stacked slot tensors) that gather / block ``g`` stands for."""
     value = getattr(weights, g.field if isinstance(g, _Gather) else g.attr)
     return value[g.position] if g.position is not None else value
 
@@ -618,7 +619,7 @@ class SlotWriter:
         reads: list[tuple[_View, tuple[int, ...]]] = []
         for g in self.gathers:
             if g.view is not None:
-                dsts.append(_get(lora_model.loras[g.module], g))
+                dsts.append(held_tensor(lora_model.loras[g.module], g))
                 reads.append((g.view, g.shape))
         for b in self.blocks:
             dsts.append(self._slot_block(manager, b, slot))

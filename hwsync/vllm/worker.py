@@ -18,10 +18,10 @@ from hwsync.receiver import Receiver
 from hwsync.wire import Manifest
 
 __all__ = ["answered", "check_servable", "describe", "mark_stale", "prepare", "rank", "receive", "receive_remote",
-           "receiver_of", "state"]
+           "receiver_of", "state", "unwrap_worker"]
 
 
-def _worker(obj: Any) -> Any:
+def unwrap_worker(obj: Any) -> Any:
     """The worker itself, also when vLLM hands its ``WorkerWrapperBase`` (in-process callables)."""
     inner = obj.__dict__.get("worker") if hasattr(obj, "__dict__") else None
     return inner if inner is not None else obj
@@ -51,7 +51,7 @@ def answered(worker: Any, local: bool, fn: Any, *args: Any) -> tuple[str, Any]:
 def receiver_of(worker: Any) -> Receiver:
     from hwsync.vllm.applier import VllmApplier
 
-    w = _worker(worker)
+    w = unwrap_worker(worker)
     rec = w.__dict__.get("_hwsync_receiver")
     if rec is None:
         rec = Receiver(VllmApplier(w))
@@ -97,7 +97,7 @@ def _manifest(m: Manifest | str | bytes) -> Manifest:
 
 
 def rank(worker: Any) -> int:
-    return int(getattr(_worker(worker), "rank", 0) or 0)
+    return int(getattr(unwrap_worker(worker), "rank", 0) or 0)
 
 
 def describe(worker: Any, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
@@ -133,7 +133,7 @@ def receive(worker: Any, manifest: Manifest | str, buckets: Iterable[Sequence[Te
 
 
 def _device(worker: Any) -> torch.device:
-    w = _worker(worker)
+    w = unwrap_worker(worker)
     dev = getattr(w, "device", None) or getattr(getattr(w, "model_runner", None), "device", None)
     return torch.device(dev) if dev is not None else torch.device("cpu")
 
@@ -143,7 +143,7 @@ def _link(worker: Any, spec: Mapping[str, Any], link_rank: int) -> Any:
     from hwsync.backend import open_link
     from hwsync.transport.base import LinkSpec
 
-    w = _worker(worker)
+    w = unwrap_worker(worker)
     held = w.__dict__.get("_hwsync_link")
     if held is not None and held[0] == spec["prefix"]:
         return held[1], held[2]
@@ -160,7 +160,7 @@ def _link(worker: Any, spec: Mapping[str, Any], link_rank: int) -> Any:
 
 
 def close_link(worker: Any) -> None:
-    held = _worker(worker).__dict__.pop("_hwsync_link", None)
+    held = unwrap_worker(worker).__dict__.pop("_hwsync_link", None)
     if held is not None:
         held[1].close()
 
@@ -190,7 +190,7 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
             return ""
         return ""
 
-    buckets = receive_buckets(m, link, pool_of(_worker(worker).__dict__, link.device), Sealer(secret), abort_reason)
+    buckets = receive_buckets(m, link, pool_of(unwrap_worker(worker).__dict__, link.device), Sealer(secret), abort_reason)
     try:
         result = receiver_of(worker).receive(m, buckets)
     except BaseException:
