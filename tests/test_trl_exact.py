@@ -36,6 +36,11 @@ def test_every_sync_equals_vllms_own_loading(tmp_path, monkeypatch):
         for key, value in {**job.CPU_ENV, "CUDA_VISIBLE_DEVICES": ""}.items():
             monkeypatch.setenv(key, os.environ.get(key, value))
     monkeypatch.setenv("HWSYNC_METRICS", str(tmp_path / "m.jsonl"))
+    # this test's check (below) is the stronger one: the engine equals vLLM's own loading of the same weights. The
+    # job's hwsync.verify compares with the trainer instead, whose logprob gate tripped once in CI on this tiny
+    # random MoE (CPU fp32, first sync, mean |Δ| 2.2e-4 against 1e-4; passed when run again): it runs in
+    # test_trl_grpo, not here
+    monkeypatch.setenv("HWSYNC_VERIFY_EVERY", "0")
     model_dir, data = job.prepare(tmp_path)
     engine = {**job.engine_kwargs(), "enable_lora": True, "max_lora_rank": 8, "max_loras": 1,
               "max_model_len": 256, "logprobs_mode": "processed_logprobs"}
