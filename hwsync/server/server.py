@@ -18,13 +18,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
+from hwsync.engine import Engine
 from hwsync.errors import SyncError, encode_error
 from hwsync.server.protocol import (DEFAULT_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, IDLE_TIMEOUT_S, Channel, IdleTimeout,
                                     check_token, group_prefix, refuse_busy, server_handshake, split_address, stretch)
 from hwsync.transport.base import LinkSpec
-from hwsync.vllm.local import LocalEngine, local_engine
+from hwsync.vllm.local import local_engine
 from hwsync.wire import Manifest
 
 __all__ = ["SyncServer", "serve"]
@@ -62,6 +63,23 @@ def _base_shapes(base: Any) -> dict[str, list[int]] | None:
     return base
 
 
+class ServedTarget(Protocol):
+    """What :class:`SyncServer` drives: an engine handle of this process (``hwsync.vllm.local.LocalEngine`` for an
+    in-process ``vllm.LLM``, ``hwsync.server.vllm_api.ServedEngine`` inside ``vllm serve``) and the lock it shares
+    with generation."""
+
+    lock: Any
+
+    def describe(self, lora_paths: Any = (), base: Any = None) -> Any: ...
+    def state(self) -> dict[str, Any]: ...
+    def prepare(self, manifest: Manifest) -> None: ...
+    def receive_remote(self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes,
+                       abort_key: str) -> dict[str, Any]: ...
+    def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None: ...
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any: ...
+    def logprobs(self, prompts: Any, max_tokens: int) -> Any: ...
+
+
 class SyncServer:
     """Serves syncs into an in-process ``vllm.LLM`` for trainers that :func:`hwsync.connect` with the token."""
 
@@ -72,7 +90,8 @@ class SyncServer:
         self._key = stretch(check_token(token), salt)
         self._salt = salt
         # the one handle of this engine (also hwsync.sync's and hwsync.generate's): its lock guards both
-        self.engine = llm if isinstance(llm, LocalEngine) else local_engine(llm)
+        # (an Engine as it is: ``trl vllm-serve``'s ServedEngine drives its workers through vLLM's engine client)
+        self.engine: ServedTarget = llm if isinstance(llm, Engine) else local_engine(llm)  # type: ignore[assignment]
         self.timeout_s = float(timeout_s)
         self.idle_s = float(idle_s)
         self.handshake_s = float(handshake_s)
