@@ -115,7 +115,6 @@ def test_ms_swift_untouched_without_the_plugin():
 
 def test_plugin_file_is_what_swift_imports(plugin):
     """``--external_plugins`` gets a file path; importing it must install hwsync and leave sys.path clean."""
-    from pathlib import Path
 
     from swift.utils import import_external_file
 
