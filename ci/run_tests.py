@@ -47,11 +47,11 @@ COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|desel
 def main(argv: list[str]) -> int:
     modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py"))
     only = [a for a in argv if a.startswith("--modules=")]
-    if not only:
-        modules = _runnable_here(modules)
     if only:
         argv = [a for a in argv if not a.startswith("--modules=")]
         modules = [m for a in only for m in a.split("=", 1)[1].split(",") if m]
+    else:
+        modules = _runnable_here(modules)
     jobs = [a for a in argv if a.startswith("--jobs=")]
     argv = [a for a in argv if not a.startswith("--jobs=")]
     n_jobs = int(jobs[-1].split("=", 1)[1] if jobs else os.environ.get("HWSYNC_TEST_JOBS")

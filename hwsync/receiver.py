@@ -29,8 +29,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import Tensor
@@ -249,8 +249,9 @@ class Receiver:
                     self.state.lora_name = self.state.lora_int_id = None
             except BaseException as raised:
                 e = raised.cause if isinstance(raised, NothingWritten) else raised
-                error = self._aborted(manifest, raised, f"after bucket {received[0]} of {len(manifest.buckets)}",
-                                      stage, wrote[0], (was_stale, last_error))
+                error = self._aborted(manifest, e, e is not raised,
+                                      f"after bucket {received[0]} of {len(manifest.buckets)}", stage, wrote[0],
+                                      (was_stale, last_error))
                 if error is None:
                     if e is raised:
                         raise
@@ -265,16 +266,15 @@ class Receiver:
             return {"version": manifest.version, "seconds": time.perf_counter() - t0, "lora": len(lora),
                     "base": len(manifest.base_specs), "path": "; ".join(p for p in paths if p)}
 
-
-    def _aborted(self, manifest: Manifest, raised: BaseException, where: str, stage: str, base_reached: bool,
-                 before: tuple[bool, str | None]) -> SyncError | None:
-        """After a failed receive: stale or not (:func:`leaves_stale`), logged; the :class:`SyncError` to raise, or
-        ``None`` to re-raise the error itself (an interrupt, or an :class:`HwsyncError` that names its own fix)."""
-        e = raised.cause if isinstance(raised, NothingWritten) else raised
+    def _aborted(self, manifest: Manifest, e: BaseException, nothing_written: bool, where: str, stage: str,
+                 base_reached: bool, before: tuple[bool, str | None]) -> SyncError | None:
+        """After a failed receive (``e``: the error, unwrapped from :class:`NothingWritten`): stale or not
+        (:func:`leaves_stale`), logged; the :class:`SyncError` to raise, or ``None`` to re-raise ``e`` itself (an
+        interrupt, or an :class:`HwsyncError` that names its own fix)."""
         lid = self.state.lora_int_id
         if leaves_stale(base_reached=base_reached, adapter_stage=stage == "adapter",
                         adapter_lost=lid is not None and not self.applier.has_lora(lid),
-                        nothing_written=isinstance(raised, NothingWritten)):
+                        nothing_written=nothing_written):
             self.state.stale = True
             self.state.last_error = f"sync v{manifest.version} failed {where} ({stage}): {type(e).__name__}: {e}"
             consequence = (f"engine is stale ({stage} partly written) and refuses to generate through hwsync "
@@ -290,6 +290,7 @@ class Receiver:
         if not isinstance(e, Exception) or (isinstance(e, HwsyncError) and not isinstance(e, SyncError)):
             return None
         return SyncError(f"sync v{manifest.version} aborted {where} ({type(e).__name__}: {e}{origin}); {consequence}")
+
 
 def _origin(e: BaseException) -> str:
     """`` (raised at <file>:<line> in <function>)`` of the innermost frame: where an unexpected error came from."""

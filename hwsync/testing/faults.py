@@ -51,7 +51,7 @@ def applicable(fault: str, strategy: str) -> bool:
 # -- functions run inside the worker (collective_rpc) ----------------------------------------------------------------
 def _manager(worker: Any) -> tuple[Any, Any]:
     from hwsync.vllm.applier import lora_manager_of
-    from hwsync.vllm.worker import unwrap_worker, receiver_of
+    from hwsync.vllm.worker import receiver_of, unwrap_worker
 
     w = unwrap_worker(worker)
     return receiver_of(w), lora_manager_of(w)
@@ -113,8 +113,8 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
     """Write trainer tensors into the engine through vLLM's own ``reload_weights`` (the sync's reload path),
     optionally with every MoE kernel's post-load step made a no-op for this reload; whether the parameters the
     tensors land in changed."""
-    from hwsync.vllm.applier import vllm_spellings, lora_manager_of, model_of, vllm_reload
-    from hwsync.vllm.worker import unwrap_worker, receiver_of
+    from hwsync.vllm.applier import lora_manager_of, model_of, vllm_reload, vllm_spellings
+    from hwsync.vllm.worker import receiver_of, unwrap_worker
     from hwsync.wire import TensorSpec
 
     w = unwrap_worker(worker)

@@ -649,8 +649,8 @@ class VllmApplier:
             logger.warning("hwsync: resetting LoRA state after a failed reload failed: %s: %s", type(e).__name__, e)
 
     # -- adapters -------------------------------------------------------------------------------------------------
-    def load_lora(self, plan: LoadPlan, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None = None,
-                  lora_int_id: int | None = None, replaces: int | None = None) -> Loaded:
+    def load_lora(self, plan: LoadPlan, tensors: Mapping[str, Tensor], config: Mapping[str, Any],
+                  name: str | None = None, lora_int_id: int | None = None, replaces: int | None = None) -> Loaded:
         """The same adapter structure again: rewrite it in place (:mod:`hwsync.vllm.lora_slots`); anything else:
         build and validate a new adapter aside, then swap it in under its id. ``tensors``/``config`` are the
         trainer's modules (:func:`hwsync.lora_formats.to_wire`)."""

@@ -33,7 +33,7 @@ def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     """``request``: ``seed``, ``base`` ([name, shape, dtype] of trainer tensors), ``lora`` (None or ``keys``,
     ``shapes``, ``meta``). Returns the receiver state plus ``base``/``lora``: name -> [value, magnitude] or a
     string saying why that tensor cannot be read back here."""
-    from hwsync.vllm.worker import unwrap_worker, receiver_of
+    from hwsync.vllm.worker import receiver_of, unwrap_worker
 
     w = unwrap_worker(worker)
     rec = receiver_of(w)

@@ -11,8 +11,9 @@ and a stack per expert group: seconds at Qwen3-30B-A3B scale (48 layers x 128 ex
   ``_create_merged_loras_inplace``. Every element vLLM would hand to ``set_lora`` then says which manifest element it
   came from (0: vLLM's zero fill); anything that is not pure data movement (a scaling other than 1, which hwsync
   never sends) leaves non-index values and disables the writer. The gathers found are strided views of one manifest
-  tensor (or, for a reordering no strided view fits, index gathers of one); the other layers of the group get the same views of their own tensors. The trace costs one layer per
-  structure, whatever the depth of the model (a 48-layer model traces as fast as a 2-layer one).
+  tensor (or, for a reordering no strided view fits, index gathers of one); the other layers of the group get the
+  same views of their own tensors. The trace costs one layer per structure, whatever the depth of the model (a
+  48-layer model traces as fast as a 2-layer one).
 * **The slots, traced the same way** once the adapter is installed: each template module's ``set_lora`` runs once
   more with its stacked slot tensors swapped for float64 stand-ins (NaN: not written) and the index-valued adapter as
   input; what lands in the slot says which manifest element vLLM puts where (TP slicing, packing, expert-dim matching

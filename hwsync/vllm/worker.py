@@ -190,7 +190,8 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
             return ""
         return ""
 
-    buckets = receive_buckets(m, link, pool_of(unwrap_worker(worker).__dict__, link.device), Sealer(secret), abort_reason)
+    buckets = receive_buckets(m, link, pool_of(unwrap_worker(worker).__dict__, link.device), Sealer(secret),
+                              abort_reason)
     try:
         result = receiver_of(worker).receive(m, buckets)
     except BaseException:
