@@ -13,7 +13,7 @@ import contextlib
 import importlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -107,6 +107,13 @@ class Backend(abc.ABC):
         """This device kind's data plane (:class:`hwsync.transport.Link`): rank ``rank`` of the group ``spec``
         describes, rendezvous through ``store`` (a ``torch.distributed.Store``) under ``spec.prefix``."""
         raise BackendUnavailableError(f"the {self.name} backend has no data plane for server mode")
+
+    def capture(self, work: Callable[[], None], device: torch.device) -> Callable[[], None] | None:
+        """``work``'s device work on ``device`` recorded once, returned as one launch that repeats it on the current
+        stream (a CUDA graph), or ``None`` where this device kind records no graphs (``work`` then runs as it is).
+        Nothing runs while recording. Used for the per-sync copies whose tensors stay put (:mod:`hwsync.replay`):
+        thousands of kernel launches become one."""
+        return None
 
     def owns(self, device: DeviceLike) -> bool:
         """True when ``device`` is of this backend's kind."""

@@ -53,6 +53,7 @@ __all__ = [
     "LoraAdapter",
     "extract_peft_lora",
     "PeftLoraReader",
+    "FoldBuffers",
     "from_peft_state_dict",
     "to_vllm_lora",
     "from_vllm_lora",
@@ -456,6 +457,7 @@ class PeftLoraReader:
             raise AdapterFormatError(f"the trainer's adapter {adapter_name!r} has no LoRA module {missing[0]}")
         self.adapter_name = adapter_name
         self._layers = [(m, *layers[m]) for m in modules]
+        self._folds: dict[torch.dtype | None, FoldBuffers] = {}
 
     def read(self, dtype: torch.dtype | None, fold: FoldFn | None = None) -> list[Tensor]:
         """A and B (scaling folded, :meth:`LoraModule.folded`, in ``dtype``) of every module, in order."""
@@ -463,7 +465,13 @@ class PeftLoraReader:
         for name, _path, layer in self._layers:
             if self.adapter_name not in layer.lora_A:
                 raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
-        for m in self._modules():
+        mods = self._modules()
+        if fold is None and getattr(self, "_views", None) is mods:  # plain parameters: buffers kept between reads
+            folds = self._folds.get(dtype)
+            if folds is None:
+                folds = self._folds[dtype] = FoldBuffers(mods, dtype)
+            return folds.read()
+        for m in mods:
             f = m.folded(dtype, fold)
             out += [f.lora_A, f.lora_B]
         return out
@@ -482,6 +490,58 @@ class PeftLoraReader:
                and param_kind(layer.lora_B[self.adapter_name].weight) == Sharding.PLAIN for _, _, layer in self._layers):
             self._views = mods
         return mods
+
+
+class FoldBuffers:
+    """:meth:`LoraModule.folded` of every module written into buffers kept from one read to the next: the same bits
+    as :func:`fold_scaling` (cast, then multiplied in the cast dtype), the casts in one batched copy instead of an
+    allocation and a launch each, recorded once as one graph where the device records graphs (:class:`hwsync.replay.Replay`). A factor
+    already in ``dtype`` with nothing to fold is the parameter itself, as in :meth:`LoraModule.folded`. The buffers
+    cost one copy of the folded factors, held between syncs instead of allocated at each."""
+
+    def __init__(self, modules: Sequence[LoraModule], dtype: torch.dtype | None) -> None:
+        from hwsync.replay import Replay, addresses
+
+        self.out: list[Tensor] = []
+        self._dsts: list[Tensor] = []
+        self._srcs: list[Tensor] = []
+        self._scaled: list[Tensor] = []
+        self._scales: list[float] = []
+        for m in modules:
+            dt = dtype or m.lora_B.dtype
+            a, b = m.lora_A, m.lora_B
+            if a.dtype != dt:
+                a = self._buffer(a, dt)
+            if m.scaling != 1 or b.dtype != dt:
+                b = self._buffer(b, dt)
+                if m.scaling != 1:
+                    self._scaled.append(b)
+                    self._scales.append(float(m.scaling))
+            self.out += [a, b]
+        self._key = addresses(self._srcs + self._dsts)
+        devices = {t.device for t in self._srcs + self._dsts}
+        self._device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        self._replay = Replay("the LoRA folds")
+
+    def _buffer(self, src: Tensor, dtype: torch.dtype) -> Tensor:
+        buf = torch.empty(src.shape, dtype=dtype, device=src.device)
+        self._dsts.append(buf)
+        self._srcs.append(src)
+        return buf
+
+    def _fold(self) -> None:
+        from hwsync.replay import copy_all
+
+        copy_all(self._dsts, self._srcs)
+        for b, scale in zip(self._scaled, self._scales):  # not _foreach_mul_: on CPU it rounds the scale to bf16 first
+            b.mul_(scale)
+
+    def read(self) -> list[Tensor]:
+        """A, B of every module, as of now (the buffers rewritten; read them before the next read)."""
+        if self._dsts:
+            with torch.no_grad():
+                self._replay.run(self._key, self._device, self._fold)
+        return list(self.out)
 
 
 # ---------------------------------------------------------------------------------------------------------------

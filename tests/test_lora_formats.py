@@ -111,6 +111,13 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
                 for t in (f.lora_A, f.lora_B)]
         got = reader.read(torch.bfloat16)
         assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+        assert all(g.dtype == w.dtype for g, w in zip(got, want))
+        if step:  # the folds are written into the buffers of the first read, not allocated per sync
+            assert [t.data_ptr() for t in got] == first
+        first = [t.data_ptr() for t in got]
+        unscaled = reader.read(None)  # the trainer's own fp32: B scaled in fp32, A the parameter itself
+        fp32 = [t for n in names for f in [extract_peft_lora(pm).modules[n].folded(None)] for t in (f.lora_A, f.lora_B)]
+        assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(unscaled, fp32))
         with torch.no_grad():
             for n, p in pm.named_parameters():
                 if "lora_" in n:

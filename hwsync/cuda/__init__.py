@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,3 +37,25 @@ class CudaBackend(AcceleratorBackend):
         from hwsync.cuda.link import open_cuda_link
 
         return open_cuda_link(store, spec, rank, device)
+
+    def capture(self, work: Callable[[], None], device: torch.device) -> Callable[[], None] | None:
+        """A CUDA graph of ``work``, recorded on a side stream (``thread_local``: other threads' CUDA calls, e.g. an
+        in-process engine's, do not break the recording). Memory ``work`` allocates stays with the graph."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device):
+            current = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    work()
+                except BaseException:
+                    try:
+                        graph.capture_end()
+                    except RuntimeError:
+                        pass  # the recording is invalid anyway; the caller sees work's own error
+                    raise
+                graph.capture_end()
+            current.wait_stream(side)
+        return graph.replay

@@ -42,9 +42,11 @@ def served_engine(model_dir: str | os.PathLike[str], token: str, engine_kwargs: 
 
 @contextlib.contextmanager
 def served_engines(model_dir: str | os.PathLike[str], token: str, engine_kwargs: Sequence[Mapping[str, Any]], *,
-                   env: Mapping[str, str] | None = None, serve_s: float = 600) -> Iterator[list[tuple[str, Any]]]:
+                   env: Mapping[str, str] | None = None, serve_s: float = 600,
+                   envs: Sequence[Mapping[str, str]] = ()) -> Iterator[list[tuple[str, Any]]]:
     """:func:`served_engine` for several engines (one process each, one per ``engine_kwargs``), started side by
-    side: data-parallel engines for one ``hwsync.connect([...])``. Yields ``[(address, process), ...]``."""
+    side: data-parallel engines for one ``hwsync.connect([...])``. ``envs``: one more environment per engine (e.g.
+    its ``CUDA_VISIBLE_DEVICES``). Yields ``[(address, process), ...]``."""
     from hwsync.testing.engine import vllm_env
 
     full_env = {**os.environ, **vllm_env(plugins=("hwsync",)), "OMP_NUM_THREADS": "1", **(env or {}),
@@ -52,9 +54,10 @@ def served_engines(model_dir: str | os.PathLike[str], token: str, engine_kwargs:
     procs: list[subprocess.Popen[str]] = []
     served: list[tuple[str, Any]] = []
     try:
-        for kwargs in engine_kwargs:
+        for i, kwargs in enumerate(engine_kwargs):
+            own = {**full_env, **(envs[i] if i < len(envs) else {})}
             procs.append(subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, str(Path(model_dir)), str(serve_s),
-                                           json.dumps(dict(kwargs))], env=full_env,
+                                           json.dumps(dict(kwargs))], env=own,
                                           stdout=subprocess.PIPE, text=True))
         for proc in procs:
             served.append((_address_of(proc), proc))

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.replay import Replay, addresses, copy_all
 from hwsync.vllm.compat import check_adapter
 
 __all__ = ["SlotWriter", "LayerGroups", "layer_groups", "held_tensor", "NOT_TRACED", "LAYER_NAME"]
@@ -451,7 +452,7 @@ class SlotWriter:
                 if g.view is not None:
                     dsts.append(t)
                     srcs.append(read(g.view, g.shape))
-            _copy_all(dsts, srcs)
+            copy_all(dsts, srcs)
         lm = self.template.clone(lora_model_id)
         lm.loras = loras
         return lm
@@ -591,31 +592,35 @@ class SlotWriter:
 
     # -- per sync -------------------------------------------------------------------------------------------------
     def write(self, manager: Any, lora_model: Any, tensors: Mapping[str, Tensor]) -> None:
-        """Rewrite the installed adapter's tensors, then its slot: the traced blocks, or vLLM's own ``set_lora``."""
+        """Rewrite the installed adapter's tensors, then its slot: the traced blocks, or vLLM's own ``set_lora``.
+        The copies are one graph launch while the manifest's tensors and the destinations stay put
+        (:class:`hwsync.replay.Replay`: the reader's fold buffers, a server's receive buffers)."""
         slot = manager.lora_index_to_id.index(lora_model.id)
         self._check_tensors(tensors)
-        dsts = self._destinations(manager, lora_model, slot)
-        srcs: list[Tensor] = []
-        contiguous: dict[str, Tensor] = {}
-        for view, shape in self._reads:
-            t = contiguous.get(view.source)
-            if t is None:
-                t = tensors[view.source].detach()
-                t = contiguous[view.source] = t if t.is_contiguous() else t.contiguous()
-            srcs.append(view.read(t, shape))
+        dsts, version = self._destinations(manager, lora_model, slot)
+        sources = [tensors[k] for k in self._sources]
+        devices = {t.device for t in sources} | {t.device for t in dsts[:1]}
+        device = devices.pop() if len(devices) == 1 else torch.device("cpu")  # several devices: op by op
+        replay = self.__dict__.setdefault("_replay", Replay("the adapter's slot writes"))
         with torch.no_grad():
-            _copy_all(dsts, srcs)
+            replay.run((version, addresses(sources)), device, lambda: copy_all(dsts, self._read_all(tensors)))
             if not self.blocks:
                 for name in self.modules:
                     weights = lora_model.loras[name]
                     manager.modules[name].set_lora(slot, weights.lora_a, weights.lora_b)
 
-    def _destinations(self, manager: Any, lora_model: Any, slot: int) -> list[Tensor]:
+    def _read_all(self, tensors: Mapping[str, Tensor]) -> list[Tensor]:
+        """The sources of every copy, in :attr:`_reads` order."""
+        read = self._reader(tensors)
+        return [read(view, shape) for view, shape in self._reads]
+
+    def _destinations(self, manager: Any, lora_model: Any, slot: int) -> tuple[list[Tensor], int]:
         """What every steady sync writes, in :attr:`_reads` order: the installed adapter's tensors, then the slot
-        blocks -- looked up once per installed adapter and slot, not per sync."""
+        blocks -- looked up once per installed adapter and slot, not per sync; with a number that changes whenever
+        they are looked up again."""
         cached = getattr(self, "_dst_cache", None)
         if cached is not None and cached[0]() is lora_model and cached[1] == (slot, len(self.blocks)):
-            return cached[2]
+            return cached[2], cached[3]
         dsts: list[Tensor] = []
         reads: list[tuple[_View, tuple[int, ...]]] = []
         for g in self.gathers:
@@ -626,8 +631,10 @@ class SlotWriter:
             dsts.append(self._slot_block(manager, b, slot))
             reads.append((b.view, b.shape))
         self._reads = reads
-        self._dst_cache = (weakref.ref(lora_model), (slot, len(self.blocks)), dsts)
-        return dsts
+        self._sources = list(dict.fromkeys(view.source for view, _ in reads))
+        version = cached[3] + 1 if cached is not None else 0
+        self._dst_cache = (weakref.ref(lora_model), (slot, len(self.blocks)), dsts, version)
+        return dsts, version
 
 
 def _meta(t: Tensor) -> Tensor:
@@ -638,19 +645,3 @@ def _code_ranges(lm: Any) -> tuple[list[str], list[int], list[int]]:
     """The manifest keys the template's codes stand for, with their ranges in the concatenation."""
     ranges: tuple[list[str], list[int], list[int]] = lm._hwsync_code_ranges
     return ranges
-
-
-def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
-    """``dst.copy_(src)`` for every pair, batched per (device, dtype) pair: one multi-tensor copy, not thousands of
-    Python-level calls (``copy_`` casts, so sources keep the trainer's dtype)."""
-    groups: dict[tuple[Any, ...], tuple[list[Tensor], list[Tensor]]] = {}
-    for d, s in zip(dsts, srcs):
-        if d.device != s.device:  # a trainer on another device than the engine: one copy each, across devices
-            d.copy_(s)
-            continue
-        k = (d.device, d.dtype, s.device, s.dtype)
-        pair = groups.setdefault(k, ([], []))
-        pair[0].append(d)
-        pair[1].append(s)
-    for ds, ss in groups.values():
-        torch._foreach_copy_(ds, ss)
