@@ -175,6 +175,11 @@ def fold_scaling(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
     return out
 
 
+_FOLD_SCALING = fold_scaling
+"""The rounding order :class:`FoldBuffers` reproduces: a reader folds through :func:`fold_scaling` itself while
+anything has replaced it."""
+
+
 @dataclass
 class LoraAdapter:
     """A LoRA adapter keyed by the trainer parameter each module adapts."""
@@ -466,7 +471,9 @@ class PeftLoraReader:
             if self.adapter_name not in layer.lora_A:
                 raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
         mods = self._modules()
-        if fold is None and getattr(self, "_views", None) is mods:  # plain parameters: buffers kept between reads
+        if fold is None and fold_scaling is _FOLD_SCALING and getattr(self, "_views", None) is mods:
+            # plain parameters, vLLM's rounding order (not replaced, e.g. by hwsync.testing's fault "scaling folded
+            # in another order"): buffers kept between reads
             folds = self._folds.get(dtype)
             if folds is None:
                 folds = self._folds[dtype] = FoldBuffers(mods, dtype)
@@ -493,55 +500,62 @@ class PeftLoraReader:
 
 
 class FoldBuffers:
-    """:meth:`LoraModule.folded` of every module written into buffers kept from one read to the next: the same bits
-    as :func:`fold_scaling` (cast, then multiplied in the cast dtype), the casts in one batched copy instead of an
-    allocation and a launch each, recorded once as one graph where the device records graphs (:class:`hwsync.replay.Replay`). A factor
-    already in ``dtype`` with nothing to fold is the parameter itself, as in :meth:`LoraModule.folded`. The buffers
-    cost one copy of the folded factors, held between syncs instead of allocated at each."""
+    """:meth:`LoraModule.folded` of every module, the same bits as :func:`fold_scaling` (cast, then multiplied in the
+    cast dtype): the casts in one batched copy instead of an allocation and a launch each. A factor already in
+    ``dtype`` with nothing to fold is the parameter itself, as in :meth:`LoraModule.folded`. From the second read on
+    the buffers are kept (one copy of the folded factors, held between syncs instead of allocated at each), so their
+    addresses hold still and the folds are recorded once as one graph where the device records graphs
+    (:class:`hwsync.replay.Replay`); a reader read once (a one-off plan) keeps nothing."""
 
     def __init__(self, modules: Sequence[LoraModule], dtype: torch.dtype | None) -> None:
-        from hwsync.replay import Replay, addresses
+        from hwsync.replay import Replay
 
-        self.out: list[Tensor] = []
-        self._dsts: list[Tensor] = []
+        self._layout: list[Tensor | int] = []  # the parameter itself, or the index of its buffer
         self._srcs: list[Tensor] = []
-        self._scaled: list[Tensor] = []
-        self._scales: list[float] = []
+        self._dtypes: list[torch.dtype] = []
+        self._scaled: list[tuple[int, float]] = []
         for m in modules:
             dt = dtype or m.lora_B.dtype
-            a, b = m.lora_A, m.lora_B
-            if a.dtype != dt:
-                a = self._buffer(a, dt)
-            if m.scaling != 1 or b.dtype != dt:
-                b = self._buffer(b, dt)
-                if m.scaling != 1:
-                    self._scaled.append(b)
-                    self._scales.append(float(m.scaling))
-            self.out += [a, b]
-        self._key = addresses(self._srcs + self._dsts)
-        devices = {t.device for t in self._srcs + self._dsts}
+            for t, scale in ((m.lora_A, 1.0), (m.lora_B, float(m.scaling))):
+                if scale == 1 and t.dtype == dt:
+                    self._layout.append(t)
+                    continue
+                if scale != 1:
+                    self._scaled.append((len(self._srcs), scale))
+                self._layout.append(len(self._srcs))
+                self._srcs.append(t)
+                self._dtypes.append(dt)
+        devices = {t.device for t in self._srcs}
         self._device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        self._kept: list[Tensor] | None = None
+        self._key: tuple[Any, ...] = ()
+        self._reads = 0
         self._replay = Replay("the LoRA folds")
 
-    def _buffer(self, src: Tensor, dtype: torch.dtype) -> Tensor:
-        buf = torch.empty(src.shape, dtype=dtype, device=src.device)
-        self._dsts.append(buf)
-        self._srcs.append(src)
-        return buf
-
-    def _fold(self) -> None:
+    def _fold(self, bufs: list[Tensor]) -> None:
         from hwsync.replay import copy_all
 
-        copy_all(self._dsts, self._srcs)
-        for b, scale in zip(self._scaled, self._scales):  # not _foreach_mul_: on CPU it rounds the scale to bf16 first
-            b.mul_(scale)
+        copy_all(bufs, self._srcs)
+        for i, scale in self._scaled:  # not _foreach_mul_: on CPU it rounds the scale to bf16 first
+            bufs[i].mul_(scale)
 
     def read(self) -> list[Tensor]:
-        """A, B of every module, as of now (the buffers rewritten; read them before the next read)."""
-        if self._dsts:
+        """A, B of every module, as of now (kept buffers are rewritten: read them before the next read)."""
+        from hwsync.replay import addresses
+
+        self._reads += 1
+        bufs = self._kept
+        if bufs is None:
+            bufs = [torch.empty(s.shape, dtype=dt, device=s.device) for s, dt in zip(self._srcs, self._dtypes)]
+            if self._reads >= 2:
+                self._kept, self._key = bufs, addresses(self._srcs + bufs)
+        if bufs:
             with torch.no_grad():
-                self._replay.run(self._key, self._device, self._fold)
-        return list(self.out)
+                if bufs is self._kept:
+                    self._replay.run(self._key, self._device, lambda: self._fold(bufs))
+                else:
+                    self._fold(bufs)
+        return [t if isinstance(t, Tensor) else bufs[t] for t in self._layout]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from hwsync.payload import Payload
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
 from hwsync.wire import TensorSpec
 
-__all__ = ["GATES", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "as_vllm_loads", "check",
+__all__ = ["GATES", "RECURRENT_16BIT", "has_linear_attention", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "as_vllm_loads", "check",
            "engine_logprobs", "gate_for", "parse_gate", "token_logprobs", "verify"]
 
 
@@ -168,8 +168,17 @@ def parse_gate(text: str, var: str = "HWSYNC_VERIFY_GATE") -> Gate:
     return Gate(parts[0], parts[1], parts[2], max_abs=parts[3] if len(parts) == 4 else None)
 
 
-def gate_for(device_type: str, dtype: str) -> Gate:
-    """The gate of one platform/dtype (``HWSYNC_VERIFY_GATE`` wins; unknown pairs get the loosest gate)."""
+RECURRENT_16BIT = Gate(mean_abs=0.8, p90_abs=2.0, mean_prob=0.05)
+"""The gate of a 16-bit engine serving a model with linear-attention (Gated-DeltaNet) layers: the trainer's and the
+engine's chunked recurrences round their state at different points, and one near-tie expert-routing flip moves the
+mean of a short sample further than in attention-only models. CUDA bf16, tiny Qwen3.5-MoE, H200 (vLLM 0.32, 60
+healthy syncs over full/adapter/hybrid): healthy max mean 0.543 (once; the others <= 0.35), p90 <= 1.56, mean |Δp|
+<= 0.025, with every fingerprint exact. The mean limit is 1.5x that maximum; p90 and mean |Δp| keep the 16-bit limits."""
+
+
+def gate_for(device_type: str, dtype: str, recurrent: bool = False) -> Gate:
+    """The gate of one platform/dtype (``HWSYNC_VERIFY_GATE`` wins; unknown pairs get the loosest gate);
+    ``recurrent``: the model has linear-attention layers (:data:`RECURRENT_16BIT` in 16 bits)."""
     import os
 
     env = os.environ.get("HWSYNC_VERIFY_GATE", "").strip()
@@ -178,7 +187,17 @@ def gate_for(device_type: str, dtype: str) -> Gate:
     dev = "cpu" if device_type == "cpu" else "cuda" if device_type in ("cuda", "rocm", "hip") else device_type
     key = (dev, "float32" if dtype in ("float32", "fp32") else "bfloat16" if dtype in ("bfloat16", "float16")
            else dtype)
-    return GATES.get(key, _LOOSEST)
+    gate = GATES.get(key, _LOOSEST)
+    if recurrent and key[1] == "bfloat16" and gate.mean_abs < RECURRENT_16BIT.mean_abs:
+        return RECURRENT_16BIT
+    return gate
+
+
+def has_linear_attention(model: nn.Module) -> bool:
+    """Whether the trainer's model has linear-attention layers (Qwen3.5, Qwen3-Next: ``layer_types``)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    return "linear_attention" in (getattr(config, "layer_types", None) or ())
 
 
 @dataclass(frozen=True)
@@ -458,7 +477,7 @@ def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequ
         got, why = _content_checks(engine, model, seed, info)
         checks += got
         skipped += why
-    g = gate or gate_for(info.device_type, info.dtype)
+    g = gate or gate_for(info.device_type, info.dtype, has_linear_attention(model))
     a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4,
                   batch=batch)
     stats = (f"mean |Δ| {a.mean_abs_diff:.3g} (<= {g.mean_abs:g}), p90 {a.p90_abs_diff:.3g} (<= {g.p90_abs:g}), "

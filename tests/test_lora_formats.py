@@ -112,16 +112,27 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
         got = reader.read(torch.bfloat16)
         assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
         assert all(g.dtype == w.dtype for g, w in zip(got, want))
-        if step:  # the folds are written into the buffers of the first read, not allocated per sync
-            assert [t.data_ptr() for t in got] == first
-        first = [t.data_ptr() for t in got]
-        unscaled = reader.read(None)  # the trainer's own fp32: B scaled in fp32, A the parameter itself
-        fp32 = [t for n in names for f in [extract_peft_lora(pm).modules[n].folded(None)] for t in (f.lora_A, f.lora_B)]
-        assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(unscaled, fp32))
+        again = reader.read(torch.bfloat16)  # from the second read on, the folds go into buffers kept between reads
+        assert all(torch.equal(g, w) for g, w in zip(again, want))
+        if step:
+            assert [t.data_ptr() for t in again] == kept
+        kept = [t.data_ptr() for t in again]
+        for _ in range(2):  # the trainer's own fp32: B scaled in fp32, A the parameter itself
+            unscaled = reader.read(None)
+            fp32 = [t for n in names for f in [extract_peft_lora(pm).modules[n].folded(None)]
+                    for t in (f.lora_A, f.lora_B)]
+            assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(unscaled, fp32))
         with torch.no_grad():
             for n, p in pm.named_parameters():
                 if "lora_" in n:
                     p.add_(0.01 * (step + 1))
+    from hwsync.testing.faults import fp32_fold
+
+    with fp32_fold():  # fold_scaling replaced (a verify fault): the reader folds through the replacement, kept or not
+        other = reader.read(torch.bfloat16)
+        want = [t for n in names for f in [extract_peft_lora(pm).modules[n].folded(torch.bfloat16)]
+                for t in (f.lora_A, f.lora_B)]
+    assert all(torch.equal(g, w) for g, w in zip(other, want))
     layer = next(m for m in pm.modules() if isinstance(m, LoraLayer) and "default" in m.lora_A)
     saved = layer.lora_A.pop("default")
     try:

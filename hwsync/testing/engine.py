@@ -92,25 +92,26 @@ def engine_args(model_dir: str | os.PathLike[str] | None = None, **overrides: An
 
     ``enable_lora=True`` picks bf16 on GPUs and, on CPU, ``lora_target_modules=CPU_LORA_TARGETS`` unless the caller
     passes ``lora_target_modules`` (``None`` = vLLM's own default). Without an explicit ``dtype``, a model with
-    Gated-DeltaNet layers (Qwen3.5) runs in bf16 on vLLM's CPU build, whose GDN kernel accepts nothing else. An MLA
+    Gated-DeltaNet layers (Qwen3.5) runs in bf16: vLLM's CPU GDN kernel and its GPU FLA chunk kernel
+    (``ChunkGatedDeltaRuleFunction does not support float32``) accept nothing else. An MLA
     model (DeepSeek-V2/V3, GLM-4-MoE-lite) gets vLLM's reference ``CPU_MLA`` backend on CPU: on a CPU with AMX vLLM
     otherwise picks ``AMX_MLA``, whose weight packing takes no fp32 (``expect weight to be bfloat16 ...``), so the
     same test served on one CI machine and not on the next.
     """
     lora = bool(overrides.get("enable_lora"))
+    text = _text_config(Path(model_dir)) if model_dir is not None else {}
     if on_cpu():
         args = {**_COMMON, **_CPU}
         if lora and "lora_target_modules" not in overrides:
             args["lora_target_modules"] = list(CPU_LORA_TARGETS)
-        text = _text_config(Path(model_dir)) if model_dir is not None else {}
-        if "dtype" not in overrides and "linear_attention" in (text.get("layer_types") or ()):  # Gated-DeltaNet
-            args["dtype"] = "bfloat16"
         if text.get("kv_lora_rank") is not None and not {"attention_backend", "attention_config"} & set(overrides):
             args["attention_backend"] = "CPU_MLA"  # MLA (vLLM's test: a kv_lora_rank)
     else:
         args = {**_COMMON, **_GPU, "dtype": "bfloat16" if lora else "float32"}
         if model_dir is not None:
             args.update(portable_kernel_args(model_dir))
+    if "dtype" not in overrides and "linear_attention" in (text.get("layer_types") or ()):  # Gated-DeltaNet
+        args["dtype"] = "bfloat16"  # the CPU GDN kernel and the GPU's FLA chunk kernel take no fp32
     args.update(overrides)
     if model_dir is not None:
         args["model"] = str(Path(model_dir))
