@@ -318,6 +318,9 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
                 print(f"{strategy}: first sync {times[0]:.2f} s: {report.path}", flush=True)
         assert report is not None
         seconds = statistics.median(times[max(args.warmup, 2):] or times[-1:])
+        print(f"{strategy}: steady {seconds * 1e3:.2f} ms (median), second sync {times[1] if len(times) > 1 else 0:.4f} s, "
+              f"peak extra first/steady {peaks[0] / 1e9 if peaks else 0:.2f}/"
+              f"{max(peaks[1:], default=0) / 1e9:.2f} GB", flush=True)  # kept if vLLM's own path below fails
         if args.profile:
             _profile(llm, model, strategy)
         ours = _logprobs(llm, report.lora_request)
@@ -330,6 +333,12 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         # vLLM's own path for the same update, timed on the same engine, then compared output for output and
         # content for content: a new adapter id built by vLLM's construction (HWSYNC_DIRECT=0: no traced layout,
         # no in-place writes), or vLLM's reload_weights of the merged weights
+        if report.lora_tensors and _on_gpu():  # vLLM's own construction needs two more adapter copies: the plan's
+            from hwsync.api import as_engine  # kept fold buffers go first (at 48 layers the GPU is full)
+
+            as_engine(llm).plans.clear()
+            gc.collect()
+            torch.cuda.empty_cache()
         _sync_device()
         t0 = time.perf_counter()
         if report.lora_tensors:

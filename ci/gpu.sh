@@ -27,7 +27,7 @@ export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 [ -n "${OUT:-}" ] && export HWSYNC_TEST_LOG="${HWSYNC_TEST_LOG:-$OUT/failed-modules.log}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 bench verify qwen35 trl trl-b)
+PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 multigpu-server bench verify qwen35 trl trl-b)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -39,8 +39,9 @@ declare -A MODULES=(
     [qlora]="tests/test_qlora.py"
     [families]="tests/test_families.py"
     [verify]="tests/test_verify_faults.py tests/test_verify_faults_bf16.py"
-    [multigpu]="tests/test_multigpu_fsdp_tp.py tests/test_server_tp.py tests/test_server_dp.py"
+    [multigpu]="tests/test_multigpu_fsdp_tp.py"
     [multigpu-z3]="tests/test_multigpu_fsdp_tp.py"
+    [multigpu-server]="tests/test_server_tp.py tests/test_server_dp.py"
     [qwen35]="tests/test_sync_exact.py tests/test_verify_faults_qwen3_5.py"
     [trl-b]="tests/test_trl_plugin.py tests/test_trl_grpo.py tests/test_trl_exact.py tests/test_trl_qlora.py tests/test_trl_server.py tests/test_trl_zero3.py"
 )
@@ -53,10 +54,11 @@ declare -A ABOUT=(
     [lora-configs]="${MODULES[lora-configs]}: the LoRA configuration matrix (rsLoRA, rank/alpha patterns, all-linear, expert LoRA of another rank, bias, modules_to_save, bf16 adapters, two adapters, PiSSA/OLoRA, DoRA, IA3, prompt tuning) x full/adapter/hybrid, 10 syncs each == vLLM's own loading or refused before any write; HWSYNC_LORA_PROCS (3) processes side by side, shard s writes \$OUT/lora-configs-gpu-s.json (docs: python -m hwsync.testing.lora_configs --from docs/lora-configs.json --gpu lora-configs-gpu-*.json --save-gpu docs/lora-configs-gpu.json --write-docs); then benchmarks/lora_fold_order.py (issue 29: vLLM's fold order vs fp32-once, against vLLM's own loading and the fp32 trainer). 160 checked full syncs start 160 reference engines: ~2 device calls, HWSYNC_LORA_PART=1/2 then 2/2 (or HWSYNC_LORA_FULL_SYNCS=3 for one)"
     [server]="${MODULES[server]} (engine in another process; on GPU 1 when there are 2: NCCL data plane)"
     [swift]="examples/grpo_tiny_moe.py --steps 4 (the README's main job on one GPU), ${MODULES[swift]}"
-    [swift-b]="${MODULES[swift-b]}"
+    [swift-b]="${MODULES[swift-b]} (sees every GPU: the data-parallel swift rollout takes two)"
     [qlora]="${MODULES[qlora]} (bitsandbytes 4-bit base + LoRA: full and adapter vs vLLM's own loading)"
     [families]="${MODULES[families]} for every family (HWSYNC_FAMILIES=all: vLLM's CPU build serves no expert LoRA, so only a GPU runs the LoRA paths of the families it serves; cpu-unserved, names, or <spec>@k/n narrow it), 3 syncs per strategy, every sync vs vLLM's own loading of the same weights; HWSYNC_FAMILY_PROCS (4) processes side by side, shard p writes \$OUT/families-gpu-p.json. All 42 take ~2 device calls: HWSYNC_FAMILIES=all@1/2, then all@2/2"
-    [multigpu]="${MODULES[multigpu]} (2 GPUs: an FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; server mode into a TP=2 engine; data-parallel engines, one per GPU; skipped on fewer GPUs)"
+    [multigpu]="${MODULES[multigpu]} -k 'not zero3' (2 GPUs: an FSDP2 trainer on 2 ranks -> TP=2 engine, 6 syncs == fresh TP=2 engines; skipped on fewer GPUs; ~4 min on two H200s)"
+    [multigpu-server]="${MODULES[multigpu-server]} (2 GPUs: server mode into a TP=2 engine; data-parallel engines, one per GPU, one hwsync.connect([a, b]); skipped on fewer GPUs)"
     [multigpu-z3]="${MODULES[multigpu-z3]} -k zero3 (2 GPUs: the same with a DeepSpeed ZeRO-3 trainer; skipped on fewer GPUs)"
     [bench]="benchmarks/bench_sync.py --shapes qwen3-30b-a3b --layers 4 --rank 32 --profile [--server with 2 GPUs] (every strategy, exactness vs vLLM own loading; server mode vs the colocated engine)"
     [verify]="${MODULES[verify]} (no false alarm over 20 syncs per strategy, every injected fault caught), benchmarks/verify_table.py (healthy max vs faulty min per check, bf16 + fp32)"
@@ -101,7 +103,7 @@ run_part() {
             "$PY" examples/trl_grpo_tiny_moe.py --workdir "${TMPDIR:-/tmp}/hwsync-trl-gpu" || rc=$?
             "$PY" examples/trl_grpo_tiny_moe.py --gspo --workdir "${TMPDIR:-/tmp}/hwsync-trl-gpu" || rc=$?
             "$PY" benchmarks/bench_trl_sync.py --shapes qwen3-30b-a3b --layers 4 ${OUT:+--out "$OUT/bench_trl_sync.json"} || rc=$? ;;
-        multigpu|multigpu-z3)
+        multigpu|multigpu-z3|multigpu-server)
             local gpus
             gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
             if [ "${gpus:-0}" -lt 2 ]; then
@@ -110,6 +112,8 @@ run_part() {
                 echo "ci/gpu.sh $part: SKIPPED: needs 2 GPUs, this machine has ${gpus:-0} (run it on nvidia-h200-x2)"
             elif [ "$part" = multigpu ]; then
                 run_modules "${MODULES[multigpu]}" -k "not zero3" || rc=$?
+            elif [ "$part" = multigpu-server ]; then
+                run_modules "${MODULES[multigpu-server]}" || rc=$?
             else
                 run_modules "${MODULES[multigpu-z3]}" -k zero3 || rc=$?
             fi ;;
@@ -203,7 +207,7 @@ if [ "$jobs" = 1 ]; then  # each part in its own process and log; this process p
         # the main job's engine takes 0.15 of the GPU instead of 0.5, as the tests' engines do. With several GPUs,
         # parts that use one GPU go round-robin over them (multigpu*, server and bench use two and see every GPU)
         gpu_env=()
-        if [ "${ngpu:-0}" -ge 2 ] && [[ " multigpu multigpu-z3 server bench " != *" $p "* ]]; then
+        if [ "${ngpu:-0}" -ge 2 ] && [[ " multigpu multigpu-z3 multigpu-server server swift-b bench " != *" $p "* ]]; then
             gpu_env=(CUDA_VISIBLE_DEVICES=$((spread % ngpu))); spread=$((spread + 1))
         fi
         env "${gpu_env[@]}" HWSYNC_GPU_LOG=0 HWSYNC_EXAMPLE_GPU_UTIL=0.15 bash "${BASH_SOURCE[0]}" "$p" >"$logs/gpu-$p.log" 2>&1 &

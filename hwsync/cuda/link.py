@@ -3,9 +3,9 @@
 The group is formed through the engine's control store under a prefix derived from the token, so nobody who merely
 reaches the store can guess where to join. Collectives run on NCCL's own stream after the caller's current stream
 (so a bucket packed just before is complete), which lets the sender pack bucket b+1 while bucket b is on the wire.
-The NCCL watchdog is told not to tear the process down when a transfer times out (a trainer that dies mid-sync must
-not take the rollout engine with it); instead each wait polls against the link's deadline and aborts the communicator
-past it (:class:`_Pending`), so the receiver reports the timeout, marks the engine stale and forms a fresh group next.
+The NCCL watchdog is told not to tear the process down or dump state when a transfer times out, and its timeout is
+set well past the link's own (a trainer that dies mid-sync must not take the rollout engine with it); instead each
+wait polls against the link's deadline and aborts the communicator past it (:class:`_Pending`), so the receiver reports the timeout, marks the engine stale and forms a fresh group next.
 Ranks that share one GPU (a server-mode engine beside its trainer on a single-GPU machine) cannot form an NCCL group;
 :func:`open_cuda_link` sees that from the ranks' GPU UUIDs and forms a gloo group through host memory instead.
 """
@@ -25,7 +25,16 @@ from hwsync.transport.base import LinkSpec
 
 __all__ = ["NcclLink", "peer_devices", "open_cuda_link"]
 
-_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_QUIET_WATCHDOG = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+"""NCCL watchdog settings of the data-plane group: on a timeout it neither tears the process down nor stops to dump
+debug state (on two H200s, 2026-11-28, a killed trainer's stuck broadcast made the watchdog fire at the same moment
+as the link's own abort, and the engine stopped answering until it was shut down)."""
+
+
+def watchdog_timeout_s(link_timeout_s: float) -> float:
+    """The group's own collective timeout: well past the link's deadline, so the link's poll-and-abort
+    (:class:`_Pending`) always acts first and the watchdog never races it."""
+    return 2 * link_timeout_s + 60
 logger = logging.getLogger("hwsync.transport")
 
 
@@ -91,17 +100,18 @@ class NcclLink:
         self.timeout_s = float(spec.timeout_s)
         self.pg: Any = None  # torch's stubs declare no broadcast on the process group classes
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = datetime.timedelta(seconds=spec.timeout_s)
-        saved = os.environ.get(_HANDLING)
-        os.environ[_HANDLING] = "0"  # read when the group is built: report timeouts, never abort the process
+        opts._timeout = datetime.timedelta(seconds=watchdog_timeout_s(self.timeout_s))
+        saved = {k: os.environ.get(k) for k in _QUIET_WATCHDOG}
+        os.environ.update(_QUIET_WATCHDOG)  # read when the group is built
         try:
             with torch.cuda.device(self.device):
                 self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(spec.prefix, store), rank, spec.world_size, opts)
         finally:
-            if saved is None:
-                os.environ.pop(_HANDLING, None)
-            else:
-                os.environ[_HANDLING] = saved
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> _Pending:
         opts = dist.BroadcastOptions()
