@@ -318,9 +318,10 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
                 print(f"{strategy}: first sync {times[0]:.2f} s: {report.path}", flush=True)
         assert report is not None
         seconds = statistics.median(times[max(args.warmup, 2):] or times[-1:])
-        print(f"{strategy}: steady {seconds * 1e3:.2f} ms (median), second sync {times[1] if len(times) > 1 else 0:.4f} s, "
-              f"peak extra first/steady {peaks[0] / 1e9 if peaks else 0:.2f}/"
-              f"{max(peaks[1:], default=0) / 1e9:.2f} GB", flush=True)  # kept if vLLM's own path below fails
+        second = times[1] if len(times) > 1 else 0.0
+        print(f"{strategy}: steady {seconds * 1e3:.2f} ms (median), second sync {second:.4f} s, peak extra first/"
+              f"steady {peaks[0] / 1e9 if peaks else 0:.2f}/{max(peaks[1:], default=0) / 1e9:.2f} GB",
+              flush=True)  # kept if vLLM's own path below fails
         if args.profile:
             _profile(llm, model, strategy)
         ours = _logprobs(llm, report.lora_request)

@@ -508,7 +508,7 @@ class FoldBuffers:
     (:class:`hwsync.replay.Replay`); a reader read once (a one-off plan) keeps nothing."""
 
     def __init__(self, modules: Sequence[LoraModule], dtype: torch.dtype | None) -> None:
-        from hwsync.replay import Replay
+        from hwsync.replay import Replay, common_device
 
         self._layout: list[Tensor | int] = []  # the parameter itself, or the index of its buffer
         self._srcs: list[Tensor] = []
@@ -525,8 +525,7 @@ class FoldBuffers:
                 self._layout.append(len(self._srcs))
                 self._srcs.append(t)
                 self._dtypes.append(dt)
-        devices = {t.device for t in self._srcs}
-        self._device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        self._device = common_device(self._srcs)
         self._kept: list[Tensor] | None = None
         self._key: tuple[Any, ...] = ()
         self._reads = 0

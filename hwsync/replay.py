@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Replay", "addresses", "copy_all", "GRAPHS_ENV"]
+__all__ = ["Replay", "addresses", "common_device", "copy_all", "GRAPHS_ENV"]
 
 GRAPHS_ENV = "HWSYNC_GRAPHS"
 logger = logging.getLogger("hwsync")
@@ -27,6 +27,13 @@ logger = logging.getLogger("hwsync")
 def addresses(tensors: Sequence[Tensor]) -> tuple[Hashable, ...]:
     """Where ``tensors`` are and how they are laid out: a recorded graph is valid while this stays the same."""
     return tuple((t.data_ptr(), t.stride(), t.dtype) for t in tensors)
+
+
+def common_device(tensors: Iterable[Tensor]) -> torch.device:
+    """The one device all ``tensors`` are on; ``cpu`` when they span several (such work runs op by op, never as a
+    graph)."""
+    devices = {t.device for t in tensors}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
 def copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
@@ -55,7 +62,7 @@ class Replay:
         self._launch: Callable[[], None] | None = None
         self._failed = False
         self.replays = 0
-        """Syncs that were one graph launch (tests and benchmarks read it)."""
+        """Runs that were one graph launch (the tests read it)."""
 
     def run(self, key: Hashable, device: torch.device, work: Callable[[], None]) -> None:
         if self._launch is not None and key == self._key:

@@ -31,8 +31,8 @@ from hwsync.payload import Payload
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
 from hwsync.wire import TensorSpec
 
-__all__ = ["GATES", "RECURRENT_16BIT", "has_linear_attention", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "as_vllm_loads", "check",
-           "engine_logprobs", "gate_for", "parse_gate", "token_logprobs", "verify"]
+__all__ = ["GATES", "RECURRENT_16BIT", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "as_vllm_loads",
+           "check", "engine_logprobs", "gate_for", "has_linear_attention", "parse_gate", "token_logprobs", "verify"]
 
 
 def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

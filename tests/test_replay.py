@@ -10,34 +10,18 @@ import logging
 import pytest
 import torch
 
-from hwsync.backend import Backend, register_backend, unregister_backend
-from hwsync.replay import GRAPHS_ENV, Replay, addresses, copy_all
+from hwsync.backend import register_backend, unregister_backend
+from hwsync.cpu import CpuBackend
+from hwsync.replay import GRAPHS_ENV, Replay, addresses, common_device, copy_all
 
 
-class _Recorder(Backend):
+class _Recorder(CpuBackend):
+    """The CPU backend's answers, for torch's ``meta`` device, with a recorder that counts what it records."""
+
     name = "replay-test"
     device_type = "meta"
-    dist_backend = "gloo"
     recorded = 0
     fail = False
-
-    def is_available(self) -> bool:
-        return True
-
-    def device_count(self) -> int:
-        return 1
-
-    def current_device(self) -> torch.device:
-        return torch.device("meta")
-
-    def device_context(self, device):  # pragma: no cover - not used
-        raise NotImplementedError
-
-    def current_stream(self, device=None):  # pragma: no cover - not used
-        return None
-
-    def synchronize(self, device=None) -> None:  # pragma: no cover - not used
-        pass
 
     def capture(self, work, device):
         if type(self).fail:
@@ -100,3 +84,9 @@ def test_copy_all_casts_and_crosses_layouts() -> None:
     copy_all(dst, src)
     for d, s in zip(dst, src):
         assert torch.equal(d, s.to(d.dtype))
+
+
+def test_work_across_devices_is_never_recorded() -> None:
+    meta = torch.empty(2, device="meta")
+    assert common_device([meta, meta]) == torch.device("meta")
+    assert common_device([meta, torch.zeros(2)]) == torch.device("cpu")  # several devices: the op-by-op path

@@ -5,7 +5,8 @@ reaches the store can guess where to join. Collectives run on NCCL's own stream 
 (so a bucket packed just before is complete), which lets the sender pack bucket b+1 while bucket b is on the wire.
 The NCCL watchdog is told not to tear the process down or dump state when a transfer times out, and its timeout is
 set well past the link's own (a trainer that dies mid-sync must not take the rollout engine with it); instead each
-wait polls against the link's deadline and aborts the communicator past it (:class:`_Pending`), so the receiver reports the timeout, marks the engine stale and forms a fresh group next.
+wait polls against the link's deadline and aborts the communicator past it (:class:`_Pending`), so the receiver
+reports the timeout, marks the engine stale and forms a fresh group next.
 Ranks that share one GPU (a server-mode engine beside its trainer on a single-GPU machine) cannot form an NCCL group;
 :func:`open_cuda_link` sees that from the ranks' GPU UUIDs and forms a gloo group through host memory instead.
 """
@@ -35,6 +36,8 @@ def watchdog_timeout_s(link_timeout_s: float) -> float:
     """The group's own collective timeout: well past the link's deadline, so the link's poll-and-abort
     (:class:`_Pending`) always acts first and the watchdog never races it."""
     return 2 * link_timeout_s + 60
+
+
 logger = logging.getLogger("hwsync.transport")
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hwsync.replay import Replay, addresses, copy_all
+from hwsync.replay import Replay, addresses, common_device, copy_all
 from hwsync.vllm.compat import check_adapter
 
 __all__ = ["SlotWriter", "LayerGroups", "layer_groups", "held_tensor", "NOT_TRACED", "LAYER_NAME"]
@@ -264,6 +264,8 @@ class SlotWriter:
     """Why slots are written by vLLM's ``set_lora`` (empty when :attr:`blocks` write them)."""
     traced_modules: int = 0
     """How many vLLM modules the trace ran through vLLM's construction (does not grow with the layer count)."""
+    _replay: Replay = field(default_factory=lambda: Replay("the adapter's slot writes"), init=False, repr=False,
+                            compare=False)
 
     # -- phase 1: vLLM's construction, on the template --------------------------------------------------------
     @classmethod
@@ -599,11 +601,9 @@ class SlotWriter:
         self._check_tensors(tensors)
         dsts, version = self._destinations(manager, lora_model, slot)
         sources = [tensors[k] for k in self._sources]
-        devices = {t.device for t in sources} | {t.device for t in dsts[:1]}
-        device = devices.pop() if len(devices) == 1 else torch.device("cpu")  # several devices: op by op
-        replay = self.__dict__.setdefault("_replay", Replay("the adapter's slot writes"))
+        device = common_device([*sources, *dsts[:1]])
         with torch.no_grad():
-            replay.run((version, addresses(sources)), device, lambda: copy_all(dsts, self._read_all(tensors)))
+            self._replay.run((version, addresses(sources)), device, lambda: copy_all(dsts, self._read_all(tensors)))
             if not self.blocks:
                 for name in self.modules:
                     weights = lora_model.loras[name]
