@@ -199,6 +199,21 @@ def server_env(engines: int = 1) -> dict[str, str]:
             "HWSYNC_TOKEN": secrets.token_hex(16)}
 
 
+def _one_trainer_gpu(env: dict[str, str]) -> dict[str, str]:
+    """The trainer process's ``CUDA_VISIBLE_DEVICES`` where several GPUs are visible: one. ms-swift spreads a single
+    trainer process over every GPU it sees (``device_map``), which its GRPO with vLLM refuses ("not compatible with
+    `device_map`", seen on two H200s); a data-parallel ``swift rollout`` beside it still sees them all."""
+    if "NPROC_PER_NODE" in env:
+        return {}
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        import torch
+
+        visible = ",".join(str(i) for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    ids = [v for v in visible.split(",") if v.strip()]
+    return {"CUDA_VISIBLE_DEVICES": ids[0]} if len(ids) > 1 else {}
+
+
 def file_tail(path: Path, lines: int) -> str:
     """The last ``lines`` lines of a log ("" if it was never written)."""
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
@@ -290,7 +305,7 @@ def run_job(args: list[str], output_dir: Path, *, env: dict[str, str] | None = N
             peak.watch(server.pid)
         with log.open("w") as out:
             # torch.distributed's default port (29500) is taken when two jobs run side by side (seen on an H100)
-            trainer_env = {"MASTER_PORT": str(free_port()), **full_env}
+            trainer_env = {"MASTER_PORT": str(free_port()), **full_env, **_one_trainer_gpu(full_env)}
             proc = subprocess.Popen([swift_exe(full_env), *args[1:]], stdout=out, stderr=subprocess.STDOUT,
                                     env=trainer_env)
             peak.watch(proc.pid)

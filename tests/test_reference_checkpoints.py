@@ -51,3 +51,19 @@ def test_a_config_change_alone_is_another_checkpoint_and_the_same_model_reuses_i
     other = write_checkpoint(model, root)
     assert other != first
     assert json.loads((other / "config.json").read_text())["rms_norm_eps"] == model.config.rms_norm_eps
+
+
+def test_the_checkpoint_stops_where_the_trainer_stops(tmp_path: Path) -> None:
+    """The trainer's generation config travels with the reference checkpoint: its eos ids are the engine's stop
+    tokens (the tiny models stop on <|im_end|> and <|endoftext|>; config.json names one). Without it the reference
+    engine decoded past <|endoftext|> where the engine under test stopped (the GPU LoRA-config matrix, 2026-11-28)."""
+    from hwsync.testing import make_tiny_moe
+
+    src = make_tiny_moe(tmp_path / "tiny", "qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    root = tmp_path / "reference"
+    root.mkdir()
+    out = write_checkpoint(model, root)
+    want = json.loads((src / "generation_config.json").read_text())["eos_token_id"]
+    assert isinstance(want, list) and len(want) == 2
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == want

@@ -414,3 +414,33 @@ def test_control_channel_sends_small_frames_without_nagle_delay() -> None:
                 assert ch.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
             a.send({"op": "ping"})
             assert b.recv() == {"op": "ping"}
+
+
+def test_device_seal_is_the_keyed_linear_hash_it_documents() -> None:
+    """The accelerator seal (int8 products where the device has them, float64 elsewhere) equals the integer hash
+    its docstring states, both ways of computing it give the same digest, and any one-bit change -- in a full row or
+    in the zero-padded last row -- changes it."""
+    import numpy as np
+
+    from hwsync.transport.seal import _ROW
+
+    sealer = Sealer(derive_secret("token", "session"))
+    n = 20 * _ROW + 77  # 20 full rows (enough for int8 products) and a partial one
+    payload = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    digest = sealer._lane_digest(payload)
+
+    w = np.zeros((21, _ROW), np.int64)
+    w.reshape(-1)[:n] = payload.view(torch.int8).numpy()
+    k1 = sealer._key(torch.device("cpu"), _ROW, "row").numpy().astype(np.int64)
+    k2 = sealer._key(torch.device("cpu"), 21, "sum").numpy()
+    assert k1.min() >= -128 and k1.max() < 128 and k2.min() >= 0 and k2.max() < 1 << 16
+    assert np.frombuffer(digest, np.int64).tolist() == ((w @ k1) * k2).sum(axis=0).tolist()
+
+    slow = Sealer(derive_secret("token", "session"))
+    slow._int_mm["cpu"] = False  # the float64 path an accelerator without int8 products takes
+    assert slow._lane_digest(payload) == digest
+    for at in (0, 5 * _ROW + 3, n - 1):
+        changed = payload.clone()
+        changed[at] ^= 1
+        assert sealer._lane_digest(changed) != digest
+    assert Sealer(derive_secret("other", "session"))._lane_digest(payload) != digest

@@ -27,6 +27,7 @@ change nothing on the served base rewritten (an init that rewrote the base, a ``
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -166,7 +167,12 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
     if dtype is not None:
         weights = {n: t.to(dtype) if t.is_floating_point() else t for n, t in weights.items()}
     config = _plain_config(model)
+    # the trainer's generation config too: its eos ids are the engine's stop tokens (the tiny models stop on two; a
+    # checkpoint with config.json's one made the reference decode past <|endoftext|> where the engine stopped)
+    generation = getattr(model, "generation_config", None)
     digest = hashlib.sha1(config.to_json_string(use_diff=False).encode())
+    if generation is not None:
+        digest.update(generation.to_json_string(use_diff=False).encode())
     for name in sorted(weights):
         t = weights[name].detach().to("cpu").contiguous()
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
@@ -176,6 +182,9 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".ckpt-"))
         _plain_model(config).save_pretrained(
             tmp, state_dict={n: t.detach().to("cpu").contiguous() for n, t in weights.items()})
+        if generation is not None:
+            with contextlib.suppress(ValueError):  # one transformers refuses to save as invalid: config.json's eos
+                generation.save_pretrained(tmp)
         tmp.rename(out)
     return out
 
