@@ -12,11 +12,6 @@
   4's experts ``[E, in, out]`` without declaring ``is_transposed``, so PEFT adapts them as ``[E, out, in]``; its
   ``B A`` is still the parameter's ΔW, but A's columns are outputs. hwsync sent those factors to vLLM as if A took
   the hidden state (A ``[r, 2I]`` where vLLM's gate_proj A is ``[r, H]``).
-* The router's LoRA (``target_modules="all-linear"`` adapts ``mlp.gate``; 2026-11-28, H200, the LoRA-config matrix):
-  vLLM wraps ``mlp.gate`` but its MoE runner computes the router logits with the ``GateLinear`` it was built with, so
-  the LoRA is installed and never runs -- vLLM's own loading of the adapter served the same (both 3.15 mean |Δ
-  logprob| from the trainer; ``hwsync.verify`` caught it). ``adapter`` now refuses it naming ``hybrid``, which merges
-  the router.
 """
 from __future__ import annotations
 
@@ -292,39 +287,3 @@ def test_llama4_expert_lora_is_reoriented_for_vllm(tmp_path) -> None:
                                                         "down_proj": dn.scaling})
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
-
-
-def test_a_lora_wrapper_the_moe_runner_bypasses_is_not_served() -> None:
-    """vLLM's layout (0.32): ``mlp.experts`` is the MoE runner (wrapped by the expert LoRA layer) and holds the router
-    it was built with; the LoRA swap replaces ``mlp.gate`` only. A tied ``lm_head`` holding the embedding is no
-    bypass (it uses the weight), and an attention wrapper has no other holder."""
-    from torch import nn
-
-    from hwsync.vllm.applier import VllmApplier
-
-    class GateLinear(nn.Linear):
-        pass
-
-    class MoERunner(nn.Module):
-        def __init__(self, gate: nn.Module) -> None:
-            super().__init__()
-            self.gate = gate
-
-    class Wrapper(nn.Module):
-        def __init__(self, base: nn.Module) -> None:
-            super().__init__()
-            self.base_layer = base
-
-    model, mlp, attn = nn.Module(), nn.Module(), nn.Module()
-    gate = GateLinear(8, 4)
-    mlp.gate, mlp.experts = gate, Wrapper(MoERunner(gate))
-    mlp.gate = router = Wrapper(gate)  # vLLM's LoRA swap
-    attn.q_proj = Wrapper(nn.Linear(8, 8))
-    embedding = nn.Embedding(10, 8)
-    model.mlp, model.attn, model.embed_tokens, model.lm_head = mlp, attn, Wrapper(embedding), embedding
-    manager, me = types.SimpleNamespace(model=model), types.SimpleNamespace(_holders=None)
-
-    why = VllmApplier._bypass(me, manager, router)
-    assert why is not None and "bypassed: mlp.experts.base_layer.gate holds the unwrapped GateLinear" in why
-    assert VllmApplier._bypass(me, manager, attn.q_proj) is None
-    assert VllmApplier._bypass(me, manager, model.embed_tokens) is None

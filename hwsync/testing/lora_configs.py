@@ -64,9 +64,6 @@ class Cell:
     """A second adapter's ``LoraConfig`` fields: ``set_adapter`` alternates between the two before every sync."""
     experts: bool = False
     """The adapter adapts MoE experts (served as LoRA only where the engine has MoE-LoRA kernels)."""
-    router: bool = False
-    """The adapter adapts the router (``mlp.gate``): vLLM's MoE runner bypasses its LoRA wrapper (refused where the
-    experts are served; where they are not, the experts are named first)."""
     refused: Mapping[str, str] = field(default_factory=dict)
     """Strategy -> regex the refusal must match, on every platform."""
 
@@ -90,7 +87,7 @@ CELLS: tuple[Cell, ...] = (
                alpha_pattern={r"layers\.1\.self_attn\.[kv]_proj": 7, "o_proj": 3})),
     Cell("all-linear", "target_modules='all-linear', r 4, α 6: attention, and (PEFT on transformers 5) the fused "
          "experts -- gate_up at rank 2r, α 2α -- and the router mlp.gate", _lora(target_modules="all-linear"),
-         experts=True, router=True),
+         experts=True),
     Cell("experts, rank ≠ attention", "attention r 4 α 6; fused experts (target_parameters) gate_up r 8 α 12, "
          "down r 8 α 10 via rank/alpha_pattern",
          _lora(target_parameters=EXPERTS, rank_pattern={"gate_up_proj": 8, "down_proj": 8},
@@ -129,8 +126,6 @@ def expected_refusal(cell: Cell, strategy: str, serves_expert_lora: bool) -> str
         return cell.refused[strategy]
     if strategy == "adapter" and cell.experts and not serves_expert_lora:
         return r'serves no LoRA on .*experts.*strategy="hybrid"'
-    if strategy == "adapter" and cell.router:
-        return r'serves no LoRA on .*mlp\.gate.*bypassed.*strategy="hybrid"'
     return None
 
 

@@ -232,7 +232,6 @@ class VllmApplier:
         self._layers_unrestored = False
         self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
         self._packing: tuple[Any, str | None] | None = None  # (experts packing list, its expert_packing_problem)
-        self._holders: tuple[Any, dict[int, list[str]]] | None = None  # (LoRA model, module id -> every path to it)
 
     # -- facts ----------------------------------------------------------------------------------------------------
     @property
@@ -378,28 +377,7 @@ class VllmApplier:
             return f"vLLM wraps no LoRA layer for {leaf} ({hint})"
         if "MoE" in type(module).__name__ and not moe["supported"]:
             return f"no MoE-LoRA kernels on this platform: {moe['reason']}"
-        return self._bypass(manager, module)
-
-    def _bypass(self, manager: Any, wrapper: Any) -> str | None:
-        """Why ``wrapper``'s LoRA never runs, or ``None``: vLLM swaps a LoRA wrapper in where the layer hangs in the
-        module tree, but a module that kept its own reference to the layer calls the layer itself. vLLM 0.32's MoE
-        runner does so with the router (``FusedMoE(gate=...)`` computes the router logits with the ``GateLinear`` it
-        was built with), so a LoRA on ``mlp.gate`` is installed and silently ignored -- by vLLM's own loading too."""
-        base = getattr(wrapper, "base_layer", None)
-        if not isinstance(base, torch.nn.Module):
-            return None
-        if self._holders is None or self._holders[0] is not manager.model:
-            paths: dict[int, list[str]] = {}
-            for path, m in manager.model.named_modules(remove_duplicate=False):
-                paths.setdefault(id(m), []).append(path)
-            self._holders = (manager.model, paths)
-        others = [p for p in self._holders[1].get(id(base), []) if not p.endswith(".base_layer")
-                  and re.search("MoE|Runner", type(manager.model.get_submodule(p.rpartition(".")[0])).__name__)]
-        if not others:  # (a tied lm_head holding the embedding is not a bypass: it uses the weight, not the call)
-            return None
-        leaf = re.sub(r"\.\d+\.", ".N.", others[0])
-        return (f"vLLM's LoRA wrapper is bypassed: {leaf} holds the unwrapped {type(base).__name__} and calls it "
-                "directly, so vLLM would serve this LoRA as if it were absent")
+        return None
 
     @property
     def lora_row_orders(self) -> dict[str, Tensor]:
