@@ -343,7 +343,7 @@ def _vllm_model(v, tensors, config):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("cfg_name", ["both_patterns", "rslora"])
+@pytest.mark.parametrize("cfg_name", ["both_patterns", "rslora", "t5_conversion"])
 def test_vllm_reads_2d_keys_to_peft_delta(vllm_lora, cfg_name: str) -> None:
     v = vllm_lora
     pm = get_peft_model(tiny_model(), lora(**CONFIGS[cfg_name]))
