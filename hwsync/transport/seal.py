@@ -11,7 +11,7 @@ bucket's tensors are used.
   product with int32 accumulation (``torch._int_mm``; exact, ``|sum| <= 2**28``), or the same integers through a
   float64 product where int8 products are not available (exact below ``2**53``: both give the same digest). The
   row sums are hashed again per lane in int64 with secret keys in ``[0, 2**16)`` (exact: ``|sum| < 2**63`` for any
-  bucket below 2**37 bytes). For any change of the payload, one lane's final sum stays equal with probability at
+  bucket below 2**33 bytes, 8 GiB; buckets are a few hundred MB). For any change of the payload, one lane's final sum stays equal with probability at
   most ``2**-8 + 2**-16`` over the secret keys; 8 independent lanes are used (about ``2**-64``), then bound with
   the bucket's index, the sync version and the payload length by BLAKE2b. An attacker without the token learns
   nothing about the keys. The payload is read once, with no temporary of its size (the float64 products of the
@@ -33,6 +33,7 @@ __all__ = ["Sealer", "derive_secret"]
 _LANES = 8  # also what an int8 matrix product needs: a multiple of 8 columns
 _ROW = 1 << 14
 _KEY2_BITS = 16
+_KINDS = {"row": 1, "sum": 2}  # each kind of key its own generator seed, also where the row counts coincide
 _MIN_INT_MM_ROWS = 17  # torch._int_mm on CUDA takes more than 16 rows; fewer go through float64
 _CHUNK_ROWS = 1024  # the float64 path's temporaries: at most 1024 * 2**14 * 8 bytes = 128 MiB at a time
 
@@ -65,7 +66,7 @@ class Sealer:
             if kind == "row64":
                 keys = self._key(device, _ROW, "row").to(torch.float64)
             else:
-                g = torch.Generator().manual_seed((self._seed + 1_000_003 * rows + len(kind)) % (1 << 63))
+                g = torch.Generator().manual_seed((self._seed + 1_000_003 * rows + _KINDS[kind]) % (1 << 63))
                 if kind == "row":
                     keys = torch.randint(-128, 128, (_ROW, _LANES), generator=g, dtype=torch.int64).to(torch.int8)
                 else:
