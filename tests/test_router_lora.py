@@ -49,10 +49,12 @@ def _check(llm: Any, model: Any, atol: float | None) -> None:
         report = hwsync.sync(llm, model)  # auto: hybrid, the router merged
         assert report.strategy == "hybrid", report.line()
     hwsync.verify(llm, model, PROMPTS, atol=atol)  # raises unless the engine serves the trainer's policy
+    if atol is None:  # a bf16 engine: verify's gate cannot tell a small router change from bf16 noise
+        return
     # and the router's LoRA is part of that policy: the trainer without it (not synced) is told apart
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".mlp.gate.lora_B" in name:
                 p.zero_()
     with pytest.raises(hwsync.HwsyncError):
-        hwsync.verify(llm, model, PROMPTS, atol=atol if atol is not None else 1e-3)
+        hwsync.verify(llm, model, PROMPTS, atol=atol)

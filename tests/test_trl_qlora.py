@@ -47,7 +47,7 @@ _CPU_GAP = ("open (2026-11-28): on vLLM's CPU build in a fresh .venv-trl on an A
             "the GPU runs it strictly (passed on an H200 the same day)")
 
 
-@pytest.mark.xfail(condition="not __import__('torch').cuda.is_available()", reason=_CPU_GAP, strict=False)
+@pytest.mark.xfail(condition=not job.has_gpu(), reason=_CPU_GAP, strict=False)
 def test_qlora_syncs_the_adapter_without_merging_into_four_bit_weights(tmp_path, monkeypatch):
     import torch
     from peft import LoraConfig
