@@ -289,6 +289,7 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
     import gc
 
     import hwsync
+    from hwsync import progress
     from hwsync.merged import merged_named_weights
     from hwsync.vllm.applier import vllm_reload
 
@@ -316,6 +317,9 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
                 peaks.append(torch.cuda.max_memory_allocated() - max(before, _allocated()))
             if i == 0:
                 print(f"{strategy}: first sync {times[0]:.2f} s: {report.path}", flush=True)
+                print(f"{strategy}: first sync's phases: " + ", ".join(f"{w} {sec:.2f} s" for w, sec in progress.recent),
+                      flush=True)
+            progress.recent.clear()
         assert report is not None
         seconds = statistics.median(times[max(args.warmup, 2):] or times[-1:])
         second = times[1] if len(times) > 1 else 0.0
@@ -481,6 +485,9 @@ def server(path: Path, args: argparse.Namespace, dtype: torch.dtype, served: dic
                          "seconds": seconds, "GB/s": report.bytes / 1e9 / seconds, "broadcast_s": base,
                          "x_broadcast": seconds / base, "buckets": report.buckets, "Δ_vs_colocated": exact,
                          "Δ_repeat": repeat})
+            # where a steady sync's time goes (the last timed one): trainer-side phases and the engine's own
+            print(f"server {strategy}: last sync's phases (ms): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in getattr(engine, "last_timings", {}).items()), flush=True)
         engine.shutdown()
         proc.wait(timeout=120)
     finally:

@@ -25,6 +25,7 @@ from hwsync.engine import Engine, ProgressFn
 from hwsync.errors import AdapterFormatError, OptionError, PlanChangedError, SyncError
 from hwsync.lora_formats import FoldFn
 from hwsync.payload import Payload, TrainerLora, base_shapes, build_payload, has_adapter, model_uuid, read_lora
+from hwsync.progress import phase
 from hwsync.report import SyncReport
 from hwsync.strategy import choose
 from hwsync.wire import EngineInfo, Manifest, Strategy, plan_buckets
@@ -318,7 +319,8 @@ def _prepare(engine: Engine, model: nn.Module, options: SyncOptions, version: in
     fresh = plan is None or not plan.holds(signature)
     if fresh:
         plans.pop(options, None)
-        plan = SyncPlan.make(engine, model, options, signature)
+        with phase("sync planned"):
+            plan = SyncPlan.make(engine, model, options, signature)
     assert plan is not None
     return plan, plan.manifest_for(version, fresh=fresh)
 

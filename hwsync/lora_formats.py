@@ -502,10 +502,10 @@ class PeftLoraReader:
 class FoldBuffers:
     """:meth:`LoraModule.folded` of every module, the same bits as :func:`fold_scaling` (cast, then multiplied in the
     cast dtype): the casts in one batched copy instead of an allocation and a launch each. A factor already in
-    ``dtype`` with nothing to fold is the parameter itself, as in :meth:`LoraModule.folded`. From the second read on
-    the buffers are kept (one copy of the folded factors, held between syncs instead of allocated at each), so their
-    addresses hold still and the folds are recorded once as one graph where the device records graphs
-    (:class:`hwsync.replay.Replay`); a reader read once (a one-off plan) keeps nothing."""
+    ``dtype`` with nothing to fold is the parameter itself, as in :meth:`LoraModule.folded`. The buffers are kept from
+    the first read on (one copy of the folded factors, held between syncs instead of allocated at each: the first
+    sync needs that copy anyway), so their addresses hold still and the folds are recorded once as one graph where
+    the device records graphs (:class:`hwsync.replay.Replay`), already launched as one by the second sync."""
 
     def __init__(self, modules: Sequence[LoraModule], dtype: torch.dtype | None) -> None:
         from hwsync.replay import Replay, common_device
@@ -528,7 +528,6 @@ class FoldBuffers:
         self._device = common_device(self._srcs)
         self._kept: list[Tensor] | None = None
         self._key: tuple[Any, ...] = ()
-        self._reads = 0
         self._replay = Replay("the LoRA folds")
 
     def _fold(self, bufs: list[Tensor]) -> None:
@@ -542,18 +541,13 @@ class FoldBuffers:
         """A, B of every module, as of now (kept buffers are rewritten: read them before the next read)."""
         from hwsync.replay import addresses
 
-        self._reads += 1
         bufs = self._kept
         if bufs is None:
             bufs = [torch.empty(s.shape, dtype=dt, device=s.device) for s, dt in zip(self._srcs, self._dtypes)]
-            if self._reads >= 2:
-                self._kept, self._key = bufs, addresses(self._srcs + bufs)
+            self._kept, self._key = bufs, addresses(self._srcs + bufs)
         if bufs:
             with torch.no_grad():
-                if bufs is self._kept:
-                    self._replay.run(self._key, self._device, lambda: self._fold(bufs))
-                else:
-                    self._fold(bufs)
+                self._replay.run(self._key, self._device, lambda: self._fold(bufs))
         return [t if isinstance(t, Tensor) else bufs[t] for t in self._layout]
 
 

@@ -2,6 +2,7 @@
 silent (a first adapter install, a re-plan, 60 GB of base weights through vLLM's reload)."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -10,12 +11,16 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["phase", "counted", "SLOW_S"]
+__all__ = ["phase", "counted", "SLOW_S", "recent"]
 
 logger = logging.getLogger("hwsync")
 
 SLOW_S = 2.0
 """A phase that takes longer than this is logged (and a counted stream logs its progress this often)."""
+
+
+recent: collections.deque[tuple[str, float]] = collections.deque(maxlen=64)
+"""The last phases of this process, ``(what, seconds)``, slow or not (a benchmark prints where a first sync went)."""
 
 
 @contextlib.contextmanager
@@ -24,6 +29,7 @@ def phase(what: str) -> Iterator[None]:
     t0 = time.perf_counter()
     yield
     seconds = time.perf_counter() - t0
+    recent.append((what, seconds))
     if seconds > SLOW_S:
         logger.info("hwsync: %s in %.1f s", what, seconds)
 

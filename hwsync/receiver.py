@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from hwsync.errors import HwsyncError, PlanChangedError, StaleEngineError, SyncError, VersionError
+from hwsync.progress import phase
 from hwsync.wire import Manifest, ReceiverState, Strategy
 
 __all__ = ["Applier", "Loaded", "NothingWritten", "Receiver", "leaves_stale"]
@@ -231,7 +232,8 @@ class Receiver:
             try:
                 if has_base:
                     weights = stream()
-                    paths.append(self.applier.load_base(plan, weights).how)
+                    with phase("base weights received and loaded"):
+                        paths.append(self.applier.load_base(plan, weights).how)
                     for _ in weights:  # a loader that stopped early must not leave buckets unread
                         raise SyncError("engine loader stopped before the last base tensor")
                 else:
@@ -240,8 +242,9 @@ class Receiver:
                 stage = "adapter"
                 old = self.state.lora_int_id
                 if lora:
-                    loaded = self.applier.load_lora(plan, lora, manifest.lora_meta or {}, manifest.lora_name,
-                                                    manifest.lora_int_id, old)
+                    with phase("adapter applied"):
+                        loaded = self.applier.load_lora(plan, lora, manifest.lora_meta or {}, manifest.lora_name,
+                                                        manifest.lora_int_id, old)
                     self.state.lora_name, self.state.lora_int_id = loaded.lora_name, loaded.lora_int_id
                     paths.append(loaded.how)
                 elif has_base and old is not None:

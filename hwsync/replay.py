@@ -52,33 +52,53 @@ def copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
 
 
 class Replay:
-    """Runs ``work`` eagerly the first time a ``key`` is seen, records it the second time in a row, and replays the
-    recording while the key holds. ``key`` must name every address ``work`` touches (:func:`addresses`)."""
+    """Runs ``work`` eagerly the first time a ``key`` is seen and records it right after, so the next run with that
+    key is one launch (the second sync as fast as the third); replays the recording while the key holds. A caller
+    whose keys move from run to run would pay a recording per run: once a recording goes unused, a key is recorded
+    only the second time in a row (and launched at once). ``key`` must name every address ``work`` touches
+    (:func:`addresses`)."""
 
     def __init__(self, what: str) -> None:
         self.what = what
         self._key: Hashable = None
         self._seen: Hashable = None
         self._launch: Callable[[], None] | None = None
+        self._used = False
+        self._at_first_sight = True
         self._failed = False
         self.replays = 0
         """Runs that were one graph launch (the tests read it)."""
+        self.recorded = 0
+        """Recordings made (the tests read it)."""
 
     def run(self, key: Hashable, device: torch.device, work: Callable[[], None]) -> None:
         if self._launch is not None and key == self._key:
-            self._launch()
-            self.replays += 1
+            self._launch_recorded()
             return
+        if self._launch is not None and not self._used:
+            self._at_first_sight = False  # this caller's keys move: a recording per run would be wasted
         self._launch = None
-        if key == self._seen and self._records(device):
-            launch = self._record(device, work)
-            if launch is not None:
-                self._launch, self._key = launch, key
-                launch()
-                self.replays += 1
-                return
-        self._seen = key
+        if key == self._seen and self._records(device) and self._keep(key, device, work):
+            self._launch_recorded()
+            return
         work()
+        if key != self._seen and self._at_first_sight and self._records(device):
+            self._keep(key, device, work)  # nothing runs while recording: the next run with this key launches it
+        self._seen = key
+
+    def _launch_recorded(self) -> None:
+        assert self._launch is not None
+        self._launch()
+        self._used = True
+        self.replays += 1
+
+    def _keep(self, key: Hashable, device: torch.device, work: Callable[[], None]) -> bool:
+        launch = self._record(device, work)
+        if launch is None:
+            return False
+        self._launch, self._key, self._used = launch, key, False
+        self.recorded += 1
+        return True
 
     def _records(self, device: torch.device) -> bool:
         return not self._failed and device.type != "cpu" and os.environ.get(GRAPHS_ENV, "1") != "0"

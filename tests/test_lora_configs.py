@@ -207,3 +207,17 @@ def test_2d_reference_adapter_keeps_the_expert_scalings(tmp_path: Path, tiny_qwe
             assert helper.get_rank_and_scaling(module) == truth[(m[1], pname)], module
             checked += 1
     assert checked == 2 * 8 * 3
+
+
+def test_cells_are_picked_by_shard_or_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hwsync.testing.lora_configs import CELLS, CELLS_ENV
+
+    monkeypatch.setenv(CELLS_ENV, "all-linear;experts, rank ≠ attention")  # a name with a comma: ";" separates
+    assert [c.name for c in selected_cells()] == ["all-linear", "experts, rank ≠ attention"]
+    monkeypatch.setenv(CELLS_ENV, "rsLoRA, DoRA")
+    assert [c.name for c in selected_cells()] == ["rsLoRA", "DoRA"]
+    monkeypatch.setenv(CELLS_ENV, f"2/{len(CELLS)}")
+    assert [c.name for c in selected_cells()] == [CELLS[1].name]
+    monkeypatch.setenv(CELLS_ENV, "rsLoRA;no such cell")
+    with pytest.raises(ValueError, match="no such cell"):
+        selected_cells()

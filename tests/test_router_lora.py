@@ -58,3 +58,62 @@ def _check(llm: Any, model: Any, atol: float | None) -> None:
                 p.zero_()
     with pytest.raises(hwsync.HwsyncError):
         hwsync.verify(llm, model, PROMPTS, atol=atol)
+
+
+def test_the_router_wrapper_computes_base_plus_its_slots(tiny_qwen3_moe_dir: Path) -> None:
+    """What the engine's router computes under a synced LoRA, taken apart: the wrapper's output on the tokens it saw
+    equals its base layer's output plus x·Aᵀ·Bᵀ of its own slot (fp32), and the MoE runner computes the logits through
+    that wrapper. On a GPU this is where a router LoRA that vLLM builds correctly but applies wrongly shows (the GPU
+    matrix's all-linear gap); whichever part differs is named with the dtypes involved."""
+    import torch
+
+    import hwsync
+    from hwsync.testing import patched_llm, require_vllm
+    from hwsync.testing.trainer import lora_trainer, perturb
+
+    require_vllm()
+    model = lora_trainer(tiny_qwen3_moe_dir, ["q_proj", "v_proj", "gate"])
+    perturb(model, 1)
+    with patched_llm(tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8,
+                     lora_target_modules=["qkv_proj", "o_proj", "gate"]) as llm:
+        try:
+            hwsync.sync(llm, model, strategy="adapter")
+        except hwsync.HwsyncError as e:  # refused: the router travels merged (the test above checks that)
+            pytest.skip(f"adapter refused the router's LoRA here: {e}")
+        seen: list[tuple[Any, Any]] = []
+
+        def hook(_m: Any, inp: Any, out: Any) -> None:
+            seen.append((inp[0].detach().clone(), (out[0] if isinstance(out, tuple) else out).detach().clone()))
+
+        def attach(m: Any) -> Any:
+            mlp = m.model.layers[0].mlp
+            runner = getattr(mlp.experts, "runner", None)
+            return mlp.gate, getattr(runner, "gate", None), mlp.gate.register_forward_hook(hook)
+
+        gate, runner_gate, handle = llm.apply_model(attach)[0]
+        try:
+            hwsync.generate(llm, [{"prompt_token_ids": PROMPTS[0]}])
+        finally:
+            handle.remove()
+        assert seen, "the router's LoRA wrapper never ran: the engine computes the router logits elsewhere"
+        assert runner_gate is None or runner_gate is gate, (
+            f"the MoE runner holds {type(runner_gate).__name__}, not the router's LoRA wrapper {type(gate).__name__}")
+        x, out = seen[0]
+        with torch.no_grad():
+            base = gate.base_layer(x)
+            base = base[0] if isinstance(base, tuple) else base
+            slots = [i for i in range(gate.lora_b_stacked[0].shape[0]) if gate.lora_b_stacked[0][i].any()]
+            assert len(slots) == 1, f"one adapter is installed, but slots {slots} hold a router LoRA"
+            slot = slots[0]
+            a = gate.lora_a_stacked[0][slot, 0].float()
+            b = gate.lora_b_stacked[0][slot, 0].float()
+            want = base.float() + (x.float() @ a.T) @ b.T
+        facts = (f"x {x.dtype}, base out {base.dtype}, wrapper out {out.dtype}, slots {gate.lora_a_stacked[0].dtype}"
+                 f", base out_dtype {getattr(gate.base_layer, 'out_dtype', None)}")
+        lora_part = (want - base.float()).abs().max().item()
+        assert lora_part > 0, "the slot holds no LoRA: nothing to tell apart"
+        err = (out.float() - want).abs().max().item()
+        # bf16 engines: the LoRA term rounds in bf16 (one ulp of the logits), fp32 ones are exact to fp32 rounding
+        bound = 1e-4 if out.dtype == torch.float32 and x.dtype == torch.float32 else 0.05 * max(1.0, lora_part)
+        assert err <= bound, f"router wrapper: max |out - (base + xAᵀBᵀ)| {err:.3g} (LoRA part {lora_part:.3g}); {facts}"
+

@@ -172,6 +172,9 @@ class RemoteEngine(Engine):
         self._workers: list[int] | None = None
         self._device_type = "cpu"
         self._owner: dict[str, Any] = {}
+        self.last_timings: dict[str, float] = {}
+        """Milliseconds of the last sync's phases: ``go`` (validated by every engine), ``stream`` (the buckets sent),
+        ``reply`` (waiting for the engines' results), and the engine's own ``engine validate`` / ``engine receive``."""
 
     @property
     def address(self) -> str:
@@ -265,6 +268,7 @@ class RemoteEngine(Engine):
             if self._workers is None:
                 self.describe()
             assert self._workers is not None
+            t0 = time.perf_counter()
             store = self._rendezvous_store()
             held = self._link[0] if self._link is not None else secrets.token_bytes(32)
             fresh = secrets.token_bytes(32)
@@ -284,6 +288,7 @@ class RemoteEngine(Engine):
                     "confirm": several,  # several engines: each waits for the commit below before the data plane
                 }, reopen=False)
             answers = self._answers()
+            t_go = time.perf_counter()
             refusal = next((v for ok, v in answers if not ok), None)
             if refusal is not None:
                 # nothing was written anywhere: the engines that said go are cancelled (and answer that)
@@ -313,12 +318,17 @@ class RemoteEngine(Engine):
                 if isinstance(results, BaseException):
                     raise SyncError(str(results)) from e
                 raise
+            t_sent = time.perf_counter()
             results = self._collect()
+            t_end = time.perf_counter()
             if isinstance(results, BaseException) or not getattr(link, "persistent", False):
                 self._drop_link()  # the engines closed their ends of the group (gloo's after every sync)
             if isinstance(results, BaseException):
                 raise results
             summary: dict[str, Any] = results[0]
+            self.last_timings = {"go": (t_go - t0) * 1e3, "stream": (t_sent - t_go) * 1e3,
+                                 "reply": (t_end - t_sent) * 1e3, **{f"engine {k}": v for k, v in
+                                                                     (summary.get("engine_ms") or {}).items()}}
             return summary
 
     def _verdict(self, conns: Sequence[_Conn], op: str, args: dict[str, Any], wait: bool = True) -> None:

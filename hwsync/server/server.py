@@ -265,7 +265,9 @@ class SyncServer:
             raise SyncError(f"data-plane group of {world} ranks with this engine at rank {first_rank}: the trainer "
                             "is rank 0 and engines follow it")
         with self.engine.lock:
+            t0 = time.perf_counter()
             self.engine.prepare(manifest)  # raises -> error reply; nothing written, no transfer started
+            t1 = time.perf_counter()
             reuse = self._held == held
             channel.send({"ok": True, "result": {"go": True, "reuse": reuse}})
             if args.get("confirm"):  # one of several engines: nothing moves until every engine said go
@@ -274,8 +276,13 @@ class SyncServer:
             spec = LinkSpec(host=str(group["host"]), port=int(group["port"]), prefix=group_prefix(gid),
                             world_size=world, timeout_s=timeout)
             self._held = None
+            t2 = time.perf_counter()
             result = self.engine.receive_remote(manifest, spec, first_rank, data_key, spec.prefix + "abort")
             self._held = gid if result.pop("link_kept", False) else None
+            # where the engine side's time went (the trainer's report shows it beside its own phases)
+            result["engine_ms"] = {"validate": (t1 - t0) * 1e3, "receive": (time.perf_counter() - t2) * 1e3,
+                                   "of which reset": result.pop("reset_ms", float("nan")),
+                                   **result.pop("worker_ms", {})}
             return result
 
     @staticmethod

@@ -131,7 +131,8 @@ def expected_refusal(cell: Cell, strategy: str, serves_expert_lora: bool) -> str
 
 def selected_cells(cells: Sequence[Cell] = CELLS) -> list[Cell]:
     """``HWSYNC_LORA_CELLS``: ``k/n`` (every n-th cell from the k-th: parallel processes on one GPU), or names
-    separated by commas; default all."""
+    separated by commas (by semicolons where a name holds a comma: ``all-linear;experts, rank ≠ attention``); default
+    all."""
     spec = os.environ.get(CELLS_ENV, "").strip()
     if not spec:
         return list(cells)
@@ -141,7 +142,7 @@ def selected_cells(cells: Sequence[Cell] = CELLS) -> list[Cell]:
         if not 1 <= k <= n:
             raise ValueError(f"{CELLS_ENV}={spec!r}: want k/n with 1 <= k <= n")
         return [c for i, c in enumerate(cells) if i % n == k - 1]
-    names = [s.strip() for s in spec.split(",") if s.strip()]
+    names = [s.strip() for s in spec.split(";" if ";" in spec else ",") if s.strip()]  # ";" for names with commas
     unknown = [n for n in names if n not in {c.name for c in cells}]
     if unknown:
         raise ValueError(f"{CELLS_ENV}: unknown cells {unknown}; cells: {[c.name for c in cells]}")

@@ -715,6 +715,11 @@ class VllmApplier:
                     writer.release_codes()
                 if why:
                     logger.info("hwsync: adapter slots are rewritten by vLLM's set_lora: %s", why)
+            if writer.blocks:
+                with phase("adapter slot writes recorded"):
+                    # the values are already there: this records the steady sync's copies (one graph where the
+                    # device records graphs), so the second sync is as fast as the third
+                    writer.write(manager, lora, tensors)
         return Loaded(f"adapter: {how}" + ("; later syncs rewrite it in place" if writer is not None else ""),
                       name, lid)
 

@@ -9,6 +9,8 @@ parallel), through ``collective_rpc``; their buckets arrive over the data plane.
 """
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -110,6 +112,7 @@ class LocalEngine(Engine):
         were written marks the engine stale, so no output mixes the new weights with cached KV of the old ones; the
         next complete sync clears it."""
         result = receive()
+        t0 = time.perf_counter()
         try:
             self.reset_cache()
         except SyncError as e:
@@ -117,6 +120,8 @@ class LocalEngine(Engine):
             self.rpc_all(worker.mark_stale, reason)
             raise SyncError(f"{reason}: the engine is marked stale and refuses to generate through hwsync until a "
                             "sync completes with the reset") from e
+        if isinstance(result, dict):
+            result["reset_ms"] = (time.perf_counter() - t0) * 1e3
         return result
 
     def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],

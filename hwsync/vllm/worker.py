@@ -8,6 +8,7 @@ the worker itself (one :class:`~hwsync.receiver.Receiver` per worker).
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -172,6 +173,7 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
     from hwsync.transport.buckets import pool_of, receive_buckets
     from hwsync.transport.seal import Sealer
 
+    t0 = time.perf_counter()
     m = _manifest(manifest)
     try:
         link, store = _link(worker, spec, first_rank + rank(worker))
@@ -190,6 +192,7 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
             return ""
         return ""
 
+    t1 = time.perf_counter()
     buckets = receive_buckets(m, link, pool_of(unwrap_worker(worker).__dict__, link.device), Sealer(secret),
                               abort_reason)
     try:
@@ -197,7 +200,10 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
     except BaseException:
         close_link(worker)  # the group may be mid-collective or out of step: the next sync forms a fresh one
         raise
+    t2 = time.perf_counter()
     kept = bool(getattr(link, "persistent", False))
     if not kept:
         close_link(worker)  # gloo: no listener outlives the sync (hwsync.cpu.link.GlooLink)
-    return {**result, "link_kept": kept}
+    timings = {"worker join": (t1 - t0) * 1e3, "worker receive+apply": (t2 - t1) * 1e3,
+               "worker close": (time.perf_counter() - t2) * 1e3}
+    return {**result, "link_kept": kept, "worker_ms": timings}
