@@ -386,7 +386,10 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         rows.append(row)
         if args.json:  # row by row: a later phase that fails keeps what was measured
             Path(args.json).write_text(json.dumps({"colocate": rows, "server": []}, indent=2, default=str))
-        hwsync.sync(llm, model, strategy=strategy)  # leave the engine on hwsync's own state for the next strategy
+        if lora_request is not None:  # vLLM's own copy of the adapter: its memory goes back before anything else
+            llm.llm_engine.remove_lora(lora_request.lora_int_id)
+        if k + 1 < len(args.strategies) or args.server:  # leave the engine on hwsync's own state for what follows
+            hwsync.sync(llm, model, strategy=strategy)
         if args.server:
             served[strategy] = model
         else:  # the engine handle's cached plans hold the trainer: drop them, so the next phase has its memory

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
@@ -52,18 +53,21 @@ def copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
 
 
 class Replay:
-    """Runs ``work`` eagerly the first time a ``key`` is seen and records it right after, so the next run with that
-    key is one launch (the second sync as fast as the third); replays the recording while the key holds. A caller
-    whose keys move from run to run would pay a recording per run: once a recording goes unused, a key is recorded
-    only the second time in a row (and launched at once). ``key`` must name every address ``work`` touches
-    (:func:`addresses`)."""
+    """Runs ``work`` eagerly the first time a ``key`` is seen, records it right after and launches the recording once
+    (its first launch pays the graph's upload), so the next run with that key is one cheap launch: the second sync as
+    fast as the third. The last :attr:`KEEP` recordings are kept, so work whose addresses alternate (double-buffered
+    receive buffers) replays too. A caller whose keys move from run to run would pay a recording per run: once a
+    recording is dropped unused, a key is recorded only when seen again (and launched at once). ``key`` must name
+    every address ``work`` touches (:func:`addresses`); ``work`` must be idempotent (its writes a function of what it
+    reads: copies, folds), since a recording is launched once more than the work was asked for."""
+
+    KEEP = 2
 
     def __init__(self, what: str) -> None:
         self.what = what
-        self._key: Hashable = None
-        self._seen: Hashable = None
-        self._launch: Callable[[], None] | None = None
-        self._used = False
+        self._kept: OrderedDict[Hashable, Callable[[], None]] = OrderedDict()
+        self._used: set[Hashable] = set()
+        self._seen: deque[Hashable] = deque(maxlen=4 * self.KEEP)
         self._at_first_sight = True
         self._failed = False
         self.replays = 0
@@ -72,33 +76,40 @@ class Replay:
         """Recordings made (the tests read it)."""
 
     def run(self, key: Hashable, device: torch.device, work: Callable[[], None]) -> None:
-        if self._launch is not None and key == self._key:
-            self._launch_recorded()
+        launch = self._kept.get(key)
+        if launch is not None:
+            self._kept.move_to_end(key)
+            self._used.add(key)
+            launch()
+            self.replays += 1
             return
-        if self._launch is not None and not self._used:
-            self._at_first_sight = False  # this caller's keys move: a recording per run would be wasted
-        self._launch = None
-        if key == self._seen and self._records(device) and self._keep(key, device, work):
-            self._launch_recorded()
-            return
+        seen = key in self._seen
+        if seen and self._records(device):
+            launch = self._keep(key, device, work)
+            if launch is not None:
+                self._used.add(key)
+                launch()
+                self.replays += 1
+                return
         work()
-        if key != self._seen and self._at_first_sight and self._records(device):
-            self._keep(key, device, work)  # nothing runs while recording: the next run with this key launches it
-        self._seen = key
+        if not seen and self._at_first_sight and self._records(device):
+            launch = self._keep(key, device, work)
+            if launch is not None:
+                launch()  # idempotent: the same values again; the graph's first launch is paid here, not next run
+        self._seen.append(key)
 
-    def _launch_recorded(self) -> None:
-        assert self._launch is not None
-        self._launch()
-        self._used = True
-        self.replays += 1
-
-    def _keep(self, key: Hashable, device: torch.device, work: Callable[[], None]) -> bool:
+    def _keep(self, key: Hashable, device: torch.device, work: Callable[[], None]) -> Callable[[], None] | None:
         launch = self._record(device, work)
         if launch is None:
-            return False
-        self._launch, self._key, self._used = launch, key, False
+            return None
+        self._kept[key] = launch
         self.recorded += 1
-        return True
+        while len(self._kept) > self.KEEP:
+            dropped, _ = self._kept.popitem(last=False)
+            if dropped not in self._used:
+                self._at_first_sight = False  # this caller's keys move: a recording per run would be wasted
+            self._used.discard(dropped)
+        return launch
 
     def _records(self, device: torch.device) -> bool:
         return not self._failed and device.type != "cpu" and os.environ.get(GRAPHS_ENV, "1") != "0"

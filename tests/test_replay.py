@@ -1,9 +1,8 @@
 """hwsync.replay: per-sync work recorded once and replayed while its tensors stay put (CUDA graphs on a GPU). Here
 the recorder is a stand-in backend for torch's ``meta`` device that counts what it records, so the state machine --
-eager first and recorded right after, replayed while the key holds, eager again when it changes, recorded only the
-second time in a row once a recording went unused, op by op for good after a failed recording -- is checked on any
-machine; the GPU job runs the real graphs under the exactness
-tests."""
+eager first, recorded right after and launched once, replayed while the key holds (the last two keys kept: alternating
+buffers), recorded only when seen again once a recording was dropped unused, op by op for good after a failed
+recording -- is checked on any machine; the GPU job runs the real graphs under the exactness tests."""
 from __future__ import annotations
 
 import logging
@@ -46,21 +45,31 @@ def test_eager_then_recorded_then_replayed_while_the_key_holds(recorder) -> None
     meta = torch.device("meta")
     for key in ["a", "a", "a", "b", "b", "b"]:
         r.run(key, meta, lambda: runs.append(1))
-    assert len(runs) == 6  # every sync did the work, recorded or not
-    assert recorder.recorded == 2 and r.replays == 4  # recorded after the 1st "a" and the 1st "b": 2nd runs launch
+    # recorded after the 1st "a" and the 1st "b", each launched once right away (the stand-in's launch runs the work):
+    # every later run is a launch
+    assert recorder.recorded == 2 and r.replays == 4 and len(runs) == 8
+
+
+def test_alternating_addresses_replay_too(recorder) -> None:
+    r = Replay("test work")
+    meta = torch.device("meta")
+    for key in ["a", "b"] * 4:  # e.g. receive buffers used in turn
+        r.run(key, meta, lambda: None)
+    assert recorder.recorded == 2 and r.replays == 6
 
 
 def test_keys_that_move_every_run_stop_being_recorded_at_first_sight(recorder) -> None:
     runs: list[int] = []
     r = Replay("test work")
     meta = torch.device("meta")
-    for key in ["a", "b", "c", "d"]:  # e.g. sources gathered afresh at every sync
+    for key in ["a", "b", "c", "d", "f"]:  # e.g. sources gathered afresh at every sync
         r.run(key, meta, lambda: runs.append(1))
-    assert recorder.recorded == 1 and r.replays == 0  # only "a"'s recording was wasted
+    # "a" dropped unused when "c" was recorded: from "d" on, nothing is recorded at first sight
+    assert recorder.recorded == 3 and r.replays == 0 and len(runs) == 3 * 2 + 2
     for key in ["e", "e", "e"]:
         r.run(key, meta, lambda: runs.append(1))
-    assert recorder.recorded == 2 and r.replays == 2  # recorded (and launched) the 2nd time in a row
-    assert len(runs) == 7
+    assert recorder.recorded == 4 and r.replays == 2  # recorded (and launched) the 2nd time it was seen
+    assert len(runs) == 8 + 3
 
 
 def test_cpu_and_the_switch_never_record(recorder, monkeypatch) -> None:

@@ -340,6 +340,27 @@ def test_receive_buffer_is_never_overwritten_while_viewed() -> None:
     assert pool.take(128).numel() >= 128
 
 
+def test_every_sync_meets_the_same_buffers_bucket_by_bucket() -> None:
+    """A graph of the per-sync copies reads the receive buffers by address: one plan's syncs must get the same
+    buffer for each bucket (the pool used to rotate, so a one-bucket adapter sync after a full sync met a different
+    buffer every time and was never replayed)."""
+    pool = _Pool(torch.device("cpu"))
+
+    def one_sync(buckets: int) -> list[int]:
+        used, busy = [], []
+        for _ in range(buckets):  # the receiver posts bucket b+1 while bucket b is still being consumed
+            buf = pool.take(64, busy)
+            used.append(buf.data_ptr())
+            busy = [buf]
+        return used
+
+    one_sync(3)  # a full sync creates the buffers
+    first = one_sync(1)
+    assert all(one_sync(1) == first for _ in range(4))
+    three = one_sync(3)
+    assert one_sync(3) == three
+
+
 def test_vllm_plugin_entry_point_and_patch_selection() -> None:
     from importlib.metadata import entry_points
 

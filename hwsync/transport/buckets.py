@@ -68,7 +68,9 @@ def _use_count(buf: Tensor) -> int | None:
 
 
 class _Pool:
-    """Flat buffers, reused only while nothing else references their memory (see the module docstring)."""
+    """Flat buffers, reused only while nothing else references their memory (see the module docstring). The first
+    free buffer in creation order is taken, so every sync of one plan meets the same addresses bucket by bucket (a
+    graph of the per-sync copies that read them replays: :mod:`hwsync.replay`)."""
 
     def __init__(self, device: torch.device, size: int = 3) -> None:
         self.device = device
@@ -76,10 +78,9 @@ class _Pool:
         self.bufs: list[tuple[Tensor, int | None]] = []
 
     def take(self, nbytes: int, busy: Sequence[Tensor] = ()) -> Tensor:
-        for i, (buf, baseline) in enumerate(self.bufs):
+        for buf, baseline in self.bufs:
             if (baseline is not None and buf.numel() >= nbytes and _use_count(buf) == baseline
                     and not any(b is buf for b in busy)):
-                self.bufs.append(self.bufs.pop(i))
                 return buf
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         self.bufs.append((buf, _use_count(buf)))
