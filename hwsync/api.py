@@ -109,11 +109,12 @@ class SyncPlan:
 
     @classmethod
     def from_description(cls, model: nn.Module, options: SyncOptions, info: EngineInfo,
-                         lora: TrainerLora | AdapterFormatError | None, signature: tuple[Any, ...]) -> SyncPlan:
+                         lora: TrainerLora | AdapterFormatError | None, signature: tuple[Any, ...],
+                         readers: dict[Any, Any] | None = None) -> SyncPlan:
         choice = choose(options.strategy, lora, info)
         size = options.bucket_bytes(info.device_type)
         trainer_lora = lora if choice.strategy is not Strategy.FULL and isinstance(lora, TrainerLora) else None
-        payload = build_payload(model, choice, trainer_lora, info, gather_bytes=size)
+        payload = build_payload(model, choice, trainer_lora, info, gather_bytes=size, readers=readers)
         manifest = Manifest(
             version=info.version + 1,
             strategy=choice.strategy,
@@ -148,7 +149,8 @@ class SyncPlan:
             self.synced_version = version
             return self
         held = dataclasses.replace(self.info, version=version, stale=False, base_key=self.manifest.base_key)
-        steady = SyncPlan.from_description(model, self.options, held, self.lora, self.signature)
+        steady = SyncPlan.from_description(model, self.options, held, self.lora, self.signature,
+                                           readers=self.payload.lora_readers)  # the same fold buffers from here on
         steady.synced_version = version
         return steady
 

@@ -54,6 +54,10 @@ class Payload:
     produce_sharded: Callable[[Iterator[None]], Iterator[Tensor]] | None = None
     """Sharded trainers: like ``produce``, advancing ``groups`` (:func:`hwsync.gather.run_groups` of ``schedule``)
     once per group and reading the gathered tensors inside it."""
+    lora_readers: dict[Any, Any] = field(default_factory=dict)
+    """The LoRA readers (:class:`~hwsync.lora_formats.PeftLoraReader`) by (adapter, modules), handed to the payload
+    of the plan that follows (:meth:`hwsync.api.SyncPlan.after_sync`): the steady syncs read through the first sync's
+    fold buffers, so the copies recorded at the first sync (:mod:`hwsync.replay`) replay from the second on."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,7 +320,8 @@ def _versions_digest(params: Mapping[str, Tensor], names: Sequence[str], reparam
 
 
 def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, info: EngineInfo,
-                  gather_bytes: int = 512 << 20, fold: FoldFn | None = None) -> Payload:
+                  gather_bytes: int = 512 << 20, fold: FoldFn | None = None,
+                  readers: dict[Any, Any] | None = None) -> Payload:
     """Describe this sync's tensors and how to produce them (lazily, values read at produce time, so a payload
     can be produced again at every sync while the model's structure stays the same). ``fold``: how LoRA scalings are
     folded into B (default :func:`hwsync.lora_formats.fold_scaling`, vLLM's rounding order; :mod:`hwsync.verify`
@@ -391,7 +396,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
                 specs.append(TensorSpec(wire_name(m, factor), tuple(t.shape), t.dtype, "lora"))
 
     items: list[tuple[str, str]] = [("base", n) for n in send] + [("lora", m) for m in lora_modules]
-    stream = _Stream(model, merged, raw_base, lora_dtype, fold)
+    stream = _Stream(model, merged, raw_base, lora_dtype, fold, {} if readers is None else readers)
 
     def current_base_key() -> str | None:
         if strategy is Strategy.FULL or base_key is None:  # full: no base identity; None: the engine's own base
@@ -399,7 +404,7 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
         return f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
 
     payload = Payload(strategy, reason, specs, lambda: stream.read([items]), lora_meta, lora_base_names, base_key,
-                      includes_base, current_base_key)
+                      includes_base, current_base_key, lora_readers=stream.readers)
     from hwsync.gather import sharding
 
     if sharding(model) != "plain":
@@ -411,13 +416,15 @@ class _Stream:
     """Reads a payload's tensors in manifest order, group by group: one group for a plain model; for a sharded one
     (:mod:`hwsync.gather`) the groups of its gather schedule, each read while gathered. Merged tensors are computed
     on demand, base tensors read as they are, LoRA factors through one :class:`~hwsync.lora_formats.PeftLoraReader`
-    per group, resolved at the first read and reused (values are read at every sync)."""
+    per module list, resolved at the first read and reused (values are read at every sync; ``readers`` may come from
+    an earlier payload of the same plan: :attr:`Payload.lora_readers`)."""
 
     def __init__(self, model: nn.Module, merged: set[str], raw_base: Mapping[str, tuple[str, Tensor]],
-                 lora_dtype: torch.dtype | None, fold: FoldFn | None = None) -> None:
+                 lora_dtype: torch.dtype | None, fold: FoldFn | None = None,
+                 readers: dict[Any, Any] | None = None) -> None:
         self.model, self.merged, self.raw_base, self.lora_dtype = model, merged, raw_base, lora_dtype
         self.fold = fold
-        self.readers: dict[int, Any] = {}
+        self.readers: dict[Any, Any] = {} if readers is None else readers
 
     def read(self, groups: Sequence[Sequence[tuple[str, str]]], steps: Iterator[None] | None = None,
              wire: Mapping[str, torch.dtype] | None = None) -> Iterator[Tensor]:
@@ -456,9 +463,10 @@ class _Stream:
         from hwsync.lora_formats import PeftLoraReader
 
         with gather.placeholders() if sharded else contextlib.nullcontext():  # other groups' modules: shapes only
-            reader = self.readers.get(group)
+            key = (active_adapter_name(self.model), tuple(modules))
+            reader = self.readers.get(key)
             if reader is None:
-                reader = self.readers[group] = PeftLoraReader(self.model, active_adapter_name(self.model), modules)
+                reader = self.readers[key] = PeftLoraReader(self.model, key[0], modules)
             return reader.read(self.lora_dtype, self.fold)
 
 

@@ -271,7 +271,7 @@ def test_registry_api():
                                     "vllm_cpu_moe_prepack", "vllm_cpu_mamba_conv", "vllm_reload_partial_loader",
                                     "vllm_cpu_lora_logits",
                                     "vllm_transformers_backend", "vllm_lora_expert_spellings",
-                                    "vllm_offline_failed_requests", "vllm_ascend",
+                                    "vllm_offline_failed_requests", "vllm_moe_router_lora_alias", "vllm_ascend",
                                     "swift_rollout_cpu",
                                     "swift_rollout_serve", "trl_vllm_generation"}
     assert patches.get("mtp_config").name == "mtp_config"
