@@ -408,6 +408,8 @@ ENGINE = textwrap.dedent("""
     sys.path.insert(0, os.path.dirname(sys.argv[1]))
     import bench_sync as b
     import hwsync
+    if os.environ.get("BENCH_PROFILE_SERVER"):
+        b._profile_server_syncs()
     llm = b._engine(b.Path(sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4]))
     with hwsync.serve(llm, "127.0.0.1:0", b.TOKEN, timeout_s=600) as server:
         print("HWSYNC_ADDRESS", server.address, flush=True)
@@ -437,6 +439,38 @@ BROADCAST = textwrap.dedent("""
 """)
 
 
+def _profile_server_syncs(every: int = 6) -> None:
+    """In the engine process (``--profile`` with ``--server``): every ``every``-th sync the server handles is run
+    under cProfile and its top entries go to stderr, so where the engine side of a steady sync spends its time is
+    in the log (the warm-up syncs come first: the 6th of each strategy's is a steady one)."""
+    import cProfile
+    import io
+    import pstats
+
+    from hwsync.server.server import SyncServer
+
+    original = SyncServer._sync
+    count = [0]
+
+    def _sync(self: Any, channel: Any, args: Any) -> Any:
+        count[0] += 1
+        if count[0] % every:
+            return original(self, channel, args)
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            return original(self, channel, args)
+        finally:
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+            print(f"### engine side of server sync {count[0]} (by own time)\n{out.getvalue()}", file=sys.stderr,
+                  flush=True)
+
+    SyncServer._sync = _sync  # the benchmark's own engine process only
+    SyncServer.OPS["sync"] = _sync
+
+
 def _broadcast_seconds(nbytes: int, cap: int = 4 << 30) -> float:
     """Median time of one NCCL (gloo on CPU) broadcast of ``nbytes`` between two processes: the link's floor. Beyond
     ``cap`` a ``cap``-sized broadcast is timed and scaled (GPU 0 holds the trainer and the colocated engine of a
@@ -462,6 +496,8 @@ def server(path: Path, args: argparse.Namespace, dtype: torch.dtype, served: dic
     env = dict(os.environ)
     if _on_gpu():
         env["CUDA_VISIBLE_DEVICES"] = "1"
+    if args.profile:
+        env["BENCH_PROFILE_SERVER"] = "1"
     proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(Path(__file__).resolve()), str(path),
                              str(dtype).removeprefix("torch."), str(args.rank)], env=env, stdout=subprocess.PIPE,
                             text=True)
@@ -474,6 +510,8 @@ def server(path: Path, args: argparse.Namespace, dtype: torch.dtype, served: dic
         for strategy in args.strategies:
             model = served[strategy]
             seconds, report = _timed_syncs(engine, model, strategy, args.warmup, args.syncs)
+            if args.profile:  # the trainer's side here; the engine's side is in the engine process's stderr
+                _profile(engine, model, strategy, syncs=5)
             # the served engine must equal the colocated engine fed the same weights (that one equals vLLM's path)
             remote = [v for _, v in engine.logprobs(PROMPTS, 4)]
             lora_request = hwsync.sync(local, model, strategy=strategy).lora_request
