@@ -715,7 +715,7 @@ class VllmApplier:
                     writer.release_codes()
                 if why:
                     logger.info("hwsync: adapter slots are rewritten by vLLM's set_lora: %s", why)
-            if writer.blocks:
+            if writer.blocks and lora.id in manager.lora_index_to_id:  # in a slot (activated): record its writes
                 with phase("adapter slot writes recorded"):
                     # the values are already there: this records the steady sync's copies (one graph where the
                     # device records graphs), so the second sync is as fast as the third
