@@ -1279,7 +1279,9 @@ def test_accept_survives_running_out_of_descriptors(base: Baseline, caplog: pyte
         filler: list[int] = []
         client = None
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (max(fds) + 1, hard))
+            # one above the highest open descriptor: at least that one is free below the limit even where the open
+            # ones leave no gap (with the limit at max + 1 such a process had nothing to fill and the test broke)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(fds) + 2, hard))
             with caplog.at_level("ERROR", logger="hwsync.server"):
                 while True:  # take every free descriptor below the limit
                     try:
