@@ -89,25 +89,13 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def plot(runs: list[dict[str, Any]], png: Path) -> None:
-    import matplotlib
+    from trl_learning import plot_curves
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in runs:
-        if not r["steps"]:
-            continue
-        ax1.plot([s["step"] for s in r["steps"]], [s["reward"] for s in r["steps"]], label=r["side"], marker=".")
-        ax2.plot([s["step"] for s in r["steps"]], [s["elapsed_s"] for s in r["steps"]], label=r["side"], marker=".")
-    ax1.set(xlabel="optimizer step", ylabel="mean reward (arith: answer + digits - length)", title="reward")
-    ax2.set(xlabel="optimizer step", ylabel="seconds since training began", title="wall time")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("ms-swift GRPO, tiny Qwen3-MoE, LoRA on attention + experts, same seed: ms-swift's own sync vs hwsync")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    plot_curves({r["side"]: r["steps"] for r in runs if r["steps"]}, png,
+                reward="mean reward (arith: answer + digits - length)", time_key="elapsed_s",
+                time_axis=("seconds since training began", "wall time"),
+                title="ms-swift GRPO, tiny Qwen3-MoE, LoRA on attention + experts, same seed: ms-swift's own sync vs "
+                      "hwsync")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,6 +120,15 @@ def table(runs: dict[str, list[dict[str, Any]]]) -> str:
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], png: Path) -> None:
+    plot_curves(runs, png, reward="mean reward (fraction of digit tokens)", time_key="step_s",
+                time_axis=("seconds", "wall time per step"),
+                title="TRL GRPO, tiny Qwen3-MoE, LoRA on attention + experts, same seed: TRL's own sync vs hwsync")
+
+
+def plot_curves(runs: dict[str, list[dict[str, Any]]], png: Path, *, reward: str, time_key: str,
+                time_axis: tuple[str, str], title: str) -> None:
+    """Reward (left) and ``time_key`` (right, labelled ``time_axis``: y label, title) per optimizer step of each run
+    (records without a ``step`` are skipped); also ``swift_learning.py``'s plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,13 +138,13 @@ def plot(runs: dict[str, list[dict[str, Any]]], png: Path) -> None:
     for name, rows in runs.items():
         steps = [r for r in rows if "step" in r]
         ax1.plot([r["step"] for r in steps], [r["reward"] for r in steps], label=name, marker=".")
-        ax2.plot([r["step"] for r in steps], [r["step_s"] for r in steps], label=name, marker=".")
-    ax1.set(xlabel="optimizer step", ylabel="mean reward (fraction of digit tokens)", title="reward")
-    ax2.set(xlabel="optimizer step", ylabel="seconds", title="wall time per step")
+        ax2.plot([r["step"] for r in steps], [r[time_key] for r in steps], label=name, marker=".")
+    ax1.set(xlabel="optimizer step", ylabel=reward, title="reward")
+    ax2.set(xlabel="optimizer step", ylabel=time_axis[0], title=time_axis[1])
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("TRL GRPO, tiny Qwen3-MoE, LoRA on attention + experts, same seed: TRL's own sync vs hwsync")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 

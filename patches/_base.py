@@ -259,6 +259,15 @@ class Patch:
                 return self._applied[index][0].original
         return self.resolve()[index].original
 
+    def original_source(self, index: int = 0) -> str | None:
+        """The source of the unpatched function at target ``index`` (a method's function), ``None`` where Python
+        cannot read it: what source-level probes search."""
+        original = self.original(index)
+        try:
+            return inspect.getsource(getattr(original, "__func__", original))
+        except (OSError, TypeError):
+            return None
+
     def probe(self, refresh: bool = False) -> ProbeResult:
         """Probe once per process (cached; ``refresh=True`` re-runs). Never raises."""
         with self._lock:

@@ -29,7 +29,6 @@ a patch calls into no hwsync module); the probes say *not needed* unless ``HWSYN
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -103,13 +102,7 @@ class SwiftRolloutServePatch(Patch):
     def check(self) -> ProbeResult:
         if not os.environ.get(_SERVER_ENV):
             return ProbeResult(NOT_NEEDED, f"server mode not requested ({_SERVER_ENV} unset)")
-        original = self.original()
-        func = getattr(original, "__func__", original)
-        try:
-            source = inspect.getsource(func)
-        except (OSError, TypeError):
-            source = ""
-        if "WeightSyncWorkerExtension" not in source:
+        if "WeightSyncWorkerExtension" not in (self.original_source() or ""):
             return ProbeResult(NOT_NEEDED, "get_infer_engine no longer hard-codes ms-swift's worker extension; "
                                            "check whether ms-swift now offers a hook and retire this patch")
         return ProbeResult(APPLIES, f"{_SERVER_ENV} is set and ms-swift gives plugins no handle on the engine")

@@ -21,7 +21,6 @@ through ``get_submodule`` of its parent's *name*, which an earlier replacement o
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -59,10 +58,8 @@ class VllmMoeRouterLoraAliasPatch(Patch):
                    "name (probe: no get_submodule(_parent_module(...)) rewire)")
 
     def check(self) -> ProbeResult:
-        func = getattr(self.original(), "__func__", self.original())
-        try:
-            source = inspect.getsource(func)
-        except (OSError, TypeError):
+        source = self.original_source()
+        if source is None:
             return ProbeResult(NOT_NEEDED, "cannot read _create_lora_modules' source; left unpatched")
         if "existing_wrapper" in source and "get_submodule(_parent_module(" in source:
             return ProbeResult(APPLIES, "aliases of a wrapped layer are re-pointed through their parent's name, which "

@@ -15,7 +15,6 @@ unchanged. Probe: the original ``_run_engine`` aborts nothing when it raises (no
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from typing import Any
 
@@ -45,10 +44,8 @@ class VllmOfflineFailedRequestsPatch(Patch):
     remove_when = "vLLM's offline run aborts its requests when a step raises (probe: abort_request in _run_engine)"
 
     def check(self) -> ProbeResult:
-        func = getattr(self.original(), "__func__", self.original())
-        try:
-            source = inspect.getsource(func)
-        except (OSError, TypeError):
+        source = self.original_source()
+        if source is None:
             return ProbeResult(NOT_NEEDED, "cannot read _run_engine's source; left unpatched")
         if "abort_request" in source:
             return ProbeResult(NOT_NEEDED, "_run_engine aborts its requests when a step raises")

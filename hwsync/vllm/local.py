@@ -10,7 +10,6 @@ parallel), through ``collective_rpc``; their buckets arrive over the data plane.
 from __future__ import annotations
 
 import time
-
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
