@@ -302,6 +302,7 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         model = _trainer(path, strategy, args.rank, dtype)
         gc.collect()
         times, peaks = [], []
+        held = (float("nan"), float("nan"))
         report = None
         for i in range(args.warmup + args.syncs):
             _step(model, 100 + i)
@@ -309,12 +310,22 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
             before = _allocated()
             if _on_gpu():
                 torch.cuda.reset_peak_memory_stats()
+            history = i == 0 and args.memory_history and _on_gpu()
+            if history:  # every allocation of the first sync, with its stack: what its peak is made of
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
             t0 = time.perf_counter()
             report = hwsync.sync(llm, model, strategy=strategy)
             _sync_device()
             times.append(time.perf_counter() - t0)
+            if history:
+                out = Path(args.memory_history).with_suffix(f".{strategy}.pickle")
+                torch.cuda.memory._dump_snapshot(str(out))
+                torch.cuda.memory._record_memory_history(enabled=None)
+                print(f"{strategy}: first sync's allocations in {out} (before: {before / 1e9:.2f} GB)", flush=True)
             if _on_gpu():  # extra memory of this sync: its peak over what was held before and after it
                 peaks.append(torch.cuda.max_memory_allocated() - max(before, _allocated()))
+                if i == 0:  # and what the first sync leaves held (the adapter vLLM holds, kept buffers), and its
+                    held = (_allocated() - before, torch.cuda.max_memory_allocated() - before)  # peak over before
             if i == 0:
                 print(f"{strategy}: first sync {times[0]:.2f} s: {report.path}", flush=True)
                 print(f"{strategy}: first sync's phases: " + ", ".join(f"{w} {sec:.2f} s" for w, sec in progress.recent),
@@ -324,7 +335,8 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         seconds = statistics.median(times[max(args.warmup, 2):] or times[-1:])
         second = times[1] if len(times) > 1 else 0.0
         print(f"{strategy}: steady {seconds * 1e3:.2f} ms (median), second sync {second:.4f} s, peak extra first/"
-              f"steady {peaks[0] / 1e9 if peaks else 0:.2f}/{max(peaks[1:], default=0) / 1e9:.2f} GB",
+              f"steady {peaks[0] / 1e9 if peaks else 0:.2f}/{max(peaks[1:], default=0) / 1e9:.2f} GB; the first sync "
+              f"holds {held[0] / 1e9:.2f} GB more after it than before, peak {held[1] / 1e9:.2f} GB over before",
               flush=True)  # kept if vLLM's own path below fails
         if args.profile:
             _profile(llm, model, strategy)
@@ -380,6 +392,7 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
                "of_which_cache_reset_s": reset,
                "peak_extra_first_GB": peaks[0] / 1e9 if peaks else float("nan"),
                "peak_extra_steady_GB": max(peaks[1:], default=float("nan")) / 1e9 if peaks else float("nan"),
+               "held_after_first_GB": held[0] / 1e9, "peak_first_over_before_GB": held[1] / 1e9,
                "adapter_GB": lora_bytes / 1e9, "vllm_path_s": vllm_seconds,
                "speedup_vs_vllm": vllm_seconds / seconds, "slots_equal": slots_equal, "base_equal": base_equal,
                "Δ_vs_vllm_path": exact, "Δ_repeat": repeat, "Δ_vs_trainer": trainer_gap}
@@ -560,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", action="store_true", help="also server mode (2 GPUs on CUDA; 2 processes on CPU)")
     ap.add_argument("--json", help="write the tables here")
     ap.add_argument("--profile", action="store_true", help="cProfile one steady-state sync per strategy")
+    ap.add_argument("--memory-history", help="CUDA: record the first sync's allocations (with stacks) and write "
+                    "torch's memory snapshot to PATH.<strategy>.pickle (pytorch.org/memory_viz)")
     args = ap.parse_args(argv)
     counts = [int(x) for x in str(args.layers).split(",") if x.strip()]
     if len(counts) > 1:
@@ -627,7 +642,8 @@ def _scaling(counts: list[int], argv: list[str], json_path: str | None) -> int:
                 rows += json.loads(out.read_text())["colocate"]
             else:
                 rows.append({"layers": n, "strategy": "(failed)", "rc": code})
-    keys = ["layers", "strategy", "rank", "MB", "first_s", "second_s", "seconds", "GB/s", "peak_extra_first_GB",
+    keys = ["layers", "strategy", "rank", "MB", "first_s", "second_s", "seconds", "GB/s", "peak_first_over_before_GB",
+            "held_after_first_GB", "peak_extra_first_GB",
             "peak_extra_steady_GB", "adapter_GB", "vllm_path_s", "slots_equal", "base_equal",
             "Δ_vs_vllm_path", "Δ_repeat"]
     _print("scaling (one process per layer count)", [{k: r.get(k, "") for k in keys} for r in rows])

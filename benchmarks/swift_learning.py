@@ -1,14 +1,17 @@
 """Does ms-swift learn the same with hwsync as with its own weight sync? The README's main job (``swift rlhf
 --rlhf_type grpo``, tiny Qwen3-MoE, LoRA on attention and experts, vLLM colocated, reward ``arith``: the exact answer
-plus digit density minus length) run twice from the same seed, once with ms-swift 4.6's own sync and once with
-hwsync's plugin (``auto``, verify after every sync): reward per step and wall time, as a PNG and a markdown table.
+plus digit density minus length) run from the same seed with ms-swift 4.6's own sync -- both of its ways: the adapter
+as a vLLM LoRA (``--vllm_enable_lora true``, as the main job) and merged weights (``false``: merge, push every
+weight, unmerge) -- and with hwsync's plugin (``auto``, verify after every sync): reward per step and wall time, as
+a PNG and a markdown table.
 
-    python benchmarks/swift_learning.py --steps 40 --json runs.json       # both runs, then the plot and the table
+    python benchmarks/swift_learning.py --steps 40 --json runs.json       # every run, then the plot and the table
     python benchmarks/swift_learning.py --plot runs.json --png out.png    # redraw from saved runs (matplotlib only)
 
-ms-swift's own sync cannot run on vLLM's CPU build (``tests/test_swift_upstream.py``: its ``load_weights`` meets the
-CPU build's repacked linears; past that, the experts' prepack is not redone), so on CPU its run is reported as
-failed, with the error, and only hwsync's curve is drawn; a GPU runs both. Per step: the mean reward of the step's
+A run that fails is reported with its error and left out of the plot. Measured on an H200 (docs/performance.md):
+ms-swift's LoRA sync refuses the fused MoE experts' adapter at the first sync (vLLM's 2-D MoE LoRA wrapper); on
+vLLM's CPU build ms-swift's own sync fails (``tests/test_swift_upstream.py``: its ``load_weights`` meets the
+CPU build's repacked linears; past that, the experts' prepack is not redone). Per step: the mean reward of the step's
 rollouts and the wall time since training began (ms-swift's ``logging.jsonl``, whole seconds), for hwsync also the
 sync and its check (``HWSYNC_METRICS``).
 """
@@ -25,7 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
-SIDES = {"swift": "ms-swift's own sync", "hwsync": "hwsync (verify every sync)"}
+SIDES = {"swift": "ms-swift's own sync (LoRA to vLLM)", "swift-merged": "ms-swift's own sync (merged weights)",
+         "hwsync": "hwsync (verify every sync)"}
 _TIME = re.compile(r"(?:(\d+)d )?(?:(\d+)h )?(?:(\d+)m )?(\d+)s")
 
 
@@ -57,7 +61,10 @@ def run(side: str, steps: int, workdir: Path) -> dict[str, Any]:
 
     model, data = job.prepare(workdir / "job", seed=0)
     out = workdir / f"out-{side}"
-    result = job.run_job(job.swift_args(model, data, out, steps=steps, plugin=side == "hwsync"), out)
+    args = job.swift_args(model, data, out, steps=steps, plugin=side == "hwsync")
+    if side == "swift-merged":  # ms-swift without vLLM LoRA: it merges the adapter and pushes every weight
+        args[args.index("--vllm_enable_lora") + 1] = "false"
+    result = job.run_job(args, out)
     syncs = result.syncs
     run_info: dict[str, Any] = {"side": SIDES[side], "returncode": result.returncode, "wall_s": result.wall_s,
                                 "steps": steps_of(out)}
@@ -104,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, default=ROOT / "docs" / "swift-learning.png")
     parser.add_argument("--json", type=Path, default=None, help="save both runs here")
     parser.add_argument("--plot", type=Path, default=None, help="only redraw from a saved --json")
-    parser.add_argument("--sides", default="swift,hwsync", help="which runs (comma-separated: swift, hwsync)")
+    parser.add_argument("--sides", default="swift,swift-merged,hwsync",
+                        help="which runs (comma-separated: swift, swift-merged, hwsync)")
     args = parser.parse_args(argv)
     if args.plot is not None:
         runs = json.loads(args.plot.read_text())

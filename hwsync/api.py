@@ -192,13 +192,18 @@ def last_plan(engine: Engine, model: nn.Module) -> SyncPlan | None:
 
 
 _REGISTRATIONS = [0]
-"""Parameters and modules registered anywhere in this process (torch's global registration hooks): while it is
-unchanged, no model gained, lost or replaced a parameter through ``nn.Module``, so a model's signature still holds."""
+"""Parameters and modules registered on a module of a model whose signature was taken (torch's global registration
+hooks): while it is unchanged, no such model gained, lost or replaced a parameter or a submodule through
+``nn.Module``, so its signature still holds. Registrations elsewhere do not count: a colocated engine's reload
+registers hundreds of parameters on vLLM's modules during a first sync, which would cost the next sync a walk."""
+_WATCHED: set[int] = set()
+"""``id`` of every module of those models (a stale id of a collected module costs at most one walk more)."""
 _SIGNATURES: weakref.WeakKeyDictionary[nn.Module, tuple[int, Any, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
 
 
-def _registered(*_: Any) -> None:
-    _REGISTRATIONS[0] += 1
+def _registered(module: nn.Module, *_: Any) -> None:
+    if id(module) in _WATCHED:  # a new child of a watched module is attached here too: caught before it holds more
+        _REGISTRATIONS[0] += 1
 
 
 def _count_registrations() -> None:
@@ -223,6 +228,7 @@ def _signature(model: nn.Module) -> tuple[Any, ...]:
     if known is not None and known[0] == _REGISTRATIONS[0] and known[2][0] == active:
         return known[2]
     generation = _REGISTRATIONS[0]
+    _WATCHED.update(id(m) for m in model.modules())
     signature = (active, tuple((id(p), p.shape) for p in parameters(model)))
     _SIGNATURES[model] = (generation, active, signature)
     return signature

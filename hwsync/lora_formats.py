@@ -917,16 +917,24 @@ def wire_name(module: str, factor: str) -> str:
     return f"{module}#{factor}"
 
 
-def to_wire(adapter: LoraAdapter, dtype: torch.dtype | None = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def to_wire(adapter: LoraAdapter, dtype: torch.dtype | None = None,
+            values: bool = True) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The adapter as one A and one B tensor per trainer module (experts stay stacked: a few tensors per layer,
     not thousands), scaling folded into B; plus the metadata :func:`from_wire` needs. The receiver converts to the
-    format its engine serves (:func:`to_vllm_lora`), so the trainer does not depend on the engine's MoE format."""
+    format its engine serves (:func:`to_vllm_lora`), so the trainer does not depend on the engine's MoE format.
+    ``values=False``: the same tensors on ``meta`` (shapes and dtypes only: a plan describes what travels without
+    holding a folded copy of the adapter; the values are read at every sync)."""
     tensors: dict[str, Tensor] = {}
     modules: dict[str, list[Any]] = {}
     for name, mod in adapter.modules.items():
-        f = mod.folded(dtype)
-        tensors[wire_name(name, "A")] = f.lora_A
-        tensors[wire_name(name, "B")] = f.lora_B
+        if values:
+            f = mod.folded(dtype)
+            a, b = f.lora_A, f.lora_B
+        else:
+            f, dt = mod, dtype or mod.lora_B.dtype
+            a, b = (torch.empty(t.shape, dtype=dt, device="meta") for t in (mod.lora_A, mod.lora_B))
+        tensors[wire_name(name, "A")] = a
+        tensors[wire_name(name, "B")] = b
         modules[name] = [f.kind.value, bool(f.transposed), bool(f.interleaved)]
     return tensors, {"format": WIRE_FORMAT, "name": adapter.name, "r": adapter.r, "modules": modules}
 

@@ -170,7 +170,8 @@ class TrainerLora:
 
     adapter: Any  # hwsync.lora_formats.LoraAdapter
     tensors: dict[str, Tensor]
-    """What travels: one A and one B per trainer module (:func:`hwsync.lora_formats.to_wire`)."""
+    """What travels, on ``meta`` (shapes and dtypes): one A and one B per trainer module
+    (:func:`hwsync.lora_formats.to_wire`)."""
     meta: dict[str, Any]
     by_module: dict[str, list[str]]
     """Trainer LoRA parameter name -> the vLLM LoRA module paths it becomes (for the engine's capability check)."""
@@ -215,7 +216,7 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
             'merged weights with strategy="full"'
         )
     dtype = dtype_from_name(info.lora_dtype) if info.lora_dtype else None
-    tensors, meta = to_wire(adapter, dtype)
+    tensors, meta = to_wire(adapter, dtype, values=False)  # shapes only: values are read at every sync
     not_lora = _not_lora(adapter.modules)
     served = {n: m for n, m in adapter.modules.items() if n not in not_lora}
     # where each module lands in vLLM's format (views only): what the engine is asked whether it serves

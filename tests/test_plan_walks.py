@@ -39,6 +39,26 @@ def test_plan_signature_sees_new_parameters_and_adapter_switches() -> None:
     assert _sharding(model)[1] != sig
 
 
+def test_registrations_on_other_models_do_not_walk_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A colocated engine's reload registers parameters on vLLM's modules inside the first sync: the second sync
+    must not pay a walk of the trainer for it; a module attached to the trainer, then given a parameter, must."""
+    from hwsync import api, gather
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
+    sig = api._signature(model)
+    walks = []
+    real = gather.parameters
+    monkeypatch.setattr(gather, "parameters", lambda m: walks.append(m) or real(m))
+    other = nn.Linear(5, 5)  # another model: built and given parameters
+    other.register_parameter("extra", nn.Parameter(torch.zeros(1)))
+    assert api._signature(model) == sig and walks == []
+    child = nn.Module()
+    model[1].add_module("new", child)  # attached: the parent is watched
+    assert api._signature(model) == sig and len(walks) == 1  # same parameters so far, but walked
+    child.register_parameter("w", nn.Parameter(torch.zeros(2)))  # the new child is watched since that walk
+    assert api._signature(model) != sig and len(walks) == 2
+
+
 @pytest.mark.parametrize("case", ["transpose", "slice", "stack", "permute3d"])
 def test_strided_views_reproduce_the_gather(case: str) -> None:
     """A gather that is a view of one source tensor is found as (source, strides, offset) and reproduces it."""
