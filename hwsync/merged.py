@@ -174,6 +174,7 @@ def _base_weight(layer: PeftLayer, param: Tensor) -> Tensor:
     """The base weight as a floating tensor (dequantized for bnb / HQQ / torchao QLoRA bases)."""
     if param.is_floating_point() and type(param).__name__ not in ("Params4bit", "Int8Params"):
         return full(param).detach()
+    _refuse_repacked(f"of {type(layer).__name__} layer", param)
     from peft.utils.integrations import dequantize_module_weight
 
     return dequantize_module_weight(layer.get_base_layer()).detach()
@@ -182,6 +183,21 @@ def _base_weight(layer: PeftLayer, param: Tensor) -> Tensor:
 def is_quantized(param: Tensor) -> bool:
     """A bitsandbytes 4-/8-bit base parameter (QLoRA): packed storage, dequantized for the engine."""
     return type(param).__name__ in ("Params4bit", "Int8Params")
+
+
+def repacked_for_cpu(param: Tensor) -> bool:
+    """Whether bitsandbytes repacked this 4-bit weight in place for its AVX512-BF16 CPU kernel: bitsandbytes 0.50's
+    ``Linear4bit.forward`` does so at the first eval-mode forward without grad on such a CPU, and from then on runs
+    the layer in bf16 (``gemv_4bit``: "cpu fused op only support bf16 for now") and ``dequantize_4bit`` no longer
+    reads the weight right (only its ``_save_to_state_dict`` unpacks it)."""
+    return bool(getattr(getattr(param, "quant_state", None), "packing_format_for_cpu", False))
+
+
+def four_bit_matmul_dtype(model: nn.Module) -> str | None:
+    """``"bfloat16"`` where the trainer's 4-bit layers run in bf16 whatever their compute dtype says
+    (:func:`repacked_for_cpu`): such a trainer differs from an fp32 engine by bf16 rounding (measured: mean
+    |Δ logprob| 0.12 on the tiny MoE), so :mod:`hwsync.verify` judges it by the bf16 gate. ``None`` elsewhere."""
+    return "bfloat16" if any(repacked_for_cpu(p) for p in model.parameters()) else None
 
 
 def logical_shape(param: Tensor) -> tuple[int, ...]:
@@ -197,12 +213,22 @@ def plain_weight(model: nn.Module, name: str, param: Tensor, dtype: torch.dtype 
     LoRA is still a weight the engine needs in floating point)."""
     if not is_quantized(param):
         return read(param)
+    _refuse_repacked(name, param)
     from peft.utils.integrations import dequantize_module_weight
 
     module = model.get_submodule(name.rpartition(".")[0])
     with torch.no_grad():
         weight = dequantize_module_weight(module).detach()
     return weight.to(dtype) if dtype is not None else weight
+
+
+def _refuse_repacked(name: str, param: Tensor) -> None:
+    if repacked_for_cpu(param):
+        raise UnsupportedSetupError(
+            f"bitsandbytes repacked the 4-bit weight {name} for its AVX512-BF16 CPU kernel (an eval-mode forward "
+            "without grad does this on such a CPU) and can no longer dequantize it, so its value cannot be sent. "
+            "Keep the trainer's bitsandbytes layers in train mode for forwards outside training (hwsync.verify does), "
+            'or sync with strategy="adapter" once the engine holds the base')
 
 
 def _refuse_sharded(layer: PeftLayer, what: str) -> None:

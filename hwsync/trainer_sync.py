@@ -50,7 +50,7 @@ class TrainerSync:
         check it when due. Returns the :class:`~hwsync.report.SyncReport` (``None`` on such ranks) and the numbers
         for the trainer's logs (``hwsync/sync_ms``, ``hwsync/sync_mb``, ``hwsync/verify_*_abs_dlogp``)."""
         from hwsync.api import sync as hwsync_sync
-        from hwsync.verify import check, gate_for, has_linear_attention
+        from hwsync.verify import check, trainer_gate
 
         opts = self.options
         grad_mode = torch.is_grad_enabled()
@@ -62,7 +62,7 @@ class TrainerSync:
         self.syncs += 1
         if self.gate is None and target is not None:
             info = _describe(target)
-            self.gate = opts.verify_gate or gate_for(info.device_type, info.dtype, has_linear_attention(model))
+            self.gate = opts.verify_gate or trainer_gate(info.device_type, info.dtype, model)
         verdict = shift = None
         verify_s = 0.0
         if opts.verify_every and self.syncs % opts.verify_every == 0 and self.probe:

@@ -32,7 +32,7 @@ from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, 
 from hwsync.wire import TensorSpec
 
 __all__ = ["GATES", "RECURRENT_16BIT", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "as_vllm_loads",
-           "check", "engine_logprobs", "gate_for", "has_linear_attention", "parse_gate", "token_logprobs", "verify"]
+           "check", "engine_logprobs", "gate_for", "has_linear_attention", "parse_gate", "token_logprobs", "trainer_gate", "verify"]
 
 
 def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,6 +42,12 @@ def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.T
     x = torch.as_tensor(list(ids), dtype=torch.long, device=device).unsqueeze(0)
     was_training = model.training
     model.eval()
+    for m in model.modules():
+        # bitsandbytes (0.50) repacks a 4-bit layer's weight in place for a bf16 CPU kernel at its first eval-mode,
+        # no-grad forward on a CPU with AVX512-BF16 (hwsync.merged.repacked_for_cpu): checking the trainer must not
+        # change how it computes. The flag only decides that repack (dropout lives in other modules)
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.training = True
     try:
         with torch.no_grad():
             logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
@@ -191,6 +197,17 @@ def gate_for(device_type: str, dtype: str, recurrent: bool = False) -> Gate:
     if recurrent and key[1] == "bfloat16" and gate.mean_abs < RECURRENT_16BIT.mean_abs:
         return RECURRENT_16BIT
     return gate
+
+
+def trainer_gate(device_type: str, dtype: str, model: nn.Module) -> Gate:
+    """:func:`gate_for` the engine's platform and dtype, for this trainer: one whose forward runs in bf16 against an
+    fp32 engine (a 4-bit trainer on bitsandbytes' bf16 CPU kernel: :func:`hwsync.merged.four_bit_matmul_dtype`) is
+    judged by the bf16 gate."""
+    from hwsync.merged import four_bit_matmul_dtype
+
+    if dtype in ("float32", "fp32") and four_bit_matmul_dtype(model) == "bfloat16":
+        dtype = "bfloat16"
+    return gate_for(device_type, dtype, has_linear_attention(model))
 
 
 def has_linear_attention(model: nn.Module) -> bool:
@@ -477,7 +494,7 @@ def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequ
         got, why = _content_checks(engine, model, seed, info)
         checks += got
         skipped += why
-    g = gate or gate_for(info.device_type, info.dtype, has_linear_attention(model))
+    g = gate or trainer_gate(info.device_type, info.dtype, model)
     a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4,
                   batch=batch)
     stats = (f"mean |Δ| {a.mean_abs_diff:.3g} (<= {g.mean_abs:g}), p90 {a.p90_abs_diff:.3g} (<= {g.p90_abs:g}), "

@@ -158,3 +158,33 @@ def test_adapter_sync_of_a_4bit_base_is_exact(tiny_qwen3_moe_dir: Path, tmp_path
             close_llm(llm)
     assert reports[0].base_tensors > 0 and all(r.base_tensors == 0 and r.lora_tensors > 0 for r in reports[1:]), \
         [r.reason for r in reports]
+
+
+def test_checking_a_4bit_trainer_leaves_it_as_it_was(tiny_qwen3_moe_dir: Path) -> None:
+    """bitsandbytes (0.50) repacks a 4-bit layer in place for its bf16 CPU kernel at the first eval-mode forward
+    without grad on a CPU with AVX512-BF16: hwsync.verify's trainer forward must not do that (it would switch the
+    trainer to bf16 and make its weights undequantizable); a trainer repacked by its own eval is judged by the bf16
+    gate, and its repacked weights are refused, not sent wrong."""
+    from bitsandbytes.functional import has_avx512bf16
+
+    from hwsync.errors import UnsupportedSetupError
+    from hwsync.merged import four_bit_matmul_dtype, plain_weight, repacked_for_cpu
+    from hwsync.verify import GATES, token_logprobs, trainer_gate
+
+    if _device() != "cpu" or not has_avx512bf16():
+        pytest.skip("bitsandbytes repacks 4-bit weights only on a CPU with AVX512-BF16")
+    model = _quantized(tiny_qwen3_moe_dir).eval()
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    before = {n: m.weight.data.clone() for n, m in layers.items()}
+    token_logprobs(model, [1, 5, 9, 22, 7])  # what hwsync.verify runs on the trainer
+    assert not any(repacked_for_cpu(m.weight) for m in layers.values())
+    assert all(torch.equal(layers[n].weight.data, w) for n, w in before.items())
+    assert not model.training and four_bit_matmul_dtype(model) is None
+    assert trainer_gate("cpu", "float32", model) == GATES[("cpu", "float32")]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 5, 9, 22, 7]]))  # the trainer's own eval: bitsandbytes repacks
+    name, layer = next(iter(layers.items()))
+    assert repacked_for_cpu(layer.weight) and four_bit_matmul_dtype(model) == "bfloat16"
+    assert trainer_gate("cpu", "float32", model) == GATES[("cpu", "bfloat16")]
+    with pytest.raises(UnsupportedSetupError, match="repacked the 4-bit weight"):
+        plain_weight(model, f"{name}.weight", layer.weight)

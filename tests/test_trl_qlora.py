@@ -40,14 +40,6 @@ STEPS = 2
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 
 
-_CPU_GAP = ("open (2026-11-28): on vLLM's CPU build in a fresh .venv-trl on an AMD EPYC (avx512_bf16) machine the first "
-            "sync's verify fails, mean |Δ logprob| 0.118 between the 4-bit trainer and the engine (2e-6 on the "
-            "machine of the previous run); the same at the previous commit, so not a change of this code; a plain "
-            "bitsandbytes Linear4bit equals its dequantized matmul there. Reported as xfail until the cause is found; "
-            "the GPU runs it strictly (passed on an H200 the same day)")
-
-
-@pytest.mark.xfail(condition=not job.has_gpu(), reason=_CPU_GAP, strict=False)
 def test_qlora_syncs_the_adapter_without_merging_into_four_bit_weights(tmp_path, monkeypatch):
     import torch
     from peft import LoraConfig
