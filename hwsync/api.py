@@ -13,6 +13,7 @@ another writer on the engine (it answers :class:`~hwsync.errors.PlanChangedError
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import weakref
@@ -22,13 +23,15 @@ from typing import Any
 from torch import nn
 
 from hwsync.engine import Engine, ProgressFn
-from hwsync.errors import AdapterFormatError, OptionError, PlanChangedError, SyncError
+from hwsync.errors import AdapterFormatError, HwsyncError, OptionError, PlanChangedError, SyncError
 from hwsync.lora_formats import FoldFn
 from hwsync.payload import Payload, TrainerLora, base_shapes, build_payload, has_adapter, model_uuid, read_lora
 from hwsync.progress import phase
 from hwsync.report import SyncReport
 from hwsync.strategy import choose
 from hwsync.wire import EngineInfo, Manifest, Strategy, plan_buckets
+
+logger = logging.getLogger("hwsync")
 
 __all__ = ["sync", "generate", "as_engine", "default_bucket_mb", "parse_bucket_mb", "BUCKET_ENV", "SyncOptions",
            "SyncPlan", "SyncedPlan", "describe_for", "last_plan"]
@@ -350,7 +353,12 @@ def _finish(engine: Engine, model: nn.Module, plan: SyncPlan, manifest: Manifest
         path=str((result or {}).get("path", "")),
         lora_request=engine.lora_request if manifest.lora_specs or manifest.strategy is not Strategy.FULL else None,
     )
-    _plans(engine, model)[plan.options] = plan.after_sync(model, manifest.version)
+    after = _plans(engine, model)[plan.options] = plan.after_sync(model, manifest.version)
+    if after is not plan:  # the steady plan, made after a sync that carried the base: validated now, not by the next
+        try:
+            engine.warm(after.manifest_for(None, fresh=False))
+        except HwsyncError as e:  # the next sync validates it again and says so
+            logger.debug("hwsync: validating the steady plan ahead failed: %s", e)
     report.log()
     return report
 

@@ -64,6 +64,12 @@ class Engine(abc.ABC):
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
         """``LLM.generate`` with the synced adapter; refuses on a stale engine, waits for a sync in progress."""
 
+    def warm(self, manifest: Manifest) -> None:
+        """Have ``manifest`` (a next sync's) validated now where that costs no round trip of its own (colocated):
+        after a first sync that carried the base, the steady plan's validation is then not paid by the second sync.
+        Default: nothing (the sync validates it)."""
+        return None
+
     def check_servable(self) -> None:
         """Raise :class:`~hwsync.errors.StaleEngineError` while the engine holds a partially applied sync."""
         st = self.state()

@@ -71,6 +71,9 @@ class LocalEngine(Engine):
         """Validate ``manifest`` on every worker (nothing is written)."""
         self.rpc_all(worker.prepare, manifest.to_json())
 
+    def warm(self, manifest: Manifest) -> None:
+        self.prepare(manifest)
+
     def receive_remote(self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes,
                        abort_key: str) -> dict[str, Any]:
         """Every worker joins the data plane ``spec`` and receives the buckets the trainer broadcasts; then vLLM's
