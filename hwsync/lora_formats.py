@@ -36,6 +36,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -499,6 +500,28 @@ class PeftLoraReader:
         return mods
 
 
+_KEPT: dict[int, Any] = {}
+"""``id`` -> weak reference of every kept fold buffer alive in this process (:func:`kept_buffer`)."""
+
+
+def kept_buffer(t: Tensor) -> bool:
+    """Whether ``t`` is one of the kept buffers of a :class:`FoldBuffers` in this process: rewritten in place with the
+    adapter's folded values at every read of its plan and never used for anything else, so an engine colocated in
+    this process may hold views of it instead of copies
+    (:meth:`hwsync.vllm.lora_slots.SlotWriter.materialize`): the adapter is then held once, not twice."""
+    ref = _KEPT.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _keep(t: Tensor) -> None:
+    key = id(t)
+
+    def forget(_ref: Any) -> None:
+        _KEPT.pop(key, None)
+
+    _KEPT[key] = weakref.ref(t, forget)
+
+
 class FoldBuffers:
     """:meth:`LoraModule.folded` of every module, the same bits as :func:`fold_scaling` (cast, then multiplied in the
     cast dtype): the casts in one batched copy instead of an allocation and a launch each. A factor already in
@@ -544,6 +567,8 @@ class FoldBuffers:
         bufs = self._kept
         if bufs is None:
             bufs = [torch.empty(s.shape, dtype=dt, device=s.device) for s, dt in zip(self._srcs, self._dtypes)]
+            for b in bufs:
+                _keep(b)
             self._kept, self._key = bufs, addresses(self._srcs + bufs)
         if bufs:
             with torch.no_grad():

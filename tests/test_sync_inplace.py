@@ -193,3 +193,18 @@ def test_steady_syncs_read_through_the_first_syncs_fold_buffers(llm: Any, tiny_q
         assert steady is plan and list(steady.payload.lora_readers.values()) == [reader]
     assert [t.data_ptr() for t in reader.read(plan.info.lora_dtype and getattr(torch, plan.info.lora_dtype))] == kept
     assert validated == []  # the steady plan was validated when it was made
+    # vLLM's adapter holds views of the kept fold buffers where the engine's dtype is theirs (here: every B, whose
+    # scaling is folded): the adapter is held once, not twice; what is left is copied (A: the parameter itself)
+    from hwsync.lora_formats import kept_buffer
+    from hwsync.vllm.applier import lora_manager_of
+
+    buffers = [t for t in reader.read(plan.info.lora_dtype and getattr(torch, plan.info.lora_dtype)) if kept_buffer(t)]
+    assert buffers, "no kept fold buffer: the test's adapter folds no scaling"
+    storages = {t.untyped_storage().data_ptr() for t in buffers}
+    lid = as_engine(llm).state()["lora_int_id"]
+    installed = lora_manager_of(llm.llm_engine.model_executor.driver_worker.worker).get_adapter(lid)
+    held = [t for w in installed.loras.values() for f in ("lora_a", "lora_b")
+            for t in (getattr(w, f) if isinstance(getattr(w, f), list) else [getattr(w, f)]) if t is not None]
+    shared = [t for t in held if t.untyped_storage().data_ptr() in storages]
+    assert shared and len(shared) < len(held), (len(shared), len(held))
+    hwsync.verify(llm, model, PROMPTS)  # raises where the engine's adapter is not what the trainer holds

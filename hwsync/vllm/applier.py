@@ -654,6 +654,7 @@ class VllmApplier:
         """The same adapter structure again: rewrite it in place (:mod:`hwsync.vllm.lora_slots`); anything else:
         build and validate a new adapter aside, then swap it in under its id. ``tensors``/``config`` are the
         trainer's modules (:func:`hwsync.lora_formats.to_wire`)."""
+        from hwsync.lora_formats import kept_buffer
         from hwsync.vllm.compat import check_adapter
 
         name = LORA_NAME if name is None else name
@@ -680,7 +681,8 @@ class VllmApplier:
                 # vLLM's layout, learnt on a template layer and checked against vLLM's own construction of the
                 # sampled layers: the adapter is built by one copy per tensor, no per-expert Python walk
                 with phase("adapter built"):
-                    lora = writer.materialize(lid, tensors, wm.lora_config.lora_dtype, self._device())
+                    lora = writer.materialize(lid, tensors, wm.lora_config.lora_dtype, self._device(),
+                                              alias=kept_buffer)
             else:
                 lora = build({k: v.detach().clone() for k, v in tensors.items()})
             try:
