@@ -36,7 +36,6 @@ from __future__ import annotations
 import enum
 import math
 import re
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -500,8 +499,9 @@ class PeftLoraReader:
         return mods
 
 
-_KEPT: dict[int, Any] = {}
-"""``id`` -> weak reference of every kept fold buffer alive in this process (:func:`kept_buffer`)."""
+_KEPT = "_hwsync_kept_fold_buffer"
+"""Attribute a :class:`FoldBuffers` sets on its kept buffers (:func:`kept_buffer`); views and detached aliases do
+not carry it."""
 
 
 def kept_buffer(t: Tensor) -> bool:
@@ -509,17 +509,7 @@ def kept_buffer(t: Tensor) -> bool:
     adapter's folded values at every read of its plan and never used for anything else, so an engine colocated in
     this process may hold views of it instead of copies
     (:meth:`hwsync.vllm.lora_slots.SlotWriter.materialize`): the adapter is then held once, not twice."""
-    ref = _KEPT.get(id(t))
-    return ref is not None and ref() is t
-
-
-def _keep(t: Tensor) -> None:
-    key = id(t)
-
-    def forget(_ref: Any) -> None:
-        _KEPT.pop(key, None)
-
-    _KEPT[key] = weakref.ref(t, forget)
+    return getattr(t, _KEPT, False) is True
 
 
 class FoldBuffers:
@@ -568,7 +558,7 @@ class FoldBuffers:
         if bufs is None:
             bufs = [torch.empty(s.shape, dtype=dt, device=s.device) for s, dt in zip(self._srcs, self._dtypes)]
             for b in bufs:
-                _keep(b)
+                setattr(b, _KEPT, True)
             self._kept, self._key = bufs, addresses(self._srcs + bufs)
         if bufs:
             with torch.no_grad():
