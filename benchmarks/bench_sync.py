@@ -123,12 +123,25 @@ def _gpu_blocks(path: Path) -> str:
     return "700" if "linear_attention" in layer_types else "10000"
 
 
-def _engine(path: Path, dtype: torch.dtype, rank: int) -> Any:
+def environment() -> None:
+    """In-process engines; on CPU vLLM's CPU settings and hwsync's plugin alone (the CPU MoE-LoRA patches; no other
+    installed plugin, e.g. ms-swift's, which imports vision code)."""
+    if not _on_gpu():
+        for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_PLUGINS": "hwsync"}.items():
+            os.environ.setdefault(key, value)
+    else:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _engine(path: Path, dtype: torch.dtype, rank: int, lora: bool = True) -> Any:
     from vllm import LLM
 
     args: dict[str, Any] = dict(model=str(path), load_format="dummy", dtype=str(dtype).removeprefix("torch."),
-                                enforce_eager=True, enable_lora=True, max_lora_rank=rank, max_loras=1, seed=0,
-                                max_model_len=512, max_num_seqs=8)
+                                enforce_eager=True, enable_lora=lora, seed=0,
+                                max_model_len=512, max_num_seqs=int(os.environ.get("BENCH_MAX_SEQS", "8")))
+    if lora:
+        args.update(max_lora_rank=rank, max_loras=1)
     if _on_gpu():
         from hwsync.testing.engine import portable_kernel_args
 
@@ -140,7 +153,9 @@ def _engine(path: Path, dtype: torch.dtype, rank: int) -> Any:
         # every block, so a 4-layer model with the same memory would inflate it ~12x
         args["num_gpu_blocks_override"] = int(os.environ.get("BENCH_GPU_BLOCKS", _gpu_blocks(path)))
     else:
-        args.update(num_gpu_blocks_override=32, lora_target_modules=["qkv_proj", "o_proj"])
+        args.update(num_gpu_blocks_override=32)
+        if lora:
+            args.update(lora_target_modules=["qkv_proj", "o_proj"])
     return LLM(**args)
 
 
@@ -585,12 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("hwsync").setLevel(logging.INFO)
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    if not _on_gpu():
-        for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_PLUGINS": "hwsync"}.items():
-            os.environ.setdefault(key, value)
-    else:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    environment()
     dtype = torch.bfloat16 if _on_gpu() else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         path = _checkpoint(Path(tmp), args.shapes, args.layers)

@@ -13,6 +13,11 @@ engines: vLLM's LoRA kernels take only bf16/fp16) for every strategy plus ``floa
 without LoRA). ``--dtypes`` picks others.
 
     python benchmarks/verify_table.py --json verify.json            # CPU or CUDA
+    python benchmarks/verify_table.py --shapes qwen3-30b-a3b --layers 48 --strategies adapter --steps 5   # GPU
+
+``--shapes``/``--layers`` run the campaign on the sync bench's model instead (``benchmarks/bench_sync.py``: the
+real layer shapes, random bf16 weights, an engine loaded with ``load_format="dummy"`` that hwsync fills, LoRA rank
+``--rank`` on attention and experts): the checks at the users' depth.
 """
 from __future__ import annotations
 
@@ -51,6 +56,45 @@ def _plan(dtypes: str | None, on_cpu: bool, strategies: list[str]) -> list[tuple
     if on_cpu:
         return [("float32", s) for s in strategies] + [("bfloat16", s) for s in strategies]
     return [("bfloat16", s) for s in strategies] + [("float32", "full")] * ("full" in strategies)
+
+
+def run_bench_model(args: argparse.Namespace) -> dict[str, Any]:
+    """The campaign on the sync bench's model (``--shapes``, ``--layers``): one engine, each strategy's trainer in
+    turn (bf16 on GPUs, fp32 on CPU)."""
+    import gc
+
+    import vllm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_sync as bs
+
+    from hwsync import as_engine
+    from hwsync.testing.faults import campaign
+
+    bs.environment()
+    gpu = bs._on_gpu()
+    dtype = torch.bfloat16 if gpu else torch.float32
+    path = bs._checkpoint(Path(tempfile.mkdtemp(prefix="verify_table_")), args.shapes, args.layers)
+    llm = bs._engine(path, dtype, args.rank)
+    results: list[dict[str, Any]] = []
+    t0 = time.time()
+    for strategy in args.strategies.split(","):
+        model = bs._trainer(path, strategy, args.rank, dtype)
+        try:
+            res = campaign(llm, model, strategy, PROMPTS, steps=args.steps,
+                           log=(lambda m: print(m, file=sys.stderr, flush=True)) if args.verbose else None)
+        except Exception as e:  # noqa: BLE001 - record and go on with the next strategy
+            print(f"{strategy}: {type(e).__name__}: {e}", file=sys.stderr)
+            results.append({"dtype": str(dtype), "strategy": strategy, "error": f"{type(e).__name__}: {e}"})
+            continue
+        info = as_engine(llm).describe()
+        res.update(dtype=info.dtype, device=info.device_type, engine=info.engine, seconds=time.time() - t0)
+        results.append(res)
+        del model
+        gc.collect()
+    return {"device": "cuda" if gpu else "cpu", "vllm": vllm.__version__, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if gpu else None, "steps": args.steps, "runs": results,
+            "model": f"{args.shapes} x {args.layers} layers, LoRA r{args.rank}"}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -177,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     p.add_argument("--json", default=None, help="write every measurement here")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--shapes", default=None, help="the sync bench's model shapes (default: the tiny fixture)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--rank", type=int, default=8)
     args = p.parse_args(argv)
-    data = run(args)
+    data = run_bench_model(args) if args.shapes else run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1, default=str))
     print(tables(data))

@@ -15,6 +15,11 @@ probe ``R_n``: a pseudo-random integer tensor of ``W``'s shape that both sides g
 The comparison (:func:`excess`) allows float64 summation order and a few last-bit differences of the largest
 elements, nothing more: no kernel numerics are involved (GPU TF32/bf16 matmuls, routing near-ties), so it is exact on
 every platform.
+
+Where the engine's memory is in the trainer's process (a colocated engine), no probe is needed: the engine compares
+what its kernels read with the trainer's own tensors element by element (:func:`differing`, fused on the device: one
+read of each side, one host round trip for the whole check), and only a tensor that differs is measured against the
+same allowance (:func:`deviation`). Fingerprints remain the path across processes.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["REL_TOL", "ULPS", "dot", "excess", "probe"]
+__all__ = ["deviation", "differing", "REL_TOL", "ULPS", "dot", "excess", "probe"]
 
 REL_TOL = 1e-9
 """Relative tolerance of a fingerprint for float64 summation order."""
@@ -83,3 +88,47 @@ def excess(got: Sequence[float], want: Sequence[float], dtype: torch.dtype, ulps
     allowed = max(REL_TOL * max(want[1], got[1]), ulps * eps * max(want[2], got[2]), 1e-300)
     d = abs(got[0] - want[0])
     return d / allowed if d == d else float("inf")
+
+
+_CMP_CHUNK = 1 << 26
+"""Elements compared per kernel pair: bounds the comparison's temporary (a bool per element) to 64 MB."""
+
+
+def _chunks(a: Tensor, b: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """``(a, b)`` split along their first dimension into pieces of at most :data:`_CMP_CHUNK` elements."""
+    if a.numel() <= _CMP_CHUNK or a.dim() == 0:
+        return [(a, b)]
+    rows = max(1, _CMP_CHUNK // max(1, a[0].numel()))
+    return [(a[i: i + rows], b[i: i + rows]) for i in range(0, a.shape[0], rows)]
+
+
+def differing(pairs: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+    """How many elements of the ``(held, expected)`` pairs differ, as one int64 tensor on the first pair's device,
+    without a host round trip (NaN differs from everything; ``expected`` is cast to ``held``'s dtype and device)."""
+    total: Tensor | None = None
+    for held, want in pairs:
+        if tuple(held.shape) != tuple(want.shape):
+            raise ValueError(f"compared shapes differ: {list(held.shape)} vs {list(want.shape)}")
+        want = want.to(device=held.device, dtype=held.dtype)
+        for a, b in _chunks(held, want):
+            n = a.ne(b).sum()
+            total = n if total is None else total.add_(n)
+    return total if total is not None else torch.zeros((), dtype=torch.int64)
+
+
+def deviation(pairs: Sequence[tuple[Tensor, Tensor]], dtype: torch.dtype, ulps: int = ULPS) -> float:
+    """How far held tensors are from the expected ones, in units of what a healthy engine may differ by (<= 1
+    passes; the allowance of :func:`excess`): the summed |difference| against ``ulps`` ulps of ``dtype`` at the
+    largest expected element -- a recomputed merged tensor that rounds a few elements differently passes, a layer, a
+    transposition or an older step does not. ``ulps=0``: any difference fails."""
+    diff = peak = 0.0
+    for held, want in pairs:
+        want = want.to(device=held.device)
+        for a, b in _chunks(held, want):
+            diff += float((a.double() - b.double()).abs().sum())
+            peak = max(peak, float(b.double().abs().max())) if b.numel() else peak
+    if diff != diff:
+        return float("inf")
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    allowed = ulps * eps * peak
+    return diff / allowed if allowed > 0 else (0.0 if diff == 0 else float("inf"))

@@ -29,6 +29,7 @@ ENV: dict[str, str] = {
     "verify_atol": "HWSYNC_VERIFY_ATOL",
     "verify_prompts": "HWSYNC_VERIFY_PROMPTS",
     "verify_gate": "HWSYNC_VERIFY_GATE",
+    "verify_logprobs_every": "HWSYNC_VERIFY_LOGPROBS_EVERY",
     "metrics_path": "HWSYNC_METRICS",
     "server": "HWSYNC_SERVER",
     "token": "HWSYNC_TOKEN",
@@ -44,7 +45,8 @@ class SyncOptions:
     bucket_mb: float | None = None
     """Transfer bucket size; ``None`` = hwsync's measured default for the device."""
     verify_every: int = 1
-    """Run :func:`hwsync.verify` after every N-th sync (0 = never). A failed check stops training."""
+    """Check the engine after every N-th sync (0 = never): its content (exact; only what can have changed is read
+    whole) and, per step, the rollout's own logprobs against the trainer's. A failed check stops training."""
     verify_atol: float | None = None
     """Unset (default): :func:`hwsync.verify`'s checks -- exact content fingerprints plus the logprob gate of the
     engine's device/dtype (:data:`hwsync.verify.GATES`), which a healthy bf16 GPU run passes. Set: also the strict
@@ -62,6 +64,10 @@ class SyncOptions:
     """Server mode: the shared secret both sides read; requests signed with another token are refused."""
     verify_gate: Gate | None = None
     """``HWSYNC_VERIFY_GATE=mean,p90,prob[,max]``: the logprob gate instead of the platform's (see ``verify_atol``)."""
+    verify_logprobs_every: int = 50
+    """The check prompts' logprob comparison (one more engine call and trainer forwards, and the model's numerics
+    spread the rollout check is read against) runs at the first check and then at every N-th (0 = the first only);
+    the checks between read the content alone, the rollouts carry the logprob evidence of every step."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SyncOptions:
@@ -86,6 +92,8 @@ class SyncOptions:
             server=_address(raw("server")),
             token=raw("token"),
             verify_gate=parse_gate(g, ENV["verify_gate"]) if (g := raw("verify_gate")) else None,
+            verify_logprobs_every=int(_number(raw("verify_logprobs_every"), ENV["verify_logprobs_every"], int,
+                                              minimum=0, default=50) or 0),
         )
 
     @property

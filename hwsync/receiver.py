@@ -120,6 +120,7 @@ class Receiver:
             if lid is not None and not self.applier.has_lora(lid):
                 self.state.lora_name = self.state.lora_int_id = None
                 self.state.base_key = None
+                self.state.base_writes += 1  # someone reloaded the weights: the base is not known to be ours
             return self.state
 
     def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
@@ -223,6 +224,7 @@ class Receiver:
                             # a bucket refused before that (forged, out of step) leaves the engine serving
                             self.state.stale = True
                             self.state.last_error = in_progress
+                            self.state.base_writes += 1
                         wrote[0] = True
                         yield spec.name, t
                     received[0] += 1

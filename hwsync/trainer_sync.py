@@ -41,6 +41,12 @@ class TrainerSync:
         """The check prompts (token ids), the same at every sync and on every rank; ``None`` until the first
         rollout supplied them (no check runs before that)."""
         self.gate: Any = None  # the logprob gate of the engine's device/dtype, known after the first sync
+        self.spread: Any = None
+        """The model's numerics spread (:class:`hwsync.verify.Spread`) from the last logprob check: a rollout gap is
+        decisive only beyond it and the gate (``None``: the gate alone)."""
+        self.checks = 0
+        self.weak = 0
+        """Checks and rollouts whose logprob gap was beyond the gate but within the model's numerics: logged."""
         self._probe_ref: list[torch.Tensor] | None = None
         self._rollout: tuple[float, int] | None = None  # (max |Δ|, tokens) of the current step's rollouts
 
@@ -67,24 +73,33 @@ class TrainerSync:
         verify_s = 0.0
         if opts.verify_every and self.syncs % opts.verify_every == 0 and self.probe:
             t0 = time.perf_counter()
-            # exact content fingerprints + this platform's logprob gate (+ the strict max |Δ| check when
-            # HWSYNC_VERIFY_ATOL is set); one prompt per engine call (vLLM 0.32's LoRA prompt logprobs). Ranks
-            # without the engine run the same check on rank 0's answers, with the gate rank 0's engine implies.
-            verdict = check(target, model, self.probe, gate=self.gate or opts.verify_gate, atol=opts.verify_atol,
-                            batch=False)
-            shift = self.policy_shift(model)
+            self.checks += 1
+            every = opts.verify_logprobs_every
+            with_logprobs = self.checks == 1 or bool(every and (self.checks - 1) % every == 0)
+            # exact content checks every time (only what can have changed is read whole); the check prompts'
+            # logprobs (+ the model's numerics spread) at the first check and every N-th: the step's rollouts carry
+            # the logprob evidence in between. One prompt per engine call (vLLM 0.32's LoRA prompt logprobs). Ranks
+            # without the engine run the same check on rank 0's answers.
+            verdict = check(target, model, self.probe, gate=opts.verify_gate, atol=opts.verify_atol, batch=False,
+                            logprobs=with_logprobs)
+            if with_logprobs:
+                self.spread = verdict.spread
+                shift = self.policy_shift(model)
             verify_s = time.perf_counter() - t0
             a: Any = verdict.agreement
+            for why in verdict.weak:
+                self.weak += 1
+                self.log(f"hwsync: weak evidence after sync v{report.version if report else '?'}: {why}")
             self.log(f"hwsync: verify after sync v{report.version if report else '?'}: "
                      f"{'passed' if verdict.ok else 'FAILED'} "
-                     f"({'; '.join(f'{c.name} ok' if c.ok else f'{c.name} FAILED' for c in verdict.checks)}); "
-                     f"mean |Δ logprob| {a.mean_abs_diff:.2e}, max {a.max_abs_diff:.2e} over {a.tokens} tokens "
-                     f"({verify_s:.2f}s)")
+                     f"({'; '.join(f'{c.name} ok' if c.ok else f'{c.name} FAILED' for c in verdict.checks)})"
+                     + (f"; mean |Δ logprob| {a.mean_abs_diff:.2e}, max {a.max_abs_diff:.2e} over {a.tokens} tokens"
+                        if with_logprobs else "") + f" ({verify_s:.3f}s)")
         if report is None:  # a rank without the engine: rank 0 records; the same verdict stops this rank too
             if verdict is not None and not verdict.ok:
                 raise VerifyError(f"after the sync (step {step}; checked by rank 0's engine): {verdict.message()}")
             return None, {}
-        a = verdict.agreement if verdict is not None else None
+        a = verdict.agreement if verdict is not None and verdict.agreement.tokens else None
         record = dict(step=step, strategy=report.strategy, reason=report.reason, mode=report.mode,
                       version=report.version, tensors=report.tensors, base_tensors=report.base_tensors,
                       lora_tensors=report.lora_tensors, bytes=report.bytes, mb=report.bytes / 1e6,
@@ -96,14 +111,18 @@ class TrainerSync:
                       verify_skipped=list(verdict.skipped) if verdict else None,
                       verify_tokens=a.tokens if a else 0,
                       greedy_mismatches=len(a.greedy_mismatches) if a else 0, policy_shift=shift,
-                      verify_seconds=verify_s if verdict is not None else None)
+                      verify_seconds=verify_s if verdict is not None else None,
+                      verify_weak=list(verdict.weak) if verdict else None,
+                      numerics_spread=self.spread.mean_abs if self.spread is not None else None)
         if self.records is not None:
             self.records.write("sync", **record)
         self.log(report.line())
         numbers = {"hwsync/sync_mb": record["mb"], "hwsync/sync_ms": 1000 * report.seconds}
+        if verdict is not None:
+            numbers["hwsync/verify_ms"] = 1000 * verify_s
         if a is not None:
             numbers.update({"hwsync/verify_max_abs_dlogp": a.max_abs_diff,
-                            "hwsync/verify_mean_abs_dlogp": a.mean_abs_diff, "hwsync/verify_ms": 1000 * verify_s})
+                            "hwsync/verify_mean_abs_dlogp": a.mean_abs_diff})
         if verdict is not None and not verdict.ok:
             where = f"after sync v{report.version} (step {step}, strategy {report.strategy})"
             raise VerifyError(f"{where}: rollouts would not come from the policy being trained. {verdict.message()}"
@@ -148,7 +167,11 @@ class TrainerSync:
 
     def _rollout_gap(self, d: torch.Tensor, worst: float) -> str:
         """Why the sampled tokens' logprobs are too far from the trainer's ("" when they are not): max |Δ| above
-        HWSYNC_VERIFY_ATOL when set, else the mean / 90th percentile of |Δ| above the platform's gate."""
+        HWSYNC_VERIFY_ATOL when set; else the mean / 90th percentile of |Δ| above the platform's gate **and** above
+        :data:`hwsync.verify.NUMERICS_FACTOR` times the model's numerics spread (the last logprob check's). Beyond
+        the gate alone is weak evidence: logged with its numbers, counted in :attr:`weak`."""
+        from hwsync.verify import NUMERICS_FACTOR
+
         atol = self.options.verify_atol
         if atol is not None:
             return "" if worst <= atol else f"max |Δ| {worst:.3g} > {ENV['verify_atol']}={atol:g}"
@@ -156,9 +179,20 @@ class TrainerSync:
             return ""
         mean = float(d.mean())
         p90 = float(torch.quantile(d, 0.9)) if d.numel() > 1 else float(d.max())
-        if not (mean <= self.gate.mean_abs and p90 <= self.gate.p90_abs):  # NaN included
-            return f"mean |Δ| {mean:.3g} (gate {self.gate.mean_abs:g}), p90 {p90:.3g} (gate {self.gate.p90_abs:g})"
-        return ""
+        if mean <= self.gate.mean_abs and p90 <= self.gate.p90_abs:
+            return ""
+        gap = f"mean |Δ| {mean:.3g} (gate {self.gate.mean_abs:g}), p90 {p90:.3g} (gate {self.gate.p90_abs:g})"
+        spread = self.spread if self.options.verify_gate is None else None
+        if spread is not None and mean == mean and p90 == p90:
+            k = NUMERICS_FACTOR
+            if mean <= k * spread.mean_abs and p90 <= k * spread.p90_abs:
+                self.weak += 1
+                self.log(f"hwsync: weak evidence in this step's rollouts: {gap}, within {k:g}x the model's own "
+                         f"numerics spread (mean {spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g}): not evidence of "
+                         "another policy at this depth")
+                return ""
+            gap += f", beyond {k:g}x the model's numerics spread (mean {spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g})"
+        return gap
 
     @property
     def rollout_max_abs_dlogp(self) -> float | None:

@@ -14,11 +14,12 @@ to ~0.5 in fp32 with TF32 fused MoE and ~2 in bf16), so :func:`check` gathers tw
 """
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import types
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from hwsync.errors import OptionError, SyncError, UnsupportedSetupError, VerifyE
 from hwsync.payload import Payload
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
 from hwsync.wire import TensorSpec
+
+logger = logging.getLogger("hwsync")
 
 __all__ = ["GATES", "RECURRENT_16BIT", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "as_vllm_loads",
            "check", "engine_logprobs", "gate_for", "has_linear_attention", "parse_gate", "token_logprobs", "trainer_gate", "verify"]
@@ -81,6 +84,9 @@ class Agreement:
     """90th percentile of |Δ logprob| (robust to the few near-tie routing flips of bf16 MoE kernels)."""
     mean_prob_diff: float = 0.0
     """Mean |Δ probability| of the same tokens (verl's rollout-vs-trainer gate)."""
+    sequences: tuple[tuple[tuple[int, ...], torch.Tensor], ...] = field(default=(), compare=False, repr=False)
+    """Each prompt's token ids (prompt + the engine's greedy tokens) with the trainer's logprobs of them: what
+    :func:`numerics_spread` perturbs."""
 
 
 def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence[int]], *, max_tokens: int = 4,
@@ -99,8 +105,10 @@ def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence
     # logits processor with one LoRA index per request, which only broadcasts over a single request's tokens)
     outputs = (engine.logprobs(prompt_token_ids, max_tokens) if batch else
                [engine.logprobs([p], max_tokens)[0] for p in prompt_token_ids])
+    sequences = []
     for prompt, (ids, values) in zip(prompt_token_ids, outputs):
         ref, arg, best = _scores(model, ids)
+        sequences.append((tuple(ids), ref))
         got = torch.tensor(values, dtype=torch.float32)
         if got.shape != ref.shape:
             raise VerifyError(f"engine returned {got.numel()} logprobs for {len(ids)} tokens")
@@ -118,9 +126,97 @@ def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence
                                   f"(logprob {float(best[t]):.4f} vs {float(ref[t]):.4f})")
     every = torch.cat(diffs) if diffs else torch.zeros(0)
     if not every.numel():
-        return Agreement(worst, where, count, tuple(mismatches))
+        return Agreement(worst, where, count, tuple(mismatches), sequences=tuple(sequences))
     return Agreement(worst, where, count, tuple(mismatches), float(every.mean()),
-                     float(torch.quantile(every.double(), 0.9)), float(torch.cat(pdiffs).mean()))
+                     float(torch.quantile(every.double(), 0.9)), float(torch.cat(pdiffs).mean()),
+                     tuple(sequences))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# how far numerics alone move this model: the scale the logprob evidence is read against
+# ---------------------------------------------------------------------------------------------------------------
+NUMERICS_FACTOR = 4.0
+"""The logprob gap is decisive only beyond this multiple of the model's own numerics spread (:func:`numerics_spread`)
+-- and beyond the platform's gate. Measured on an H200 (docs/verify.md): a healthy engine's gap stays within
+~2x the spread at 4 to 48 layers, bf16 and fp32."""
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How far the trainer's own logprobs move when every decoder layer's output is rounded differently by one unit
+    of the engine's precision (what another kernel's accumulation order does): mean, 90th percentile, max and mean
+    |Δ probability| over the check's tokens."""
+
+    mean_abs: float
+    p90_abs: float
+    mean_prob: float
+    max_abs: float
+    unit: float
+    """The relative perturbation per element (the engine dtype's machine epsilon; TF32's for fp32 on GPUs)."""
+
+
+def rounding_unit(device_type: str, dtype: str) -> float:
+    """One unit of the engine's precision: its dtype's epsilon, TF32's (2^-10) for fp32 off the CPU, where vLLM's
+    fused-MoE Triton matmuls run in TF32."""
+    if dtype in ("float32", "fp32"):
+        return 2.0 ** -10 if device_type != "cpu" else float(torch.finfo(torch.float32).eps)
+    if dtype == "float16":
+        return float(torch.finfo(torch.float16).eps)
+    return float(torch.finfo(torch.bfloat16).eps)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the longest ``ModuleList`` named ``layers`` (transformers' convention, PEFT-wrapped
+    too)."""
+    best: list[nn.Module] = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers" and len(m) > len(best):
+            best = list(m)
+    return best
+
+
+def numerics_spread(model: nn.Module, sequences: Sequence[tuple[Sequence[int], torch.Tensor]], unit: float,
+                    seeds: Sequence[int] = (1, 2)) -> Spread | None:
+    """The trainer's own sensitivity to rounding, on the check's tokens: its forward with each decoder layer's output
+    multiplied by ``1 + unit * N(0, 1)`` (fixed seeds), against its plain logprobs ``sequences`` holds. A healthy
+    engine differs from the trainer by other kernels' rounding, compounded through the same layers, so its gap is
+    of this size at any depth; a model whose routing amplifies rounding (random weights, 48 layers) has a large
+    spread, a trained one a small spread. ``None`` when the model has no ``layers`` to perturb."""
+    layers = decoder_layers(model)
+    if not layers or not sequences:
+        return None
+    state = {"seed": 0}
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        h = output[0] if isinstance(output, tuple) else output
+        if not isinstance(h, torch.Tensor) or not h.is_floating_point():
+            return output
+        state["seed"] += 1
+        g = torch.Generator(device=h.device).manual_seed(state["seed"])
+        noise = torch.randn(h.shape, generator=g, device=h.device, dtype=torch.float32)
+        h = (h.float() * (1 + unit * noise)).to(h.dtype)
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    stats: list[tuple[float, float, float, float]] = []
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    try:
+        for seed in seeds:
+            diffs, pdiffs = [], []
+            for i, (ids, ref) in enumerate(sequences):
+                state["seed"] = seed * 1_000_003 + i * 10_007
+                got = _scores(model, ids)[0]
+                diffs.append((got - ref).abs())
+                pdiffs.append((got.exp() - ref.exp()).abs())
+            d = torch.cat(diffs).double()
+            if not d.numel():
+                return None
+            stats.append((float(d.mean()), float(torch.quantile(d, 0.9)), float(torch.cat(pdiffs).mean()),
+                          float(d.max())))
+    finally:
+        for h in handles:
+            h.remove()
+    worst = [max(s[k] for s in stats) for k in range(4)]
+    return Spread(worst[0], worst[1], worst[2], worst[3], unit=unit)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,6 +335,10 @@ class VerifyReport:
     gate: Gate
     skipped: tuple[str, ...] = ()
     """Checks that could not run here, with why (e.g. content checks on a remote engine)."""
+    weak: tuple[str, ...] = ()
+    """Evidence reported but not decisive (a logprob gap beyond the platform's gate within the model's numerics)."""
+    spread: Spread | None = None
+    """The model's own numerics spread the logprob check was read against (``None``: the gate alone)."""
 
     @property
     def failed(self) -> tuple[Check, ...]:
@@ -254,7 +354,8 @@ class VerifyReport:
     def message(self) -> str:
         if self.ok:
             return ("verify passed: " + "; ".join(f"{c.name} {c.detail}" for c in self.checks)
-                    + "".join(f"; not run: {why}" for why in self.skipped))
+                    + "".join(f"; not run: {why}" for why in self.skipped)
+                    + "".join(f"; weak evidence: {why}" for why in self.weak))
         lines = [f"verify failed {len(self.failed)} check(s):"]
         lines += [f"  - {c.name}: {c.detail}. Fix: {c.fix}" for c in self.failed]
         return "\n".join(lines)
@@ -368,33 +469,127 @@ def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[
     return out
 
 
-def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tuple[list[Check], list[str]]:
-    """The exact checks. Every early return depends only on what every rank of a sharded trainer sees alike (the
-    plan, the engine kind, its worker count), so either all ranks gather the reference tensors or none does."""
+BASE_ROUNDS = 16
+"""An unchanged base (no base write since it was last checked whole) is re-read in turns: each check takes the next
+1/16 of its tensors, or as many as fill :data:`BASE_SAMPLE_BYTES`, whichever is more -- every base tensor at least
+once every 16 checks, a small base whole every time."""
+BASE_SAMPLE_BYTES = 2 << 30
+_BATCH_BYTES = 4 << 30
+"""Reference tensors handed to a colocated engine per comparison: merged ones are computed for the check, so a
+48-layer model's are not all held at once."""
+
+
+@dataclass
+class _BaseMemo:
+    """What a check last proved of an engine's base: the engine's ``base_writes`` and the base's tensors then, and
+    where the next sample of an unchanged base starts."""
+
+    base_writes: int
+    names: tuple[str, ...]
+    cursor: int = 0
+
+
+def _base_choice(engine: Any, model: nn.Module, specs: Sequence[TensorSpec], base_writes: int
+                 ) -> tuple[set[str], str]:
+    """The base tensors this check reads, and how they were chosen (for the report)."""
+    from hwsync.payload import model_uuid
+
+    names = tuple(s.name for s in specs)
+    memo = engine.__dict__.setdefault("_hwsync_verified_base", {}).get(model_uuid(model))
+    if memo is None or memo.base_writes != base_writes or memo.names != names:
+        return set(names), "whole (written since it was last checked)"
+    n = len(names)
+    take, size = 0, 0
+    per_round = -(-n // BASE_ROUNDS)
+    while take < n and (take < per_round or size < BASE_SAMPLE_BYTES):
+        spec = specs[(memo.cursor + take) % n]
+        size += spec.nbytes
+        take += 1
+    chosen = {names[(memo.cursor + i) % n] for i in range(take)}
+    how = ("whole" if take >= n else
+           f"{take} of {n} in turn (unchanged since checked whole; every one within {-(-n // take)} checks)")
+    return chosen, how
+
+
+def _remember_base(engine: Any, model: nn.Module, specs: Sequence[TensorSpec], base_writes: int, read: int,
+                   whole: bool) -> None:
+    from hwsync.payload import model_uuid
+
+    memos = engine.__dict__.setdefault("_hwsync_verified_base", {})
+    key = model_uuid(model)
+    names = tuple(s.name for s in specs)
+    memo = memos.get(key)
+    if whole or memo is None:
+        memos[key] = _BaseMemo(base_writes, names, 0)
+    else:
+        memo.cursor = (memo.cursor + read) % max(1, len(names))
+
+
+def _compared(engine: Any, model: nn.Module, plan: SyncedPlan) -> dict[str, Any] | None:
+    """The colocated content check: the trainer's reference tensors (:func:`reference_tensors`) handed to the
+    engine's worker in this process, compared there element by element (:func:`hwsync.vllm.fingerprint.compare`).
+    ``None`` where that cannot run (the caller falls back to fingerprints)."""
+    payload = plan.reference_payload(model, fold=as_vllm_loads)
+    if payload.produce_sharded is not None:
+        return None  # a sharded trainer's tensors exist only inside their gathers: fingerprinted as they pass
+    state = engine.state()
+    base_specs = [s for s in payload.specs if s.kind != "lora" and s.dtype.is_floating_point]
+    chosen, how = _base_choice(engine, model, base_specs, state.get("base_writes", 0))
+    spec_list = [[s.name, list(s.shape), _dtype_name(s.dtype)] for s in base_specs]
+    merged: dict[str, Any] = {"base": {}, "lora": None, "state": None}
+    batch: dict[str, torch.Tensor] = {}
+    lora: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush(lora_part: Any) -> bool:
+        got = engine.compare({"specs": spec_list, "base": dict(batch), "lora": lora_part})
+        if got is None:
+            return False
+        merged["base"].update(got["base"])
+        merged["state"] = merged["state"] or got
+        if lora_part is not None:
+            merged["lora"] = got["lora"]
+        batch.clear()
+        return True
+
+    with torch.no_grad():
+        for spec, t in zip(payload.specs, payload.produce()):
+            if not t.is_floating_point():
+                continue
+            if spec.kind == "lora":
+                lora[spec.name] = t.to(spec.dtype)
+            elif spec.name in chosen:
+                batch[spec.name] = t.to(spec.dtype)
+                size += spec.nbytes
+                if size >= _BATCH_BYTES:
+                    if not flush(None):
+                        return None
+                    size = 0
+        if not flush({"tensors": lora, "meta": payload.lora_meta or {}} if lora else None):
+            return None
+    got = dict(merged["state"])
+    got.update(base=merged["base"], lora=merged["lora"], base_how=how, base_read=len(chosen),
+               base_total=len(base_specs), base_specs=base_specs)
+    return got
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    from hwsync.wire import dtype_name
+
+    return dtype_name(dtype)
+
+
+def _state_check(got: Mapping[str, Any], plan: SyncedPlan, lora_expected: bool) -> Check:
+    """Not stale, at the trainer's version, serving the adapter the trainer installed."""
     from hwsync.wire import Strategy
 
-    plan = _last_synced(engine, model)
-    if plan is None:
-        return [], ["content: this model was never synced to this engine through hwsync.sync (no trainer plan)"]
-    fp = getattr(engine, "fingerprints", None)
-    if fp is None:
-        return [], [f"content: {type(engine).__name__} cannot read fingerprints back (logprob gate only)"]
-    if info.workers > 1:  # each worker holds a TP shard, the trainer's fingerprints cover whole tensors
-        return [], [f"content: the engine runs {info.workers} workers (tensor parallel shards): logprob gate only"]
-    request, lora_req, want, dtypes = _expected(model, plan, seed)
-    got = fp(request)
-    if got is None:
-        return [], ["content: the engine runs with several workers (tensor parallel): logprob gate only"]
-    checks: list[Check] = []
-    # 1. state: not stale, at the trainer's version, serving the adapter the trainer installed
     problems = []
     if got["stale"]:
         problems.append("the engine is stale (an interrupted sync left part of the weights written)")
     if got["version"] != plan.version:
         problems.append(f"the engine is at v{got['version']}, the trainer's last sync of this model left "
                         f"v{plan.version} (another sync or a restart since)")
-    full = plan.strategy is Strategy.FULL
-    if lora_req:
+    if lora_expected:
         from hwsync.vllm.applier import LORA_INT_ID
 
         lid = plan.lora_int_id if plan.lora_int_id is not None else LORA_INT_ID
@@ -403,10 +598,87 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tupl
         elif got["lora_int_id"] != lid:
             problems.append(f"the engine serves adapter id {got['lora_int_id']}, the trainer's last sync installed "
                             f"id {lid} (stale adapter id)")
-    elif full and got["lora_int_id"] is not None:
+    elif plan.strategy is Strategy.FULL and got["lora_int_id"] is not None:
         problems.append(f"the engine still serves adapter id {got['lora_int_id']} over merged weights")
-    checks.append(Check("state", not problems, float(len(problems)), 0.0,
-                        "; ".join(problems) or f"v{got['version']}, adapter {got['lora_int_id']}", _SYNC_AGAIN))
+    return Check("state", not problems, float(len(problems)), 0.0,
+                 "; ".join(problems) or f"v{got['version']}, adapter {got['lora_int_id']}", _SYNC_AGAIN)
+
+
+_BASE_FIX = ("the engine's weights are not the trainer's (not written, wrong layout, a skipped post-load step, or an "
+             f"older step): {_SYNC_AGAIN}; if it persists, check the hwsync patches with `hwsync doctor` and report "
+             "it with that output")
+_ADAPTER_FIX = ("the installed adapter is not what vLLM's own loading of the trainer's current adapter holds (older "
+                f"step, scaling, its rounding order, or layout): {_SYNC_AGAIN}")
+_SLOTS_FIX = f"the kernels read other LoRA weights than the installed adapter: {_SYNC_AGAIN}"
+
+
+def _compared_checks(got: Mapping[str, Any], plan: SyncedPlan) -> list[Check]:
+    """The checks of a colocated comparison (:func:`_compared`)."""
+    lora_expected = got["lora"] is not None
+    checks = [_state_check(got, plan, lora_expected)]
+    base = got["base"]
+    unreadable = {n: v for n, v in base.items() if isinstance(v, str)}
+    scores = {n: float(v) for n, v in base.items() if not isinstance(v, str)}
+    if scores:
+        bad = sorted((n for n, x in scores.items() if not x <= 1.0), key=lambda n: -scores[n] if scores[n] == scores[n]
+                     else -math.inf)
+        worst = max(scores.values(), key=lambda x: math.inf if x != x else x)
+        read = f"{got['base_read']} of {got['base_total']} base tensors read ({got['base_how']})"
+        detail = (f"{len(bad)} of {len(scores)} tensor(s) differ from the trainer's, e.g. {bad[0]} ({scores[bad[0]]:.3g}"
+                  f" x the allowance of a few last bits); {read}" if bad else
+                  f"{len(scores)} tensors equal the trainer's element by element"
+                  f"{'' if worst == 0 else f' (largest deviation {worst:.2g} x the allowance)'}; {read}")
+        if unreadable:
+            detail += f"; {len(unreadable)} not readable here, e.g. {next(iter(unreadable.values()))}"
+        checks.append(Check("base content", not bad, worst if worst == worst else math.inf, 1.0, detail, _BASE_FIX))
+    lora = got["lora"]
+    if lora_expected:
+        if isinstance(lora, str):
+            checks.append(Check("adapter content", False, math.inf, 0.0, lora, _SYNC_AGAIN))
+            return checks
+        bad_slots = lora["bad_slots"]
+        how = (f"every traced slot block compared, vLLM's own set_lora re-run on {lora['oracle']} of "
+               f"{lora['modules']} modules in turn" if lora["traced_slots"] else
+               f"vLLM's own set_lora re-run on all {lora['oracle']} modules")
+        checks.append(Check("adapter slots", not bad_slots, float(len(bad_slots)), 0.0,
+                            f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. {bad_slots[0]}"
+                            if bad_slots else f"every LoRA slot holds the installed adapter ({how})", _SLOTS_FIX))
+        differ = {k: n for k, n in lora["differ"].items() if n}
+        total = sum(differ.values())
+        checks.append(Check(
+            "adapter content", not differ, float(total), 0.0,
+            f"{len(differ)} of {len(lora['differ'])} LoRA tensor(s) differ from the trainer's ({total} elements), "
+            f"e.g. {next(iter(differ))}" if differ else
+            f"{len(lora['differ'])} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's adapter "
+            "holds (scaling folded by vLLM's code)", _ADAPTER_FIX))
+    return checks
+
+
+def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tuple[list[Check], list[str]]:
+    """The exact checks. Every early return depends only on what every rank of a sharded trainer sees alike (the
+    plan, the engine kind, its worker count), so either all ranks gather the reference tensors or none does."""
+    plan = _last_synced(engine, model)
+    if plan is None:
+        return [], ["content: this model was never synced to this engine through hwsync.sync (no trainer plan)"]
+    if info.workers > 1:  # each worker holds a TP shard, the trainer's tensors are whole
+        return [], [f"content: the engine runs {info.workers} workers (tensor parallel shards): logprob gate only"]
+    if getattr(engine, "compare", None) is not None:
+        got = _compared(engine, model, plan)
+        if got is not None:
+            checks = _compared_checks(got, plan)
+            base = got["base"]
+            if all(not isinstance(v, str) and v <= 1.0 for v in base.values()) and checks[0].ok:
+                _remember_base(engine, model, got["base_specs"], got["base_writes"], got["base_read"],
+                               got["base_read"] >= got["base_total"])
+            return checks, []
+    fp = getattr(engine, "fingerprints", None)
+    if fp is None:
+        return [], [f"content: {type(engine).__name__} cannot read fingerprints back (logprob gate only)"]
+    request, lora_req, want, dtypes = _expected(model, plan, seed)
+    got = fp(request)
+    if got is None:
+        return [], ["content: the engine runs with several workers (tensor parallel): logprob gate only"]
+    checks = [_state_check(got, plan, bool(lora_req))]
     # 2. base content
     base = got.get("base") or {}
     unreadable = {n: v for n, v in base.items() if isinstance(v, str)}
@@ -420,10 +692,7 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tupl
                   f"{max(r for _, r in scores.values()):.1e})")
         if unreadable:
             detail += f"; {len(unreadable)} not readable here, e.g. {next(iter(unreadable.values()))}"
-        checks.append(Check("base content", not bad, scores[worst][0], 1.0, detail,
-                            "the engine's weights are not the trainer's (not written, wrong layout, a skipped "
-                            f"post-load step, or an older step): {_SYNC_AGAIN}; if it persists, check the hwsync "
-                            "patches with `hwsync doctor` and report it with that output"))
+        checks.append(Check("base content", not bad, scores[worst][0], 1.0, detail, _BASE_FIX))
     # 3./4. adapter
     if lora_req:
         lora = got.get("lora")
@@ -434,7 +703,7 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tupl
             checks.append(Check("adapter slots", not bad_slots, float(len(bad_slots)), 0.0,
                                 f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. "
                                 f"{bad_slots[0]}" if bad_slots else "every LoRA slot holds the installed adapter",
-                                f"the kernels read other LoRA weights than the installed adapter: {_SYNC_AGAIN}"))
+                                _SLOTS_FIX))
             lscores = _fp_scores(lora["tensors"], want, dtypes, ulps=0)  # copies of what was sent: exact
             worst = max(lscores, key=lambda k: lscores[k][0])
             bad = [k for k, (x, _) in lscores.items() if not x <= 1.0]
@@ -443,9 +712,7 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any) -> tupl
                 f"{len(bad)} of {len(lscores)} LoRA tensor(s) differ from the trainer's, e.g. {worst} (relative "
                 f"fingerprint error {lscores[worst][1]:.3g})" if bad else
                 f"{len(lscores)} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's adapter "
-                "holds (scaling folded by vLLM's code)",
-                f"the installed adapter is not what vLLM's own loading of the trainer's current adapter holds (older "
-                f"step, scaling, its rounding order, or layout): {_SYNC_AGAIN}"))
+                "holds (scaling folded by vLLM's code)", _ADAPTER_FIX))
     return checks, []
 
 
@@ -460,6 +727,7 @@ def check(
     content: bool = True,
     seed: int = 0,
     batch: bool = True,
+    logprobs: bool = True,
 ) -> VerifyReport:
     """Run every check and return the report (nothing raised for a failed check; see :func:`verify`).
 
@@ -469,24 +737,29 @@ def check(
     (server mode): then only rank 0 queries the engine and its answers are shared (:class:`_OnRank0`).
 
     * **Content** (exact, no numerics; engines driven in this process through :func:`hwsync.sync`): the engine's
-      state (not stale, at the trainer's version, serving the adapter id the trainer installed), then fingerprints
-      of what its kernels read (base weights, LoRA slots, the installed adapter) against the trainer's tensors
-      (:mod:`hwsync.fingerprint`).
-    * **Logprobs**: engine vs trainer over prompt + greedy tokens; mean |Δ|, its 90th percentile and mean |Δp|
-      against the gate of this device/dtype (:data:`GATES`, or ``gate``). ``atol`` adds the strict gate of earlier
-      versions: max |Δ| <= atol and every greedy token the trainer's argmax (CPU fp32 only).
+      state (not stale, at the trainer's version, serving the adapter id the trainer installed), then what its
+      kernels read (base weights, LoRA slots, the installed adapter) against the trainer's tensors: element by
+      element where the engine's worker is in this process, by fingerprints (:mod:`hwsync.fingerprint`)
+      otherwise. Only what can have changed is read whole: the base after a base write, an unchanged base in turns
+      (:data:`BASE_ROUNDS`), the adapter every time.
+    * **Logprobs** (``logprobs=False`` skips them): engine vs trainer over prompt + greedy tokens; mean |Δ|, its 90th
+      percentile and mean |Δp| against the gate of this device/dtype (:data:`GATES`) and against the model's own
+      numerics spread (:func:`numerics_spread`): decisive only beyond both, weak evidence (``report.weak``) beyond
+      the gate alone. An explicit ``gate`` applies alone. ``atol`` adds the strict gate of earlier versions: max
+      |Δ| <= atol and every greedy token the trainer's argmax (CPU fp32 only).
     """
     engine = _engine_for(target, model)
     parts = _parts(engine)
     reports = [_check_one(p, model, prompt_token_ids, max_tokens=max_tokens, gate=gate, atol=atol, content=content,
-                          seed=seed, batch=batch) for p in parts]
+                          seed=seed, batch=batch, logprobs=logprobs) for p in parts]
     if len(reports) == 1:
         return reports[0]
     return _combined(reports, [_address(p) for p in parts])
 
 
 def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequence[int]], *, max_tokens: int,
-               gate: Gate | None, atol: float | None, content: bool, seed: int, batch: bool) -> VerifyReport:
+               gate: Gate | None, atol: float | None, content: bool, seed: int, batch: bool,
+               logprobs: bool = True) -> VerifyReport:
     checks: list[Check] = []
     skipped: list[str] = []
     info = engine.describe()
@@ -494,17 +767,18 @@ def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequ
         got, why = _content_checks(engine, model, seed, info)
         checks += got
         skipped += why
+    explicit = gate is not None or bool(_env_gate())
     g = gate or trainer_gate(info.device_type, info.dtype, model)
+    if not logprobs:
+        return VerifyReport(tuple(checks), Agreement(0.0, "", 0, ()), g, tuple(skipped) + (
+            "logprobs: not asked for (content checks only)",))
     a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4,
                   batch=batch)
-    stats = (f"mean |Δ| {a.mean_abs_diff:.3g} (<= {g.mean_abs:g}), p90 {a.p90_abs_diff:.3g} (<= {g.p90_abs:g}), "
-             f"mean |Δp| {a.mean_prob_diff:.3g} (<= {g.mean_prob:g}), max {a.max_abs_diff:.3g} over {a.tokens} "
-             f"tokens on {info.device_type} {info.dtype}")
-    ratio = max(a.mean_abs_diff / g.mean_abs, a.p90_abs_diff / g.p90_abs, a.mean_prob_diff / g.mean_prob,
-                a.max_abs_diff / g.max_abs if g.max_abs else 0.0)
-    if ratio != ratio:  # NaN
-        ratio = float("inf")
-    checks.append(Check("logprobs", ratio <= 1.0, ratio, 1.0, stats, _HINT))
+    check_, weak, spread = _logprob_check(a, g, None if explicit or atol is not None else
+                                          numerics_spread(model, a.sequences, rounding_unit(info.device_type,
+                                                                                             info.dtype)),
+                                          f"on {info.device_type} {info.dtype}")
+    checks.append(check_)
     if atol is not None:
         checks.append(Check("max |Δ logprob|", a.max_abs_diff <= atol, a.max_abs_diff, atol,
                             f"max |Δ logprob| = {a.max_abs_diff:.3g} > atol {atol:g} ({a.where})"
@@ -513,7 +787,43 @@ def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequ
             checks.append(Check("greedy tokens", False, float(len(a.greedy_mismatches)), 0.0,
                                 f"greedy tokens differ at {len(a.greedy_mismatches)} position(s), e.g. "
                                 f"{a.greedy_mismatches[0]}", _HINT))
-    return VerifyReport(tuple(checks), a, g, tuple(skipped))
+    return VerifyReport(tuple(checks), a, g, tuple(skipped), weak=weak, spread=spread)
+
+
+def _logprob_check(a: Agreement, g: Gate, spread: Spread | None, where: str) -> tuple[Check, tuple[str, ...], Spread | None]:
+    """The logprob check: decisive (fails) only beyond the platform's gate **and** beyond :data:`NUMERICS_FACTOR`
+    times the model's own numerics spread; beyond the gate alone it is weak evidence, reported with its numbers.
+    An explicit gate (``gate=``, ``HWSYNC_VERIFY_GATE``) or ``atol`` is the caller's decision: applied alone."""
+    stats = (f"mean |Δ| {a.mean_abs_diff:.3g} (<= {g.mean_abs:g}), p90 {a.p90_abs_diff:.3g} (<= {g.p90_abs:g}), "
+             f"mean |Δp| {a.mean_prob_diff:.3g} (<= {g.mean_prob:g}), max {a.max_abs_diff:.3g} over {a.tokens} "
+             f"tokens {where}")
+    ratio = _nan_inf(max(a.mean_abs_diff / g.mean_abs, a.p90_abs_diff / g.p90_abs, a.mean_prob_diff / g.mean_prob,
+                         a.max_abs_diff / g.max_abs if g.max_abs else 0.0))
+    value = ratio
+    weak: tuple[str, ...] = ()
+    if spread is not None:
+        k, tiny = NUMERICS_FACTOR, 1e-12
+        against = _nan_inf(max(a.mean_abs_diff / (k * max(spread.mean_abs, tiny)),
+                               a.p90_abs_diff / (k * max(spread.p90_abs, tiny)),
+                               a.mean_prob_diff / (k * max(spread.mean_prob, tiny))))
+        stats += (f"; the model's own numerics spread (each layer rounded by {spread.unit:.2g}): mean "
+                  f"{spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g}, mean |Δp| {spread.mean_prob:.3g} "
+                  f"({against * k:.2g}x it)")
+        value = min(ratio, against)
+        if ratio > 1 >= against:
+            weak = (f"logprobs: beyond the platform's gate ({stats}) but within {k:g}x what this model's own "
+                    "numerics produce: not evidence of another policy at this depth (the content checks decide)",)
+    return Check("logprobs", value <= 1.0, value, 1.0, stats, _HINT), weak, spread
+
+
+def _nan_inf(x: float) -> float:
+    return float("inf") if x != x else x
+
+
+def _env_gate() -> str:
+    import os
+
+    return os.environ.get("HWSYNC_VERIFY_GATE", "").strip()
 
 
 def _combined(reports: Sequence[VerifyReport], addresses: Sequence[str]) -> VerifyReport:
@@ -644,6 +954,7 @@ def verify(
     max_tokens: int = 4,
     gate: Gate | None = None,
     content: bool = True,
+    logprobs: bool = True,
 ) -> float:
     """Does the engine serve ``model``? Raises :class:`~hwsync.errors.VerifyError` naming every failed check and its
     fix (:func:`check` lists them), :class:`~hwsync.errors.StaleEngineError` on a stale engine; returns the max
@@ -658,7 +969,10 @@ def verify(
     ``atol`` restores the strict check of earlier versions on top (max |Δ| <= atol, greedy tokens equal): use it
     only where the engine computes like the trainer (vLLM's CPU build in fp32).
     """
-    report = check(target, model, prompt_token_ids, max_tokens=max_tokens, gate=gate, atol=atol, content=content)
+    report = check(target, model, prompt_token_ids, max_tokens=max_tokens, gate=gate, atol=atol, content=content,
+                   logprobs=logprobs)
+    for why in report.weak:
+        logger.warning("hwsync.verify: %s", why)
     if not report.ok:
         legacy = next((c for c in report.failed if c.name == "max |Δ logprob|"), None)
         head = f"engine and trainer disagree: {legacy.detail}. " if legacy is not None else ""

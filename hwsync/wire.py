@@ -453,6 +453,9 @@ class ReceiverState:
     lora_name: str | None = None
     lora_int_id: int | None = None
     last_error: str | None = None
+    base_writes: int = 0
+    """How many times the base was (or may have been) rewritten: each sync that carried base tensors, and each change
+    seen behind hwsync's back. :mod:`hwsync.verify` re-reads the whole base only when this moved."""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -125,7 +125,7 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
     lora = manager.get_adapter(lid) if manager is not None and lid is not None else None
     state = (rec.state.lora_name, lid, rec.state.base_key)
     specs = [TensorSpec(n, tuple(t.shape), t.dtype, "base") for n, t in items]
-    names_plan = applier._names_plan(specs, cast=True)
+    names_plan = applier.names_plan(specs, cast=True)
     skipped: list[Any] = []
     if skip_post_load:
         for m in model_of(w).modules():
@@ -154,6 +154,7 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
             manager.pin_adapter(lid)
         manager.activate_adapter(lid)
     rec.state.lora_name, rec.state.lora_int_id, rec.state.base_key = state
+    rec.state.base_writes += 1  # a base fault stands for a sync that wrote it wrong: every sync counts its write
     return any(not torch.equal(live[p], t) for p, t in before.items())
     return len(skipped)
 
@@ -323,16 +324,27 @@ def _swap_halves(t: Tensor) -> Tensor:
 
 # -- a campaign: healthy syncs, then every fault, on one engine ------------------------------------------------------
 def _perturb(model: torch.nn.Module, gen: torch.Generator, *, base: bool) -> None:
+    """One "optimizer step": LoRA factors move, and with ``base`` every weight; drawn on each parameter's device
+    (a generator per device seeded from ``gen``: a 48-layer model is not drawn on the CPU)."""
+    gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if "lora_" not in name and not (base and p.is_floating_point()):
+                continue
+            g = gens.get(p.device)
+            if g is None:
+                g = gens[p.device] = torch.Generator(device=p.device).manual_seed(
+                    int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+            noise = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
             if "lora_" in name:
-                p.add_((torch.randn(p.shape, generator=gen) * 0.05).to(p.device, p.dtype))
-            elif base and p.is_floating_point():
-                p.mul_(1 + (torch.randn(p.shape, generator=gen) * 0.02).to(p.device, p.dtype))
+                p.add_((noise * 0.05).to(p.dtype))
+            else:
+                p.mul_((1 + noise * 0.02).to(p.dtype))
 
 
-def _snapshot(model: torch.nn.Module) -> dict[str, Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def _snapshot(model: torch.nn.Module, base: bool = True) -> dict[str, Tensor]:
+    """The parameters a step changes (the LoRA factors alone without ``base``: the frozen base stays as it is)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if base or "lora_" in n}
 
 
 def metrics(report: Any) -> dict[str, float]:
@@ -359,11 +371,12 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
     healthy: list[dict[str, Any]] = []
     snap = previous = None
     for step in range(steps):
-        previous = _snapshot(model)
+        previous = _snapshot(model, base)
         if step == 13 and snap is not None:
             with torch.no_grad():
                 for n, p in model.named_parameters():
-                    p.copy_(snap[n])
+                    if n in snap:
+                        p.copy_(snap[n])
         elif step != 8:
             _perturb(model, gen, base=base)
         report = hwsync.sync(llm, model, strategy=strategy)
@@ -374,10 +387,11 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
         if log:
             log(f"{strategy} healthy sync {step}: {'ok' if r.ok else 'FALSE ALARM: ' + r.message()}")
         if step == 4:
-            snap = _snapshot(model)
+            snap = _snapshot(model, base)
     # one more step: the trainer's "previous" weights differ from the engine's current ones
-    previous = _snapshot(model)
-    _perturb(model, gen, base=True if strategy != "adapter" else False)
+    moves_base = strategy != "adapter"
+    previous = _snapshot(model, moves_base)
+    _perturb(model, gen, base=moves_base)
     hwsync.sync(llm, model, strategy=strategy)
     out: dict[str, Any] = {"strategy": strategy, "healthy": healthy, "faults": {}, "repaired": {}}
     injector = FaultInjector(llm, model)

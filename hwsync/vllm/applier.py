@@ -305,12 +305,12 @@ class VllmApplier:
         from hwsync.vllm.dry_run import dry_run_load
 
         try:
-            names_plan = self._names_plan(specs, cast=True)
+            names_plan = self.names_plan(specs, cast=True)
         except ResolutionError:
             entries: dict[str, Sequence[Any]] = {}
             for sp in specs:
                 try:
-                    one = self._names_plan([sp], cast=True)
+                    one = self.names_plan([sp], cast=True)
                 except ResolutionError:
                     continue
                 if one.routed():
@@ -395,7 +395,7 @@ class VllmApplier:
             self._validate_lora(manifest)
         return plan
 
-    def _names_plan(self, specs: Sequence[TensorSpec], cast: bool) -> Any:
+    def names_plan(self, specs: Sequence[TensorSpec], cast: bool) -> Any:
         """Resolve trainer names onto the live model with :mod:`hwsync.names` (all problems in one error)."""
         from hwsync.names import namespace_from_vllm_model, resolve
 
@@ -408,7 +408,7 @@ class VllmApplier:
                       transformed: set[str] | None = None) -> LoadPlan:
         from hwsync.vllm.dry_run import dry_run_load
 
-        names_plan = self._names_plan(specs, cast)
+        names_plan = self.names_plan(specs, cast)
         raw: dict[str, str] = {}
         routed = names_plan.routed()
         groups, partial = dry_run_load(model_of(self.worker), specs, names_plan, raw=raw, transformed=transformed)
@@ -671,7 +671,7 @@ class VllmApplier:
         try:
             if lid <= 0:
                 raise AdapterFormatError(f"LoRA int id must be positive (vLLM reserves 0 for no adapter), got {lid}")
-            build = self._adapter_builder(config, lid)
+            build = self.adapter_builder(config, lid)
             if signature not in self._slot_writers and _direct_enabled():
                 with phase("adapter layout traced"):
                     self._slot_writers[signature] = self._trace_layout(manager, build, tensors, config)
@@ -725,10 +725,16 @@ class VllmApplier:
         return Loaded(f"adapter: {how}" + ("; later syncs rewrite it in place" if writer is not None else ""),
                       name, lid)
 
+    def slot_writer_of(self, installed: Any) -> Any:
+        """The :class:`~hwsync.vllm.lora_slots.SlotWriter` that installed and rewrites ``installed`` (``None``: vLLM's
+        own path built it)."""
+        signature = getattr(installed, "_hwsync_signature", None)
+        return self._slot_writers.get(signature) if isinstance(signature, str) else None
+
     def _device(self) -> Any:
         return getattr(self.worker.model_runner, "device", torch.device("cpu"))
 
-    def _adapter_builder(self, meta: Mapping[str, Any], lid: int) -> Any:
+    def adapter_builder(self, meta: Mapping[str, Any], lid: int) -> Any:
         """``trainer-format tensors -> LoRAModel``: converted to this engine's LoRA format, then built exactly as
         vLLM's disk loader would build it (on the engine's device unless told otherwise). ``modules``: build only
         these trainer modules (the trace's template, the sampled layers)."""

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hwsync.fingerprint import dot, probe
+from hwsync.fingerprint import deviation, differing, dot, probe
 
-__all__ = ["fingerprints"]
+__all__ = ["compare", "fingerprints"]
 
 
 def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -50,7 +50,9 @@ def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # -- base weights ------------------------------------------------------------------------------------------------
-def _base(w: Any, applier: Any, specs_in: list[Any], seed: int) -> dict[str, Any]:
+def _base_plan(w: Any, applier: Any, specs_in: list[Any]) -> tuple[Any, Any, set[str], dict[str, Any]]:
+    """``(model, name map, names the model's loader computes, specs by name)`` for the trainer's base ``specs_in``
+    ([name, shape, dtype]); the dry run that resolves them runs once per spec list."""
     from hwsync.vllm.applier import model_of
     from hwsync.wire import TensorSpec, dtype_from_name
 
@@ -62,26 +64,38 @@ def _base(w: Any, applier: Any, specs_in: list[Any], seed: int) -> dict[str, Any
     if cached is None:
         from hwsync.vllm.dry_run import dry_run_load
 
-        name_map = applier._names_plan(specs, cast=True)
+        name_map = applier.names_plan(specs, cast=True)
         transformed: set[str] = set()  # computed by the model's load_weights, not laid out: no probe can follow
         dry_run_load(model, specs, name_map, transformed=transformed, raw={})  # raw copies: read as written
         cache.clear()
         cache[key] = cached = (name_map, transformed)
     name_map, transformed = cached
+    return model, name_map, transformed, {s.name: s for s in specs}
+
+
+_TRANSFORMED = ("computed from the trainer's tensor by the model's own load_weights (not a re-layout, e.g. Llama 4's "
+                "q/k rotary permutation): not checked")
+
+
+def _base(w: Any, applier: Any, specs_in: list[Any], seed: int) -> dict[str, Any]:
+    model, name_map, transformed, specs = _base_plan(w, applier, specs_in)
     ns = name_map.namespace
     live = {ns.params[c].name: t for c, t in ns.live.items()}
-    shapes = {s.name: s.shape for s in specs}
-    dtypes = {s.name: s.dtype for s in specs}
     out: dict[str, Any] = {}
     for name, targets in name_map.entries.items():
         if name in name_map.skipped:
             continue
         if name in transformed:
-            out[name] = ("computed from the trainer's tensor by the model's own load_weights (not a re-layout, e.g. "
-                         "Llama 4's q/k rotary permutation): not fingerprinted")
+            out[name] = _TRANSFORMED
             continue
+        spec = specs[name]
         try:
-            out[name] = _one_base(model, name_map, name, targets, shapes[name], dtypes[name], live, seed)
+            total = magnitude = peak = 0.0
+            for dst, src in _base_pairs(model, name_map, name, targets, spec.shape, live,
+                                        lambda device, n=name, s=spec: probe(n, s.shape, seed, device, s.dtype)):
+                v, m, top = dot(dst, src)
+                total, magnitude, peak = total + v, magnitude + m, max(peak, top)
+            out[name] = [total, magnitude, peak]
         except _Unreadable as e:
             out[name] = str(e)
     return out
@@ -91,23 +105,26 @@ class _Unreadable(Exception):
     pass
 
 
-def _one_base(model: torch.nn.Module, name_map: Any, name: str, targets: Any, shape: tuple[int, ...],
-              dtype: torch.dtype, live: Mapping[str, Tensor], seed: int) -> list[float]:
-    from hwsync.vllm.direct import owner_module, write_pieces, why_not_direct
+def _base_pairs(model: torch.nn.Module, name_map: Any, name: str, targets: Any, shape: tuple[int, ...],
+                live: Mapping[str, Tensor], source: Any) -> list[tuple[Tensor, Tensor]]:
+    """``(what the kernel reads, what it should read)`` for one trainer tensor: ``source(device)`` (the trainer's
+    tensor, or a probe of its shape) sent through the sync plan's own writers -- and through the experts' post-load
+    step where their kernel reads a repacked layout."""
+    from hwsync.vllm.direct import owner_module, why_not_direct, write_pieces
 
     ns = name_map.namespace
-    total = magnitude = peak = 0.0
+    out: list[tuple[Tensor, Tensor]] = []
     for tg in targets:
         if tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
-            raise _Unreadable("per-expert trainer tensors are not fingerprinted (fused expert tensors are)")
+            raise _Unreadable("per-expert trainer tensors are not checked (fused expert tensors are)")
         if tg.kind in ("loader", "routed"):  # the model's own checkpoint layout (Llama 4's [E, in, out] experts): only vLLM's
             raise _Unreadable("tensors in the model's own checkpoint layout, converted by vLLM's loader, are not "
-                              "fingerprinted")
+                              "checked")
         module = owner_module(model, tg.param)
         held = live.get(tg.param)
         if held is None:
             raise _Unreadable(f"{tg.param} is not a live parameter")
-        r = probe(name, shape, seed, held.device, dtype)
+        r = source(held.device)
         if tg.kind == "experts":
             g = ns.group_of(tg.param)
             if g is None or g.sharding is None:
@@ -115,16 +132,11 @@ def _one_base(model: torch.nn.Module, name_map: Any, name: str, targets: Any, sh
             ((dst, src),) = write_pieces(name_map, tg, r, held)
             if why_not_direct(module, tg.param, set()) is not None:  # the kernel keeps its own layout: replay it
                 src = _moe_post_load(module, g, tg.param, src)
-            pairs = [(dst, src)]
+            out.append((dst, src))
         else:
             view = _kernel_view(module, tg.param, held, ns.spec_of(tg.param).shape)
-            pairs = write_pieces(name_map, tg, r, view)
-        for dst, src in pairs:
-            v, m, top = dot(dst, src)
-            total += v
-            magnitude += m
-            peak = max(peak, top)
-    return [total, magnitude, peak]
+            out += write_pieces(name_map, tg, r, view)
+    return out
 
 
 def _kernel_view(module: Any, param: str, held: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -184,9 +196,9 @@ def stacked_buffers(module: Any) -> list[tuple[str, int | None, Tensor]]:
     return out
 
 
-def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: int) -> Any:
+def _installed(w: Any, lid: int | None) -> tuple[Any, Any, int] | str:
+    """``(manager, installed adapter, its slot)``, or why there is none to check."""
     from hwsync.vllm.applier import lora_manager_of
-    from hwsync.vllm.lora_slots import SlotWriter, held_tensor
 
     manager = lora_manager_of(w)
     if manager is None:
@@ -198,34 +210,68 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
         return f"adapter id {lid} is not in the engine's adapter set"
     if lid not in manager.lora_index_to_id:
         return f"adapter id {lid} is not active in a LoRA slot"
-    slot = manager.lora_index_to_id.index(lid)
-    keys, shapes, meta = list(req["keys"]), [tuple(s) for s in req["shapes"]], dict(req["meta"])
+    return manager, installed, manager.lora_index_to_id.index(lid)
+
+
+def _writer(w: Any, applier: Any, manager: Any, installed: Any, lid: int, keys: list[str],
+            shapes: list[tuple[int, ...]], meta: dict[str, Any]) -> Any:
+    """The adapter's layout: the one that installed it, else traced here once per structure (a ``str``: why not)."""
+    from hwsync.vllm.lora_slots import SlotWriter
+
+    live = applier.slot_writer_of(installed)
+    if live is not None and set(live.keys) == set(keys):
+        return live
     key = json.dumps([keys, shapes, meta, lid], sort_keys=True, default=str)
     cache = w.__dict__.setdefault("_hwsync_fp_writers", {})
     writer = cache.get(key)
     if writer is None:
-        build = applier._adapter_builder(meta, lid)
+        build = applier.adapter_builder(meta, lid)
         writer = SlotWriter.trace(manager, build, meta, dict(zip(keys, shapes)),
                                   getattr(w.model_runner, "device", torch.device("cpu")))
         if isinstance(writer, str):
             return f"the adapter's layout cannot be traced: {writer}"
         cache.clear()
         cache[key] = writer
-    # 1. every slot holds what vLLM's own set_lora writes from the installed adapter
-    bad_slots = []
-    for name in writer.modules:
+    return writer
+
+
+def _oracle(manager: Any, installed: Any, slot: int, names: list[str]) -> list[str]:
+    """The modules among ``names`` whose slot differs from what vLLM's own ``set_lora`` writes from the installed
+    adapter (each slot is put back exactly as it was found). One host round trip for all of them."""
+    counts: list[tuple[str, Tensor]] = []
+    missing = []
+    for name in names:
         module = manager.modules[name]
         weights = installed.loras.get(name)
         if weights is None:
-            bad_slots.append(f"{name}: not in the installed adapter")
+            missing.append(f"{name}: not in the installed adapter")
             continue
         before = [(a, i, t[slot].clone()) for a, i, t in stacked_buffers(module)]
         module.set_lora(slot, weights.lora_a, weights.lora_b)
         now = {(a, i): t[slot] for a, i, t in stacked_buffers(module)}
-        if any(not torch.equal(now[(a, i)], b) for a, i, b in before):
-            bad_slots.append(name)
+        counts.append((name, differing([(now[(a, i)], b) for a, i, b in before])))
         for a, i, b in before:  # leave the slot exactly as it was found
             now[(a, i)].copy_(b)
+    if not counts:
+        return missing
+    values = torch.stack([c.to(counts[0][1].device) for _, c in counts]).tolist()
+    return missing + [name for (name, _), n in zip(counts, values) if n]
+
+
+def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: int) -> Any:
+    from hwsync.vllm.lora_slots import held_tensor
+
+    found = _installed(w, lid)
+    if isinstance(found, str):
+        return found
+    manager, installed, slot = found
+    assert lid is not None
+    keys, shapes, meta = list(req["keys"]), [tuple(s) for s in req["shapes"]], dict(req["meta"])
+    writer = _writer(w, applier, manager, installed, lid, keys, shapes, meta)
+    if isinstance(writer, str):
+        return writer
+    # 1. every slot holds what vLLM's own set_lora writes from the installed adapter
+    bad_slots = _oracle(manager, installed, slot, list(writer.modules))
     # 2. the installed adapter, mapped back to the trainer's tensors through the traced gathers (each a strided view
     # of one trainer tensor: written back through the same view)
     values: dict[str, Any] = {}
@@ -248,3 +294,99 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
             return f"no installed tensor holds the trainer's {k}"
         values[k] = list(dot(src, probe(k, shape, seed, src.device, src.dtype)))
     return {"slot": slot, "bad_slots": bad_slots, "tensors": values}
+
+
+# -- colocated: the trainer's own tensors, compared element by element ------------------------------------------
+ORACLE_MODULES = 4
+"""LoRA modules per check whose slot is also re-derived by vLLM's own ``set_lora`` (an oracle independent of hwsync's
+traced layout), in turn: every module of an adapter of M modules within ceil(M / 4) checks."""
+
+
+def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
+    """Colocated content check: ``request`` holds the trainer's own tensors (this process: no copy, no probe).
+
+    ``specs`` ([name, shape, dtype] of every base tensor the plan sends: resolved once per list), ``base`` (name ->
+    the trainer's tensor, in the wire dtype: the ones to check now), ``lora`` (None or ``tensors``: key -> the
+    trainer's LoRA tensor as vLLM's own loading folds it, ``meta``). Returns the receiver state plus ``base`` (name
+    -> deviation, 0 when bit-equal, <= 1 passes; or why it cannot be read), ``lora`` (``differ``: key -> differing
+    elements, ``bad_slots``, ``oracle``: modules re-derived by ``set_lora``; or why not). Every count is reduced on
+    the device and read back in one round trip; only a tensor that differs is measured again."""
+    from hwsync.vllm.worker import receiver_of, unwrap_worker
+
+    w = unwrap_worker(worker)
+    rec = receiver_of(w)
+    st = rec.refresh()
+    out: dict[str, Any] = {"version": st.version, "stale": st.stale, "lora_int_id": st.lora_int_id,
+                           "lora_name": st.lora_name, "base_writes": st.base_writes, "base": {}, "lora": None}
+    pending: list[tuple[str, str, Tensor]] = []  # (part, label, differing count on the device)
+    with torch.no_grad():
+        if request.get("base"):
+            model, name_map, transformed, specs = _base_plan(w, rec.applier, request["specs"])
+            ns = name_map.namespace
+            live = {ns.params[c].name: t for c, t in ns.live.items()}
+
+            def pairs_for(name: str) -> list[tuple[Tensor, Tensor]]:
+                tensor = request["base"][name]
+                return _base_pairs(model, name_map, name, name_map.entries[name], specs[name].shape, live,
+                                   lambda device: tensor.to(device))
+            for name in request["base"]:
+                targets = name_map.entries.get(name)
+                if targets is None or name in name_map.skipped:
+                    continue
+                if name in transformed:
+                    out["base"][name] = _TRANSFORMED
+                    continue
+                try:
+                    pending.append(("base", name, differing(pairs_for(name))))  # a layout copy lives only here
+                except _Unreadable as e:
+                    out["base"][name] = str(e)
+        lora = request.get("lora")
+        lora_out: dict[str, Any] | None = None
+        if lora is not None:
+            lora_out, more = _lora_compare(w, rec.applier, st.lora_int_id, lora)
+            pending += more
+        counts = torch.stack([c.to(pending[0][2].device) for *_, c in pending]).tolist() if pending else []
+        for (part, label, _), n in zip(pending, counts):
+            if part == "base":
+                out["base"][label] = 0.0 if not n else deviation(pairs_for(label), specs[label].dtype)
+            elif isinstance(lora_out, dict) and part == "adapter":
+                lora_out["differ"][label] = n
+            elif isinstance(lora_out, dict) and n:
+                lora_out["bad_slots"].append(label)
+        out["lora"] = lora_out if lora_out is not None or lora is None else None
+    return out
+
+
+def _lora_compare(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any]
+                  ) -> tuple[Any, list[tuple[str, str, Tensor]]]:
+    """The installed adapter and its slots against the trainer's tensors: the result skeleton (or why none) and
+    the device counts still to read."""
+    found = _installed(w, lid)
+    if isinstance(found, str):
+        return found, []
+    manager, installed, slot = found
+    assert lid is not None
+    tensors: Mapping[str, Tensor] = req["tensors"]
+    keys = list(tensors)
+    writer = _writer(w, applier, manager, installed, lid, keys, [tuple(t.shape) for t in tensors.values()],
+                     dict(req["meta"]))
+    if isinstance(writer, str):
+        return writer, []
+    adapter, slots = writer.compared(manager, installed, tensors)
+    # the adapter's tensors, per trainer key (a key's views are counted together)
+    by_key: dict[str, list[tuple[Tensor, Tensor]]] = {}
+    for g, (_, held, want) in zip(writer.gathers, adapter):
+        by_key.setdefault(g.view.source if g.view is not None else "(zero fill)", []).append((held, want))
+    pending = [("adapter", k, differing(p)) for k, p in by_key.items()]
+    pending += [("slot", label, differing([(held, want)])) for label, held, want in slots]
+    # vLLM's own set_lora, in turn on a few modules (all of them where the slots are not traced)
+    modules = list(writer.modules)
+    if slots:
+        cursor = w.__dict__.get("_hwsync_oracle_cursor", 0) % max(1, len(modules))
+        chosen = (modules[cursor:] + modules[:cursor])[:ORACLE_MODULES]
+        w.__dict__["_hwsync_oracle_cursor"] = cursor + len(chosen)
+    else:
+        chosen = modules
+    bad = _oracle(manager, installed, slot, chosen)
+    return {"slot": slot, "differ": {}, "bad_slots": bad, "oracle": len(chosen), "modules": len(modules),
+            "traced_slots": bool(slots)}, pending

@@ -90,6 +90,18 @@ class LocalEngine(Engine):
             results = self.rpc_all(fingerprints, request)
         return results[0] if len(results) == 1 else None
 
+    def compare(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """The colocated content check (:func:`hwsync.vllm.fingerprint.compare`): the trainer's own tensors against
+        what the worker's kernels read, element by element; ``None`` where the worker is not in this process or
+        the engine runs several (fingerprints serve there)."""
+        from hwsync.vllm.fingerprint import compare
+
+        if not self.in_process:
+            return None
+        with self.lock:
+            results = self.rpc_all(compare, request)
+        return results[0] if len(results) == 1 else None
+
     def reset_cache(self) -> None:
         """KV computed with old weights (or an adapter id whose weights changed) must not be reused.
 

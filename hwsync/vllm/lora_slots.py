@@ -606,6 +606,26 @@ class SlotWriter:
                 break
         return self.no_blocks
 
+    def compared(self, manager: Any, installed: Any, tensors: Mapping[str, Tensor]
+                 ) -> tuple[list[tuple[str, Tensor, Tensor]], list[tuple[str, Tensor, Tensor]]]:
+        """What the engine holds beside what it should hold if it holds ``tensors`` (the trainer's adapter as vLLM's
+        own loading folds it), as ``(label, held, expected)``: every tensor of the installed adapter (vLLM's zero
+        fill included), then every traced slot block (none while the slots are written by ``set_lora``). Views
+        only: nothing is copied but an index view's gather."""
+        read = self._reader(tensors)
+        adapter: list[tuple[str, Tensor, Tensor]] = []
+        for g in self.gathers:
+            held = held_tensor(installed.loras[g.module], g)
+            want = read(g.view, g.shape) if g.view is not None else held.new_zeros(()).expand(g.shape)
+            adapter.append((f"{g.module}.{g.field}" + (f"[{g.position}]" if g.position is not None else ""), held,
+                            want))
+        slots: list[tuple[str, Tensor, Tensor]] = []
+        if self.blocks and installed.id in manager.lora_index_to_id:
+            slot = manager.lora_index_to_id.index(installed.id)
+            slots = [(f"{b.module}.{b.attr}", self._slot_block(manager, b, slot), read(b.view, b.shape))
+                     for b in self.blocks]
+        return adapter, slots
+
     # -- per sync -------------------------------------------------------------------------------------------------
     def write(self, manager: Any, lora_model: Any, tensors: Mapping[str, Tensor]) -> None:
         """Rewrite the installed adapter's tensors, then its slot: the traced blocks, or vLLM's own ``set_lora``.
