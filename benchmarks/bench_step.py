@@ -166,7 +166,7 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
         t["guard"] = numbers.get("hwsync/verify_ms", 0.0) / 1e3
         t["sync"] = t_sync_guard - t["guard"]
         if alarm is not None:
-            alarms.append(f"step {step} sync check: {alarm.splitlines()[0][:300]}")
+            alarms.append(f"step {step} sync check: {alarm}")
         t0 = time.perf_counter()
         outs = _rollouts(llm, prompts, args.samples, args.tokens, seed=step)
         t["generate"] = time.perf_counter() - t0
@@ -181,15 +181,16 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
             guard.rollout_check(trainer_logp, elp.nan_to_num(0.0), comp & ~elp.isnan(), step=step,
                                 exact_sampling=True)
         except VerifyError as e:
-            alarms.append(f"step {step} rollout check: {str(e)[:300]}")
+            alarms.append(f"step {step} rollout check: {e}")
         t["guard"] += time.perf_counter() - t0
         guard.step_done(step)
         for p in PHASES:
             times[p].append(t[p])
         verify_ms.append(t["guard"] * 1e3)
         print(f"[{strategy}:{rank}] step {step}: " + ", ".join(f"{p} {t[p]:.3f}s" for p in PHASES)
-              + (f"  ALARM: {alarms[-1][:160]}" if alarm or (alarms and alarms[-1].startswith(f"step {step} "))
-                 else ""), flush=True)
+              + (f"\n  ALARM: {alarms[-1]}" if alarms and alarms[-1].startswith(f"step {step} ") else ""), flush=True)
+        if step == 0:
+            print("\n".join(f"  {line}" for line in lines), flush=True)
     steady = {p: statistics.median(v[1:] or v) for p, v in times.items()}
     step_s = sum(steady.values())
     spread = guard.spread
@@ -199,6 +200,12 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
                first_guard_s=times["guard"][0], peak_gb=_peak(), false_alarms=len(alarms), weak=guard.weak,
                spread_mean=spread.mean_abs if spread is not None else None, alarms=alarms[:5],
                log=[line for line in lines if "verify after" in line or "weak" in line][:6])
+    import hwsync
+
+    handle = hwsync.as_engine(llm)  # the next run's trainer replaces this one: nothing may keep it alive
+    handle.plans.clear()
+    for kept in ("_hwsync_references", "_hwsync_verified_base"):
+        handle.__dict__.pop(kept, None)
     del model, opt, guard
     gc.collect()
     if bs._on_gpu():

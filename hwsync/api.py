@@ -172,9 +172,20 @@ class SyncedPlan:
     lora_int_id: int | None
     info: EngineInfo
 
-    def reference_payload(self, model: nn.Module, fold: FoldFn | None = None) -> Payload:
+    def reference_payload(self, model: nn.Module, fold: FoldFn | None = None,
+                          cache: dict[Any, Any] | None = None) -> Payload:
         """Every tensor a from-scratch sync of this strategy would send now (merged view for merged names, W0 for
-        frozen ones, folded LoRA A/B), read lazily: what the engine should hold."""
+        frozen ones, folded LoRA A/B), read lazily: what the engine should hold. With ``cache`` (a dict kept by the
+        caller), the payload is planned once per model, strategy, engine description and fold, and read anew at
+        every call of its ``produce`` (planning a 48-layer MoE's LoRA costs ~1 s; reading it, milliseconds)."""
+        if cache is not None:
+            key = (model_uuid(model), _signature(model), self.strategy, self.info, fold)
+            kept = cache.get("reference")
+            if kept is not None and kept[0] == key:
+                payload: Payload = kept[1]
+                return payload
+            cache["reference"] = (key, payload := self.reference_payload(model, fold))
+            return payload
         fresh = dataclasses.replace(self.info, base_key=None, stale=False)  # as if nothing were on the engine
         lora = read_lora(model, fresh)
         choice = choose(self.strategy, lora, fresh)

@@ -93,8 +93,8 @@ class TrainerSync:
             self.log(f"hwsync: verify after sync v{report.version if report else '?'}: "
                      f"{'passed' if verdict.ok else 'FAILED'} "
                      f"({'; '.join(f'{c.name} ok' if c.ok else f'{c.name} FAILED' for c in verdict.checks)})"
-                     + (f"; mean |Δ logprob| {a.mean_abs_diff:.2e}, max {a.max_abs_diff:.2e} over {a.tokens} tokens"
-                        if with_logprobs else "") + f" ({verify_s:.3f}s)")
+                     + "".join(f"; logprobs: {c.detail}" for c in verdict.checks if c.name == "logprobs")
+                     + f" ({verify_s:.3f}s)")
         if report is None:  # a rank without the engine: rank 0 records; the same verdict stops this rank too
             if verdict is not None and not verdict.ok:
                 raise VerifyError(f"after the sync (step {step}; checked by rank 0's engine): {verdict.message()}")

@@ -529,7 +529,10 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan) -> dict[str, Any]
     """The colocated content check: the trainer's reference tensors (:func:`reference_tensors`) handed to the
     engine's worker in this process, compared there element by element (:func:`hwsync.vllm.fingerprint.compare`).
     ``None`` where that cannot run (the caller falls back to fingerprints)."""
-    payload = plan.reference_payload(model, fold=as_vllm_loads)
+    from hwsync.payload import model_uuid
+
+    caches = engine.__dict__.setdefault("_hwsync_references", {})
+    payload = plan.reference_payload(model, fold=as_vllm_loads, cache=caches.setdefault(model_uuid(model), {}))
     if payload.produce_sharded is not None:
         return None  # a sharded trainer's tensors exist only inside their gathers: fingerprinted as they pass
     state = engine.state()
