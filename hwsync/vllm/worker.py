@@ -235,7 +235,7 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
     t2 = time.perf_counter()
     kept = bool(getattr(link, "persistent", False))
     if not kept:
-        close_link(worker)  # gloo: no listener outlives the sync (hwsync.cpu.link.GlooLink)
+        close_link(worker)  # CPU: no listener outlives the sync (hwsync.cpu.framed.FramedLink)
     timings = {"worker join": (t1 - t0) * 1e3, "worker receive+apply": (t2 - t1) * 1e3,
                "worker close": (time.perf_counter() - t2) * 1e3}
     return {**result, "link_kept": kept, "worker_ms": timings}
