@@ -103,9 +103,10 @@ class Backend(abc.ABC):
         allocator holds unused); ``None`` where the backend cannot tell (host memory)."""
         return None
 
-    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device, secret: bytes = b"") -> Link:
         """This device kind's data plane (:class:`hwsync.transport.Link`): rank ``rank`` of the group ``spec``
-        describes, rendezvous through ``store`` (a ``torch.distributed.Store``) under ``spec.prefix``."""
+        describes, rendezvous through ``store`` (a ``torch.distributed.Store``) under ``spec.prefix``; ``secret``
+        (the sync's data key) authenticates the peers where the link can (the CPU's framed link)."""
         raise BackendUnavailableError(f"the {self.name} backend has no data plane for server mode")
 
     def capture(self, work: Callable[[], None], device: torch.device) -> Callable[[], None] | None:
@@ -376,10 +377,10 @@ def backend_for_device(device: DeviceLike) -> Backend:
     return backend
 
 
-def open_link(store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+def open_link(store: Any, spec: LinkSpec, rank: int, device: torch.device, secret: bytes = b"") -> Link:
     """The link (:class:`hwsync.transport.Link`) of ``device``'s backend (gloo / NCCL / HCCL) for rank ``rank`` of
     ``spec``."""
-    return backend_for_device(device).open_link(store, spec, rank, device)
+    return backend_for_device(device).open_link(store, spec, rank, device, secret)
 
 
 def _backend_for_device_type(dev: torch.device) -> Backend:

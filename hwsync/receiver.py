@@ -17,6 +17,8 @@ Consistency rules
 * Base weights stream into the engine as they arrive (memory stays bounded by a bucket, not the model). From the
   first base write until the sync completes the receiver is **stale**: generation through hwsync refuses with
   :class:`~hwsync.errors.StaleEngineError` until a complete sync lands.
+* A sync carrying NaN or infinite values never completes (:mod:`hwsync.finite`: one device reduction per bucket,
+  read once after the last): base weights leave the engine stale, an adapter is refused before it is installed.
 
 The contract with an :class:`Applier` is explicit: a load returns :class:`Loaded` (how it wrote, and the adapter
 identity it installed), or raises. An error wrapped in :class:`NothingWritten` says the engine is exactly as before
@@ -36,6 +38,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from hwsync.errors import HwsyncError, PlanChangedError, StaleEngineError, SyncError, VersionError
+from hwsync.finite import FiniteFlags
 from hwsync.progress import phase
 from hwsync.wire import Manifest, ReceiverState, Strategy
 
@@ -200,6 +203,7 @@ class Receiver:
             wrote = [False]
             was_stale, last_error = self.state.stale, self.state.last_error
             in_progress = f"sync v{manifest.version} in progress"
+            finite = FiniteFlags()
 
             def stream() -> Iterator[tuple[str, Tensor]]:
                 it = iter(buckets)
@@ -211,6 +215,7 @@ class Receiver:
                     if len(tensors) != len(bucket.entries):
                         raise SyncError(f"bucket {bucket.index} carries {len(tensors)} tensors, manifest says "
                                         f"{len(bucket.entries)}")
+                    finite.add(bucket.index, tensors, [specs[i].name for i in bucket.entries])
                     for i, t in zip(bucket.entries, tensors):
                         spec = specs[i]
                         if tuple(t.shape) != spec.shape:
@@ -241,6 +246,10 @@ class Receiver:
                 else:
                     for _ in stream():
                         raise SyncError("internal: base tensor in a LoRA-only sync")
+                bad = finite.non_finite()  # one host read per sync: before the adapter, before "complete"
+                if bad:
+                    raise SyncError(f"sync v{manifest.version} carries NaN or infinite values in {finite.describe(bad)}"
+                                    " (a diverged training step?): they are never served; sync finite weights")
                 stage = "adapter"
                 old = self.state.lora_int_id
                 if lora:

@@ -26,6 +26,14 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
+def _utf8(token: str) -> bool:
+    try:
+        token.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_token(token: Any) -> str:
     """``token`` if it is strong enough to guard an engine; otherwise one error saying how to make one (the token
     itself never appears in it)."""
@@ -35,6 +43,8 @@ def check_token(token: Any) -> str:
         weakness = f"{len(token)} characters" if token else "empty"
     elif len(set(token)) < _MIN_SYMBOLS:
         weakness = f"only {len(set(token))} distinct characters"
+    elif not _utf8(token):
+        weakness = "not valid Unicode text: it holds a lone surrogate character, which has no UTF-8 encoding"
     else:
         return token
     raise SyncError(f"the server-mode token is too weak ({weakness}): use a random secret of at least "

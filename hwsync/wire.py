@@ -206,6 +206,20 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> tuple[Bucket
     return tuple(buckets)
 
 
+def _packed_offsets(specs: Sequence[TensorSpec]) -> tuple[int, ...]:
+    """Offsets of ``specs`` packed in order, each new dtype run aligned to :data:`ALIGN` (:func:`plan_buckets`)."""
+    out: list[int] = []
+    off = 0
+    prev: torch.dtype | None = None
+    for spec in specs:
+        if spec.dtype != prev:
+            off = (off + ALIGN - 1) // ALIGN * ALIGN
+            prev = spec.dtype
+        out.append(off)
+        off += spec.nbytes
+    return tuple(out)
+
+
 def _check_buckets(specs: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> None:
     """Every spec in exactly one bucket, at an in-bounds, aligned, non-overlapping offset; indices in order."""
     seen: set[int] = set()
@@ -230,6 +244,11 @@ def _check_buckets(specs: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> No
         spans.sort()
         if any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
             raise _fail(f"bucket {b}: tensors overlap")
+        if bucket.offsets != _packed_offsets([specs[i] for i in bucket.entries]):
+            # plan_buckets' layout exactly: back to back, padded only to align a new dtype run (no gap to smuggle
+            # bytes in, nothing a receiver would have to skip)
+            raise _fail(f"bucket {b}: offsets {list(bucket.offsets)[:8]} leave a gap between tensors; expected "
+                        f"{list(_packed_offsets([specs[i] for i in bucket.entries]))[:8]}")
         if bucket.nbytes != max(end for _, end in spans):
             # the receiver allocates nbytes: a bucket is exactly as large as its tensors (plan_buckets' layout)
             raise _fail(f"bucket {b}: says {bucket.nbytes} bytes, its tensors end at byte "
@@ -343,6 +362,8 @@ class Manifest:
         if not isinstance(specs, list) or not isinstance(buckets, list):
             raise _fail("specs and buckets must be lists")
         spec_objs = tuple(TensorSpec.from_json(s) for s in specs)
+        if not spec_objs:
+            raise _fail("no tensors: a sync carries at least one")
         if len({s.name for s in spec_objs}) != len(spec_objs):
             raise _fail("a tensor name appears twice")
         bucket_objs = []

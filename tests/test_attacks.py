@@ -861,8 +861,10 @@ def _data_plane(tag: bytes, timeout_s: float) -> tuple[socket.socket, Any, Any]:
 
 
 def _forge(base: Baseline, kind: str) -> bool:
-    """Be rank 0 of the engine's data-plane group (as if the rendezvous had been won) without the data key, and send
-    buckets of the manifest's shapes. True when the engine refused before any loader saw them."""
+    """Be rank 0 of the engine's data-plane group and send buckets of the manifest's shapes that the data key did not
+    seal (the CPU link's rendezvous itself needs that key: ``test_the_data_plane_rendezvous_needs_the_token`` in
+    ``tests/test_attacks_reliability.py``; here the link is joined with it, the buckets are still forged). True when
+    the engine refused before any loader saw them."""
     from hwsync.api import SyncOptions, SyncPlan
     from hwsync.transport.buckets import TRAILER_BYTES, _HEAD
     from hwsync.transport.seal import Sealer
@@ -898,7 +900,7 @@ def _forge(base: Baseline, kind: str) -> bool:
     # when the engine shares the GPU): only the data key is missing
     cpu = engine.describe().device_type == "cpu"
     device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
-    link = open_link(store, spec, 0, device)
+    link = open_link(store, spec, 0, device, engine_key)
     size = max(b.nbytes for b in manifest.buckets)
     tensors = list(plan.payload.produce())
     replay = None
@@ -1138,18 +1140,19 @@ def test_data_plane_listens_only_during_a_sync(base: Baseline, monkeypatch: pyte
     at the limit (``gloo::EnforceNotMet ... accept: Too many open files``, the engine or the trainer). hwsync's gloo
     data plane therefore exists only during a sync: afterwards nothing of it listens, and a connect/close flood on
     what does listen (the sync server, the trainer's rendezvous store) costs no descriptor."""
-    from hwsync.cpu.link import GlooLink
+    from hwsync.cpu import framed
 
     base.restore()  # the rendezvous store exists: what listens now is what listens between syncs
     between = _listening_ports()
     during: set[int] = set()
-    opened = GlooLink.__init__
+    opened = framed.socket.create_server
 
-    def watched(self: Any, *args: Any, **kwargs: Any) -> None:
-        opened(self, *args, **kwargs)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        listener = opened(*args, **kwargs)
         during.update(_listening_ports() - between)  # this group's listener, seen while it exists
+        return listener
 
-    monkeypatch.setattr(GlooLink, "__init__", watched)
+    monkeypatch.setattr(framed.socket, "create_server", watched)
     for seed in (1, 2):
         m = lora_trainer(base.path)
         _perturb(m, 1200 + seed, base=True)

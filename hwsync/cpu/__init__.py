@@ -47,7 +47,7 @@ class CpuBackend(Backend):
     def synchronize(self, device: DeviceLike = None) -> None:
         return None
 
-    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
-        from hwsync.cpu.link import GlooLink
+    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device, secret: bytes = b"") -> Link:
+        from hwsync.cpu.framed import FramedLink
 
-        return GlooLink(store, spec, rank)
+        return FramedLink(store, spec, rank, secret)

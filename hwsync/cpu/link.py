@@ -1,4 +1,5 @@
-"""The CPU data plane: a standalone gloo process group (server mode on machines without accelerators)."""
+"""gloo groups for the data plane where a library group is wanted: the CUDA backend's fallback when a trainer and an
+engine share one GPU (the CPU backend uses :mod:`hwsync.cpu.framed`)."""
 from __future__ import annotations
 
 import datetime

@@ -33,7 +33,7 @@ class CudaBackend(AcceleratorBackend):
         suffix = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         return f"torch has CUDA support but no GPU is visible{suffix}: check the driver with nvidia-smi"
 
-    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device, secret: bytes = b"") -> Link:
         from hwsync.cuda.link import open_cuda_link
 
         return open_cuda_link(store, spec, rank, device)

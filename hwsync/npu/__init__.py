@@ -45,7 +45,7 @@ class NpuBackend(AcceleratorBackend):
                     "(source /usr/local/Ascend/ascend-toolkit/set_env.sh)")
         return f"torch_npu failed to import: {error}"
 
-    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device) -> Link:
+    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device, secret: bytes = b"") -> Link:
         """A standalone HCCL group (:class:`hwsync.npu.link.HcclLink`) on ``device``."""
         reason = self.unavailable_reason()
         if reason is not None:

@@ -109,14 +109,16 @@ class _Conn:
             self._drop()
             raise SyncError(f"{self.label}lost the engine at {self.address} ({e})") from None
 
-    def reply(self) -> Any:
-        """The answer to the last request, within ``timeout_s``; past it the connection is closed (a late answer
-        would be out of step) and the next request opens a new one."""
+    def reply(self, deadline: float | None = None) -> Any:
+        """The answer to the last request, within ``timeout_s`` (or by ``deadline``, ``time.monotonic()``: what is
+        left of the whole call's); past it the connection is closed (a late answer would be out of step) and the
+        next request opens a new one."""
         ch = self.channel
         if ch is None:
             raise SyncError(f"{self.label}lost the engine at {self.address}")
+        wait = self.timeout_s if deadline is None else max(deadline - time.monotonic(), 0.01)
         try:
-            rep = ch.recv(wait=self.timeout_s)
+            rep = ch.recv(wait=wait)
         except IdleTimeout:
             self._drop()
             raise SyncError(f"{self.label}the engine at {self.address} did not answer within {self.timeout_s:g} s "
@@ -269,6 +271,7 @@ class RemoteEngine(Engine):
                 self.describe()
             assert self._workers is not None
             t0 = time.perf_counter()
+            deadline = time.monotonic() + self.timeout_s  # one deadline for the whole call, every wait inside it
             store = self._rendezvous_store()
             held = self._link[0] if self._link is not None else secrets.token_bytes(32)
             fresh = secrets.token_bytes(32)
@@ -287,13 +290,13 @@ class RemoteEngine(Engine):
                     "timeout": self.timeout_s,
                     "confirm": several,  # several engines: each waits for the commit below before the data plane
                 }, reopen=False)
-            answers = self._answers()
+            answers = self._answers(deadline=deadline)
             t_go = time.perf_counter()
             refusal = next((v for ok, v in answers if not ok), None)
             if refusal is not None:
                 # nothing was written anywhere: the engines that said go are cancelled (and answer that)
                 self._verdict([c for c, (ok, _) in zip(self.conns, answers) if ok], "cancel",
-                              {"reason": str(refusal)[:500]})
+                              {"reason": str(refusal)[:500]}, deadline=deadline)
                 self._drop_link()
                 raise refusal
             reuse = all(go.get("reuse") for _, go in answers)  # every engine still holds this trainer's group
@@ -302,10 +305,12 @@ class RemoteEngine(Engine):
             if not reuse:
                 self._drop_link()
             group_id = held if reuse else fresh
-            spec = LinkSpec(self.data_host, store.port, group_prefix(group_id), world, self.timeout_s)
+            spec = LinkSpec(self.data_host, store.port, group_prefix(group_id), world,
+                            max(deadline - time.monotonic(), 0.01))
             try:
                 link = self._link[1] if self._link is not None else open_link(store, spec, 0,
-                                                                             self._device(self._device_type))
+                                                                             self._device(self._device_type),
+                                                                             data_key)
                 self._link = (group_id, link)
                 # the reason is in the store before the ABORT reaches any engine worker: every worker reports it
                 send_buckets(manifest, bucket_lists(manifest, produce, progress), link,
@@ -313,13 +318,13 @@ class RemoteEngine(Engine):
                              on_abort=lambda e: publish_abort(store, spec, e))
             except BaseException as e:
                 publish_abort(store, spec, e)  # a failure before the stream (e.g. joining the link) too
-                results = self._collect()
+                results = self._collect(deadline)
                 self._drop_link()
                 if isinstance(results, BaseException):
                     raise SyncError(str(results)) from e
                 raise
             t_sent = time.perf_counter()
-            results = self._collect()
+            results = self._collect(deadline)
             t_end = time.perf_counter()
             if isinstance(results, BaseException) or not getattr(link, "persistent", False):
                 self._drop_link()  # the engines closed their ends of the group (gloo's after every sync)
@@ -331,26 +336,27 @@ class RemoteEngine(Engine):
                                                                      (summary.get("engine_ms") or {}).items()}}
             return summary
 
-    def _verdict(self, conns: Sequence[_Conn], op: str, args: dict[str, Any], wait: bool = True) -> None:
+    def _verdict(self, conns: Sequence[_Conn], op: str, args: dict[str, Any], wait: bool = True,
+                 deadline: float | None = None) -> None:
         """Send ``commit`` / ``cancel`` to engines waiting after their go; ``wait``: read the (cancelled) sync's
         reply so each channel stays in step."""
         for conn in conns:
             conn.request(op, args, reopen=False)
         if wait:
-            self._answers(conns)
+            self._answers(conns, deadline)
 
-    def _answers(self, conns: Sequence[_Conn] | None = None) -> list[tuple[bool, Any]]:
-        """One reply from each engine, in order: ``(True, result)`` or ``(False, error)``."""
+    def _answers(self, conns: Sequence[_Conn] | None = None, deadline: float | None = None) -> list[tuple[bool, Any]]:
+        """One reply from each engine, in order, by ``deadline``: ``(True, result)`` or ``(False, error)``."""
         out: list[tuple[bool, Any]] = []
         for conn in self.conns if conns is None else conns:
             try:
-                out.append((True, conn.reply()))
+                out.append((True, conn.reply(deadline)))
             except BaseException as e:  # noqa: BLE001
                 out.append((False, e))
         return out
 
-    def _collect(self) -> list[Any] | BaseException:
-        answers = self._answers()
+    def _collect(self, deadline: float | None = None) -> list[Any] | BaseException:
+        answers = self._answers(deadline=deadline)
         return next((v for ok, v in answers if not ok), None) or [v for _, v in answers]
 
 

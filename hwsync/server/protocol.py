@@ -21,6 +21,7 @@ not encrypted: run it on the network your collectives use anyway.)
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -29,7 +30,9 @@ import os
 import secrets
 import socket
 import struct
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from hwsync.errors import EngineBusyError, SyncError
@@ -79,10 +82,10 @@ def stretch(token: str, salt: bytes) -> bytes:
     return hashlib.scrypt(token.encode(), salt=b"hwsync/token/" + salt, **_SCRYPT)
 
 
-def _mac(key: bytes, *parts: bytes | str | int) -> bytes:
+def _mac(key: bytes, *parts: bytes | bytearray | str | int) -> bytes:
     h = hmac.new(key, digestmod=hashlib.sha256)
     for p in parts:
-        b = p if isinstance(p, bytes) else str(p).encode()
+        b = p if isinstance(p, (bytes, bytearray)) else str(p).encode()
         h.update(_LEN.pack(len(b)))
         h.update(b)
     return h.digest()
@@ -105,6 +108,49 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
         chunks.append(chunk)
         n -= len(chunk)
     return b"".join(chunks)
+
+
+def _recv_body(sock: socket.socket, n: int, deadline: float) -> bytearray:
+    """``n`` bytes read into one buffer of exactly that size (no chunks joined: one copy in memory)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:], min(n - got, 1 << 20))
+        if not k:
+            raise ConnectionError("connection closed")
+        got += k
+    return buf
+
+
+class _FrameBudget:
+    """Bytes of control-frame bodies this process holds at once, over every connection: a frame is admitted (its
+    size reserved) before a byte of it is read, so a few huge frames cannot multiply the process's memory."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def reserve(self, n: int) -> Iterator[None]:
+        with self._lock:
+            if self.used + n > self.limit:
+                raise SyncError(f"refused a control frame of {n} bytes: {self.used} bytes of other frames are being "
+                                f"read and at most {self.limit} may be at once")
+            self.used += n
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.used -= n
+
+
+_FRAMES = _FrameBudget(MAX_FRAME)
 
 
 def _send_by(sock: socket.socket, data: bytes, deadline: float) -> None:
@@ -158,17 +204,19 @@ class Channel:
             (n,) = _LEN.unpack(first + _recv_exact(self.sock, _LEN.size - 1, deadline))
             if n > MAX_FRAME:
                 raise SyncError(f"refused a control frame of {n} bytes (> {MAX_FRAME})")
-            mac = _recv_exact(self.sock, _MAC_BYTES, deadline)
-            data = _recv_exact(self.sock, n, deadline)
+            with _FRAMES.reserve(n):
+                mac = _recv_exact(self.sock, _MAC_BYTES, deadline)
+                data = _recv_body(self.sock, n, deadline)
+                if not hmac.compare_digest(mac, _mac(self.key, self.other, self.received + 1, data)):
+                    raise SyncError("control frame fails authentication (forged, replayed or reordered)")
+                self.received += 1
+                try:
+                    body = json.loads(data)
+                except (ValueError, UnicodeDecodeError):
+                    raise SyncError("control frame is not JSON") from None
+                del data
         except TimeoutError:
             raise TimeoutError(f"a control frame stalled: not complete {FRAME_TIMEOUT_S:g} s after it began") from None
-        if not hmac.compare_digest(mac, _mac(self.key, self.other, self.received + 1, data)):
-            raise SyncError("control frame fails authentication (forged, replayed or reordered)")
-        self.received += 1
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            raise SyncError("control frame is not JSON") from None
         if not isinstance(body, dict):
             raise SyncError("control frame is not a JSON object")
         return body

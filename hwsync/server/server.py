@@ -33,8 +33,10 @@ __all__ = ["SyncServer", "serve"]
 logger = logging.getLogger("hwsync.server")
 
 def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` resolves to (IPv4 or IPv6) is loopback."""
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
     except (OSError, ValueError):
         return False
 
@@ -100,8 +102,8 @@ class SyncServer:
         self._sock = socket.create_server((host, port), family=family, backlog=16)
         self.host, self.port = host, self._sock.getsockname()[1]
         if not is_loopback(host):
-            logger.warning("hwsync sync server listens on %s:%d (not loopback): anyone who reaches it may connect; "
-                           "only holders of the token can sync", host, self.port)
+            logger.warning("hwsync sync server listens on %s (not loopback): anyone who reaches it may connect; "
+                           "only holders of the token can sync", self.address)
         self.max_clients = max_clients
         self._slots = threading.BoundedSemaphore(max_clients)  # authenticated trainers
         self._pending = threading.BoundedSemaphore(4 * max_clients)  # handshakes in progress (handshake_s each)
@@ -115,7 +117,7 @@ class SyncServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     # -- public, engine process -----------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:

@@ -5,7 +5,7 @@ flat byte buffers by broadcast. Each backend owns the link for its device (``Bac
 
 | backend | link | module |
 | --- | --- | --- |
-| cpu  | gloo process group          | ``hwsync.cpu.link`` |
+| cpu  | length-checked TCP frames, authenticated rendezvous | ``hwsync.cpu.framed`` |
 | cuda | NCCL process group          | ``hwsync.cuda.link`` |
 | npu  | HCCL process group          | ``hwsync.npu.link`` |
 

@@ -111,27 +111,29 @@ class LocalEngine(Engine):
         reset that still fails is a :class:`~hwsync.errors.SyncError`."""
         if self.llm.reset_prefix_cache():
             return
-        try:
-            done = self.llm.reset_prefix_cache(reset_running_requests=True)
-        except RuntimeError as e:  # vLLM: requests waiting for a remote KV transfer cannot be preempted
-            raise SyncError(f"vLLM could not reset its prefix cache ({e})") from e
-        if not done:
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise SyncError("vLLM could not reset its prefix cache even after preempting its running requests")
 
     def committed(self, manifest: Manifest, receive: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``receive()``, then the prefix-cache reset (:meth:`reset_cache`), before the sync counts as done.
 
         A receive that raises keeps its own error and needs no reset: the receiver left the engine as it was (the old
-        weights' KV still matches them) or stale (it refuses to generate). A reset vLLM declines after the weights
-        were written marks the engine stale, so no output mixes the new weights with cached KV of the old ones; the
-        next complete sync clears it."""
+        weights' KV still matches them) or stale (it refuses to generate). A reset that does not happen after the
+        weights were written -- vLLM declines it, or it raises anything (vLLM's ``RuntimeError``, a Ctrl-C landing
+        there) -- marks the engine stale, so no output mixes the new weights with cached KV of the old ones; a
+        declined reset is a :class:`~hwsync.errors.SyncError`, anything else is raised as it was. The next complete
+        sync clears it."""
         result = receive()
         t0 = time.perf_counter()
         try:
             self.reset_cache()
-        except SyncError as e:
-            reason = f"sync v{manifest.version} wrote the weights but {e}, so cached KV of the old weights could mix in"
+        except BaseException as e:
+            why = str(e) if isinstance(e, SyncError) else f"its prefix-cache reset raised {type(e).__name__}: {e}"
+            reason = (f"sync v{manifest.version} wrote the weights but {why}, so cached KV of the old weights could "
+                      "mix in")
             self.rpc_all(worker.mark_stale, reason)
+            if not isinstance(e, SyncError):
+                raise  # the original error (an interrupt stays an interrupt); the engine is stale
             raise SyncError(f"{reason}: the engine is marked stale and refuses to generate through hwsync until a "
                             "sync completes with the reset") from e
         if isinstance(result, dict):

@@ -58,6 +58,7 @@ def receiver_of(worker: Any) -> Receiver:
         rec = Receiver(VllmApplier(w))
         w.__dict__["_hwsync_receiver"] = rec
         explain_evicted_adapters(w)
+        refuse_hwsync_adapter_id(w)
     return rec
 
 
@@ -91,6 +92,37 @@ def explain_evicted_adapters(worker: Any) -> None:
     _load_adapter._hwsync_explains = True  # type: ignore[attr-defined]
     assert manager is not None  # it has the loader wrapped above
     manager._load_adapter = _load_adapter
+
+
+def refuse_hwsync_adapter_id(worker: Any) -> None:
+    """Refuse a user's ``LoRARequest`` under hwsync's default adapter id (``LORA_INT_ID``, 26739) with one error.
+
+    vLLM keys adapters by id alone: a request for id 26739 with the user's own path would silently be served hwsync's
+    in-memory adapter (or, once that is evicted, hwsync's next sync would overwrite the user's in place). Requests that
+    carry hwsync's in-memory path (the ``lora_request`` a sync reports) pass. An id chosen by the caller of
+    ``hwsync.sync`` (ms-swift's) is shared on purpose and not guarded."""
+    from hwsync.engine import IN_MEMORY_LORA
+    from hwsync.vllm.applier import LORA_INT_ID
+
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    add = getattr(manager, "add_adapter", None)
+    if add is None or getattr(add, "_hwsync_guards_id", False):
+        return
+
+    def add_adapter(lora_request: Any) -> Any:
+        if (getattr(lora_request, "lora_int_id", None) == LORA_INT_ID
+                and not str(getattr(lora_request, "lora_path", "") or "").startswith(IN_MEMORY_LORA)):
+            from hwsync.errors import SyncError
+
+            raise SyncError(
+                f"LoRARequest '{lora_request.lora_name}' uses lora_int_id {LORA_INT_ID}, the id of the adapter hwsync "
+                "syncs into this engine: vLLM would serve hwsync's weights for it. Give your LoRARequest another "
+                "lora_int_id (or generate with the lora_request hwsync.sync reported)")
+        return add(lora_request)
+
+    add_adapter._hwsync_guards_id = True  # type: ignore[attr-defined]
+    assert manager is not None
+    manager.add_adapter = add_adapter
 
 
 def _manifest(m: Manifest | str | bytes) -> Manifest:
@@ -139,7 +171,7 @@ def _device(worker: Any) -> torch.device:
     return torch.device(dev) if dev is not None else torch.device("cpu")
 
 
-def _link(worker: Any, spec: Mapping[str, Any], link_rank: int) -> Any:
+def _link(worker: Any, spec: Mapping[str, Any], link_rank: int, secret: bytes) -> Any:
     """The worker's end of a data-plane group (kept while its prefix is the same; one live group per worker)."""
     from hwsync.backend import open_link
     from hwsync.transport.base import LinkSpec
@@ -155,7 +187,7 @@ def _link(worker: Any, spec: Mapping[str, Any], link_rank: int) -> Any:
     import torch.distributed as dist
 
     store = dist.TCPStore(ls.host, ls.port, is_master=False, timeout=datetime.timedelta(seconds=ls.timeout_s))
-    link = open_link(store, ls, link_rank, _device(worker))
+    link = open_link(store, ls, link_rank, _device(worker), secret)
     w.__dict__["_hwsync_link"] = (ls.prefix, link, store)
     return link, store
 
@@ -176,7 +208,7 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
     t0 = time.perf_counter()
     m = _manifest(manifest)
     try:
-        link, store = _link(worker, spec, first_rank + rank(worker))
+        link, store = _link(worker, spec, first_rank + rank(worker), secret)
     except Exception as e:  # noqa: BLE001 - a peer that never joins (or joins wrong) is a refused sync, not a crash
         from hwsync.errors import SyncError
 
@@ -203,7 +235,7 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
     t2 = time.perf_counter()
     kept = bool(getattr(link, "persistent", False))
     if not kept:
-        close_link(worker)  # gloo: no listener outlives the sync (hwsync.cpu.link.GlooLink)
+        close_link(worker)  # CPU: no listener outlives the sync (hwsync.cpu.framed.FramedLink)
     timings = {"worker join": (t1 - t0) * 1e3, "worker receive+apply": (t2 - t1) * 1e3,
                "worker close": (time.perf_counter() - t2) * 1e3}
     return {**result, "link_kept": kept, "worker_ms": timings}

@@ -1,0 +1,136 @@
+"""Cost of the non-finite check (:mod:`hwsync.finite`) against the copy a sync makes of the same bytes.
+
+The receiver queues one ``torch._foreach_norm(ord=inf)`` per bucket and (device, dtype) on the tensors it is given
+and reads every flag once after the last bucket. This script builds a model-shaped set of tensors (``--layers``
+layers: attention projections, fused experts, norms; ``--gb`` in all, ``--dtype``), splits it into buckets of
+``--bucket-mb`` like a sync, and times on ``--device``:
+
+* copy: one ``torch._foreach_copy_`` per bucket into preallocated destinations (the steady colocated in-place write);
+* check: ``FiniteFlags.add`` per bucket, one ``non_finite()`` at the end;
+* copy+check: both, interleaved per bucket as the receiver runs them (the overhead the ≤ 2 % budget is about).
+
+It also checks that a NaN and an Inf in one tensor are found on that device. Prints one table.
+
+    PYTHONPATH=. python benchmarks/bench_isfinite.py                                  # small, CPU
+    PYTHONPATH=. python benchmarks/bench_isfinite.py --gb 60 --device cuda            # 48 layers on one H200
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from hwsync.finite import FiniteFlags
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def model_tensors(gb: float, layers: int, dtype: torch.dtype, device: str) -> list[torch.Tensor]:
+    """``layers`` layers of (q, k, v, o, gate_up experts, down experts, 2 norms), ``gb`` GB in all."""
+    per_layer = gb * 1e9 / layers / dtype.itemsize  # elements
+    shares = [1 / 24, 1 / 96, 1 / 96, 1 / 24, 0.55, 0.3375]  # ~attention 11 %, experts 89 %
+    out = []
+    for _ in range(layers):
+        for share in shares:
+            out.append(torch.randn(max(1, int(per_layer * share)), device=device).to(dtype))
+        out.extend(torch.ones(4096, device=device, dtype=dtype) for _ in range(2))
+    return out
+
+
+def buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, t in enumerate(tensors):
+        n = t.numel() * t.element_size()
+        if groups[-1] and used + n > bucket_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
+
+def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gb", type=float, default=0.25, help="bytes of weights in all, in GB (default 0.25)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--bucket-mb", type=float, default=512.0)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    src = model_tensors(args.gb, args.layers, DTYPES[args.dtype], args.device)
+    dst = [torch.empty_like(t) for t in src]
+    plan = buckets(src, int(args.bucket_mb * 1e6))
+    nbytes = sum(t.numel() * t.element_size() for t in src)
+
+    def copy() -> None:
+        for b in plan:
+            torch._foreach_copy_([dst[i] for i in b], [src[i] for i in b])
+
+    def check() -> list[int]:
+        flags = FiniteFlags()
+        for k, b in enumerate(plan):
+            flags.add(k, [src[i] for i in b], [str(i) for i in b])
+        return flags.non_finite()
+
+    def both() -> None:
+        flags = FiniteFlags()
+        for k, b in enumerate(plan):
+            flags.add(k, [src[i] for i in b], [str(i) for i in b])
+            torch._foreach_copy_([dst[i] for i in b], [src[i] for i in b])
+        assert not flags.non_finite()
+
+    assert check() == []
+    for bad in (float("nan"), float("inf")):  # found on this device
+        victim = src[len(src) // 2]
+        keep = victim.view(-1)[7].clone()
+        victim.view(-1)[7] = bad
+        found = check()
+        victim.view(-1)[7] = keep
+        assert found, f"{bad} was not found on {dev}"
+
+    copy()
+    both()  # warm-up
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+        base_mem = torch.cuda.memory_allocated(dev)
+    t_copy = timed(copy, args.repeat, sync)
+    t_check = timed(check, args.repeat, sync)
+    t_both = timed(both, args.repeat, sync)
+    peak = (torch.cuda.max_memory_allocated(dev) - base_mem) / 1e6 if cuda else float("nan")
+
+    print(f"device {dev} ({torch.cuda.get_device_name(dev) if cuda else 'cpu'}), torch {torch.__version__}, "
+          f"{args.layers} layers, {nbytes / 1e9:.2f} GB {args.dtype} in {len(src)} tensors, {len(plan)} buckets of "
+          f"<= {args.bucket_mb:g} MB, best of {args.repeat}")
+    print("| operation | seconds | GB/s | x copy |")
+    print("| --- | --- | --- | --- |")
+    for name, t in (("copy (foreach_copy_ per bucket)", t_copy), ("check (foreach_norm inf per bucket, 1 read)",
+                                                                   t_check), ("copy + check, interleaved", t_both)):
+        print(f"| {name} | {t:.4f} | {nbytes / t / 1e9:.1f} | {t / t_copy:.3f} |")
+    print(f"check overhead on the copy: {(t_both - t_copy) / t_copy * 100:+.1f} %; extra peak memory during the runs: "
+          f"{peak:.1f} MB" + (" (CPU: not measured)" if not cuda else ""))
+
+
+if __name__ == "__main__":
+    main()
