@@ -420,6 +420,8 @@ class EngineInfo:
     """vLLM LoRA module path -> why the engine cannot serve LoRA there (only for paths the sender asked about)."""
     lora_int_id: int | None = None
     lora_name: str | None = None
+    refill: str | None = None
+    """Why the engine needs its base again although this trainer sent it (vLLM discarded it: level-2 sleep)."""
     workers: int = 1
     """Engine workers that receive every sync (tensor / pipeline parallel ranks of one engine)."""
     quantization: str | None = None
@@ -453,6 +455,8 @@ class ReceiverState:
     lora_name: str | None = None
     lora_int_id: int | None = None
     last_error: str | None = None
+    refill: str | None = None
+    """Why the next sync must carry the base (vLLM discarded the weights hwsync wrote: level-2 sleep); ``None``."""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
