@@ -123,12 +123,13 @@ def _gpu_blocks(path: Path) -> str:
     return "700" if "linear_attention" in layer_types else "10000"
 
 
-def _engine(path: Path, dtype: torch.dtype, rank: int) -> Any:
+def _engine(path: Path, dtype: torch.dtype, rank: int, **extra: Any) -> Any:
+    """The benchmark's engine; ``extra``: more ``LLM`` arguments (``enable_sleep_mode``: benchmarks/bench_sleep.py)."""
     from vllm import LLM
 
     args: dict[str, Any] = dict(model=str(path), load_format="dummy", dtype=str(dtype).removeprefix("torch."),
                                 enforce_eager=True, enable_lora=True, max_lora_rank=rank, max_loras=1, seed=0,
-                                max_model_len=512, max_num_seqs=8)
+                                max_model_len=512, max_num_seqs=8, **extra)
     if _on_gpu():
         from hwsync.testing.engine import portable_kernel_args
 
