@@ -134,12 +134,13 @@ def environment() -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def _engine(path: Path, dtype: torch.dtype, rank: int, lora: bool = True) -> Any:
+def _engine(path: Path, dtype: torch.dtype, rank: int, lora: bool = True, **extra: Any) -> Any:
+    """The benchmark's engine; ``extra``: more ``LLM`` arguments (``enable_sleep_mode``: benchmarks/bench_sleep.py)."""
     from vllm import LLM
 
     args: dict[str, Any] = dict(model=str(path), load_format="dummy", dtype=str(dtype).removeprefix("torch."),
                                 enforce_eager=True, enable_lora=lora, seed=0,
-                                max_model_len=512, max_num_seqs=int(os.environ.get("BENCH_MAX_SEQS", "8")))
+                                max_model_len=512, max_num_seqs=int(os.environ.get("BENCH_MAX_SEQS", "8")), **extra)
     if lora:
         args.update(max_lora_rank=rank, max_loras=1)
     if _on_gpu():

@@ -350,6 +350,9 @@ def _prepare(engine: Engine, model: nn.Module, options: SyncOptions, version: in
 def _finish(engine: Engine, model: nn.Module, plan: SyncPlan, manifest: Manifest, result: Any, t0: float,
             extra: str = "") -> SyncReport:
     reused = manifest.expect_version is not None
+    if plan.info.refill and manifest.base_specs:  # the engine asked for its base again: say why it travelled
+        extra = (f"; full refill ({'base + adapter' if manifest.lora_specs else 'base'}): {plan.info.refill}"
+                 + extra)
     report = SyncReport(
         strategy=manifest.strategy.value,
         tensors=len(manifest.specs),

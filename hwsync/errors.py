@@ -20,6 +20,7 @@ __all__ = [
     "AdapterFormatError",
     "SyncError",
     "StaleEngineError",
+    "EngineAsleepError",
     "EngineBusyError",
     "VersionError",
     "VerifyError",
@@ -63,6 +64,10 @@ class SyncError(HwsyncError):
 
 class StaleEngineError(SyncError):
     """The engine holds a partially applied weight set and must not serve until a full sync lands."""
+
+
+class EngineAsleepError(SyncError):
+    """The engine's weights are not in device memory (vLLM sleep mode): wake it, then sync; nothing was written."""
 
 
 class EngineBusyError(SyncError):

@@ -132,7 +132,7 @@ class Receiver:
             self.refresh()
             info = dict(self.applier.describe(lora_paths, base))
             info.update(version=self.state.version, stale=self.state.stale, base_key=self.state.base_key,
-                        lora_int_id=self.state.lora_int_id, lora_name=self.state.lora_name)
+                        lora_int_id=self.state.lora_int_id, lora_name=self.state.lora_name, refill=self.state.refill)
             return info
 
     def mark_stale(self, reason: str) -> None:
@@ -141,6 +141,15 @@ class Receiver:
         with self.lock:
             self.state.stale = True
             self.state.last_error = reason
+
+    def forget(self, reason: str, *, plans: bool = False) -> None:
+        """The engine lost the weights hwsync wrote (vLLM discarded them: level-2 sleep): stale, and the next sync must
+        carry the base (adapter/hybrid too) until one lands. ``plans``: the validated plans hold tensors that moved."""
+        with self.lock:
+            self.state.stale, self.state.last_error = True, reason
+            self.state.base_key, self.state.refill = None, reason
+            if plans:
+                self._plans.clear()
 
     def check_servable(self) -> None:
         """Raise :class:`StaleEngineError` while a partially applied weight set is loaded."""
@@ -275,6 +284,7 @@ class Receiver:
             self.state.strategy = manifest.strategy.value
             if has_base:
                 self.state.base_key = manifest.base_key if manifest.strategy is not Strategy.FULL else "merged"
+                self.state.refill = None
             self.state.stale = False
             self.state.last_error = None
             return {"version": manifest.version, "seconds": time.perf_counter() - t0, "lora": len(lora),

@@ -441,6 +441,8 @@ class EngineInfo:
     """vLLM LoRA module path -> why the engine cannot serve LoRA there (only for paths the sender asked about)."""
     lora_int_id: int | None = None
     lora_name: str | None = None
+    refill: str | None = None
+    """Why the engine needs its base again although this trainer sent it (vLLM discarded it: level-2 sleep)."""
     workers: int = 1
     """Engine workers that receive every sync (tensor / pipeline parallel ranks of one engine)."""
     quantization: str | None = None
@@ -477,6 +479,8 @@ class ReceiverState:
     base_writes: int = 0
     """How many times the base was (or may have been) rewritten: each sync that carried base tensors, and each change
     seen behind hwsync's back. :mod:`hwsync.verify` re-reads the whole base only when this moved."""
+    refill: str | None = None
+    """Why the next sync must carry the base (vLLM discarded the weights hwsync wrote: level-2 sleep); ``None``."""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

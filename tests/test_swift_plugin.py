@@ -143,7 +143,6 @@ def _setup(**over):
 
 @pytest.mark.parametrize("over,strategy,match", [
     ({"_is_fsdp2": True, "vllm_mode": "server"}, "auto", "HWSYNC_SERVER and HWSYNC_TOKEN"),
-    ({"sleep_level": 2}, "auto", "sleep_level 2"),
     ({"rollout_enable_lora": False}, "hybrid", "--vllm_enable_lora true"),
     ({"rollout_enable_lora": False}, "adapter", "--vllm_enable_lora true"),
 ])
@@ -156,6 +155,8 @@ def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
         HwsyncGRPOTrainer._hwsync_check_setup(fake)
     ok = SimpleNamespace(**_setup(), hwsync_options=plugin.SwiftOptions(strategy=strategy))
     HwsyncGRPOTrainer._hwsync_check_setup(ok)
+    level2 = SimpleNamespace(**_setup(sleep_level=2), hwsync_options=plugin.SwiftOptions(strategy=strategy))
+    HwsyncGRPOTrainer._hwsync_check_setup(level2)  # --sleep_level 2: the next sync refills (test_sleep_refill.py)
 
 
 @pytest.mark.parametrize("over", [{"_is_fsdp2": True, "is_fsdp_enabled": True}, {"vllm_tensor_parallel_size": 2},

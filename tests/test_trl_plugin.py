@@ -75,7 +75,6 @@ def test_lora_rank_beyond_vllms_largest_is_refused():
 
 
 @pytest.mark.parametrize("over,env,match", [
-    ({"vllm_enable_sleep_mode": True}, {}, "sleep"),
     ({"vllm_mode": "server"}, {}, "HWSYNC_SERVER and HWSYNC_TOKEN.*trl vllm-serve"),
     ({"vllm_mode": "server"}, {"HWSYNC_SERVER": "127.0.0.1:29555"}, "HWSYNC_TOKEN"),
 ])
@@ -88,6 +87,7 @@ def test_setups_hwsync_cannot_sync_are_refused_before_any_engine(over, env, matc
     with pytest.raises(HwsyncError, match=match):
         _check_config(config, SyncOptions.from_env(env))
     _check_config(SimpleNamespace(vllm_enable_sleep_mode=False, vllm_mode="colocate"), SyncOptions())
+    _check_config(SimpleNamespace(vllm_enable_sleep_mode=True, vllm_mode="colocate"), SyncOptions())  # level 2: refilled
 
 
 def test_patch_applies_to_trl_1_16_and_only_inside_the_block():

@@ -55,15 +55,10 @@ class HwsyncGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ setup
     def _hwsync_check_setup(self) -> None:
         """Refuse, before the first rollout, the setups whose weights hwsync would read or write wrongly."""
-        args = self.args
         if self.is_fsdp_enabled and not self._is_fsdp2:
             raise UnsupportedSetupError(
                 "FSDP1 (flat parameters) is not read by hwsync: use FSDP2 (fsdp_version 2: hwsync gathers its "
                 "DTensor parameters bucket by bucket), DeepSpeed ZeRO-3, or DDP / ZeRO-1/2")
-        if args.sleep_level == 2:
-            raise UnsupportedSetupError(
-                "--sleep_level 2 makes vLLM discard its weights behind hwsync's back (hwsync sends base weights once "
-                "and then only what changes): use --sleep_level 1 or 0")
         if self.hwsync_options.strategy in ("adapter", "hybrid") and not self.rollout_enable_lora:
             raise OptionError(
                 f"{ENV['strategy']}={self.hwsync_options.strategy} needs an engine that serves LoRA: add "

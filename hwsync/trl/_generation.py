@@ -5,7 +5,8 @@ optimizer step changed, and ``generate(...)``. :class:`HwsyncGeneration` wraps T
 ``VLLMGeneration`` (everything else -- sampling parameters, prompt gathering across ranks, tensor-parallel slices,
 logprob extraction -- stays TRL's code) and changes exactly those two:
 
-* ``sync_weights`` is :meth:`hwsync.trl.GRPOTrainer.hwsync_sync` (:func:`hwsync.sync`, then the checks);
+* ``sync_weights`` is :meth:`hwsync.trl.GRPOTrainer.hwsync_sync` (:func:`hwsync.sync`, then the checks), after
+  waking the weights where TRL runs vLLM in sleep mode (``vllm_enable_sleep_mode=True``: level 2);
 * generation uses the adapter hwsync installed: colocate, TRL's ``llm`` is seen through :class:`ServedLLM`
   (``LLM.generate`` through :func:`hwsync.generate`: the synced ``LoRARequest``, waits for a sync in progress,
   refuses on a stale engine); server mode, TRL's client asks vLLM's server for the adapter by name.
@@ -19,15 +20,29 @@ __all__ = ["HwsyncGeneration", "ServedLLM"]
 
 
 class ServedLLM:
-    """A colocated ``vllm.LLM`` whose ``generate`` goes through :func:`hwsync.generate`; all else is the LLM's."""
+    """A colocated ``vllm.LLM`` whose ``generate`` goes through :func:`hwsync.generate`; all else is the LLM's, but
+    TRL's ``collective_rpc("reload_weights")`` after a wake (its sleep-mode workaround for vllm#29341, which would
+    reload the checkpoint from disk over the trainer's weights and drop the adapter) is hwsync's refill instead:
+    ``refill()`` where vLLM discarded the weights since the last sync, nothing otherwise."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, refill: Callable[[], Any] | None = None) -> None:
         self.llm = llm
+        self.refill = refill
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
         from hwsync.api import generate
 
         return generate(self.llm, prompts, sampling_params, **kwargs)
+
+    def collective_rpc(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        if method != "reload_weights" or args or kwargs:
+            return self.llm.collective_rpc(method, *args, **kwargs)
+        from hwsync.api import as_engine
+
+        state = as_engine(self.llm).state()
+        if state.get("refill") and self.refill is not None:
+            self.refill()
+        return [None]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.llm, name)
@@ -41,7 +56,7 @@ class HwsyncGeneration:
         self.__dict__["_sync"] = sync
         llm = getattr(trl_generation, "llm", None)
         if llm is not None and not isinstance(llm, ServedLLM):
-            trl_generation.llm = ServedLLM(llm)
+            trl_generation.llm = ServedLLM(llm, sync)
 
     @property
     def engine(self) -> Any:
@@ -50,7 +65,16 @@ class HwsyncGeneration:
         return llm.llm if isinstance(llm, ServedLLM) else llm
 
     def sync_weights(self) -> None:
-        """Make the rollout engine serve the trainer's current policy (hwsync; TRL calls this before generating)."""
+        """Make the rollout engine serve the trainer's current policy (hwsync; TRL calls this before generating).
+        With sleep mode the weights are woken first, as TRL's own ``sync_weights`` does (after a level-2 sleep the
+        sync refills them)."""
+        inner = self.inner
+        if getattr(inner, "mode", None) == "colocate" and getattr(inner, "enable_sleep_mode", False):
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.engine.wake_up(tags=["weights"])
         self._sync()
 
     def serve_adapter(self, name: str | None) -> None:

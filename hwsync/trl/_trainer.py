@@ -168,10 +168,6 @@ class GRPOTrainer(trl.GRPOTrainer):
 # ---------------------------------------------------------------------------------------------------- setup
 def _check_config(config: Any, options: SyncOptions) -> None:
     """Refuse, before any engine is built, the setups whose weights hwsync would read or write wrongly."""
-    if config.vllm_enable_sleep_mode:
-        raise UnsupportedSetupError(
-            "vllm_enable_sleep_mode=True makes TRL put vLLM to sleep at level 2, which discards its weights behind "
-            "hwsync's back (hwsync sends the base weights once and then only what changes): leave it off")
     if config.vllm_mode == "server":
         options.server_credentials(*TRL_SERVER)  # HWSYNC_SERVER and HWSYNC_TOKEN, or a clear error
     elif config.vllm_mode != "colocate":

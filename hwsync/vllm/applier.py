@@ -40,6 +40,7 @@ from hwsync.wire import Manifest, TensorSpec, dtype_name
 if TYPE_CHECKING:
     from hwsync.names import NameMap
     from hwsync.vllm.direct import DirectWriter
+    from hwsync.vllm.sleep import Discarded
 
 __all__ = ["VllmApplier", "LORA_NAME", "LORA_INT_ID", "vllm_reload", "vllm_spellings", "expert_packing_problem"]
 
@@ -232,6 +233,7 @@ class VllmApplier:
         self._layers_unrestored = False
         self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
         self._packing: tuple[Any, str | None] | None = None  # (experts packing list, its expert_packing_problem)
+        self._refill: Discarded | None = None  # what vLLM's last level-2 sleep discarded, until a sync refilled it
 
     # -- facts ----------------------------------------------------------------------------------------------------
     @property
@@ -567,6 +569,9 @@ class VllmApplier:
         # reload puts the layers' kernel tensors back (an in-place write would land in a placeholder)
         enabled = _direct_enabled() and not self._layers_unrestored
         direct = plan.direct if enabled else None
+        refill = self._refill
+        if refill is not None:
+            direct = self._refill_direct(plan, refill, direct)
         if plan.raw is not None:  # vLLM's reload cannot write these at all (HWSYNC_DIRECT=0 included)
             weights = plan.raw.split(weights)
         if direct is not None:
@@ -588,6 +593,11 @@ class VllmApplier:
         plan.syncs += 1
         in_place = len(written)
         path = f"base: {in_place} in place, {len(plan.groups) - in_place} through vLLM's reload"
+        if refill is not None:
+            self._refilled(refill)
+            path += f"; refilled after {refill.reason.removeprefix('vLLM' + chr(39) + 's ')} (" + (
+                f"{len(refill.moved)} tensors at new addresses: in-place plans dropped, first-sync path"
+                if refill.moved else "every address kept") + ")"
         if plan.raw is not None:
             path += f" ({len(plan.raw.names)} in place because vLLM's loader copies them where its reload cannot see)"
         if calibration is not None:
@@ -607,6 +617,57 @@ class VllmApplier:
                                                               else "") if reasons else ""))
             logger.info("hwsync: %s", path)
         return Loaded(path)
+
+    # -- after vLLM's level-2 sleep (hwsync.vllm.sleep) -------------------------------------------------------------
+    def woke(self, discarded: Discarded) -> None:
+        """The weights woke from a level-2 sleep: every LoRA slot holds garbage, so no adapter stays active (vLLM's
+        activation rewrites a slot completely at the next use; hwsync's own at the refill), vLLM's punica mapping and
+        TP logits mapping are rebuilt by vLLM's own code, and where any address moved nothing learnt about the old
+        storage is used again. The base itself is refilled by the next sync (:meth:`load_base`)."""
+        self._refill = discarded
+        manager = lora_manager_of(self.worker)
+        if manager is not None:
+            for lid in [i for i in manager.lora_index_to_id if i is not None]:
+                manager.deactivate_adapter(lid)
+            for attr in ("_last_mapping", "_last_slot_layout"):  # the punica metadata is rewritten at the next step
+                if hasattr(manager, attr):
+                    setattr(manager, attr, None)
+        for module in model_of(self.worker).modules():
+            reset = getattr(module, "reset_sharded_to_full_mapping", None)
+            if reset is not None:
+                reset()
+        if discarded.moved:
+            self._namespace = None
+            self._slot_writers.clear()
+
+    def _refill_direct(self, plan: LoadPlan, refill: Discarded, direct: DirectWriter | None) -> DirectWriter | None:
+        """Before a refill writes anything: refuse one that leaves a discarded parameter unwritten, and keep in place
+        only the layers whose every discarded tensor the sync rewrites (a layer holding tensors its post-load
+        processing derived goes through vLLM's reload, which rebuilds them)."""
+        from hwsync.vllm.direct import DirectWriter
+
+        missing = sorted(set(plan.names.unwritten() if plan.names is not None else ()) & refill.params)
+        if missing:
+            raise SyncError(
+                f"{refill.reason}, and this sync does not rewrite {len(missing)} of those parameters, e.g. "
+                f"{missing[0]}: the engine would serve them undefined. Sync every weight of the model after a wake "
+                "(strategy full, or adapter/hybrid with the base), or have vLLM keep these over the sleep "
+                "(sleep_preserve_parameter_names); nothing was written")
+        if direct is None or not refill.derived:
+            return direct
+        derived = refill.derived
+        keep = frozenset(n for n in direct.names if not any(d == (g := plan.groups.get(n, "")) or
+                                                          d.startswith(g + ".") for d in derived))
+        if keep == direct.names:
+            return direct
+        return DirectWriter(plan.names, keep, self._live(plan)) if keep else None
+
+    def _refilled(self, refill: Discarded) -> None:
+        if self._refill is refill:
+            self._refill = None
+        watch = self.worker.__dict__.get("_hwsync_sleep")
+        if watch is not None and watch.discarded is refill:
+            watch.refilled()
 
     def _live(self, plan: LoadPlan) -> dict[str, Tensor]:
         assert plan.names is not None  # a plan with base weights always resolved their names
@@ -662,6 +723,13 @@ class VllmApplier:
         manager = lora_manager_of(self.worker)
         signature = _lora_signature(tensors, config)
         writer = self._slot_writers.get(signature)
+        if (writer is not None and replaces == lid and lid not in manager.lora_index_to_id and _direct_enabled()
+                and getattr(manager.get_adapter(lid), "_hwsync_signature", None) == signature):
+            # registered but not in a slot (a level-2 wake deactivated it): vLLM's activation rewrites the whole slot
+            # from the adapter it holds, then the steady write below brings it to this sync's values
+            manager.activate_adapter(lid)
+            with contextlib.suppress(NotImplementedError, AttributeError):
+                manager.pin_adapter(lid)
         if writer is not None and replaces == lid and lid in manager.lora_index_to_id and _direct_enabled():
             installed = manager.get_adapter(lid)
             if installed is not None and getattr(installed, "_hwsync_signature", None) == signature:

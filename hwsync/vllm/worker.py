@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from hwsync.receiver import Receiver
+from hwsync.vllm.sleep import AWAKE_NOT_NEEDED, check_awake
 from hwsync.wire import Manifest
 
 __all__ = ["answered", "check_servable", "describe", "mark_stale", "prepare", "rank", "receive", "receive_remote",
@@ -36,6 +37,9 @@ def answered(worker: Any, local: bool, fn: Any, *args: Any) -> tuple[str, Any]:
     error answered the next ``state()``). ``local``: this is the caller's process (the exception object itself goes
     back); otherwise it travels as :func:`hwsync.errors.encode_error` data, which keeps hwsync's error types."""
     try:
+        name = getattr(fn, "__name__", "")
+        if name not in AWAKE_NOT_NEEDED:
+            check_awake(unwrap_worker(worker), f"hwsync {name}")
         return "ok", fn(worker, *args)
     except Exception as e:  # noqa: BLE001 - re-raised by the caller (hwsync.vllm.local.LocalEngine.rpc_all)
         if local:
@@ -55,11 +59,25 @@ def receiver_of(worker: Any) -> Receiver:
     w = unwrap_worker(worker)
     rec = w.__dict__.get("_hwsync_receiver")
     if rec is None:
-        rec = Receiver(VllmApplier(w))
+        applier = VllmApplier(w)
+        rec = Receiver(applier)
         w.__dict__["_hwsync_receiver"] = rec
         explain_evicted_adapters(w)
         refuse_hwsync_adapter_id(w)
+        watch_sleep(w, rec, applier)
     return rec
+
+
+def watch_sleep(worker: Any, rec: Receiver, applier: Any) -> None:
+    """vLLM's sleep and wake of this worker, as the receiver and applier must know them (:mod:`hwsync.vllm.sleep`):
+    watched from before hwsync's first write, so no level-2 sleep after it goes unseen."""
+    from hwsync.vllm.sleep import watch
+
+    def woke(d: Any) -> None:
+        rec.forget(d.reason, plans=bool(d.moved))
+        applier.woke(d)
+
+    watch(worker, lambda d: rec.forget(d.reason), woke)
 
 
 def explain_evicted_adapters(worker: Any) -> None:

@@ -1,0 +1,207 @@
+"""Sleep-mode benchmark (CUDA only): level-2 wake + hwsync refill against vLLM's level-1 wake and vLLM's reload.
+
+One engine (``enable_sleep_mode=True``) and one trainer per strategy (``full``, ``adapter``), at Qwen3-30B-A3B shapes
+by default (the model and engine of ``benchmarks/bench_sync.py``, imported from it), measured side by side in one run:
+
+* **no sleep**: a training step (forward + backward of the trainer on one batch) and a steady sync;
+* **level 1**: sleep(1), the training step, vLLM's wake (host -> device copy of the weights), the steady sync;
+* **level 2**: sleep(2), the training step, wake (fresh memory), hwsync's refill (base + adapter: the first sync after
+  the wake), exactness of the refill: every base parameter and every LoRA slot of the engine checksummed against
+  the same engine before the sleep, with the same trainer weights (bench_sync checks that state against vLLM's own
+  loading), and the logprobs of the check prompts equal;
+* **vLLM's reload path**: ``reload_weights`` of the same base weights (what a framework without hwsync runs after a
+  level-2 wake).
+
+Per phase: seconds of each part, the step time (sleep + train + wake + sync) and the device memory in use during
+the training step (``total - free`` after it: what the trainer has). The table gives ratios against the baselines
+of the same run (level-1 wake, vLLM's reload, no sleep). ``--json OUT`` writes every row.
+
+    python benchmarks/bench_sleep.py --shapes qwen3-30b-a3b --layers 48 --rank 32 --json OUT
+
+vLLM's CPU build has no sleep mode: on a machine without CUDA the script refuses (exit 2) after parsing its
+arguments; the refill logic itself is tested on CPU by tests/test_sleep_refill.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sync import (  # noqa: E402 - the benchmark's model and engine live there
+    SHAPES,
+    _base_sums,
+    _checkpoint,
+    _delta,
+    _engine,
+    _logprobs,
+    _on_gpu,
+    _print,
+    _slot_sums,
+    _step,
+    _sync_device,
+    _trainer,
+)
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    _sync_device()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync_device()
+    return time.perf_counter() - t0, out
+
+
+def _train_step(model: Any, batch: int, seq: int) -> float:
+    """One forward + backward on random tokens (the trainer's activations and gradients), then the gradients freed;
+    returns the device memory in use right after the backward (GB): what the training phase needs beside vLLM."""
+    ids = torch.randint(0, int(model.config.vocab_size), (batch, seq), device="cuda")
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    return (total - free) / 1e9
+
+
+def _state(llm: Any, runner: Any, lid: int | None) -> dict[str, Any]:
+    return {"base": _base_sums(runner), "slots": _slot_sums(llm, lid) if lid is not None else {}}
+
+
+def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, Any]]:
+    import gc
+
+    import hwsync
+    from hwsync.api import as_engine
+    from hwsync.merged import merged_named_weights
+    from hwsync.vllm.applier import vllm_reload
+
+    llm = _engine(path, dtype, args.rank, enable_sleep_mode=True)
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    model = _trainer(path, strategy, args.rank, dtype)
+    hwsync.sync(llm, model, strategy=strategy)
+    for s in range(args.warmup):
+        _step(model, 100 + s)
+        hwsync.sync(llm, model, strategy=strategy)
+    rows: list[dict[str, Any]] = []
+
+    def lid() -> int | None:
+        req = as_engine(llm).lora_request
+        return None if req is None else req.lora_int_id
+
+    # no sleep
+    steady, train, mem = [], [], []
+    for s in range(args.repeats):
+        t, used = _timed(lambda: _train_step(model, args.batch, args.seq))
+        train.append(t)
+        mem.append(used)
+        _step(model, 200 + s)
+        steady.append(_timed(lambda: hwsync.sync(llm, model, strategy=strategy))[0])
+    rows.append(dict(strategy=strategy, sleep="none", sleep_s=0.0, train_s=statistics.median(train), wake_s=0.0,
+                     sync_s=statistics.median(steady), step_s=statistics.median(train) + statistics.median(steady),
+                     train_mem_gb=max(mem), path="steady", exact=""))
+    # level 1 and level 2
+    for level in (1, 2):
+        parts: dict[str, list[float]] = {"sleep": [], "train": [], "wake": [], "sync": []}
+        mem, exact, how = [], [], ""
+        for s in range(args.repeats):
+            before = _state(llm, runner, lid()) if level == 2 else None
+            out_before = _logprobs(llm, as_engine(llm).lora_request) if level == 2 else None
+            parts["sleep"].append(_timed(lambda: llm.sleep(level=level))[0])
+            t, used = _timed(lambda: _train_step(model, args.batch, args.seq))
+            parts["train"].append(t)
+            mem.append(used)
+            parts["wake"].append(_timed(lambda: llm.wake_up())[0])
+            if level == 1:
+                _step(model, 300 + s)
+            t, report = _timed(lambda: hwsync.sync(llm, model, strategy=strategy))
+            parts["sync"].append(t)
+            how = report.path
+            if level == 2:  # the same trainer weights as before the sleep: everything must be back, bit for bit
+                after = _state(llm, runner, lid())
+                out_after = _logprobs(llm, as_engine(llm).lora_request)
+                exact.append(after == before and _delta(out_before, out_after) == 0.0)
+                assert "full refill" in report.reason, report.reason
+                _step(model, 400 + s)
+                hwsync.sync(llm, model, strategy=strategy)  # the step's own sync (steady again)
+        med = {k: statistics.median(v) for k, v in parts.items()}
+        rows.append(dict(strategy=strategy, sleep=f"level {level}", sleep_s=med["sleep"], train_s=med["train"],
+                         wake_s=med["wake"], sync_s=med["sync"], step_s=sum(med.values()), train_mem_gb=max(mem),
+                         path=how, exact=all(exact) if exact else ""))
+    # vLLM's reload path of the same base weights (what runs after a level-2 wake without hwsync)
+    weights = list(merged_named_weights(model))
+    reload_s = statistics.median(_timed(lambda: vllm_reload(runner, weights))[0] for _ in range(args.repeats))
+    rows.append(dict(strategy=strategy, sleep="vLLM reload_weights", sleep_s=0.0, train_s=0.0, wake_s=0.0,
+                     sync_s=reload_s, step_s=reload_s, train_mem_gb=0.0, path="vLLM reload_weights", exact=""))
+    del weights, model, llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Level-2 wake + refill against the baselines of the same run, per strategy."""
+    out = []
+    for strategy in dict.fromkeys(r["strategy"] for r in rows):
+        by = {r["sleep"]: r for r in rows if r["strategy"] == strategy}
+        l1, l2, none, reload = by["level 1"], by["level 2"], by["none"], by["vLLM reload_weights"]
+        refill = l2["wake_s"] + l2["sync_s"]
+        out.append(dict(strategy=strategy, wake2_refill_ms=refill * 1e3, wake1_ms=l1["wake_s"] * 1e3,
+                        refill_vs_wake1=refill / max(l1["wake_s"], 1e-9),
+                        refill_vs_vllm_reload=l2["sync_s"] / max(reload["sync_s"], 1e-9),
+                        step_l1_vs_none=l1["step_s"] / none["step_s"], step_l2_vs_none=l2["step_s"] / none["step_s"],
+                        train_mem_gb_none=none["train_mem_gb"], train_mem_gb_l1=l1["train_mem_gb"],
+                        train_mem_gb_l2=l2["train_mem_gb"], exact=l2["exact"]))
+    return out
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--strategies", default="full,adapter")
+    ap.add_argument("--repeats", type=int, default=3, help="sleep/wake cycles per level (medians reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="syncs before measuring (first and second sync)")
+    ap.add_argument("--batch", type=int, default=4, help="training step: sequences")
+    ap.add_argument("--seq", type=int, default=512, help="training step: tokens per sequence")
+    ap.add_argument("--json", help="write the rows and ratios here")
+    args = ap.parse_args(argv)
+    bad = [s for s in args.strategies.split(",") if s not in ("full", "adapter", "hybrid")]
+    if bad:
+        ap.error(f"--strategies: unknown {bad} (full, adapter, hybrid)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if not _on_gpu():
+        print("bench_sleep: needs CUDA: vLLM's CPU build has no sleep mode (CPUWorker.sleep only logs). The refill "
+              "logic is tested on CPU by tests/test_sleep_refill.py (a stand-in sleep on a real engine).",
+              file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _checkpoint(Path(tmp), args.shapes, args.layers)
+        for strategy in args.strategies.split(","):
+            rows += phase(path, strategy, args, dtype)
+    table = ratios(rows)
+    _print(f"sleep modes, {args.shapes} x {args.layers} layers, LoRA r{args.rank}", rows)
+    _print("level-2 wake + refill against the baselines of this run", table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": table}, indent=1))
+    return 0 if all(r["exact"] is True for r in table) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""``benchmarks/bench_sleep.py`` outside CUDA: its arguments parse (the lead's H200 command line included), and on a
+machine without CUDA it refuses with the reason (vLLM's CPU build has no sleep mode) instead of measuring nothing."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def test_h200_command_line_parses() -> None:
+    from bench_sleep import parse
+
+    args = parse(["--shapes", "qwen3-30b-a3b", "--layers", "48", "--rank", "32", "--json", "OUT"])
+    assert (args.shapes, args.layers, args.rank, args.json, args.strategies) == ("qwen3-30b-a3b", 48, 32, "OUT",
+                                                                                  "full,adapter")
+    with pytest.raises(SystemExit):
+        parse(["--strategies", "full,merged"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU path")
+def test_refuses_without_cuda(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sleep.py"), "--layers", "1", "--json",
+                          str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "no sleep mode" in run.stderr and not out.exists()

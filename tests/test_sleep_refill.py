@@ -1,0 +1,182 @@
+"""vLLM's level-2 sleep: the next sync refills what was discarded, exactly, in place or through the first-sync path.
+
+vLLM's CPU build has no sleep mode, so :func:`hwsync.testing.sleep.stand_in_sleep` makes ``llm.sleep(level=2)`` /
+``llm.wake_up()`` (vLLM's own dispatch down to the worker) overwrite the engine's weights, LoRA slots and derived
+tensors with NaN and restore what vLLM restores (buffers, ``sleep_preserve_parameter_names``); ``remap=True`` also
+gives every parameter new storage on wake, where an in-place write through an old address would be wrong.
+Reference: the same engine's output and LoRA slots before the sleep (same weights), and vLLM's own activation.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hwsync
+from hwsync.errors import EngineAsleepError, StaleEngineError, SyncError
+from hwsync.testing import close_llm, make_llm, require_vllm
+from hwsync.testing.sleep import stand_in_sleep, worker_of
+from hwsync.testing.trainer import fail_at, lora_trainer, perturb
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _engine(path: Path, remap: bool) -> tuple[Any, Any]:
+    require_vllm()
+    from hwsync import vllm_plugin
+
+    vllm_plugin.register()
+    llm = make_llm(path, enable_lora=True, max_lora_rank=8, max_loras=2, lora_target_modules=["qkv_proj", "o_proj"])
+    return llm, stand_in_sleep(llm, remap=remap)  # before hwsync touches it: it stands where vLLM's methods are
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_qwen3_moe_dir: Path) -> Iterator[tuple[Any, Any]]:
+    llm, stand_in = _engine(tiny_qwen3_moe_dir, remap=False)
+    yield llm, stand_in
+    close_llm(llm)
+
+
+def _logprobs(llm: Any) -> list[list[float]]:
+    from vllm import SamplingParams
+
+    from hwsync.verify import engine_logprobs
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
+    return [engine_logprobs(o)[1] for o in hwsync.generate(llm, [{"prompt_token_ids": p} for p in PROMPTS], params)]
+
+
+def _slots(llm: Any) -> dict[str, torch.Tensor]:
+    """Every LoRA slot tensor of hwsync's adapter's slot (cloned)."""
+    from hwsync.api import as_engine
+
+    wm = worker_of(llm).model_runner.lora_manager._adapter_manager
+    slot = wm.lora_index_to_id.index(as_engine(llm).lora_request.lora_int_id)
+    return {f"{name}.{attr}[{i}]": t[slot].clone() for name, module in wm.modules.items()
+            for attr in ("lora_a_stacked", "lora_b_stacked") for i, t in enumerate(getattr(module, attr))}
+
+
+def _params(llm: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in worker_of(llm).model_runner.get_model().named_parameters()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    assert a.keys() == b.keys() and a
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_adapter_refill_after_level2_wake_is_exact(engine: tuple[Any, Any], tiny_qwen3_moe_dir: Path) -> None:
+    """Adapter strategy: a level-2 wake makes the next sync a full refill (base + adapter, the report says why); the
+    engine then serves exactly what it served before the sleep, parameters and slots bit-equal; a sync while asleep
+    and generation before the refill are refused; later syncs are steady (adapter only) again."""
+    llm, stand_in = engine
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, lora_dropout=0.0)
+    perturb(model, 1)
+    hwsync.sync(llm, model)
+    perturb(model, 2)
+    steady = hwsync.sync(llm, model)
+    assert steady.strategy == "adapter" and steady.base_tensors == 0, steady.line()
+    out, params, slots = _logprobs(llm), _params(llm), _slots(llm)
+
+    llm.sleep(level=2)
+    assert stand_in.discards == 1
+    assert all(torch.isnan(p).all() for p in _params(llm).values() if p.numel())  # the stand-in did discard
+    with pytest.raises(EngineAsleepError, match="asleep"):
+        hwsync.sync(llm, model)
+    llm.wake_up()
+    with pytest.raises(StaleEngineError, match="level-2 sleep"):
+        _logprobs(llm)
+    refill = hwsync.sync(llm, model)
+    print(refill.line())
+    assert refill.strategy == "adapter" and refill.base_tensors > 0 and refill.lora_tensors > 0, refill.line()
+    assert "full refill (base + adapter)" in refill.reason and "level-2 sleep" in refill.reason, refill.reason
+    assert "every address kept" in refill.path, refill.path
+    assert not _equal(params, _params(llm)), "parameters differ from before the sleep"
+    assert not _equal(slots, _slots(llm)), "LoRA slots differ from before the sleep"
+    assert _logprobs(llm) == out
+
+    perturb(model, 3)
+    after = hwsync.sync(llm, model)
+    assert after.base_tensors == 0 and "rewritten in place" in after.path, after.line()
+
+
+def test_full_refill_interrupted_stays_stale(engine: tuple[Any, Any], tiny_qwen3_moe_dir: Path) -> None:
+    """Full strategy: a refill that dies half-way leaves the engine stale (never serving the discarded garbage); a
+    complete one serves exactly as before the sleep. A level-1 sleep discards nothing: the plan stays steady."""
+    llm, _ = engine
+    model = lora_trainer(tiny_qwen3_moe_dir)
+    perturb(model, 4, base=True)
+    hwsync.sync(llm, model, strategy="full")
+    out, params = _logprobs(llm), _params(llm)
+    llm.sleep(level=1)
+    llm.wake_up()
+    again = hwsync.sync(llm, model, strategy="full")
+    assert "refill" not in again.reason and _logprobs(llm) == out
+
+    llm.sleep(level=2)
+    llm.wake_up()
+    with pytest.raises(SyncError):
+        hwsync.sync(llm, model, strategy="full", progress=fail_at(2), bucket_mb=0.25)
+    with pytest.raises(StaleEngineError):
+        _logprobs(llm)
+    refill = hwsync.sync(llm, model, strategy="full")
+    assert "full refill (base)" in refill.reason, refill.reason
+    assert not _equal(params, _params(llm))
+    assert _logprobs(llm) == out
+
+
+def test_trls_reload_after_wake_is_hwsyncs_refill(engine: tuple[Any, Any], tiny_qwen3_moe_dir: Path) -> None:
+    """TRL's sleep mode calls ``collective_rpc("reload_weights")`` after waking (vllm#29341), which would reload the
+    checkpoint from disk over the trainer's weights: through hwsync's ``ServedLLM`` it is the refill where vLLM
+    discarded the weights, and nothing where it did not."""
+    from hwsync.trl._generation import ServedLLM
+
+    llm, _ = engine
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, lora_dropout=0.0)
+    perturb(model, 7)
+    hwsync.sync(llm, model)
+    out, params = _logprobs(llm), _params(llm)
+    reports: list[Any] = []
+    served = ServedLLM(llm, refill=lambda: reports.append(hwsync.sync(llm, model)))
+    served.collective_rpc("reload_weights")
+    assert reports == [] and not _equal(params, _params(llm))
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    served.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    assert len(reports) == 1 and "full refill" in reports[0].reason, reports
+    assert _logprobs(llm) == out
+
+
+def test_refill_takes_first_sync_path_where_addresses_moved(tiny_qwen3_moe_dir: Path) -> None:
+    """A wake that gives parameters new storage: detected, every in-place plan dropped, the refill goes through
+    vLLM's reload and adapter activation, and the engine serves exactly as before; in-place writes through the
+    addresses learnt before the sleep would have landed in storage no kernel reads."""
+    from hwsync.vllm.worker import receiver_of
+
+    llm, stand_in = _engine(tiny_qwen3_moe_dir, remap=True)
+    try:
+        model = lora_trainer(tiny_qwen3_moe_dir, ATTN, lora_dropout=0.0)
+        perturb(model, 5)
+        hwsync.sync(llm, model)
+        perturb(model, 6)
+        hwsync.sync(llm, model)
+        out, params = _logprobs(llm), _params(llm)
+        applier = receiver_of(worker_of(llm)).applier
+        llm.sleep(level=2)
+        llm.wake_up()
+        assert stand_in.remapped > 0
+        assert applier._refill is not None and applier._refill.moved  # detected, before any sync
+        refill = hwsync.sync(llm, model)
+        assert "at new addresses: in-place plans dropped, first-sync path" in refill.path, refill.path
+        assert " 0 in place" in refill.path and "adapter: built" in refill.path, refill.path
+        assert not _equal(params, _params(llm))
+        assert _logprobs(llm) == out
+    finally:
+        close_llm(llm)
