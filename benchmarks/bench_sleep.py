@@ -41,6 +41,7 @@ from bench_sync import (  # noqa: E402 - the benchmark's model and engine live t
     _checkpoint,
     _delta,
     _engine,
+    environment,
     _logprobs,
     _on_gpu,
     _print,
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
               "logic is tested on CPU by tests/test_sleep_refill.py (a stand-in sleep on a real engine).",
               file=sys.stderr)
         return 2
+    environment()  # the engine in this process (the bench reaches its worker): VLLM_ENABLE_V1_MULTIPROCESSING=0
     dtype = torch.bfloat16
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:

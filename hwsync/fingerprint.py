@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["deviation", "differing", "REL_TOL", "ULPS", "dot", "excess", "probe"]
+__all__ = ["deviation", "differing", "differing_each", "REL_TOL", "ULPS", "dot", "excess", "probe"]
 
 REL_TOL = 1e-9
 """Relative tolerance of a fingerprint for float64 summation order."""
@@ -132,3 +132,41 @@ def deviation(pairs: Sequence[tuple[Tensor, Tensor]], dtype: torch.dtype, ulps: 
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
     allowed = ulps * eps * peak
     return diff / allowed if allowed > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+_GROUP_BYTES = 256 << 20
+"""Bytes of differences held at once by :func:`differing_each`."""
+
+
+def differing_each(pairs: Sequence[tuple[Tensor, Tensor | None]]) -> list[Tensor]:
+    """Per ``(held, expected)`` pair, ``max |held - expected|`` as a 0-d tensor on the device (0: equal; NaN where
+    either side holds NaN; ``expected`` ``None``: zeros), for thousands of small tensors (an adapter's views, its
+    slot blocks): ``torch._foreach_sub`` / ``_foreach_norm`` over groups of up to 256 MB, a few kernel launches per
+    group instead of two per pair, and no host round trip."""
+    out: list[Tensor] = []
+    helds: list[Tensor] = []
+    wants: list[Tensor] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        if helds:
+            out.extend(torch._foreach_norm(torch._foreach_sub(helds, wants), float("inf")))
+        helds.clear()
+        wants.clear()
+        size = 0
+
+    for held, want in pairs:
+        if want is None:
+            flush()
+            out.extend(torch._foreach_norm([held], float("inf")))
+            continue
+        if tuple(held.shape) != tuple(want.shape):
+            raise ValueError(f"compared shapes differ: {list(held.shape)} vs {list(want.shape)}")
+        helds.append(held)
+        wants.append(want.to(device=held.device, dtype=held.dtype))
+        size += held.numel() * held.element_size()
+        if size >= _GROUP_BYTES:
+            flush()
+    flush()
+    return out

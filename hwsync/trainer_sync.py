@@ -76,12 +76,12 @@ class TrainerSync:
             self.checks += 1
             every = opts.verify_logprobs_every
             with_logprobs = self.checks == 1 or bool(every and (self.checks - 1) % every == 0)
-            # exact content checks every time (only what can have changed is read whole); the check prompts'
-            # logprobs (+ the model's numerics spread) at the first check and every N-th: the step's rollouts carry
-            # the logprob evidence in between. One prompt per engine call (vLLM 0.32's LoRA prompt logprobs). Ranks
+            # exact content checks every time: the adapter whole, the base in turns (BASE_ROUNDS); at the first
+            # check and every N-th, the base whole and the check prompts' logprobs (+ the model's numerics spread):
+            # the step's rollouts carry the logprob evidence in between. One prompt per engine call (vLLM 0.32's LoRA prompt logprobs). Ranks
             # without the engine run the same check on rank 0's answers.
             verdict = check(target, model, self.probe, gate=opts.verify_gate, atol=opts.verify_atol, batch=False,
-                            logprobs=with_logprobs)
+                            logprobs=with_logprobs, whole_base=with_logprobs)
             if with_logprobs:
                 self.spread = verdict.spread
                 shift = self.policy_shift(model)

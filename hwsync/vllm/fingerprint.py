@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hwsync.fingerprint import deviation, differing, dot, probe
+from hwsync.fingerprint import deviation, differing, differing_each, dot, probe
 
 __all__ = ["compare", "fingerprints"]
 
@@ -297,9 +297,10 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
 
 
 # -- colocated: the trainer's own tensors, compared element by element ------------------------------------------
-ORACLE_MODULES = 4
+ORACLE_MODULES = 2
 """LoRA modules per check whose slot is also re-derived by vLLM's own ``set_lora`` (an oracle independent of hwsync's
-traced layout), in turn: every module of an adapter of M modules within ceil(M / 4) checks."""
+traced layout), in turn: every module of an adapter of M modules within ceil(M / 2) checks. The traced layout is
+learnt once per layer structure and applied to every layer, so a wrong one is wrong in the first modules re-derived."""
 
 
 def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -345,13 +346,14 @@ def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
         if lora is not None:
             lora_out, more = _lora_compare(w, rec.applier, st.lora_int_id, lora)
             pending += more
-        counts = torch.stack([c.to(pending[0][2].device) for *_, c in pending]).tolist() if pending else []
+        counts = torch.stack([c.to(pending[0][2].device, torch.float32) for *_, c in pending]).tolist() \
+            if pending else []
         for (part, label, _), n in zip(pending, counts):
             if part == "base":
                 out["base"][label] = 0.0 if not n else deviation(pairs_for(label), specs[label].dtype)
-            elif isinstance(lora_out, dict) and part == "adapter":
-                lora_out["differ"][label] = n
-            elif isinstance(lora_out, dict) and n:
+            elif isinstance(lora_out, dict) and part == "adapter":  # views of one key differing (NaN counts)
+                lora_out["differ"][label] = lora_out["differ"].get(label, 0) + int(n != 0)
+            elif isinstance(lora_out, dict) and n != 0 and label not in lora_out["bad_slots"]:
                 lora_out["bad_slots"].append(label)
         out["lora"] = lora_out if lora_out is not None or lora is None else None
     return out
@@ -373,12 +375,10 @@ def _lora_compare(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any]
     if isinstance(writer, str):
         return writer, []
     adapter, slots = writer.compared(manager, installed, tensors)
-    # the adapter's tensors, per trainer key (a key's views are counted together)
-    by_key: dict[str, list[tuple[Tensor, Tensor]]] = {}
-    for g, (_, held, want) in zip(writer.gathers, adapter):
-        by_key.setdefault(g.view.source if g.view is not None else "(zero fill)", []).append((held, want))
-    pending = [("adapter", k, differing(p)) for k, p in by_key.items()]
-    pending += [("slot", label, differing([(held, want)])) for label, held, want in slots]
+    # every view of the installed adapter and every slot block: grouped foreach reductions, no per-view launches
+    flags = differing_each([(held, want) for _, held, want in adapter] + [(held, want) for _, held, want in slots])
+    pending = [("adapter", key, f) for (key, _, _), f in zip(adapter, flags)]
+    pending += [("slot", label, f) for (label, _, _), f in zip(slots, flags[len(adapter):])]
     # vLLM's own set_lora, in turn on a few modules (all of them where the slots are not traced)
     modules = list(writer.modules)
     if slots:

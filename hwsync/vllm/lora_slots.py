@@ -607,18 +607,18 @@ class SlotWriter:
         return self.no_blocks
 
     def compared(self, manager: Any, installed: Any, tensors: Mapping[str, Tensor]
-                 ) -> tuple[list[tuple[str, Tensor, Tensor]], list[tuple[str, Tensor, Tensor]]]:
+                 ) -> tuple[list[tuple[str, Tensor, Tensor | None]], list[tuple[str, Tensor, Tensor]]]:
         """What the engine holds beside what it should hold if it holds ``tensors`` (the trainer's adapter as vLLM's
-        own loading folds it), as ``(label, held, expected)``: every tensor of the installed adapter (vLLM's zero
-        fill included), then every traced slot block (none while the slots are written by ``set_lora``). Views
-        only: nothing is copied but an index view's gather."""
+        own loading folds it), as ``(trainer key, held, expected)``: every tensor of the installed adapter (vLLM's
+        zero fill included: expected ``None``, zeros), then ``(module.attr, held, expected)`` for every traced slot
+        block (none while the slots are written by ``set_lora``). Views only: nothing is copied but an index view's
+        gather."""
         read = self._reader(tensors)
-        adapter: list[tuple[str, Tensor, Tensor]] = []
+        adapter: list[tuple[str, Tensor, Tensor | None]] = []
         for g in self.gathers:
             held = held_tensor(installed.loras[g.module], g)
-            want = read(g.view, g.shape) if g.view is not None else held.new_zeros(()).expand(g.shape)
-            adapter.append((f"{g.module}.{g.field}" + (f"[{g.position}]" if g.position is not None else ""), held,
-                            want))
+            adapter.append((g.view.source if g.view is not None else "(zero fill)", held,
+                            read(g.view, g.shape) if g.view is not None else None))
         slots: list[tuple[str, Tensor, Tensor]] = []
         if self.blocks and installed.id in manager.lora_index_to_id:
             slot = manager.lora_index_to_id.index(installed.id)
