@@ -323,7 +323,9 @@ def run_job(args: list[str], output_dir: Path, *, env: dict[str, str] | None = N
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This process's environment plus ``extra``, with the vLLM CPU settings when there is no GPU."""
-    env = {**os.environ, **(extra or {})}
+    # the demo checks the prompts' logprobs after every sync (a tiny model: one short forward); a real run keeps the
+    # default (the first check and every 50th: its rollouts carry the logprob evidence of every step)
+    env = {"HWSYNC_VERIFY_LOGPROBS_EVERY": "1", **os.environ, **(extra or {})}
     return env if _has_gpu() else {**CPU_ENV, "CUDA_VISIBLE_DEVICES": "", **env}
 
 

@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     if not has_gpu():
         for key, value in {**CPU_ENV, "CUDA_VISIBLE_DEVICES": ""}.items():
             os.environ.setdefault(key, value)
+    # the demo checks the prompts' logprobs after every sync (a tiny model: one short forward); a real run keeps the
+    # default (the first check and every 50th: its rollouts carry the logprob evidence of every step)
+    os.environ.setdefault("HWSYNC_VERIFY_LOGPROBS_EVERY", "1")
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="hwsync-trl-grpo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -397,14 +397,14 @@ def _synced(plan: SyncPlan | None) -> SyncedPlan | None:
     return plan.synced() if plan is not None else None
 
 
-def reference_tensors(model: nn.Module, plan: SyncPlan | SyncedPlan
+def reference_tensors(model: nn.Module, plan: SyncPlan | SyncedPlan, cache: dict[Any, Any] | None = None
                       ) -> tuple[Payload, Iterator[tuple[TensorSpec, torch.Tensor]]]:
     """``(payload, (spec, tensor) pairs)``: every tensor a from-scratch sync of ``plan``'s strategy would send now
     (merged view for merged names, W0 for frozen ones, LoRA A/B with the scaling folded by vLLM's own code,
     :func:`as_vllm_loads`), lazily, as the engine should hold them;
     planned from the engine's description ``plan`` was made from (no new round trip)."""
     synced = plan.synced() if isinstance(plan, SyncPlan) else plan
-    payload = synced.reference_payload(model, fold=as_vllm_loads)
+    payload = synced.reference_payload(model, fold=as_vllm_loads, cache=cache)
     return payload, _pairs(model, payload)
 
 
@@ -427,14 +427,16 @@ def _pairs(model: nn.Module, payload: Any) -> Iterator[tuple[Any, torch.Tensor]]
         gather.drain(steps)
 
 
-def _expected(model: nn.Module, plan: SyncedPlan, seed: int
+def _expected(model: nn.Module, plan: SyncedPlan, seed: int, only: set[str] | None = None,
+              cache: dict[Any, Any] | None = None
               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
     """(fingerprint request for the engine, its LoRA part, trainer fingerprints) over :func:`reference_tensors`,
-    each fingerprinted as it travels (wire dtype)."""
+    each fingerprinted as it travels (wire dtype). ``only``: the base tensors to fingerprint (all by default; the
+    request still names every base tensor: the engine resolves the whole list once)."""
     from hwsync.fingerprint import dot, probe
     from hwsync.wire import dtype_name
 
-    payload, pairs = reference_tensors(model, plan)
+    payload, pairs = reference_tensors(model, plan, cache)
     want: dict[str, tuple[float, float, float]] = {}
     dtypes: dict[str, torch.dtype] = {}
     base: list[Any] = []
@@ -444,16 +446,46 @@ def _expected(model: nn.Module, plan: SyncedPlan, seed: int
         for spec, t in pairs:
             if not t.is_floating_point():
                 continue
+            dtypes[spec.name] = spec.dtype
+            if spec.kind != "lora":
+                base.append([spec.name, list(spec.shape), dtype_name(spec.dtype)])
+                if only is not None and spec.name not in only:
+                    continue
             t = t.to(spec.dtype)
             want[spec.name] = dot(t, probe(spec.name, spec.shape, seed, t.device, spec.dtype))
-            dtypes[spec.name] = spec.dtype
             if spec.kind == "lora":
                 lora_keys.append(spec.name)
                 lora_shapes.append(list(spec.shape))
-            else:
-                base.append([spec.name, list(spec.shape), dtype_name(spec.dtype)])
     lora_req = {"keys": lora_keys, "shapes": lora_shapes, "meta": payload.lora_meta or {}} if lora_keys else None
-    return {"seed": seed, "base": base, "lora": lora_req}, lora_req or {}, want, dtypes
+    request = {"seed": seed, "base": base, "lora": lora_req}
+    if only is not None:
+        request["only"] = sorted(only)
+    return request, lora_req or {}, want, dtypes
+
+
+def _reference_cache(engine: Any, model: nn.Module) -> dict[Any, Any] | None:
+    """Where the check's reference payload is kept between checks: on an engine handle that lives across checks
+    (not a sharded trainer's per-check view of rank 0's engine)."""
+    from hwsync.payload import model_uuid
+
+    if isinstance(engine, _OnRank0):
+        return None
+    caches: dict[str, dict[Any, Any]] = engine.__dict__.setdefault("_hwsync_references", {})
+    return caches.setdefault(model_uuid(model), {})
+
+
+def _fingerprint_choice(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool
+                        ) -> tuple[set[str] | None, str]:
+    """The base tensors a fingerprint check reads (``None``: all): the same turns as the colocated comparison
+    (:func:`_base_choice`), for an engine handle that lives across checks (not a sharded trainer's per-check view
+    of rank 0's engine, whose ranks must agree: those read the whole base)."""
+    cache = _reference_cache(engine, model)
+    if cache is None:
+        return None, "whole"
+    payload = plan.reference_payload(model, fold=as_vllm_loads, cache=cache)
+    specs = [s for s in payload.specs if s.kind != "lora" and s.dtype.is_floating_point]
+    chosen, how = _base_choice(engine, model, specs, engine.state().get("base_writes", 0), whole_base)
+    return chosen, how
 
 
 def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[str, torch.dtype],
@@ -536,10 +568,7 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool 
     """The colocated content check: the trainer's reference tensors (:func:`reference_tensors`) handed to the
     engine's worker in this process, compared there element by element (:func:`hwsync.vllm.fingerprint.compare`).
     ``None`` where that cannot run (the caller falls back to fingerprints)."""
-    from hwsync.payload import model_uuid
-
-    caches = engine.__dict__.setdefault("_hwsync_references", {})
-    payload = plan.reference_payload(model, fold=as_vllm_loads, cache=caches.setdefault(model_uuid(model), {}))
+    payload = plan.reference_payload(model, fold=as_vllm_loads, cache=_reference_cache(engine, model))
     if payload.produce_sharded is not None:
         return None  # a sharded trainer's tensors exist only inside their gathers: fingerprinted as they pass
     state = engine.state()
@@ -685,7 +714,8 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any, whole_b
     fp = getattr(engine, "fingerprints", None)
     if fp is None:
         return [], [f"content: {type(engine).__name__} cannot read fingerprints back (logprob gate only)"]
-    request, lora_req, want, dtypes = _expected(model, plan, seed)
+    only, how = _fingerprint_choice(engine, model, plan, whole_base)
+    request, lora_req, want, dtypes = _expected(model, plan, seed, only, _reference_cache(engine, model))
     got = fp(request)
     if got is None:
         return [], ["content: the engine runs with several workers (tensor parallel): logprob gate only"]
@@ -703,7 +733,13 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any, whole_b
                   f"{max(r for _, r in scores.values()):.1e})")
         if unreadable:
             detail += f"; {len(unreadable)} not readable here, e.g. {next(iter(unreadable.values()))}"
+        detail += f"; base read: {how}"
         checks.append(Check("base content", not bad, scores[worst][0], 1.0, detail, _BASE_FIX))
+        if not bad and checks[0].ok and only is not None:
+            names = [n for n, *_ in request["base"]]
+            specs = [TensorSpec(n, tuple(sh), dtypes[n], "base") for n, sh, _ in request["base"]]
+            _remember_base(engine, model, specs, got.get("base_writes", engine.state().get("base_writes", 0)),
+                           len(only), len(only) >= len(names))
     # 3./4. adapter
     if lora_req:
         lora = got.get("lora")

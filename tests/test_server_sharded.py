@@ -104,7 +104,7 @@ def _plugin_syncs(rank: int, engine: Any, model: Any) -> dict[str, Any]:
     from hwsync.trainer_sync import TrainerSync
 
     trainer = HwsyncGRPOTrainer.__new__(HwsyncGRPOTrainer)  # not a whole GRPO run: its step, on real ranks
-    options = SwiftOptions(strategy="adapter", verify_atol=ATOL)
+    options = SwiftOptions(strategy="adapter", verify_atol=ATOL, verify_logprobs_every=1)
     trainer.__dict__.update(
         hwsync_options=options, vllm_mode="server", model=model,
         accelerator=SimpleNamespace(is_main_process=rank == 0, unwrap_model=lambda m: m), _is_fsdp2=True,

@@ -55,6 +55,7 @@ def test_qlora_syncs_the_adapter_without_merging_into_four_bit_weights(tmp_path,
             monkeypatch.setenv(key, os.environ.get(key, value))
     metrics = tmp_path / "m.jsonl"
     monkeypatch.setenv("HWSYNC_METRICS", str(metrics))
+    monkeypatch.setenv("HWSYNC_VERIFY_LOGPROBS_EVERY", "1")  # every sync's record carries the prompts' logprobs
     model_dir, data = job.prepare(tmp_path)
     compute = torch.bfloat16 if gpu else torch.float32
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)

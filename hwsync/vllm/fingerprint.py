@@ -39,11 +39,12 @@ def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     rec = receiver_of(w)
     st = rec.refresh()
     out: dict[str, Any] = {"version": st.version, "stale": st.stale, "lora_int_id": st.lora_int_id,
-                           "lora_name": st.lora_name, "base": {}, "lora": None}
+                           "lora_name": st.lora_name, "base_writes": st.base_writes, "base": {}, "lora": None}
     seed = int(request.get("seed", 0))
+    only = request.get("only")
     with torch.no_grad():
         if request.get("base"):
-            out["base"] = _base(w, rec.applier, request["base"], seed)
+            out["base"] = _base(w, rec.applier, request["base"], seed, None if only is None else set(only))
         if request.get("lora") is not None:
             out["lora"] = _lora(w, rec.applier, st.lora_int_id, request["lora"], seed)
     return out
@@ -77,13 +78,13 @@ _TRANSFORMED = ("computed from the trainer's tensor by the model's own load_weig
                 "q/k rotary permutation): not checked")
 
 
-def _base(w: Any, applier: Any, specs_in: list[Any], seed: int) -> dict[str, Any]:
+def _base(w: Any, applier: Any, specs_in: list[Any], seed: int, only: set[str] | None = None) -> dict[str, Any]:
     model, name_map, transformed, specs = _base_plan(w, applier, specs_in)
     ns = name_map.namespace
     live = {ns.params[c].name: t for c, t in ns.live.items()}
     out: dict[str, Any] = {}
     for name, targets in name_map.entries.items():
-        if name in name_map.skipped:
+        if name in name_map.skipped or (only is not None and name not in only):
             continue
         if name in transformed:
             out[name] = _TRANSFORMED
@@ -270,8 +271,10 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
     writer = _writer(w, applier, manager, installed, lid, keys, shapes, meta)
     if isinstance(writer, str):
         return writer
-    # 1. every slot holds what vLLM's own set_lora writes from the installed adapter
-    bad_slots = _oracle(manager, installed, slot, list(writer.modules))
+    # 1. slots: vLLM's own set_lora re-run from the installed adapter -- on every module where hwsync's writes go
+    # through set_lora anyway, on ORACLE_MODULES in turn where they go through traced blocks (one layout per layer
+    # structure: a wrong one is wrong in the first modules re-run)
+    bad_slots = _oracle(manager, installed, slot, _oracle_modules(w, writer))
     # 2. the installed adapter, mapped back to the trainer's tensors through the traced gathers (each a strided view
     # of one trainer tensor: written back through the same view)
     values: dict[str, Any] = {}
@@ -301,6 +304,18 @@ ORACLE_MODULES = 2
 """LoRA modules per check whose slot is also re-derived by vLLM's own ``set_lora`` (an oracle independent of hwsync's
 traced layout), in turn: every module of an adapter of M modules within ceil(M / 2) checks. The traced layout is
 learnt once per layer structure and applied to every layer, so a wrong one is wrong in the first modules re-derived."""
+
+
+def _oracle_modules(w: Any, writer: Any) -> list[str]:
+    """The modules whose slot vLLM's own ``set_lora`` re-derives in this check: all where the slots are written by
+    ``set_lora`` (no traced blocks), else the next :data:`ORACLE_MODULES` in turn."""
+    modules = list(writer.modules)
+    if not getattr(writer, "blocks", ()):
+        return modules
+    cursor = w.__dict__.get("_hwsync_oracle_cursor", 0) % max(1, len(modules))
+    chosen = (modules[cursor:] + modules[:cursor])[:ORACLE_MODULES]
+    w.__dict__["_hwsync_oracle_cursor"] = cursor + len(chosen)
+    return chosen
 
 
 def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -381,12 +396,7 @@ def _lora_compare(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any]
     pending += [("slot", label, f) for (label, _, _), f in zip(slots, flags[len(adapter):])]
     # vLLM's own set_lora, in turn on a few modules (all of them where the slots are not traced)
     modules = list(writer.modules)
-    if slots:
-        cursor = w.__dict__.get("_hwsync_oracle_cursor", 0) % max(1, len(modules))
-        chosen = (modules[cursor:] + modules[:cursor])[:ORACLE_MODULES]
-        w.__dict__["_hwsync_oracle_cursor"] = cursor + len(chosen)
-    else:
-        chosen = modules
+    chosen = _oracle_modules(w, writer)
     bad = _oracle(manager, installed, slot, chosen)
     return {"slot": slot, "differ": {}, "bad_slots": bad, "oracle": len(chosen), "modules": len(modules),
             "traced_slots": bool(slots)}, pending
