@@ -120,8 +120,25 @@ class ServedEngine(Engine):
                 self.stale_reason = (state.get("last_error") or str(e)) if state.get("stale") else None
                 raise
             self.stale_reason = None
+            self._reset_or_stale(manifest)
             self._serve_adapter(self.state())
             return results[0]
+
+    def _reset_or_stale(self, manifest: Manifest) -> None:
+        """vLLM's prefix cache holds KV computed with the old weights: reset it before the sync counts as done. A
+        reset that fails in any way (declined, raised, interrupted) leaves the engine stale and keeps its error,
+        as the colocated handle does (:meth:`hwsync.vllm.local.LocalEngine.committed`)."""
+        try:
+            self.reset_cache()
+        except BaseException as e:
+            reason = (f"sync v{manifest.version} wrote the weights but vLLM's prefix-cache reset failed "
+                      f"({type(e).__name__}: {e}), so cached KV of the old weights could mix in")
+            try:
+                self._rpc_all("mark_stale", reason)
+            except Exception:  # noqa: BLE001 - the API server refuses generation through stale_reason anyway
+                pass
+            self.stale_reason = reason
+            raise
 
     def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None:
         with self.lock:
