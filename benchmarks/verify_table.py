@@ -165,9 +165,10 @@ def _f(x: float | None) -> str:
 def tables(data: dict[str, Any]) -> str:
     runs = [r for r in data["runs"] if "error" not in r]
     out = [f"vLLM {data['vllm']}, torch {data['torch']}, {data['gpu'] or 'CPU'}; {data['steps']} healthy syncs per "
-           "strategy; values: content checks = fingerprint error in units of its allowance (float64 summation, plus "
-           "8 ulps of the largest element for base tensors), state/slots = problems found, logprobs = largest ratio "
-           "of a statistic to its gate; <= 1 passes everywhere (0 for state/slots)", ""]
+           "strategy; values: base content = deviation from the trainer's tensors in units of its allowance (8 ulps "
+           "of the largest element; 0: bit-equal), adapter content = views of the installed adapter that differ, "
+           "state/slots = problems found, logprobs = largest ratio of a statistic to its gate (or to 4x the model's "
+           "numerics spread, whichever is smaller); <= 1 passes for base content and logprobs, 0 for the others", ""]
     out.append("| dtype | check | healthy max | faulty min (faults it catches) | margin | catches | does not see |")
     out.append("|---|---|---|---|---|---|---|")
     for dtype in dict.fromkeys(r["dtype"] for r in runs):
