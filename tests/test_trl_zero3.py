@@ -45,6 +45,7 @@ def test_zero3_trainer_syncs_bucket_by_bucket_and_is_checked(tmp_path, monkeypat
         monkeypatch.setenv(key, os.environ.get(key, value))
     metrics = tmp_path / "m.jsonl"
     monkeypatch.setenv("HWSYNC_METRICS", str(metrics))
+    monkeypatch.setenv("HWSYNC_VERIFY_LOGPROBS_EVERY", "1")  # every sync's record carries the prompts' logprobs
     model_dir, data = job.prepare(tmp_path)
     trainer = job.train(model_dir, data, tmp_path / "out", steps=STEPS, deepspeed=ZERO3)
     assert trainer.is_deepspeed_enabled
