@@ -81,7 +81,7 @@ class TrainerSync:
             # the step's rollouts carry the logprob evidence in between. One prompt per engine call (vLLM 0.32's LoRA prompt logprobs). Ranks
             # without the engine run the same check on rank 0's answers.
             verdict = check(target, model, self.probe, gate=opts.verify_gate, atol=opts.verify_atol, batch=False,
-                            logprobs=with_logprobs, whole_base=with_logprobs)
+                            logprobs=with_logprobs, whole_base=with_logprobs, spread=with_logprobs or None)
             if with_logprobs:
                 self.spread = verdict.spread
                 shift = self.policy_shift(model)

@@ -776,6 +776,7 @@ def check(
     batch: bool = True,
     logprobs: bool = True,
     whole_base: bool = True,
+    spread: bool | None = None,
 ) -> VerifyReport:
     """Run every check and return the report (nothing raised for a failed check; see :func:`verify`).
 
@@ -794,13 +795,15 @@ def check(
     * **Logprobs** (``logprobs=False`` skips them): engine vs trainer over prompt + greedy tokens; mean |Δ|, its 90th
       percentile and mean |Δp| against the gate of this device/dtype (:data:`GATES`) and against the model's own
       numerics spread (:func:`numerics_spread`): decisive only beyond both, weak evidence (``report.weak``) beyond
-      the gate alone. An explicit ``gate`` applies alone. ``atol`` adds the strict gate of earlier versions: max
-      |Δ| <= atol and every greedy token the trainer's argmax (CPU fp32 only).
+      the gate alone. An explicit ``gate`` applies alone. The spread is measured where the gap is beyond the gate
+      (``spread=True``: always, e.g. to read rollouts against it; ``report.spread``). ``atol`` adds the strict gate
+      of earlier versions: max |Δ| <= atol and every greedy token the trainer's argmax (CPU fp32 only).
     """
     engine = _engine_for(target, model)
     parts = _parts(engine)
     reports = [_check_one(p, model, prompt_token_ids, max_tokens=max_tokens, gate=gate, atol=atol, content=content,
-                          seed=seed, batch=batch, logprobs=logprobs, whole_base=whole_base) for p in parts]
+                          seed=seed, batch=batch, logprobs=logprobs, whole_base=whole_base, spread=spread)
+               for p in parts]
     if len(reports) == 1:
         return reports[0]
     return _combined(reports, [_address(p) for p in parts])
@@ -808,7 +811,7 @@ def check(
 
 def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequence[int]], *, max_tokens: int,
                gate: Gate | None, atol: float | None, content: bool, seed: int, batch: bool,
-               logprobs: bool = True, whole_base: bool = True) -> VerifyReport:
+               logprobs: bool = True, whole_base: bool = True, spread: bool | None = None) -> VerifyReport:
     checks: list[Check] = []
     skipped: list[str] = []
     info = engine.describe()
@@ -822,10 +825,12 @@ def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequ
         return VerifyReport(tuple(checks), Agreement(0.0, "", 0, ()), g, tuple(skipped))
     a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4,
                   batch=batch)
-    check_, weak, spread = _logprob_check(a, g, None if explicit or atol is not None else
-                                          numerics_spread(model, a.sequences, rounding_unit(info.device_type,
-                                                                                             info.dtype)),
-                                          f"on {info.device_type} {info.dtype}")
+    # the spread costs a few trainer forwards: measured where it can change the verdict (the gap beyond the gate),
+    # or where the caller keeps it (a trainer integration reads its rollouts against it)
+    wanted = spread if spread is not None else _logprob_check(a, g, None, "")[0].value > 1.0
+    measured = (numerics_spread(model, a.sequences, rounding_unit(info.device_type, info.dtype))
+                if wanted and not explicit and atol is None else None)
+    check_, weak, measured = _logprob_check(a, g, measured, f"on {info.device_type} {info.dtype}")
     checks.append(check_)
     if atol is not None:
         checks.append(Check("max |Δ logprob|", a.max_abs_diff <= atol, a.max_abs_diff, atol,
@@ -835,7 +840,7 @@ def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequ
             checks.append(Check("greedy tokens", False, float(len(a.greedy_mismatches)), 0.0,
                                 f"greedy tokens differ at {len(a.greedy_mismatches)} position(s), e.g. "
                                 f"{a.greedy_mismatches[0]}", _HINT))
-    return VerifyReport(tuple(checks), a, g, tuple(skipped), weak=weak, spread=spread)
+    return VerifyReport(tuple(checks), a, g, tuple(skipped), weak=weak, spread=measured)
 
 
 def _logprob_check(a: Agreement, g: Gate, spread: Spread | None, where: str) -> tuple[Check, tuple[str, ...], Spread | None]:
