@@ -131,7 +131,7 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
     from hwsync.options import SyncOptions
     from hwsync.trainer_sync import TrainerSync, first_prompts
 
-    model = bs._trainer(path, "full" if strategy == "full" else strategy, rank, dtype)
+    model = bs._trainer(path, strategy, rank, dtype)
     if bs._on_gpu():
         model.gradient_checkpointing_enable()
         if hasattr(model, "enable_input_require_grads"):

@@ -78,8 +78,8 @@ class TrainerSync:
             with_logprobs = self.checks == 1 or bool(every and (self.checks - 1) % every == 0)
             # exact content checks every time: the adapter whole, the base in turns (BASE_ROUNDS); at the first
             # check and every N-th, the base whole and the check prompts' logprobs (+ the model's numerics spread):
-            # the step's rollouts carry the logprob evidence in between. One prompt per engine call (vLLM 0.32's LoRA prompt logprobs). Ranks
-            # without the engine run the same check on rank 0's answers.
+            # the step's rollouts carry the logprob evidence in between. One prompt per engine call (vLLM 0.32's
+            # LoRA prompt logprobs). Ranks without the engine run the same check on rank 0's answers.
             verdict = check(target, model, self.probe, gate=opts.verify_gate, atol=opts.verify_atol, batch=False,
                             logprobs=with_logprobs, whole_base=with_logprobs, spread=with_logprobs or None)
             if with_logprobs:
@@ -170,7 +170,7 @@ class TrainerSync:
         HWSYNC_VERIFY_ATOL when set; else the mean / 90th percentile of |Δ| above the platform's gate **and** above
         :data:`hwsync.verify.NUMERICS_FACTOR` times the model's numerics spread (the last logprob check's). Beyond
         the gate alone is weak evidence: logged with its numbers, counted in :attr:`weak`."""
-        from hwsync.verify import NUMERICS_FACTOR
+        from hwsync.verify import NUMERICS_FACTOR, spread_ratio
 
         atol = self.options.verify_atol
         if atol is not None:
@@ -183,9 +183,9 @@ class TrainerSync:
             return ""
         gap = f"mean |Δ| {mean:.3g} (gate {self.gate.mean_abs:g}), p90 {p90:.3g} (gate {self.gate.p90_abs:g})"
         spread = self.spread if self.options.verify_gate is None else None
-        if spread is not None and mean == mean and p90 == p90:
+        if spread is not None:
             k = NUMERICS_FACTOR
-            if mean <= k * spread.mean_abs and p90 <= k * spread.p90_abs:
+            if spread_ratio(mean, p90, spread) <= 1.0:  # NaN: beyond it
                 self.weak += 1
                 self.log(f"hwsync: weak evidence in this step's rollouts: {gap}, within {k:g}x the model's own "
                          f"numerics spread (mean {spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g}): not evidence of "

@@ -30,12 +30,14 @@ from hwsync.engine import Engine
 from hwsync.errors import OptionError, SyncError, UnsupportedSetupError, VerifyError
 from hwsync.payload import Payload
 from hwsync.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
-from hwsync.wire import TensorSpec
+from hwsync.wire import TensorSpec, dtype_name
 
 logger = logging.getLogger("hwsync")
 
-__all__ = ["GATES", "RECURRENT_16BIT", "Agreement", "Check", "Gate", "VerifyReport", "agreement", "as_vllm_loads",
-           "check", "engine_logprobs", "gate_for", "has_linear_attention", "parse_gate", "token_logprobs", "trainer_gate", "verify"]
+__all__ = ["GATES", "NUMERICS_FACTOR", "RECURRENT_16BIT", "Agreement", "Check", "Gate", "Spread", "VerifyReport",
+           "agreement", "as_vllm_loads", "check", "decoder_layers", "engine_logprobs", "gate_for",
+           "has_linear_attention", "numerics_spread", "parse_gate", "rounding_unit", "spread_ratio", "token_logprobs",
+           "trainer_gate", "verify"]
 
 
 def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -282,9 +284,7 @@ healthy syncs over full/adapter/hybrid): healthy max mean 0.543 (once; the other
 def gate_for(device_type: str, dtype: str, recurrent: bool = False) -> Gate:
     """The gate of one platform/dtype (``HWSYNC_VERIFY_GATE`` wins; unknown pairs get the loosest gate);
     ``recurrent``: the model has linear-attention layers (:data:`RECURRENT_16BIT` in 16 bits)."""
-    import os
-
-    env = os.environ.get("HWSYNC_VERIFY_GATE", "").strip()
+    env = _env_gate()
     if env:
         return parse_gate(env)
     dev = "cpu" if device_type == "cpu" else "cuda" if device_type in ("cuda", "rocm", "hip") else device_type
@@ -475,17 +475,20 @@ def _reference_cache(engine: Any, model: nn.Module) -> dict[Any, Any] | None:
 
 
 def _fingerprint_choice(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool
-                        ) -> tuple[set[str] | None, str]:
-    """The base tensors a fingerprint check reads (``None``: all): the same turns as the colocated comparison
-    (:func:`_base_choice`), for an engine handle that lives across checks (not a sharded trainer's per-check view
-    of rank 0's engine, whose ranks must agree: those read the whole base)."""
+                        ) -> tuple[set[str] | None, str, _BaseMemo | None, int]:
+    """The base tensors a fingerprint check reads (``None``: all), how they were chosen, the memo they came from
+    and the engine's ``base_writes`` then: the same turns as the colocated comparison (:class:`_BaseMemo`), for an
+    engine handle that lives across checks (not a sharded trainer's per-check view of rank 0's engine, whose ranks
+    must agree: those read the whole base)."""
     cache = _reference_cache(engine, model)
     if cache is None:
-        return None, "whole"
+        return None, "whole", None, 0
     payload = plan.reference_payload(model, fold=as_vllm_loads, cache=cache)
     specs = [s for s in payload.specs if s.kind != "lora" and s.dtype.is_floating_point]
-    chosen, how = _base_choice(engine, model, specs, engine.state().get("base_writes", 0), whole_base)
-    return chosen, how
+    memo = _base_memo(engine, model, specs)
+    base_writes = int(engine.state().get("base_writes", 0))
+    chosen, how = memo.choose(specs, base_writes, whole_base)
+    return chosen, how, memo, base_writes
 
 
 def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[str, torch.dtype],
@@ -514,54 +517,50 @@ _BATCH_BYTES = 4 << 30
 
 @dataclass
 class _BaseMemo:
-    """What a check last proved of an engine's base: the engine's ``base_writes`` and the base's tensors then, and
-    where the next sample of an unchanged base starts."""
+    """What checks proved of one engine's base for one model: the engine's ``base_writes`` when it was last read
+    whole (-1: never), the base's tensors then, and where the next turn of an unchanged base starts."""
 
     base_writes: int
     names: tuple[str, ...]
     cursor: int = 0
 
+    def choose(self, specs: Sequence[TensorSpec], base_writes: int, whole: bool) -> tuple[set[str], str]:
+        """The base tensors this check reads, and how they were chosen (for the report). ``whole=False``: in turn
+        even after a base write (a trainer integration's per-step check; its periodic full check reads it whole)."""
+        changed = self.base_writes != base_writes
+        if whole and changed:
+            return set(self.names), "whole (written since it was last checked)"
+        n = len(self.names)
+        take, size = 0, 0
+        per_round = -(-n // BASE_ROUNDS)
+        while take < n and (take < per_round or size < BASE_SAMPLE_BYTES):
+            size += specs[(self.cursor + take) % n].nbytes
+            take += 1
+        chosen = {self.names[(self.cursor + i) % n] for i in range(take)}
+        how = ("whole" if take >= n else
+               f"{take} of {n} in turn ({'written since last checked whole' if changed else 'unchanged since checked whole'}"
+               f"; every one within {-(-n // take)} checks)")
+        return chosen, how
 
-def _base_choice(engine: Any, model: nn.Module, specs: Sequence[TensorSpec], base_writes: int, whole: bool
-                 ) -> tuple[set[str], str]:
-    """The base tensors this check reads, and how they were chosen (for the report). ``whole=False``: in turn even
-    after a base write (a trainer integration's per-step check; its periodic full check reads it whole)."""
+    def passed(self, base_writes: int, read: int, whole: bool) -> None:
+        """A check found the tensors it read equal to the trainer's: the base is proved at ``base_writes`` when it
+        read all of it, else the next turn starts after what it read."""
+        if whole:
+            self.base_writes, self.cursor = base_writes, 0
+        else:
+            self.cursor = (self.cursor + read) % max(1, len(self.names))
+
+
+def _base_memo(engine: Any, model: nn.Module, specs: Sequence[TensorSpec]) -> _BaseMemo:
+    """The memo of ``model``'s base on ``engine``'s handle; a new one (never read whole) for a new set of tensors."""
     from hwsync.payload import model_uuid
 
+    memos: dict[str, _BaseMemo] = engine.__dict__.setdefault("_hwsync_verified_base", {})
     names = tuple(s.name for s in specs)
-    memo = engine.__dict__.setdefault("_hwsync_verified_base", {}).get(model_uuid(model))
-    changed = memo is None or memo.base_writes != base_writes or memo.names != names
-    if whole and changed:
-        return set(names), "whole (written since it was last checked)"
+    memo = memos.get(model_uuid(model))
     if memo is None or memo.names != names:
-        memo = _BaseMemo(-1, names, 0)  # never read whole: the next whole check reads it all
-        engine.__dict__["_hwsync_verified_base"][model_uuid(model)] = memo
-    n = len(names)
-    take, size = 0, 0
-    per_round = -(-n // BASE_ROUNDS)
-    while take < n and (take < per_round or size < BASE_SAMPLE_BYTES):
-        spec = specs[(memo.cursor + take) % n]
-        size += spec.nbytes
-        take += 1
-    chosen = {names[(memo.cursor + i) % n] for i in range(take)}
-    how = ("whole" if take >= n else
-           f"{take} of {n} in turn ({'unchanged since checked whole' if not changed else 'written since last checked whole'}"
-           f"; every one within {-(-n // take)} checks)")
-    return chosen, how
-
-
-def _remember_base(engine: Any, model: nn.Module, specs: Sequence[TensorSpec], base_writes: int, read: int,
-                   whole: bool) -> None:
-    from hwsync.payload import model_uuid
-
-    memos = engine.__dict__.setdefault("_hwsync_verified_base", {})
-    key = model_uuid(model)
-    names = tuple(s.name for s in specs)
-    memo = memos.get(key)
-    if whole or memo is None:
-        memos[key] = _BaseMemo(base_writes, names, 0)
-    else:
-        memo.cursor = (memo.cursor + read) % max(1, len(names))
+        memo = memos[model_uuid(model)] = _BaseMemo(-1, names)
+    return memo
 
 
 def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool = True) -> dict[str, Any] | None:
@@ -571,10 +570,10 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool 
     payload = plan.reference_payload(model, fold=as_vllm_loads, cache=_reference_cache(engine, model))
     if payload.produce_sharded is not None:
         return None  # a sharded trainer's tensors exist only inside their gathers: fingerprinted as they pass
-    state = engine.state()
     base_specs = [s for s in payload.specs if s.kind != "lora" and s.dtype.is_floating_point]
-    chosen, how = _base_choice(engine, model, base_specs, state.get("base_writes", 0), whole_base)
-    spec_list = [[s.name, list(s.shape), _dtype_name(s.dtype)] for s in base_specs]
+    memo = _base_memo(engine, model, base_specs)
+    chosen, how = memo.choose(base_specs, engine.state().get("base_writes", 0), whole_base)
+    spec_list = [[s.name, list(s.shape), dtype_name(s.dtype)] for s in base_specs]
     merged: dict[str, Any] = {"base": {}, "lora": None, "state": None}
     batch: dict[str, torch.Tensor] = {}
     lora: dict[str, torch.Tensor] = {}
@@ -608,14 +607,8 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool 
             return None
     got = dict(merged["state"])
     got.update(base=merged["base"], lora=merged["lora"], base_how=how, base_read=len(chosen),
-               base_total=len(base_specs), base_specs=base_specs)
+               base_total=len(base_specs), base_memo=memo)
     return got
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    from hwsync.wire import dtype_name
-
-    return dtype_name(dtype)
 
 
 def _state_check(got: Mapping[str, Any], plan: SyncedPlan, lora_expected: bool) -> Check:
@@ -708,13 +701,12 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any, whole_b
             checks = _compared_checks(got, plan)
             base = got["base"]
             if all(not isinstance(v, str) and v <= 1.0 for v in base.values()) and checks[0].ok:
-                _remember_base(engine, model, got["base_specs"], got["base_writes"], got["base_read"],
-                               got["base_read"] >= got["base_total"])
+                got["base_memo"].passed(got["base_writes"], got["base_read"], got["base_read"] >= got["base_total"])
             return checks, []
     fp = getattr(engine, "fingerprints", None)
     if fp is None:
         return [], [f"content: {type(engine).__name__} cannot read fingerprints back (logprob gate only)"]
-    only, how = _fingerprint_choice(engine, model, plan, whole_base)
+    only, how, memo, base_writes = _fingerprint_choice(engine, model, plan, whole_base)
     request, lora_req, want, dtypes = _expected(model, plan, seed, only, _reference_cache(engine, model))
     got = fp(request)
     if got is None:
@@ -735,11 +727,8 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any, whole_b
             detail += f"; {len(unreadable)} not readable here, e.g. {next(iter(unreadable.values()))}"
         detail += f"; base read: {how}"
         checks.append(Check("base content", not bad, scores[worst][0], 1.0, detail, _BASE_FIX))
-        if not bad and checks[0].ok and only is not None:
-            names = [n for n, *_ in request["base"]]
-            specs = [TensorSpec(n, tuple(sh), dtypes[n], "base") for n, sh, _ in request["base"]]
-            _remember_base(engine, model, specs, got.get("base_writes", engine.state().get("base_writes", 0)),
-                           len(only), len(only) >= len(names))
+        if not bad and checks[0].ok and memo is not None and only is not None:
+            memo.passed(got.get("base_writes", base_writes), len(only), len(only) >= len(memo.names))
     # 3./4. adapter
     if lora_req:
         lora = got.get("lora")
@@ -827,7 +816,7 @@ def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequ
                   batch=batch)
     # the spread costs a few trainer forwards: measured where it can change the verdict (the gap beyond the gate),
     # or where the caller keeps it (a trainer integration reads its rollouts against it)
-    wanted = spread if spread is not None else _logprob_check(a, g, None, "")[0].value > 1.0
+    wanted = spread if spread is not None else _gate_ratio(a, g) > 1.0
     measured = (numerics_spread(model, a.sequences, rounding_unit(info.device_type, info.dtype))
                 if wanted and not explicit and atol is None else None)
     check_, weak, measured = _logprob_check(a, g, measured, f"on {info.device_type} {info.dtype}")
@@ -850,17 +839,12 @@ def _logprob_check(a: Agreement, g: Gate, spread: Spread | None, where: str) -> 
     stats = (f"mean |Δ| {a.mean_abs_diff:.3g} (<= {g.mean_abs:g}), p90 {a.p90_abs_diff:.3g} (<= {g.p90_abs:g}), "
              f"mean |Δp| {a.mean_prob_diff:.3g} (<= {g.mean_prob:g}), max {a.max_abs_diff:.3g} over {a.tokens} "
              f"tokens {where}")
-    ratio = _nan_inf(max(a.mean_abs_diff / g.mean_abs, a.p90_abs_diff / g.p90_abs, a.mean_prob_diff / g.mean_prob,
-                         a.max_abs_diff / g.max_abs if g.max_abs else 0.0))
+    ratio = _gate_ratio(a, g)
     value = ratio
     weak: tuple[str, ...] = ()
     if spread is not None:
-        k, tiny = NUMERICS_FACTOR, 1e-12
-        # mean and p90 of |Δ logprob| only: the engine's greedy tokens are its own likeliest ones, so |Δp| on them is
-        # large beside the trainer's perturbed copy of itself (H200, 48 layers: spread |Δp| 0.007-0.03 against a
-        # healthy engine's 0.12-0.16, while mean |Δ| was 1.2-1.4x its spread at 4 to 48 layers)
-        against = _nan_inf(max(a.mean_abs_diff / (k * max(spread.mean_abs, tiny)),
-                               a.p90_abs_diff / (k * max(spread.p90_abs, tiny))))
+        k = NUMERICS_FACTOR
+        against = spread_ratio(a.mean_abs_diff, a.p90_abs_diff, spread)
         stats += (f"; the model's own numerics spread (each layer rounded by {spread.unit:.2g}): mean "
                   f"{spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g}, mean |Δp| {spread.mean_prob:.3g} "
                   f"({against * k:.2g}x it)")
@@ -871,11 +855,28 @@ def _logprob_check(a: Agreement, g: Gate, spread: Spread | None, where: str) -> 
     return Check("logprobs", value <= 1.0, value, 1.0, stats, _HINT), weak, spread
 
 
+def _gate_ratio(a: Agreement, g: Gate) -> float:
+    """The largest ratio of a logprob statistic to its gate (<= 1: within it; NaN: infinite)."""
+    return _nan_inf(max(a.mean_abs_diff / g.mean_abs, a.p90_abs_diff / g.p90_abs, a.mean_prob_diff / g.mean_prob,
+                        a.max_abs_diff / g.max_abs if g.max_abs else 0.0))
+
+
+def spread_ratio(mean: float, p90: float, spread: Spread) -> float:
+    """How far a logprob gap (mean and 90th percentile of |Δ logprob|) is from :data:`NUMERICS_FACTOR` times the
+    model's numerics spread (<= 1: within it, i.e. not evidence of another policy; NaN: infinite). |Δp| is not
+    compared: the engine's greedy tokens are its own likeliest ones, so |Δp| on them is large beside the trainer's
+    perturbed copy of itself (H200, 48 layers: spread |Δp| 0.007-0.03 against a healthy engine's 0.12-0.16, while
+    mean |Δ| was 1.2-1.4x its spread at 4 to 48 layers)."""
+    k, tiny = NUMERICS_FACTOR, 1e-12
+    return _nan_inf(max(mean / (k * max(spread.mean_abs, tiny)), p90 / (k * max(spread.p90_abs, tiny))))
+
+
 def _nan_inf(x: float) -> float:
     return float("inf") if x != x else x
 
 
 def _env_gate() -> str:
+    """``HWSYNC_VERIFY_GATE`` as set ("" when unset): an explicit gate, applied alone."""
     import os
 
     return os.environ.get("HWSYNC_VERIFY_GATE", "").strip()

@@ -845,6 +845,26 @@ def test_third_process_on_the_data_plane(base: Baseline, mode: str) -> None:
     base.restore()
 
 
+def receive_in_thread(engine: Any, manifest: Any, spec: Any, key: bytes, *, daemon: bool = False
+                      ) -> tuple[threading.Thread, list[BaseException | None]]:
+    """The engine's side of one sync over the data plane ``spec`` (data key ``key``), started in a thread; the list
+    receives ``None`` or the error it ended with."""
+    result: list[BaseException | None] = []
+
+    def receive() -> None:
+        try:
+            with engine.lock:
+                engine.prepare(manifest)
+                engine.receive_remote(manifest, spec, 1, key, spec.prefix + "abort")
+            result.append(None)
+        except BaseException as e:  # noqa: BLE001
+            result.append(e)
+
+    thread = threading.Thread(target=receive, daemon=daemon)
+    thread.start()
+    return thread, result
+
+
 def _data_plane(tag: bytes, timeout_s: float) -> tuple[socket.socket, Any, Any]:
     """A store of our own and a 2-rank data-plane spec on it (the trainer's side of a sync, without the trainer)."""
     import datetime
@@ -881,19 +901,7 @@ def _forge(base: Baseline, kind: str) -> bool:
     manifest = plan.manifest.with_version(version, None)
     sock, store, spec = _data_plane(b"\7", 5.0)
     engine_key, attacker_key = b"E" * 32, b"A" * 32
-    result: list[BaseException | None] = []
-
-    def receive() -> None:
-        try:
-            with engine.lock:
-                engine.prepare(manifest)
-                engine.receive_remote(manifest, spec, 1, engine_key, spec.prefix + "abort")
-            result.append(None)
-        except BaseException as e:  # noqa: BLE001
-            result.append(e)
-
-    thread = threading.Thread(target=receive)
-    thread.start()
+    thread, result = receive_in_thread(engine, manifest, spec, engine_key)
     from hwsync.backend import open_link
 
     # join as a trainer on this machine would (CUDA: the GPU identity exchange first, then NCCL -- or gloo, as here,

@@ -20,6 +20,7 @@ import hwsync
 from hwsync.errors import HwsyncError, StaleEngineError, SyncError
 from hwsync.testing import patched_llm
 from hwsync.testing.trainer import lora_trainer, perturb
+from test_attacks import receive_in_thread  # the engine's side of a sync over a data plane, in a thread
 
 pytestmark = pytest.mark.vllm
 
@@ -131,19 +132,7 @@ def _engine_receives(llm: Any, model: Any, spec: Any, key: bytes) -> tuple[Any, 
     engine = hwsync.as_engine(llm)
     plan = SyncPlan.make(engine, model, SyncOptions(Strategy.FULL, BUCKET_MB))
     manifest = plan.manifest.with_version(engine.state()["version"] + 1, None)
-    result: list[Any] = []
-
-    def receive() -> None:
-        try:
-            with engine.lock:
-                engine.prepare(manifest)
-                engine.receive_remote(manifest, spec, 1, key, spec.prefix + "abort")
-            result.append(None)
-        except BaseException as e:  # noqa: BLE001
-            result.append(e)
-
-    thread = threading.Thread(target=receive, daemon=True)
-    thread.start()
+    thread, result = receive_in_thread(engine, manifest, spec, key, daemon=True)
     return manifest, thread, result
 
 

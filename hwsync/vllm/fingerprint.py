@@ -370,7 +370,7 @@ def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
                 lora_out["differ"][label] = lora_out["differ"].get(label, 0) + int(n != 0)
             elif isinstance(lora_out, dict) and n != 0 and label not in lora_out["bad_slots"]:
                 lora_out["bad_slots"].append(label)
-        out["lora"] = lora_out if lora_out is not None or lora is None else None
+        out["lora"] = lora_out
     return out
 
 
