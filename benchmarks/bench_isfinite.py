@@ -6,8 +6,10 @@ layers: attention projections, fused experts, norms; ``--gb`` in all, ``--dtype`
 ``--bucket-mb`` like a sync, and times on ``--device``:
 
 * copy: one ``torch._foreach_copy_`` per bucket into preallocated destinations (the steady colocated in-place write);
-* check: ``FiniteFlags.add`` per bucket, one ``non_finite()`` at the end;
-* copy+check: both, interleaved per bucket as the receiver runs them (the overhead the ≤ 2 % budget is about).
+* check: ``FiniteFlags.open`` per bucket, one ``non_finite()`` at the end;
+* copy+check: both, interleaved per bucket (the reduction where no checking copy exists);
+* checking copy: :func:`hwsync.finite.copy_all` inside a receive (a Triton kernel on CUDA that checks as it copies:
+  the in-place write the receiver makes; the overhead the ≤ 2 % budget is about).
 
 It also checks that a NaN and an Inf in one tensor are found on that device. Prints one table.
 
@@ -22,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from hwsync.finite import FiniteFlags
+from hwsync.finite import FiniteFlags, copy_all
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -91,24 +93,35 @@ def main() -> None:
     def check() -> list[int]:
         flags = FiniteFlags()
         for k, b in enumerate(plan):
-            flags.add(k, [src[i] for i in b], [str(i) for i in b])
+            flags.open(k, [src[i] for i in b], [str(i) for i in b])
         return flags.non_finite()
 
     def both() -> None:
         flags = FiniteFlags()
         for k, b in enumerate(plan):
-            flags.add(k, [src[i] for i in b], [str(i) for i in b])
+            flags.open(k, [src[i] for i in b], [str(i) for i in b])
             torch._foreach_copy_([dst[i] for i in b], [src[i] for i in b])
         assert not flags.non_finite()
 
+    def checked() -> list[int]:
+        flags = FiniteFlags()
+        with flags.writing():
+            for k, b in enumerate(plan):
+                flags.open(k, [src[i] for i in b], [str(i) for i in b])
+                copy_all([dst[i] for i in b], [src[i] for i in b])
+        found = flags.non_finite()
+        fused[0] = flags.checked_in_copy
+        return found
+
+    fused = [0]
     assert check() == []
     for bad in (float("nan"), float("inf")):  # found on this device
         victim = src[len(src) // 2]
         keep = victim.view(-1)[7].clone()
         victim.view(-1)[7] = bad
-        found = check()
+        found, found_in_copy = check(), checked()
         victim.view(-1)[7] = keep
-        assert found, f"{bad} was not found on {dev}"
+        assert found and found_in_copy, f"{bad} was not found on {dev} (separate: {found}, in the copy: {found_in_copy})"
 
     copy()
     both()  # warm-up
@@ -118,6 +131,8 @@ def main() -> None:
     t_copy = timed(copy, args.repeat, sync)
     t_check = timed(check, args.repeat, sync)
     t_both = timed(both, args.repeat, sync)
+    t_fused = timed(checked, args.repeat, sync)
+    assert all(torch.equal(d, s_) for d, s_ in zip(dst, src)), "the checking copy wrote other values"
     peak = (torch.cuda.max_memory_allocated(dev) - base_mem) / 1e6 if cuda else float("nan")
 
     print(f"device {dev} ({torch.cuda.get_device_name(dev) if cuda else 'cpu'}), torch {torch.__version__}, "
@@ -126,9 +141,11 @@ def main() -> None:
     print("| operation | seconds | GB/s | x copy |")
     print("| --- | --- | --- | --- |")
     for name, t in (("copy (foreach_copy_ per bucket)", t_copy), ("check (foreach_norm inf per bucket, 1 read)",
-                                                                   t_check), ("copy + check, interleaved", t_both)):
+                                                                   t_check), ("copy + check, interleaved", t_both),
+                    (f"checking copy ({fused[0]} of {len(src)} tensors checked in their copy)", t_fused)):
         print(f"| {name} | {t:.4f} | {nbytes / t / 1e9:.1f} | {t / t_copy:.3f} |")
-    print(f"check overhead on the copy: {(t_both - t_copy) / t_copy * 100:+.1f} %; extra peak memory during the runs: "
+    print(f"check overhead on the copy: separate {(t_both - t_copy) / t_copy * 100:+.1f} %, in the copy "
+          f"{(t_fused - t_copy) / t_copy * 100:+.1f} %; extra peak memory during the runs: "
           f"{peak:.1f} MB" + (" (CPU: not measured)" if not cuda else ""))
 
 

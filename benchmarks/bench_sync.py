@@ -207,6 +207,40 @@ def _timed_syncs(llm: Any, model: Any, strategy: str, warmup: int, n: int, **kw:
     return statistics.median(s for s, _ in reports[warmup:]), reports[-1][1]
 
 
+class _NoFiniteCheck:
+    """The baseline of the non-finite check's cost (:mod:`hwsync.finite`): the receiver's flags with nothing checked,
+    copies plain."""
+
+    checked_in_copy = 0
+
+    def open(self, *args: Any) -> None:
+        pass
+
+    def writing(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def non_finite(self) -> list[int]:
+        return []
+
+
+def _unchecked_seconds(llm: Any, model: Any, strategy: str, n: int) -> float:
+    """Median steady sync with the receiver's non-finite check off (in-process engines only; NaN elsewhere), on
+    the same engine and trainer: what the check costs is the difference."""
+    import hwsync.receiver as receiver
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        return float("nan")
+    checked = receiver.FiniteFlags
+    receiver.FiniteFlags = _NoFiniteCheck  # type: ignore[assignment,misc]
+    try:
+        seconds, _ = _timed_syncs(llm, model, strategy, 1, n)
+    finally:
+        receiver.FiniteFlags = checked  # type: ignore[misc]
+    return seconds
+
+
 def _profile(llm: Any, model: Any, strategy: str, syncs: int = 10) -> None:
     """Where steady-state syncs spend their time: cProfile over ``syncs`` syncs (by cumulative and by own time), and
     on CUDA the kernels they launch (torch.profiler: count and device time), so Python overhead and device work can
@@ -354,6 +388,9 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
               f"steady {peaks[0] / 1e9 if peaks else 0:.2f}/{max(peaks[1:], default=0) / 1e9:.2f} GB; the first sync "
               f"holds {held[0] / 1e9:.2f} GB more after it than before, peak {held[1] / 1e9:.2f} GB over before",
               flush=True)  # kept if vLLM's own path below fails
+        unchecked = _unchecked_seconds(llm, model, strategy, args.syncs)
+        print(f"{strategy}: steady without the non-finite check {unchecked * 1e3:.2f} ms: the check costs "
+              f"{(seconds - unchecked) / unchecked * 100:+.1f} %", flush=True)
         if args.profile:
             _profile(llm, model, strategy)
         ours = _logprobs(llm, report.lora_request)
@@ -404,7 +441,8 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         row = {"layers": args.layers, "strategy": strategy, "rank": args.rank if report.lora_tensors else 0,
                "tensors": report.tensors, "MB": report.bytes / 1e6,
                "first_s": times[0], "second_s": times[1] if len(times) > 1 else float("nan"),
-               "seconds": seconds, "GB/s": report.bytes / 1e9 / seconds, "copy_s": copy, "x_copy": seconds / copy,
+               "seconds": seconds, "unchecked_s": unchecked, "check_%": (seconds - unchecked) / unchecked * 100,
+               "GB/s": report.bytes / 1e9 / seconds, "copy_s": copy, "x_copy": seconds / copy,
                "of_which_cache_reset_s": reset,
                "peak_extra_first_GB": peaks[0] / 1e9 if peaks else float("nan"),
                "peak_extra_steady_GB": max(peaks[1:], default=float("nan")) / 1e9 if peaks else float("nan"),
@@ -654,7 +692,7 @@ def _scaling(counts: list[int], argv: list[str], json_path: str | None) -> int:
             else:
                 rows.append({"layers": n, "strategy": "(failed)", "rc": code})
     keys = ["layers", "strategy", "rank", "MB", "first_s", "second_s", "seconds", "GB/s", "peak_first_over_before_GB",
-            "held_after_first_GB", "peak_extra_first_GB",
+            "check_%", "held_after_first_GB", "peak_extra_first_GB",
             "peak_extra_steady_GB", "adapter_GB", "vllm_path_s", "slots_equal", "base_equal",
             "Δ_vs_vllm_path", "Δ_repeat"]
     _print("scaling (one process per layer count)", [{k: r.get(k, "") for k in keys} for r in rows])

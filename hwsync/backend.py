@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import Tensor
 
 from hwsync.errors import BackendUnavailableError
 
@@ -115,6 +116,12 @@ class Backend(abc.ABC):
         Nothing runs while recording. Used for the per-sync copies whose tensors stay put (:mod:`hwsync.replay`):
         thousands of kernel launches become one."""
         return None
+
+    def checked_copy(self, dst: Tensor, src: Tensor, flag: Tensor) -> bool:
+        """``dst.copy_(src)`` that also sets ``flag`` (a device ``int32``) to 1 where ``src`` holds a NaN or an
+        infinity, reading ``src`` once; ``False`` (nothing done) where this backend has no such copy for these
+        tensors, and the caller copies and checks separately (:func:`hwsync.finite.copy_`)."""
+        return False
 
     def owns(self, device: DeviceLike) -> bool:
         """True when ``device`` is of this backend's kind."""

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from hwsync.errors import LayoutError
+from hwsync.finite import copy_
 
 __all__ = [
     "ExpertLayout",
@@ -384,7 +385,7 @@ def _scatter_rows(dst_view: Tensor, src: Tensor, sel: _Selection) -> None:
     """``dst_view[slots] = src[rows]`` with one kernel where the selection allows it (see :class:`_Selection`)."""
     with torch.no_grad():
         if sel.mode == "strided":
-            _rows(dst_view, *sel.dst, sel.count).copy_(_rows(src, *sel.src, sel.count))
+            copy_(_rows(dst_view, *sel.dst, sel.count), _rows(src, *sel.src, sel.count))  # NaN/Inf checked there
             return
         if sel.mode == "gather":
             region = _rows(dst_view, *sel.dst, sel.count)

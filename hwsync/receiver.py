@@ -17,8 +17,8 @@ Consistency rules
 * Base weights stream into the engine as they arrive (memory stays bounded by a bucket, not the model). From the
   first base write until the sync completes the receiver is **stale**: generation through hwsync refuses with
   :class:`~hwsync.errors.StaleEngineError` until a complete sync lands.
-* A sync carrying NaN or infinite values never completes (:mod:`hwsync.finite`: one device reduction per bucket,
-  read once after the last): base weights leave the engine stale, an adapter is refused before it is installed.
+* A sync carrying NaN or infinite values never completes (:mod:`hwsync.finite`: checked in the copy that writes it, or one
+  device reduction per bucket; read once after the last): base weights leave the engine stale, an adapter is refused before it is installed.
 
 The contract with an :class:`Applier` is explicit: a load returns :class:`Loaded` (how it wrote, and the adapter
 identity it installed), or raises. An error wrapped in :class:`NothingWritten` says the engine is exactly as before
@@ -224,7 +224,7 @@ class Receiver:
                     if len(tensors) != len(bucket.entries):
                         raise SyncError(f"bucket {bucket.index} carries {len(tensors)} tensors, manifest says "
                                         f"{len(bucket.entries)}")
-                    finite.add(bucket.index, tensors, [specs[i].name for i in bucket.entries])
+                    finite.open(bucket.index, tensors, [specs[i].name for i in bucket.entries])
                     for i, t in zip(bucket.entries, tensors):
                         spec = specs[i]
                         if tuple(t.shape) != spec.shape:
@@ -248,7 +248,7 @@ class Receiver:
             try:
                 if has_base:
                     weights = stream()
-                    with phase("base weights received and loaded"):
+                    with phase("base weights received and loaded"), finite.writing():
                         paths.append(self.applier.load_base(plan, weights).how)
                     for _ in weights:  # a loader that stopped early must not leave buckets unread
                         raise SyncError("engine loader stopped before the last base tensor")

@@ -38,6 +38,11 @@ class CudaBackend(AcceleratorBackend):
 
         return open_cuda_link(store, spec, rank, device)
 
+    def checked_copy(self, dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor) -> bool:
+        from hwsync.cuda.checked_copy import checked_copy
+
+        return checked_copy(dst, src, flag)
+
     def capture(self, work: Callable[[], None], device: torch.device) -> Callable[[], None] | None:
         """A CUDA graph of ``work``, recorded on a side stream (``thread_local``: other threads' CUDA calls, e.g. an
         in-process engine's, do not break the recording). Memory ``work`` allocates stays with the graph."""

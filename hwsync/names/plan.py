@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from hwsync.errors import ResolutionError
+from hwsync.finite import copy_all
 from hwsync.layouts import (
     copy_expert_shards_,
     copy_w2_,
@@ -141,7 +142,7 @@ class NameMap:
                         else:
                             bucket.append((e, str(tg.shard_id), t))
             if dense_dst:
-                torch._foreach_copy_(dense_dst, dense_src)
+                copy_all(dense_dst, dense_src)  # checked for NaN/Inf as it copies, inside a receive
             for pname, bucket in per_expert.items():
                 g = self.namespace.group_of(pname)
                 assert g is not None and g.sharding is not None

@@ -171,22 +171,21 @@ class FaultInjector:
         self.layer = layer
         self._repair: Any = None
 
-    def _reference(self) -> dict[str, Tensor]:
+    def _layer_experts(self) -> dict[str, Tensor]:
+        """The corrupted layer's fused expert tensors as the sync sends them (copies of those alone: a 48-layer
+        model's whole base would not fit beside it)."""
         from hwsync.api import last_plan
         from hwsync.verify import reference_tensors
 
         plan = last_plan(self.engine, self.model)
         assert plan is not None, "the model was never synced into this engine"
         _, pairs = reference_tensors(self.model, plan)
-        return {s.name: t.detach().to(s.dtype).clone() for s, t in pairs if s.kind == "base"}
-
-    def _layer_experts(self, ref: dict[str, Tensor]) -> dict[str, Tensor]:
-        names = [n for n in ref if ".mlp.experts." in n and n.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")]
-        layers = sorted({int(n.split(".layers.")[1].split(".")[0]) for n in names})
+        experts = {s.name: (s, t) for s, t in pairs if s.kind == "base" and _fused_experts(s.name)}
+        layers = sorted({_layer_of(n) for n in experts})
         if not layers:
             raise RuntimeError("the model has no fused MoE expert tensors to corrupt")
         layer = layers[self.layer]
-        return {n: ref[n] for n in names if f".layers.{layer}." in n}
+        return {n: t.detach().to(s.dtype).clone() for n, (s, t) in experts.items() if _layer_of(n) == layer}
 
     def _rpc(self, fn: Any, *args: Any) -> Any:
         return self.llm.collective_rpc(fn, args=args)[0]
@@ -243,7 +242,7 @@ class FaultInjector:
             with self._weights(previous):
                 hwsync.sync(self.llm, self.model, strategy=self._strategy())
         else:
-            good = self._layer_experts(self._reference())
+            good = self._layer_experts()
             self._repair = ("write", good)
             if fault == "post-load skipped":
                 if not self._write(good, skip_post_load=True):
@@ -251,7 +250,7 @@ class FaultInjector:
             elif fault == "layer experts not written":
                 assert previous is not None, "layer experts not written needs the previous weights"
                 with self._weights(previous):
-                    old = self._layer_experts(self._reference())
+                    old = self._layer_experts()
                 self._write(old)
             elif fault == "experts transposed":
                 self._write({n: t.transpose(-1, -2).contiguous().reshape(t.shape) for n, t in good.items()})
@@ -323,13 +322,40 @@ def _swap_halves(t: Tensor) -> Tensor:
 
 
 # -- a campaign: healthy syncs, then every fault, on one engine ------------------------------------------------------
-def _perturb(model: torch.nn.Module, gen: torch.Generator, *, base: bool) -> None:
-    """One "optimizer step": LoRA factors move, and with ``base`` every weight; drawn on each parameter's device
-    (a generator per device seeded from ``gen``: a 48-layer model is not drawn on the CPU)."""
+def _fused_experts(name: str) -> bool:
+    return ".mlp.experts." in name and name.rsplit(".", 1)[-1] in ("gate_up_proj", "down_proj")
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".layers.")[1].split(".")[0])
+
+
+def moving(model: torch.nn.Module, base: bool, budget: float | None = None) -> set[str]:
+    """The parameters a campaign's "optimizer step" moves: the LoRA factors, and with ``base`` every floating-point
+    weight -- or, where copies of them all would take more than ``budget`` bytes (default: a quarter of the free
+    device memory; none on CPU), the weights of the last decoder layer (the one :class:`FaultInjector` corrupts): a
+    48-layer model's base is 60 GB, and the campaign keeps up to three copies of what moves."""
+    lora = {n for n, _ in model.named_parameters() if "lora_" in n}
+    if not base:
+        return lora
+    weights = {n: p for n, p in model.named_parameters() if "lora_" not in n and p.is_floating_point()}
+    if budget is None:
+        device = next(iter(weights.values())).device if weights else torch.device("cpu")
+        budget = float("inf") if device.type == "cpu" else torch.cuda.mem_get_info(device)[0] / 4
+    if sum(p.numel() * p.element_size() for p in weights.values()) <= budget:
+        return lora | set(weights)
+    layered = [n for n in weights if ".layers." in n]
+    last = max((_layer_of(n) for n in layered), default=None)
+    return lora | {n for n in layered if _layer_of(n) == last}
+
+
+def _perturb(model: torch.nn.Module, gen: torch.Generator, names: set[str]) -> None:
+    """One "optimizer step" of the parameters ``names`` (:func:`moving`); drawn on each parameter's device (a
+    generator per device seeded from ``gen``: a 48-layer model is not drawn on the CPU)."""
     gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_" not in name and not (base and p.is_floating_point()):
+            if name not in names:
                 continue
             g = gens.get(p.device)
             if g is None:
@@ -342,9 +368,9 @@ def _perturb(model: torch.nn.Module, gen: torch.Generator, *, base: bool) -> Non
                 p.mul_((1 + noise * 0.02).to(p.dtype))
 
 
-def _snapshot(model: torch.nn.Module, base: bool = True) -> dict[str, Tensor]:
-    """The parameters a step changes (the LoRA factors alone without ``base``: the frozen base stays as it is)."""
-    return {n: p.detach().clone() for n, p in model.named_parameters() if base or "lora_" in n}
+def _snapshot(model: torch.nn.Module, names: set[str]) -> dict[str, Tensor]:
+    """Copies of the parameters a step changes (:func:`moving`)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
 
 
 def metrics(report: Any) -> dict[str, float]:
@@ -367,18 +393,18 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
     from hwsync.verify import check
 
     gen = torch.Generator().manual_seed(seed)
-    base = strategy == "full"
+    steps_move = moving(model, base=strategy == "full")
     healthy: list[dict[str, Any]] = []
     snap = previous = None
     for step in range(steps):
-        previous = _snapshot(model, base)
+        previous = _snapshot(model, steps_move)
         if step == 13 and snap is not None:
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     if n in snap:
                         p.copy_(snap[n])
         elif step != 8:
-            _perturb(model, gen, base=base)
+            _perturb(model, gen, steps_move)
         report = hwsync.sync(llm, model, strategy=strategy)
         assert report is not None  # an engine was passed
         r = check(llm, model, prompts)
@@ -387,11 +413,11 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
         if log:
             log(f"{strategy} healthy sync {step}: {'ok' if r.ok else 'FALSE ALARM: ' + r.message()}")
         if step == 4:
-            snap = _snapshot(model, base)
+            snap = _snapshot(model, steps_move)
     # one more step: the trainer's "previous" weights differ from the engine's current ones
-    moves_base = strategy != "adapter"
-    previous = _snapshot(model, moves_base)
-    _perturb(model, gen, base=moves_base)
+    last_move = moving(model, base=strategy != "adapter")
+    previous = _snapshot(model, last_move)
+    _perturb(model, gen, last_move)
     hwsync.sync(llm, model, strategy=strategy)
     out: dict[str, Any] = {"strategy": strategy, "healthy": healthy, "faults": {}, "repaired": {}}
     injector = FaultInjector(llm, model)

@@ -1,0 +1,65 @@
+"""A copy that checks as it copies: ``dst = src`` and "did ``src`` hold a NaN or an infinity", in one read of ``src``.
+
+Why: refusing non-finite weights (:mod:`hwsync.finite`) with a separate reduction reads every synced byte a second
+time: +75% on a 60 GB in-place full sync on an H200 (32.6 ms over a 43.4 ms copy). Checking inside the copy that
+writes the weights costs a compare per element that the copy's memory traffic hides.
+
+One Triton kernel per contiguous pair of equal dtype (bf16, fp16, fp32); the flag is an ``int32`` on the device,
+set to 1 by any block that saw a non-finite value (no host synchronization). Anything else is left to the caller
+(:func:`hwsync.finite.copy_`), which copies and reduces separately.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["checked_copy", "available"]
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_BLOCK = 4096
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_check(src, dst, n, flag, BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr spelling
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(src + offs, mask=mask, other=0)
+        tl.store(dst + offs, x, mask=mask)
+        y = x.to(tl.float32)
+        bad = tl.max(((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32), axis=0)
+        if bad > 0:
+            tl.store(flag, 1)
+
+    return copy_check
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton can run here (the kernel is compiled at its first use)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def checked_copy(dst: Tensor, src: Tensor, flag: Tensor) -> bool:
+    """``dst.copy_(src)``, setting ``flag`` (int32, on the tensors' device) to 1 if ``src`` holds a NaN or an
+    infinity. ``False`` (nothing done) unless both are contiguous CUDA tensors of one checked dtype and size."""
+    if not (src.is_cuda and dst.device == src.device == flag.device and dst.dtype == src.dtype in _DTYPES
+            and dst.numel() == src.numel() and src.is_contiguous() and dst.is_contiguous() and available()):
+        return False
+    n = src.numel()
+    if n:
+        with torch.cuda.device(src.device):
+            _kernel()[(-(-n // _BLOCK),)](src, dst, n, flag, BLOCK=_BLOCK, num_warps=8)
+    return True
+

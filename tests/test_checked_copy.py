@@ -1,0 +1,59 @@
+"""The copy that checks as it copies (:mod:`hwsync.cuda.checked_copy`, used by :mod:`hwsync.finite` inside a
+receive): same bytes as ``copy_``, NaN and +-Inf found in any block, the rest left to the separate reduction.
+
+CUDA only (the kernel is Triton's); on CPU the receiver's reduction path is what tests/test_attacks_reliability.py
+runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hwsync.finite import FiniteFlags, copy_, copy_all
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the checking copy is a CUDA (Triton) kernel")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_checking_copy_writes_the_same_bytes_and_finds_non_finite(dtype: torch.dtype, bad: float | None) -> None:
+    srcs = [torch.randn(n, device="cuda").to(dtype) for n in (1, 4095, 4096, 4097, 3 * 4096 + 5, 1 << 20)]
+    if bad is not None:
+        srcs[4].view(-1)[-1] = bad  # the last element of a partial block
+    dsts = [torch.empty_like(s) for s in srcs]
+    flags = FiniteFlags()
+    with flags.writing():
+        flags.open(0, srcs[:3], ["a", "b", "c"])
+        copy_all(dsts[:3], srcs[:3])
+        flags.open(1, srcs[3:], ["d", "e", "f"])
+        copy_all(dsts[3:5], srcs[3:5])
+        copy_(dsts[5], srcs[5])
+    assert flags.non_finite() == ([] if bad is None else [1])
+    assert flags.checked_in_copy == len(srcs)
+    for d, s in zip(dsts, srcs):
+        assert torch.equal(d.view(torch.uint8), s.view(torch.uint8))
+
+
+@cuda
+def test_what_no_checking_copy_reads_is_reduced_when_the_bucket_closes() -> None:
+    whole = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    whole[40, 3] = float("nan")  # in rows a sliced copy does not write
+    other = torch.randn(8, device="cuda", dtype=torch.bfloat16)
+    other[2] = float("inf")  # never written by a copy at all (a loader's tensor, the adapter)
+    dst = torch.zeros(16, 32, device="cuda", dtype=torch.bfloat16)
+    flags = FiniteFlags()
+    with flags.writing():
+        flags.open(0, [whole], ["whole"])
+        copy_(dst, whole[:16])  # a piece, not the bucket tensor: copied plainly, the tensor reduced at close
+        flags.open(1, [other], ["other"])
+    assert flags.non_finite() == [0, 1]
+    assert flags.checked_in_copy == 0
+    assert torch.equal(dst, whole[:16])
+
+
+def test_outside_a_receive_copies_are_plain_copies() -> None:
+    src = torch.tensor([1.0, float("nan")])
+    dst = torch.zeros(2)
+    copy_(dst, src)
+    copy_all([dst], [src])
+    assert dst[0] == 1 and dst[1].isnan()
