@@ -8,6 +8,7 @@ Reference: the same engine's output and LoRA slots before the sleep (same weight
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -154,13 +155,52 @@ def test_trls_reload_after_wake_is_hwsyncs_refill(engine: tuple[Any, Any], tiny_
     assert _logprobs(llm) == out
 
 
+def test_every_entry_point_is_watched(engine: tuple[Any, Any], tiny_qwen3_moe_dir: Path) -> None:
+    """A level-2 sleep (or a discard of the weights) is seen whichever way vLLM is asked for it: ``LLM.sleep`` (the
+    ``/sleep`` route's path from ``EngineCore.sleep`` down), ``collective_rpc("sleep")`` and the executor's
+    ``discard``. Each is refused for syncs while asleep, stale after the wake, and refilled by the next sync; an
+    unseen one would leave the engine serving the discarded garbage."""
+    from hwsync.patches.vllm_sleep_watch import observer_of
+
+    llm, stand_in = engine
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, lora_dropout=0.0)
+    perturb(model, 8)
+    hwsync.sync(llm, model)
+    watch = observer_of(worker_of(llm))
+    assert watch.observed  # the stand-in sits on the instance, where vLLM's dispatch finds it; the watch around it
+    executor = llm.llm_engine.model_executor
+    entries = {
+        "LLM.sleep": (lambda: llm.sleep(level=2), llm.wake_up),
+        "collective_rpc": (lambda: llm.collective_rpc("sleep", kwargs={"level": 2}),
+                           lambda: llm.collective_rpc("wake_up", kwargs={"tags": None})),
+        "discard": (lambda: executor.discard(("weights",)), lambda: executor.wake_up(["weights"])),
+    }
+    for name, (sleep, wake) in entries.items():
+        discards = stand_in.discards
+        sleep()
+        assert stand_in.discards == discards + 1, name
+        assert watch.asleep is not None and watch.discarded is not None and not watch.discarded.woke, name
+        with pytest.raises(EngineAsleepError):
+            hwsync.sync(llm, model)
+        wake()
+        assert watch.asleep is None and watch.discarded.woke, name
+        with pytest.raises(StaleEngineError):
+            _logprobs(llm)
+        refill = hwsync.sync(llm, model)
+        assert "full refill" in refill.reason and watch.discarded is None, (name, refill.reason)
+
+
 def test_refill_takes_first_sync_path_where_addresses_moved(tiny_qwen3_moe_dir: Path) -> None:
     """A wake that gives parameters new storage: detected, every in-place plan dropped, the refill goes through
     vLLM's reload and adapter activation, and the engine serves exactly as before; in-place writes through the
-    addresses learnt before the sleep would have landed in storage no kernel reads."""
+    addresses learnt before the sleep would have landed in storage no kernel reads. Closed, the engine leaves no
+    worker behind, so the sleep watch's hold on vLLM's dispatch (patch ``vllm_sleep_watch``) goes with it."""
+    import weakref
+
     from hwsync.vllm.worker import receiver_of
 
     llm, stand_in = _engine(tiny_qwen3_moe_dir, remap=True)
+    worker = weakref.ref(worker_of(llm))
     try:
         model = lora_trainer(tiny_qwen3_moe_dir, ATTN, lora_dropout=0.0)
         perturb(model, 5)
@@ -180,3 +220,6 @@ def test_refill_takes_first_sync_path_where_addresses_moved(tiny_qwen3_moe_dir: 
         assert _logprobs(llm) == out
     finally:
         close_llm(llm)
+    del llm, stand_in, applier
+    gc.collect()
+    assert worker() is None, "the closed engine's worker is still alive"

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hwsync.patches.vllm_sleep_watch import observer_of
+
 __all__ = ["StandInSleep", "stand_in_sleep", "worker_of"]
 
 
@@ -83,14 +85,14 @@ class StandInSleep:
 
 def stand_in_sleep(llm: Any, *, remap: bool = False) -> StandInSleep:
     """Make ``llm``'s worker sleep as the CUDA build does (see the module docstring); returns the stand-in. It takes
-    the place of vLLM's own worker methods, so it goes on before hwsync first touches the engine (hwsync's watch then
-    wraps it, as it wraps vLLM's methods on a GPU)."""
+    the place of vLLM's own worker methods (instance attributes, which vLLM's dispatch finds first), so it goes on
+    before hwsync first touches the engine; hwsync's watch then runs around it, as around vLLM's methods on a GPU."""
     worker = worker_of(llm)
-    if "_hwsync_sleep" in worker.__dict__:
+    if observer_of(worker) is not None:
         from hwsync.errors import FixtureConfigError
 
         raise FixtureConfigError("stand_in_sleep(llm) must be installed before hwsync first touches the engine "
-                                 "(hwsync's sleep watch wraps the worker's methods at its first call)")
+                                 "(hwsync's sleep watch observes the worker's methods from its first call)")
     stand_in = StandInSleep(worker, remap)
     sleep, wake_up, discard = worker.sleep, worker.wake_up, worker.discard
 

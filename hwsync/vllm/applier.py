@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from hwsync.errors import AdapterFormatError, ResolutionError, SyncError
+from hwsync.patches.vllm_sleep_watch import observer_of
 from hwsync.progress import counted, phase
 from hwsync.receiver import Loaded, NothingWritten
 from hwsync.vllm.lora_slots import NOT_TRACED
@@ -665,7 +666,7 @@ class VllmApplier:
     def _refilled(self, refill: Discarded) -> None:
         if self._refill is refill:
             self._refill = None
-        watch = self.worker.__dict__.get("_hwsync_sleep")
+        watch = observer_of(self.worker)
         if watch is not None and watch.discarded is refill:
             watch.refilled()
 

@@ -1,17 +1,21 @@
 """vLLM's sleep mode as hwsync sees it, per worker: asleep or not, and what a level-2 sleep discarded.
 
 vLLM 0.32 sleeps a worker through ``Worker.sleep(level)`` / ``Worker.wake_up(tags)`` / ``Worker.discard(tags)``
-(``LLM.sleep``, the ``/sleep`` route and ``collective_rpc`` all end there). Level 1 offloads the weights pool to host
-memory and copies it back; level 2 (and a discard of the ``weights`` tag) saves the parameters named in
-``model_config.sleep_preserve_parameter_names`` and every buffer, then unmaps the pool: on wake CuMemAllocator maps
-fresh memory at the same virtual addresses, contents undefined, and vLLM copies the saved parameters and buffers back.
-Everything else in the pool -- parameters, LoRA slot tensors, tensors a layer's post-load processing derived --
-holds garbage until someone writes it.
+(``LLM.sleep``, the ``/sleep`` route and ``collective_rpc`` all end there, called by name through the executor's RPC).
+Level 1 offloads the weights pool to host memory and copies it back; level 2 (and a discard of the ``weights`` tag)
+saves the parameters named in ``model_config.sleep_preserve_parameter_names`` and every buffer, then unmaps the pool:
+on wake CuMemAllocator maps fresh memory at the same virtual addresses, contents undefined, and vLLM copies the saved
+parameters and buffers back. Everything else in the pool -- parameters, LoRA slot tensors, tensors a layer's post-load
+processing derived -- holds garbage until someone writes it.
 
-:class:`SleepWatch` wraps those three methods **of the worker instance** (nothing of vLLM's classes is patched): the
-one place every sleep backend, the CPU and NPU workers included, is dispatched from, and the one that knows the
-level. vLLM's sleep-mode backend factory (``SleepModeBackendFactory``) is chosen by name in the engine's config and
-is only reached by the GPU worker, so it cannot tell hwsync about every sleep. On a level-2 sleep the watch
+:class:`SleepWatch` observes those three calls of one worker. vLLM has no hook for it: a worker extension is
+appended behind the worker class's bases and may not name ``sleep`` (vLLM asserts), and the sleep-mode backend
+(``SleepModeBackendFactory``) only the GPU worker reaches. Every sleep path does reach the worker through its
+``WorkerWrapperBase``, by name: the ledgered patch ``vllm_sleep_watch`` (:mod:`hwsync.patches.vllm_sleep_watch`) hands
+the watch each of those calls there, around whatever the worker's method is (any worker class: GPU, CPU, NPU). The
+watch holds that patch while its worker lives; nothing of vLLM stays patched once no watched worker is left.
+
+On a level-2 sleep the watch
 
 * records what is discarded (:class:`Discarded`): parameters not preserved by vLLM, module paths holding other device
   tensors (LoRA slots and vLLM's logits mapping are refilled by hwsync; anything else only a layer's post-load
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +40,7 @@ import torch
 from torch import Tensor
 
 from hwsync.errors import EngineAsleepError
+from hwsync.patches.vllm_sleep_watch import observe, observer_of
 
 __all__ = ["Discarded", "SleepWatch", "check_awake", "device_tensors", "watch"]
 
@@ -111,7 +117,8 @@ def _inventory(worker: Any, reason: str) -> Discarded:
 
 
 class SleepWatch:
-    """The sleep state of one worker, kept by wrapping its ``sleep`` / ``wake_up`` / ``discard`` (:func:`watch`)."""
+    """The sleep state of one worker. vLLM's dispatch hands it each ``sleep`` / ``wake_up`` / ``discard`` of the worker
+    (patch ``vllm_sleep_watch``) as ``(the worker's method, *args)``; it runs that method and keeps the state."""
 
     def __init__(self, worker: Any, on_discard: Callable[[Discarded], None],
                  on_wake: Callable[[Discarded], None]) -> None:
@@ -121,32 +128,34 @@ class SleepWatch:
         self.discarded: Discarded | None = None
         """The last level-2 sleep's discard, until a sync refilled it (:meth:`refilled`)."""
         self.sleeps = 0
+        self.observed = False
+        """Whether vLLM's calls reach this watch (the patch is held); ``False``: sleeps go unseen."""
         self._on_discard = on_discard
         self._on_wake = on_wake
 
-    def _sleep(self, inner: Callable[..., Any], level: int = 1, *args: Any, **kwargs: Any) -> Any:
+    def sleep(self, inner: Callable[..., Any], level: int = 1, *args: Any, **kwargs: Any) -> Any:
         level = int(kwargs.pop("level", level))
         if level >= 2:
-            self._discard(f"vLLM's level-{level} sleep discarded the engine's weights")
+            self._lose(f"vLLM's level-{level} sleep discarded the engine's weights")
         result = inner(*args, level=level, **kwargs)
         self.sleeps += 1
         self.asleep = f"vLLM sleep level {level}"
         return result
 
-    def _discard_tags(self, inner: Callable[..., Any], tags: Any, *args: Any, **kwargs: Any) -> Any:
+    def discard(self, inner: Callable[..., Any], tags: Any, *args: Any, **kwargs: Any) -> Any:
         if "weights" in tuple(tags):
-            self._discard("vLLM discarded the engine's weights (discard of the weights tag)")
+            self._lose("vLLM discarded the engine's weights (discard of the weights tag)")
         result = inner(tags, *args, **kwargs)
         if "weights" in tuple(tags):
             self.asleep = "vLLM discarded the weights tag"
         return result
 
-    def _discard(self, reason: str) -> None:
+    def _lose(self, reason: str) -> None:
         """Before the memory goes: what it holds and where, then the receiver learns the base is gone."""
         self.discarded = _inventory(self.worker, reason)
         self._on_discard(self.discarded)
 
-    def _wake(self, inner: Callable[..., Any], tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
+    def wake_up(self, inner: Callable[..., Any], tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
         tags = kwargs.pop("tags", tags)
         result = inner(*args, tags=tags, **kwargs)
         if tags is None or "weights" in tags:
@@ -168,30 +177,33 @@ class SleepWatch:
 
 
 def watch(worker: Any, on_discard: Callable[[Discarded], None], on_wake: Callable[[Discarded], None]) -> SleepWatch:
-    """The worker's :class:`SleepWatch`, its ``sleep`` / ``wake_up`` / ``discard`` wrapped once (instance
-    attributes: whatever another wrapper put there before is called inside)."""
-    held = worker.__dict__.get("_hwsync_sleep")
-    if held is not None:
+    """The worker's :class:`SleepWatch` (one per worker), registered as its sleep observer, holding the patch that
+    lets vLLM's dispatch reach it until the worker is collected. Where the patch is switched off
+    (``HWSYNC_DISABLE_PATCHES``) or its probe does not apply, sleeps go unseen, and the log says so."""
+    import hwsync.patches as patches
+
+    held = observer_of(worker)
+    if isinstance(held, SleepWatch):
         return held
     w = SleepWatch(worker, on_discard, on_wake)
-    for name, hook in (("sleep", w._sleep), ("wake_up", w._wake), ("discard", w._discard_tags)):
-        inner = getattr(worker, name, None)
-        if inner is None:
-            continue
-
-        def wrapped(*args: Any, _hook: Any = hook, _inner: Any = inner, **kwargs: Any) -> Any:
-            return _hook(_inner, *args, **kwargs)
-
-        wrapped._hwsync_sleep_hook = True  # type: ignore[attr-defined]
-        worker.__dict__[name] = wrapped
-    worker.__dict__["_hwsync_sleep"] = w
+    observe(worker, w)
+    patch = patches.get("vllm_sleep_watch")
+    if patch.name not in patches.disabled():
+        scope = patch.scoped()
+        scope.__enter__()
+        w.observed = patch.active
+        weakref.finalize(worker, scope.__exit__, None, None, None)
+    if not w.observed:
+        logger.warning("hwsync: vLLM's sleep and wake of this worker are not observed (patch vllm_sleep_watch: %s); "
+                       "sync after a level-2 sleep with strategy='full'", "switched off by HWSYNC_DISABLE_PATCHES"
+                       if patch.name in patches.disabled() else patch.probe().reason)
     return w
 
 
 def check_awake(worker: Any, what: str) -> None:
     """Refuse ``what`` (a worker function that reads or writes weights) while the weights are not resident."""
-    w = worker.__dict__.get("_hwsync_sleep")
-    asleep = w.asleep if w is not None else None
+    w = observer_of(worker)
+    asleep = w.asleep if isinstance(w, SleepWatch) else None
     backend = worker.__dict__.get("_sleep_mode_backend")  # vLLM's GPU worker, before hwsync watched it
     if asleep is None and backend is not None and getattr(backend, "state", lambda: "RUNNING")() != "RUNNING":
         asleep = f"vLLM's sleep-mode backend is {backend.state()}"
