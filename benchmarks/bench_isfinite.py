@@ -65,6 +65,26 @@ def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> fl
     return best
 
 
+def sweep(time_checked: Callable[[], float], t_copy: float) -> None:
+    """Time the checking copy's kernel per (BLOCK, TILES, WARPS); keep the fastest for the rows below."""
+    import itertools
+
+    import hwsync.cuda.checked_copy as cc
+
+    rows = []
+    for block, tiles, warps in itertools.product((2048, 4096, 8192), (1, 2, 4, 8, 16), (2, 4, 8)):
+        if block // (32 * warps) < 4 or block // (32 * warps) > 128:  # fewer than 4 elements a thread: not a copy kernel's shape
+            continue
+        cc.BLOCK, cc.TILES, cc.WARPS = block, tiles, warps
+        rows.append((time_checked(), block, tiles, warps))
+    rows.sort()
+    print("| BLOCK | TILES | WARPS | seconds | x copy |\n| --- | --- | --- | --- | --- |")
+    for t, block, tiles, warps in rows[:8] + rows[-2:]:
+        print(f"| {block} | {tiles} | {warps} | {t:.4f} | {t / t_copy:.3f} |")
+    _, cc.BLOCK, cc.TILES, cc.WARPS = rows[0]
+    print(f"fastest: BLOCK={cc.BLOCK} TILES={cc.TILES} WARPS={cc.WARPS} ({len(rows)} tried)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=0.25, help="bytes of weights in all, in GB (default 0.25)")
@@ -73,6 +93,9 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=512.0)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true",
+                    help="CUDA: time the checking copy's kernel over tile sizes, tiles per program and warps first, "
+                         "and use the fastest")
     args = ap.parse_args()
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -125,6 +148,8 @@ def main() -> None:
 
     copy()
     both()  # warm-up
+    if args.sweep and cuda:
+        sweep(lambda: timed(checked, 3, sync), timed(copy, 3, sync))
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
         base_mem = torch.cuda.memory_allocated(dev)

@@ -19,7 +19,9 @@ from torch import Tensor
 __all__ = ["checked_copy", "available"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_BLOCK = 4096
+BLOCK, TILES, WARPS = 4096, 4, 4
+"""Elements per tile, tiles per program (the flag is reduced once per program, not per tile), warps per program:
+picked by ``benchmarks/bench_isfinite.py --sweep`` on an H200 (docs/performance.md)."""
 
 
 @functools.cache
@@ -28,14 +30,17 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def copy_check(src, dst, n, flag, BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr spelling
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(src + offs, mask=mask, other=0)
-        tl.store(dst + offs, x, mask=mask)
-        y = x.to(tl.float32)
-        bad = tl.max(((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32), axis=0)
-        if bad > 0:
+    def copy_check(src, dst, n, flag, BLOCK: tl.constexpr, TILES: tl.constexpr):  # noqa: N803 - Triton's spelling
+        start = tl.program_id(0).to(tl.int64) * (BLOCK * TILES)
+        seen = tl.zeros([BLOCK], dtype=tl.int32)
+        for t in range(TILES):
+            offs = start + t * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(src + offs, mask=mask, other=0)
+            tl.store(dst + offs, x, mask=mask)
+            y = x.to(tl.float32)
+            seen |= ((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32)
+        if tl.max(seen, axis=0) > 0:
             tl.store(flag, 1)
 
     return copy_check
@@ -59,7 +64,8 @@ def checked_copy(dst: Tensor, src: Tensor, flag: Tensor) -> bool:
         return False
     n = src.numel()
     if n:
+        per = BLOCK * TILES
         with torch.cuda.device(src.device):
-            _kernel()[(-(-n // _BLOCK),)](src, dst, n, flag, BLOCK=_BLOCK, num_warps=8)
+            _kernel()[(-(-n // per),)](src, dst, n, flag, BLOCK=BLOCK, TILES=TILES, num_warps=WARPS)
     return True
 
