@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         llm = bs._engine(path, dtype, max(r for _, r in runs))  # one engine for every run, as a job keeps its own
         for strategy, rank in runs:
             rows.append(run(llm, path, strategy, rank, args, dtype))
+            if args.json:  # run by run: a later run that fails keeps what was measured
+                Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     print(f"\nGRPO step, {args.shapes} x {args.layers} layers, {dtype}, {'GPU' if gpu else 'CPU'}: "
           f"{args.prompts} prompts x {args.samples} samples x {args.tokens} tokens, medians of steps 2..{args.steps}")
     _print(rows)
