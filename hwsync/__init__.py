@@ -80,6 +80,7 @@ _LAZY: dict[str, str] = {
     "SyncReport": "hwsync.report",
     "Strategy": "hwsync.wire",
     "as_engine": "hwsync.api",
+    "TransferBackendEngine": "hwsync.transfer_backend",
     "connect": "hwsync.server",
     "serve": "hwsync.server",
     "new_token": "hwsync.tokens",
@@ -129,6 +130,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only ("X as X": re-exp
     from hwsync.api import as_engine as as_engine
     from hwsync.api import generate as generate
     from hwsync.api import sync as sync
+    from hwsync.transfer_backend import TransferBackendEngine as TransferBackendEngine
     from hwsync.backend import Backend as Backend
     from hwsync.backend import available_backends as available_backends
     from hwsync.backend import backend_for_device as backend_for_device

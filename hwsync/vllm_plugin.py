@@ -4,7 +4,8 @@ It installs, process-wide, the hwsync patches whose probes find their upstream b
 place before an engine is built (e.g. ``vllm_cpu_moe_lora``: MoE + ``enable_lora`` on the CPU build). Patches the
 sync receiver holds only around its own reloads (``vllm_cpu_moe_prepack``, ``vllm_cpu_mamba_conv``,
 ``vllm_reload_partial_loader``) are left to it, so
-``HWSYNC_DISABLE_PATCHES`` keeps working per sync. Nothing else happens at import: the worker extension is opt-in
+``HWSYNC_DISABLE_PATCHES`` keeps working per sync. It also registers hwsync's weight-transfer backend (``weight_transfer_config={"backend": "hwsync"}``,
+:mod:`hwsync.vllm.weight_transfer`) where vLLM has the API (0.30+). Nothing else happens at import: the worker extension is opt-in
 (``worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension"``), and ``hwsync.sync`` works without it in-process.
 Select plugins with ``VLLM_PLUGINS`` (e.g. ``VLLM_PLUGINS=hwsync``); set ``HWSYNC_DISABLE_PATCHES=name,...`` to skip
 some.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["register", "engine_patches", "RECEIVER_SCOPED"]
+__all__ = ["register", "register_weight_transfer", "engine_patches", "RECEIVER_SCOPED"]
 
 logger = logging.getLogger("hwsync")
 
@@ -33,6 +34,14 @@ def register() -> list[str]:
     import hwsync.patches as patches
 
     active = patches.apply(engine_patches())
+    register_weight_transfer()
     if active:
         logger.info("hwsync vLLM plugin: patches active: %s", ", ".join(active))
     return active
+
+
+def register_weight_transfer() -> bool:
+    """Register the ``"hwsync"`` weight-transfer backend in vLLM's factory (:mod:`hwsync.vllm.transfer_registry`)."""
+    from hwsync.vllm.transfer_registry import register as register_backend
+
+    return register_backend()

@@ -48,6 +48,7 @@ from . import vllm_lora_expert_spellings  # noqa: E402,F401  isort: skip
 from . import vllm_offline_failed_requests  # noqa: E402,F401  isort: skip
 from . import vllm_moe_router_lora_alias  # noqa: E402,F401  isort: skip
 from . import vllm_sleep_watch  # noqa: E402,F401  isort: skip  (opt_in: held by hwsync.vllm.sleep.watch only)
+from . import vllm_weight_transfer_lora_reset  # noqa: E402,F401  isort: skip  (opt_in: held by hwsync's backend only)
 from . import vllm_ascend  # noqa: E402,F401  isort: skip
 from . import swift_rollout  # noqa: E402,F401  isort: skip  (opt_in: applied by hwsync.swift only)
 from . import trl_vllm_generation  # noqa: E402,F401  isort: skip  (opt_in: held by hwsync.trl.GRPOTrainer only)

@@ -272,7 +272,7 @@ def test_registry_api():
                                     "vllm_cpu_lora_logits",
                                     "vllm_transformers_backend", "vllm_lora_expert_spellings",
                                     "vllm_offline_failed_requests", "vllm_moe_router_lora_alias",
-                                    "vllm_sleep_watch", "vllm_ascend",
+                                    "vllm_sleep_watch", "vllm_weight_transfer_lora_reset", "vllm_ascend",
                                     "swift_rollout_cpu",
                                     "swift_rollout_serve", "trl_vllm_generation"}
     assert patches.get("mtp_config").name == "mtp_config"
@@ -340,7 +340,8 @@ def test_a_second_copy_of_the_same_patch_does_not_wrap_twice(target_module):
 def test_opt_in_patches_are_left_out_of_a_plain_apply(monkeypatch):
     """apply() with no names (what every vLLM process runs via hwsync.vllm_plugin) must not touch ms-swift."""
     opt_in = {p.name for p in patches.registered() if p.opt_in}
-    assert {"swift_rollout_cpu", "swift_rollout_serve", "trl_vllm_generation", "vllm_sleep_watch"} <= opt_in
+    assert {"swift_rollout_cpu", "swift_rollout_serve", "trl_vllm_generation", "vllm_sleep_watch",
+            "vllm_weight_transfer_lora_reset"} <= opt_in
     chosen = {p.name for p in patches.select(None)}
     assert not chosen & opt_in
     assert {p.name for p in patches.select(sorted(opt_in))} == opt_in  # by name they are selectable

@@ -51,7 +51,8 @@ def install(*, patches: bool = True) -> None:
             from hwsync.vllm_plugin import RECEIVER_SCOPED  # held by the receiver around each reload only
 
             before = {p.name for p in hp.registered() if p.installed}
-            skip = set(RECEIVER_SCOPED) | {"vllm_sleep_watch"}  # held per watched worker by hwsync.vllm.sleep
+            # held per watched worker by hwsync.vllm.sleep / while hwsync's weight-transfer backend is in use
+            skip = set(RECEIVER_SCOPED) | {"vllm_sleep_watch", "vllm_weight_transfer_lora_reset"}
             if not os.environ.get(ENV["server"]):  # colocate: do not even import swift's rollout server module
                 skip.update(("swift_rollout_serve", "swift_rollout_cpu"))
             else:

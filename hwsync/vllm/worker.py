@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,13 @@ from hwsync.vllm.sleep import AWAKE_NOT_NEEDED, check_awake
 from hwsync.wire import Manifest
 
 __all__ = ["answered", "check_servable", "describe", "mark_stale", "prepare", "rank", "receive", "receive_remote",
-           "receiver_of", "state", "unwrap_worker"]
+           "receiver_of", "state", "unwrap_worker", "worker_of_model"]
+
+_BY_MODEL: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
+"""The model a worker serves -> that worker (weakly, both ways: gone with either), registered when hwsync's receiver
+is created on the worker. What vLLM's weight-transfer factory hands a backend is the model
+(``WeightTransferEngineFactory.create_engine(config, vllm_config, device, model)``), never the worker; hwsync's
+backend (:mod:`hwsync.vllm.weight_transfer`) finds its receiver here."""
 
 
 def unwrap_worker(obj: Any) -> Any:
@@ -62,10 +69,30 @@ def receiver_of(worker: Any) -> Receiver:
         applier = VllmApplier(w)
         rec = Receiver(applier)
         w.__dict__["_hwsync_receiver"] = rec
+        model = served_model(w)
+        if model is not None:
+            _BY_MODEL[model] = weakref.ref(w)
         explain_evicted_adapters(w)
         refuse_hwsync_adapter_id(w)
         watch_sleep(w, rec, applier)
     return rec
+
+
+def served_model(worker: Any) -> Any:
+    """The model vLLM's worker serves: the object vLLM hands its weight-transfer backend (``get_model()``); ``None``
+    for a worker without one (a stand-in)."""
+    get_model = getattr(getattr(worker, "model_runner", None), "get_model", None)
+    return get_model() if callable(get_model) else None
+
+
+def worker_of_model(model: Any) -> Any:
+    """The worker whose hwsync receiver serves ``model`` (registered by :func:`receiver_of`), or ``None`` where
+    hwsync has not attached to that worker yet (or the worker is gone)."""
+    try:
+        ref = _BY_MODEL.get(model)
+    except TypeError:  # not weak-referenceable: never registered
+        return None
+    return ref() if ref is not None else None
 
 
 def watch_sleep(worker: Any, rec: Receiver, applier: Any) -> None:
