@@ -1,10 +1,14 @@
 """The LoRA configuration matrix (``hwsync.testing.lora_configs``): every cell, every strategy, either exact against
 vLLM's own loading of the same adapter or refused by ``hwsync.sync`` before anything is written.
 
-One engine and one reference process for the module (tiny Qwen3-MoE). On vLLM's CPU build the engine is bf16 -- the
+One engine and two reference processes for the module (tiny Qwen3-MoE; ``full`` syncs in one, ``adapter``/``hybrid``
+in the other, whose base engine then serves cell after cell). On vLLM's CPU build the engine is bf16 -- the
 LoRA dtype where the order in which a scaling is folded into B shows (issue 29) -- with LoRA on attention (the CPU
 build has no MoE-LoRA kernels: expert LoRA is refused by ``adapter`` and merged by ``hybrid``); 10 syncs per cell for
-adapter/hybrid and 3 for full (each checked full sync starts a reference engine). On a GPU: bf16,
+adapter/hybrid and 3 for full (each checked full sync starts a reference engine). The reference is asked at the
+syncs that take distinct paths (first, second, last, any path change; every sync of the two-adapter cell), each other
+sync passes ``hwsync.verify``'s complete, bit-exact content comparison or is compared too
+(``HWSYNC_LORA_REFERENCE=every``: every sync; ``hwsync.testing.lora_configs.reference_policy``). On a GPU: bf16,
 ``enable_mixed_moe_lora_format=True`` (PEFT's fused expert adapter loads from disk as it was saved), 10 syncs each
 (``HWSYNC_LORA_SYNCS`` / ``HWSYNC_LORA_FULL_SYNCS`` change both; ``HWSYNC_LORA_CELLS=k/n`` runs a shard).
 ``HWSYNC_LORA_RESULTS=<file>`` writes the results the docs table is generated from
@@ -29,6 +33,7 @@ from hwsync.testing.lora_configs import (
     CELLS,
     DOC,
     STRATEGIES,
+    SplitReference,
     expected_refusal,
     load,
     make_trainer,
@@ -56,7 +61,10 @@ def matrix(tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     require_vllm()
     with engine_patches():  # what VLLM_PLUGINS=hwsync does in a vLLM process
         llm = make_llm(tiny_qwen3_moe_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **ENGINE)
-        reference = EngineReference(tmp_path_factory.mktemp("lora-configs-reference"), **ENGINE)
+        # full syncs in one reference process, adapter/hybrid in another: the base engine the latter keeps is not
+        # restarted after each cell's full syncs (every answer is still a fresh engine's own loading)
+        reference = SplitReference(EngineReference(tmp_path_factory.mktemp("lora-configs-reference-full"), **ENGINE),
+                                   EngineReference(tmp_path_factory.mktemp("lora-configs-reference"), **ENGINE))
         try:
             yield llm, reference
         finally:

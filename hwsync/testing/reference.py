@@ -16,7 +16,9 @@ through its own paths. :class:`EngineReference` builds that yardstick for the st
 The fresh engines live in a separate process (one per :class:`EngineReference`, started on first use): vLLM's
 in-process shutdown tears down process-wide distributed state the synced engine still needs, and a LoRA request vLLM
 refuses inside an in-process engine can leave the engine stuck. The latest engine is kept and reused while its
-checkpoint is unchanged (adapter syncs), so only syncs that change base weights start a new one.
+checkpoint is unchanged (adapter syncs), so only syncs that change base weights start a new one; a request identical
+to an earlier one (the same content-addressed checkpoint, adapter bytes, engine arguments and prompts) gets that
+earlier answer without an engine (:meth:`EngineReference._answer_key`).
 
 :func:`assert_serves` is what converted tests call: on vLLM's CPU build it is exactly ``hwsync.verify`` (engine vs
 trainer, ``atol``); elsewhere it compares the engine with its reference (``EXACT_ATOL``). Adapters compare
@@ -47,12 +49,17 @@ __all__ = [
     "EngineReference",
     "ReferenceMismatch",
     "assert_serves",
+    "bit_exact",
+    "compared_with_reference",
     "compare_logprobs",
     "experts",
     "peft_moe_lora_to_2d",
     "write_adapter",
     "write_checkpoint",
 ]
+
+_CONTENT_ADDRESSED = re.compile(r"ckpt-[0-9a-f]{16}")
+"""A checkpoint directory :func:`write_checkpoint` named after the digest of its content."""
 
 EXACT_ATOL = 1e-6
 """Largest |Δ logprob| accepted between a synced engine and its engine-own reference (measured: 0.0)."""
@@ -429,6 +436,9 @@ class EngineReference:
         self._conn: Any = None
         self._lora_id = 1000
         self.engines_started = 0
+        self._answers: dict[str, Logprobs] = {}
+        self.answers_reused = 0
+        """Checks answered from an earlier identical request (see :meth:`_answer_key`) without an engine."""
 
     def configure(self, *, hybrid_merged: Callable[[str], bool] | None = None,
                   adapter_rows: Mapping[str, Any] | None = None, **engine_kwargs: Any) -> EngineReference:
@@ -510,6 +520,10 @@ class EngineReference:
     # -- the process -----------------------------------------------------------------------------------------------
     def _ask(self, checkpoint: Path, adapter: Path | None, prompts: Sequence[Sequence[int]],
              max_tokens: int) -> Logprobs:
+        key = self._answer_key(checkpoint, adapter, prompts, max_tokens)
+        if key is not None and key in self._answers:
+            self.answers_reused += 1
+            return [(list(ids), list(vals)) for ids, vals in self._answers[key]]
         if self._proc is None or not self._proc.is_alive():
             self._start()
         self._lora_id += 1
@@ -529,7 +543,27 @@ class EngineReference:
             # the exception first (a report cut to one line keeps it), then the whole traceback
             lines = [ln for ln in str(payload).splitlines() if ln.strip()]
             raise ReferenceMismatch(f"the reference engine failed: {lines[-1].strip() if lines else '?'}\n{payload}")
+        if key is not None:
+            self._answers[key] = [(list(ids), list(vals)) for ids, vals in payload]
         return payload
+
+    def _answer_key(self, checkpoint: Path, adapter: Path | None, prompts: Sequence[Sequence[int]],
+                    max_tokens: int) -> str | None:
+        """What determines a fresh engine's answer, as a key (``None``: not memoized): the checkpoint -- only one
+        :func:`write_checkpoint` wrote, whose directory name is the digest of its config and tensors --, the bytes of
+        every adapter file, the engine arguments, the prompts. The same key is the same weights loaded by vLLM's own
+        loaders into an engine of the same arguments: a fresh engine answers it as the first one did (greedy, same
+        batch; the exactness checks rely on that determinism), so the answer is kept instead of starting it again."""
+        if not _CONTENT_ADDRESSED.fullmatch(Path(checkpoint).name):
+            return None
+        digest = hashlib.sha1(Path(checkpoint).name.encode())
+        if adapter is not None:
+            for f in sorted(Path(adapter).rglob("*")):
+                if f.is_file():
+                    digest.update(str(f.relative_to(adapter)).encode() + b"\0" + f.read_bytes())
+        digest.update(json.dumps([self.engine, self.moe_format, [list(p) for p in prompts], max_tokens],
+                                 sort_keys=True, default=str).encode())
+        return digest.hexdigest()
 
     _last_checkpoint: str | None = None
 
@@ -564,6 +598,35 @@ class EngineReference:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def compared_with_reference(i: int, n: int, path: str, previous_path: str | None) -> bool:
+    """Whether sync ``i`` (0-based) of a sequence of ``n`` syncs of one trainer into one engine needs vLLM's own
+    loading as its yardstick: the first (plan, first writes), the second (the first steady sync: in-place rewrites),
+    the last, and every sync whose report names another path (``SyncReport.path``) than the sync before it (a
+    strategy or writer switch). The others repeat the path of a compared sync with new values: :func:`bit_exact`
+    checks them (and a sync it cannot vouch for is compared with the reference after all)."""
+    return i <= 1 or i == n - 1 or path != previous_path
+
+
+def bit_exact(target: Any, model: Any, prompts: Sequence[Sequence[int]], strategy: str) -> bool:
+    """``hwsync.verify.check`` of ``target`` (an engine in this process) against ``model`` after a ``strategy`` sync:
+    raises :class:`ReferenceMismatch` when it fails; True only when its content comparison ran completely and found
+    every compared tensor bit-equal to the trainer's -- nothing skipped, the content check the strategy writes
+    present (``base content`` for ``full``, ``adapter content`` otherwise), every content check at deviation 0 (not
+    merely within its last-bits allowance) with no tensor unreadable here (e.g. repacked on load). False: the caller
+    compares this sync with vLLM's own loading instead."""
+    from hwsync.verify import check
+
+    verdict = check(target, model, prompts)
+    if not verdict.ok:
+        raise ReferenceMismatch(f"{strategy} sync: hwsync.verify fails: {verdict.message()}")
+    if verdict.skipped:
+        return False
+    content = [c for c in verdict.checks if c.name in ("base content", "adapter content")]
+    need = "base content" if strategy == "full" else "adapter content"
+    return any(c.name == need for c in content) and all(
+        c.ok and c.value == 0 and "not readable" not in c.detail for c in content)
 
 
 def assert_serves(target: Any, model: Any, prompts: Sequence[Sequence[int]], *, atol: float = 1e-4,

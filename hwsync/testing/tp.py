@@ -23,15 +23,22 @@ import json
 import os
 import socket
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROMPTS", "STRATEGIES", "TRAINERS", "check", "free_port", "init_rank", "peft_trainer", "run",
+__all__ = ["CPU_STRATEGIES", "PROMPTS", "STRATEGIES", "TRAINERS", "check", "free_port", "init_rank", "peft_trainer", "run",
            "run_and_check", "shard", "step"]
 
 WORLD = 2
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99], [11, 400, 23]]
 STRATEGIES = ["full", "adapter", "adapter", "full", "adapter", "full"]
+CPU_STRATEGIES = STRATEGIES[:5]
+"""The CPU variant's syncs: every transition of :data:`STRATEGIES` -- the first (full), full -> adapter (the base
+travels again, the adapter plan built), adapter steady (LoRA only), adapter -> full (the full plan reused),
+full -> adapter (the adapter plan reused) -- without its last sync, which repeats the fourth's path exactly
+(adapter -> full, the full plan reused; the same report) and costs one more fresh TP=2 reference engine (~40 s of a
+2-core machine with nothing beside it)."""
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 BUCKET_MB = 0.25  # small buckets: the tiny model is gathered in several groups, as a large one would be
@@ -129,7 +136,8 @@ def init_rank(rank: int, port: int, *, cuda: bool, trainer: str = "fsdp2") -> An
     return device
 
 
-def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer: str) -> None:
+def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer: str,
+           strategies: list[str]) -> None:
     import torch.distributed as dist
 
     from hwsync.testing.engine import vllm_env
@@ -154,7 +162,7 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
         llm = make_llm(model_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension",
                        distributed_executor_backend="external_launcher", **engine_kwargs(cuda))
         largest = max(gather.global_nbytes(p) for p in sharded.parameters())
-        for k, strategy in enumerate(STRATEGIES):
+        for k, strategy in enumerate(strategies):
             base = strategy == "full"  # full syncs also move W0; adapter syncs keep it (steady state: LoRA only)
             step(ref, k, base=base)
             step(sharded, k, base=base)
@@ -211,9 +219,10 @@ def _remove_cpu_shm(since: float) -> None:
             pass
 
 
-def run(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2") -> list[dict[str, Any]]:
-    """Spawn the 2 ranks (``trainer``: ``fsdp2`` or ``zero3``); their results (per rank: ``ok``, ``syncs`` or
-    ``error``)."""
+def run(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2",
+        strategies: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Spawn the 2 ranks (``trainer``: ``fsdp2`` or ``zero3``) for the syncs ``strategies``; their results (per rank:
+    ``ok``, ``syncs`` or ``error``)."""
     if trainer not in TRAINERS:
         raise ValueError(f"trainer={trainer!r}: one of {TRAINERS}")
     import torch.multiprocessing as mp
@@ -224,7 +233,8 @@ def run(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2") -> l
     port = free_port()
     start = time.time()
     try:
-        mp.start_processes(_child, args=(port, str(model_dir), str(work), cuda, trainer), nprocs=WORLD, join=True,
+        mp.start_processes(_child, args=(port, str(model_dir), str(work), cuda, trainer, list(strategies or STRATEGIES)),
+                           nprocs=WORLD, join=True,
                            start_method="spawn")
     except Exception as e:  # noqa: BLE001 - the per-rank results carry the traceback
         error = e
@@ -242,12 +252,25 @@ def run(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2") -> l
 
 
 class _ReferenceEnv:
-    """The reference engine's process must not see torchrun-style variables (it is its own world)."""
+    """The reference engine's process must not see torchrun-style variables (it is its own world). On CPU its
+    engines' ``mp`` workers get 1 s instead of vLLM's 5 to exit when an engine is closed: vLLM's CPU workers never
+    exit within the grace period (each close ended in SIGTERM after 5 idle seconds), and a close comes only after
+    that engine's answer was received, so nothing it computes depends on it."""
+
+    def __init__(self, cuda: bool = True) -> None:
+        self.extra = {} if cuda else {"VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "1"}
 
     def __enter__(self) -> None:
         self.saved = {k: os.environ.pop(k) for k in _LAUNCH_ENV if k in os.environ}
+        self.before = {k: os.environ.get(k) for k in self.extra}
+        os.environ.update(self.extra)
 
     def __exit__(self, *exc: object) -> None:
+        for k, v in self.before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         os.environ.update(self.saved)
 
 
@@ -260,7 +283,7 @@ def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]
 
     diffs = []
     start = time.time()
-    with _ReferenceEnv(), contextlib.ExitStack() as cleanup:
+    with _ReferenceEnv(cuda), contextlib.ExitStack() as cleanup:
         cleanup.callback(_remove_cpu_shm, start)  # after the reference engine is closed (callbacks run last-in first)
         reference = cleanup.enter_context(EngineReference(Path(work) / "reference", distributed_executor_backend="mp",
                                                           daemon=False, **engine_kwargs(cuda)))
@@ -272,19 +295,21 @@ def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]
     return diffs
 
 
-def run_and_check(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2") -> list[float]:
+def run_and_check(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2",
+                  strategies: Sequence[str] | None = None) -> list[float]:
     """The whole scenario with its assertions (the CPU and the 2-GPU test share it): every rank ran every sync, both
     workers of the one engine answered alike, gathered bytes stayed within 2 buckets, the adapter steady state sent
     LoRA only, and each sync equals a fresh TP=2 engine within ``EXACT_ATOL``. Returns the per-sync |Δ logprob|."""
     from hwsync.testing import EXACT_ATOL
 
-    results = run(work, model_dir, cuda=cuda, trainer=trainer)
+    strategies = list(strategies or STRATEGIES)
+    results = run(work, model_dir, cuda=cuda, trainer=trainer, strategies=strategies)
     for r, res in enumerate(results):
         for entry in res.get("syncs", []):
             print(f"{trainer} rank {r}: " + ", ".join(f"{k}={v}" for k, v in entry.items() if k not in ("got",)))
         assert res.get("ok"), f"rank {r}:\n{res.get('error')}"
     syncs = results[0]["syncs"]
-    assert [s["strategy"] for s in syncs] == STRATEGIES
+    assert [s["strategy"] for s in syncs] == strategies
     assert [s["got"] for s in syncs] == [s["got"] for s in results[1]["syncs"]]  # one engine, same answers
     for res in results:  # gathered bytes alive at once: <= 2 buckets (a bucket is at least the largest tensor)
         assert all(s["peak_gathered_mb"] <= s["bound_mb"] for s in res["syncs"]), res["syncs"]
