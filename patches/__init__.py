@@ -49,6 +49,7 @@ from . import vllm_offline_failed_requests  # noqa: E402,F401  isort: skip
 from . import vllm_moe_router_lora_alias  # noqa: E402,F401  isort: skip
 from . import vllm_sleep_watch  # noqa: E402,F401  isort: skip  (opt_in: held by hwsync.vllm.sleep.watch only)
 from . import vllm_weight_transfer_lora_reset  # noqa: E402,F401  isort: skip  (opt_in: held by hwsync's backend only)
+from . import vllm_lora_manager_guards  # noqa: E402,F401  isort: skip  (opt_in: held per worker by hwsync's receiver)
 from . import vllm_ascend  # noqa: E402,F401  isort: skip
 from . import swift_rollout  # noqa: E402,F401  isort: skip  (opt_in: applied by hwsync.swift only)
 from . import trl_vllm_generation  # noqa: E402,F401  isort: skip  (opt_in: held by hwsync.trl.GRPOTrainer only)
@@ -94,8 +95,9 @@ def disabled() -> set[str]:
 def apply(names: Sequence[str] | None = None, *, force: bool = False) -> list[str]:
     """Install process-wide every selected patch whose probe says it applies; return the active names.
 
-    ``names=None`` selects all registered patches except the opt-in ones of one integration (ms-swift's rollout
-    server patches, applied by :mod:`hwsync.swift` by name); unknown names raise before anything is installed. Patches
+    ``names=None`` selects all registered patches except the opt-in ones (``Patch.opt_in``: held by the hwsync code
+    that needs them, e.g. the receiver's ``vllm_sleep_watch``, or applied by one integration, e.g. ms-swift's rollout
+    server patches, ``Patch.integration == "swift"``); unknown names raise before anything is installed. Patches
     named in ``HWSYNC_DISABLE_PATCHES`` are skipped. ``force=True`` installs regardless of the probe (tests).
     """
     chosen = select(names)

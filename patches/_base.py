@@ -194,9 +194,13 @@ class Patch:
     upstream: ClassVar[str] = ""
     seen_in: ClassVar[tuple[str, ...]] = ()
     remove_when: ClassVar[str] = ""
-    # opt_in patches are left out of ``apply()`` with no names (e.g. the one every vLLM process runs through
-    # ``hwsync.vllm_plugin``): they belong to one integration, which applies them by name.
+    # opt_in patches are left out of ``apply()`` with no names, hence out of what ``hwsync.vllm_plugin`` (every vLLM
+    # process) and ``hwsync.swift`` install process-wide: the hwsync code that needs one holds it (scoped, e.g. per
+    # worker), or the integration named by ``integration`` applies it.
     opt_in: ClassVar[bool] = False
+    # the integration that applies an opt-in patch by this property (e.g. "swift": hwsync.swift installs those in
+    # server mode); "" for patches held by hwsync's own code (the receiver, the backend, a trainer) or not opt-in
+    integration: ClassVar[str] = ""
 
     def __init__(self) -> None:
         if not self.name or not self.targets:

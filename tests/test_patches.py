@@ -272,7 +272,8 @@ def test_registry_api():
                                     "vllm_cpu_lora_logits",
                                     "vllm_transformers_backend", "vllm_lora_expert_spellings",
                                     "vllm_offline_failed_requests", "vllm_moe_router_lora_alias",
-                                    "vllm_sleep_watch", "vllm_weight_transfer_lora_reset", "vllm_ascend",
+                                    "vllm_sleep_watch", "vllm_weight_transfer_lora_reset", "vllm_lora_manager_guards",
+                                    "vllm_ascend",
                                     "swift_rollout_cpu",
                                     "swift_rollout_serve", "trl_vllm_generation"}
     assert patches.get("mtp_config").name == "mtp_config"
@@ -345,3 +346,17 @@ def test_opt_in_patches_are_left_out_of_a_plain_apply(monkeypatch):
     chosen = {p.name for p in patches.select(None)}
     assert not chosen & opt_in
     assert {p.name for p in patches.select(sorted(opt_in))} == opt_in  # by name they are selectable
+
+
+def test_opt_in_is_a_property_of_each_patch_read_by_every_process_wide_install(monkeypatch):
+    """``hwsync.patches.apply()``, the vLLM plugin and ms-swift's plugin install no opt-in patch: a new opt-in patch
+    needs no list kept in sync anywhere (it used to be a skip list in ``hwsync.swift._install``)."""
+    from hwsync.vllm_plugin import engine_patches
+
+    monkeypatch.delenv(patches.DISABLE_ENV, raising=False)
+    opt_in = {p.name for p in patches.registered() if p.opt_in}
+    assert {"vllm_lora_manager_guards", "trl_vllm_generation", "vllm_sleep_watch", "swift_rollout_serve"} <= opt_in
+    assert not opt_in & set(engine_patches())
+    assert {p.name for p in patches.registered() if p.integration == "swift"} == {"swift_rollout_cpu",
+                                                                                   "swift_rollout_serve"}
+    assert all(p.opt_in for p in patches.registered() if p.integration)  # an integration's patches are opt-in

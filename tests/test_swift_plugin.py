@@ -268,3 +268,40 @@ def test_served_rollout_engine_stays_in_the_worker_process(plugin, monkeypatch):
     with pytest.raises(UnsupportedSetupError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1 moves vLLM's engine core"):
         keep_engine_in_process()
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_install_leaves_every_opt_in_patch_alone(plugin, monkeypatch):
+    """Opt-in is a property of the patch (``Patch.opt_in``; ms-swift's own server patches: ``integration="swift"``):
+    a new opt-in patch, here one whose probe applies, is not installed by the plugin; TRL's, the sleep watch and the
+    LoRA guards neither."""
+    import types
+
+    import hwsync.patches as patches
+    from hwsync.patches import _base
+
+    module = types.ModuleType("hwsync_test_opt_in_target")
+    module.f = lambda: "original"
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+
+    class NewOptIn(patches.Patch):
+        name = "test_new_opt_in"
+        targets = (f"{module.__name__}:f",)
+        opt_in = True
+
+        def check(self):
+            return patches.ProbeResult(patches.APPLIES, "test")
+
+        def replacement(self, original, target):
+            return lambda: "patched"
+
+    monkeypatch.setitem(_base._REGISTRY, NewOptIn.name, NewOptIn())
+    monkeypatch.delenv("HWSYNC_SERVER", raising=False)
+    plugin.uninstall()
+    try:
+        plugin.install()
+        assert module.f() == "original"
+        installed = {p.name for p in patches.registered() if p.installed}
+        assert not installed & {p.name for p in patches.registered() if p.opt_in}, installed
+    finally:
+        plugin.uninstall()
+    assert module.f() == "original"

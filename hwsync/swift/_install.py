@@ -18,6 +18,8 @@ from hwsync.swift._options import ENV
 __all__ = ["PluginError", "install", "uninstall", "installed", "TRAINER", "RLHF_TYPE"]
 
 RLHF_TYPE = "grpo"
+INTEGRATION = "swift"
+"""The ``integration`` of the opt-in patches this plugin applies in server mode (``swift rollout``)."""
 TRAINER = "hwsync.swift._trainer.HwsyncGRPOTrainer"
 
 _lock = threading.Lock()
@@ -48,18 +50,17 @@ def install(*, patches: bool = True) -> None:
         if patches:
             import hwsync.patches as hp
             from hwsync.patches import swift_rollout  # registers the swift_rollout_* patches
-            from hwsync.vllm_plugin import RECEIVER_SCOPED  # held by the receiver around each reload only
+            from hwsync.vllm_plugin import engine_patches
 
             before = {p.name for p in hp.registered() if p.installed}
-            # held per watched worker by hwsync.vllm.sleep / while hwsync's weight-transfer backend is in use
-            skip = set(RECEIVER_SCOPED) | {"vllm_sleep_watch", "vllm_weight_transfer_lora_reset"}
-            if not os.environ.get(ENV["server"]):  # colocate: do not even import swift's rollout server module
-                skip.update(("swift_rollout_serve", "swift_rollout_cpu"))
-            else:
+            # what the vLLM plugin installs (opt-in patches left to whoever holds them, receiver-scoped ones to the
+            # receiver), plus, in server mode, the opt-in patches of this integration (a property of each patch)
+            wanted = engine_patches()
+            if os.environ.get(ENV["server"]):  # colocate: do not even import swift's rollout server module
                 from hwsync.swift._server import keep_engine_in_process, serve_rollout_engine
 
                 swift_rollout.serve_with(keep_engine_in_process, serve_rollout_engine)
-            wanted = [n for n in hp.names() if n not in skip]
+                wanted += [p.name for p in hp.registered() if p.opt_in and p.integration == INTEGRATION]
             _our_patches.extend(n for n in hp.apply(wanted) if n not in before and n not in _our_patches)
         if mapping[RLHF_TYPE] != TRAINER:
             _previous = mapping[RLHF_TYPE]

@@ -20,8 +20,8 @@ from hwsync.receiver import Receiver
 from hwsync.vllm.sleep import AWAKE_NOT_NEEDED, check_awake
 from hwsync.wire import Manifest
 
-__all__ = ["answered", "check_servable", "describe", "mark_stale", "prepare", "rank", "receive", "receive_remote",
-           "receiver_of", "state", "unwrap_worker", "worker_of_model"]
+__all__ = ["AdapterGuard", "answered", "check_servable", "describe", "guard_adapters", "mark_stale", "prepare", "rank",
+           "receive", "receive_remote", "receiver_of", "state", "unwrap_worker", "worker_of_model"]
 
 _BY_MODEL: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 """The model a worker serves -> that worker (weakly, both ways: gone with either), registered when hwsync's receiver
@@ -72,8 +72,7 @@ def receiver_of(worker: Any) -> Receiver:
         model = served_model(w)
         if model is not None:
             _BY_MODEL[model] = weakref.ref(w)
-        explain_evicted_adapters(w)
-        refuse_hwsync_adapter_id(w)
+        guard_adapters(w)
         watch_sleep(w, rec, applier)
     return rec
 
@@ -107,54 +106,26 @@ def watch_sleep(worker: Any, rec: Receiver, applier: Any) -> None:
     watch(worker, lambda d: rec.forget(d.reason), woke)
 
 
-def explain_evicted_adapters(worker: Any) -> None:
-    """Make a request for hwsync's adapter after vLLM dropped it one clear error.
+class AdapterGuard:
+    """The two refusals hwsync needs on a worker's LoRA manager, called by the ledgered patch
+    ``vllm_lora_manager_guards`` (:mod:`hwsync.patches.vllm_lora_manager_guards`) for a guarded manager only.
 
-    hwsync installs its adapter from memory; its ``LoRARequest`` carries the path ``hwsync-in-memory://<name>``. Once
-    vLLM evicts it (another adapter took its slot: ``max_loras`` / ``max_cpu_loras``) or a reload dropped it, vLLM
-    would load that path from disk or the Hugging Face Hub and fail with an unrelated ``HFValidationError``. The
-    worker's adapter loader (an attribute of this worker's LoRA manager, nothing of vLLM's class) refuses such a
-    request first, saying what happened and that a sync installs the adapter again."""
-    from hwsync.engine import IN_MEMORY_LORA
+    * :meth:`add_adapter`: a user's ``LoRARequest`` under hwsync's default adapter id (``LORA_INT_ID``, 26739) is
+      refused with one error. vLLM keys adapters by id alone: such a request would silently be served hwsync's
+      in-memory adapter (or, once that is evicted, hwsync's next sync would overwrite the user's in place). Requests
+      that carry hwsync's in-memory path (the ``lora_request`` a sync reports) pass. An id chosen by the caller of
+      ``hwsync.sync`` (ms-swift's) is shared on purpose and not guarded.
+    * :meth:`load_adapter`: a request for hwsync's adapter after vLLM dropped it is one clear error. hwsync installs
+      its adapter from memory; its ``LoRARequest`` carries the path ``hwsync-in-memory://<name>``. Once vLLM evicts it
+      (another adapter took its slot: ``max_loras`` / ``max_cpu_loras``) or a reload dropped it, vLLM would load that
+      path from disk or the Hugging Face Hub and fail with an unrelated ``HFValidationError``; the guard says what
+      happened and that a sync installs the adapter again.
+    """
 
-    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
-    load = getattr(manager, "_load_adapter", None)
-    if load is None or getattr(load, "_hwsync_explains", False):
-        return
+    def add_adapter(self, add: Any, lora_request: Any) -> Any:
+        from hwsync.engine import IN_MEMORY_LORA
+        from hwsync.vllm.applier import LORA_INT_ID
 
-    def _load_adapter(lora_request: Any) -> Any:
-        path = str(getattr(lora_request, "lora_path", "") or "")
-        if path.startswith(IN_MEMORY_LORA):
-            from hwsync.errors import SyncError
-
-            raise SyncError(
-                f"LoRA adapter '{lora_request.lora_name}' (id {lora_request.lora_int_id}) was synced by hwsync and is "
-                "no longer in the engine: vLLM evicted it for another adapter (max_loras / max_cpu_loras) or a "
-                "reload dropped it, and it exists only in memory, so vLLM cannot load it again. Run hwsync.sync(...) "
-                "to install it again (and keep max_cpu_loras above the adapters served beside it)")
-        return load(lora_request)
-
-    _load_adapter._hwsync_explains = True  # type: ignore[attr-defined]
-    assert manager is not None  # it has the loader wrapped above
-    manager._load_adapter = _load_adapter
-
-
-def refuse_hwsync_adapter_id(worker: Any) -> None:
-    """Refuse a user's ``LoRARequest`` under hwsync's default adapter id (``LORA_INT_ID``, 26739) with one error.
-
-    vLLM keys adapters by id alone: a request for id 26739 with the user's own path would silently be served hwsync's
-    in-memory adapter (or, once that is evicted, hwsync's next sync would overwrite the user's in place). Requests that
-    carry hwsync's in-memory path (the ``lora_request`` a sync reports) pass. An id chosen by the caller of
-    ``hwsync.sync`` (ms-swift's) is shared on purpose and not guarded."""
-    from hwsync.engine import IN_MEMORY_LORA
-    from hwsync.vllm.applier import LORA_INT_ID
-
-    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
-    add = getattr(manager, "add_adapter", None)
-    if add is None or getattr(add, "_hwsync_guards_id", False):
-        return
-
-    def add_adapter(lora_request: Any) -> Any:
         if (getattr(lora_request, "lora_int_id", None) == LORA_INT_ID
                 and not str(getattr(lora_request, "lora_path", "") or "").startswith(IN_MEMORY_LORA)):
             from hwsync.errors import SyncError
@@ -165,9 +136,59 @@ def refuse_hwsync_adapter_id(worker: Any) -> None:
                 "lora_int_id (or generate with the lora_request hwsync.sync reported)")
         return add(lora_request)
 
-    add_adapter._hwsync_guards_id = True  # type: ignore[attr-defined]
-    assert manager is not None
-    manager.add_adapter = add_adapter
+    def load_adapter(self, load: Any, lora_request: Any) -> Any:
+        from hwsync.engine import IN_MEMORY_LORA
+
+        if str(getattr(lora_request, "lora_path", "") or "").startswith(IN_MEMORY_LORA):
+            from hwsync.errors import SyncError
+
+            raise SyncError(
+                f"LoRA adapter '{lora_request.lora_name}' (id {lora_request.lora_int_id}) was synced by hwsync and is "
+                "no longer in the engine: vLLM evicted it for another adapter (max_loras / max_cpu_loras) or a "
+                "reload dropped it, and it exists only in memory, so vLLM cannot load it again. Run hwsync.sync(...) "
+                "to install it again (and keep max_cpu_loras above the adapters served beside it)")
+        return load(lora_request)
+
+
+def guard_adapters(worker: Any) -> bool:
+    """Put :class:`AdapterGuard` on ``worker``'s LoRA manager (no-op without one, or when already there) and hold the
+    patch ``vllm_lora_manager_guards`` that routes vLLM's adapter loading through it, until the worker is collected.
+    Returns whether the guard is in force. Where the patch is switched off (``HWSYNC_DISABLE_PATCHES``) or its probe
+    does not apply, vLLM's own behaviour stays, and the log says so."""
+    import logging
+
+    import hwsync.patches as patches
+    from hwsync.patches.vllm_lora_manager_guards import guard, guard_of, unguard
+
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    if manager is None or not hasattr(manager, "add_adapter"):
+        return False
+    patch = patches.get("vllm_lora_manager_guards")
+    if isinstance(guard_of(manager), AdapterGuard):
+        return patch.active
+    if patch.name in patches.disabled():
+        reason = "switched off by HWSYNC_DISABLE_PATCHES"
+    else:
+        scope = patch.scoped()
+        scope.__enter__()
+        if patch.active:
+            guard(manager, AdapterGuard())
+            ref = weakref.ref(manager)
+
+            def release() -> None:
+                m = ref()
+                if m is not None:
+                    unguard(m)
+                scope.__exit__(None, None, None)
+
+            weakref.finalize(worker, release)
+            return True
+        scope.__exit__(None, None, None)
+        reason = patch.probe().reason
+    logging.getLogger("hwsync.worker").warning(
+        "hwsync: LoRA requests under hwsync's adapter id, and for its evicted adapter, are not guarded on this worker "
+        "(patch vllm_lora_manager_guards: %s)", reason)
+    return False
 
 
 def _manifest(m: Manifest | str | bytes) -> Manifest:
