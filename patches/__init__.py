@@ -15,7 +15,8 @@ Set ``HWSYNC_DISABLE_PATCHES=name,name`` (or ``all``) to keep :func:`apply` from
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 from ._base import (
     APPLIES,
@@ -67,6 +68,7 @@ __all__ = [
     "apply",
     "disabled",
     "get",
+    "hold",
     "names",
     "register",
     "remove_all",
@@ -90,6 +92,28 @@ def disabled() -> set[str]:
     """Names switched off by ``HWSYNC_DISABLE_PATCHES`` (``all`` = every patch)."""
     raw = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
     return set(names()) if "all" in raw else raw
+
+
+def hold(name: str, owner: object, then: Callable[[], None] | None = None) -> tuple[weakref.finalize | None, str]:
+    """Hold opt-in patch ``name`` for as long as ``owner`` lives (one scope reference, released when ``owner`` is
+    collected, or early by calling the returned finalizer; ``then`` runs first). Returns that finalizer, or ``None``
+    and why not where the patch is not in force (switched off by ``HWSYNC_DISABLE_PATCHES``, or its probe does not
+    apply): nothing is held then."""
+    if name in disabled():
+        return None, f"switched off by {DISABLE_ENV}"
+    patch = get(name)
+    scope = patch.scoped()
+    scope.__enter__()
+    if not patch.active:
+        scope.__exit__(None, None, None)
+        return None, patch.probe().reason
+
+    def release() -> None:
+        if then is not None:
+            then()
+        scope.__exit__(None, None, None)
+
+    return weakref.finalize(owner, release), ""
 
 
 def apply(names: Sequence[str] | None = None, *, force: bool = False) -> list[str]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -187,16 +186,11 @@ def watch(worker: Any, on_discard: Callable[[Discarded], None], on_wake: Callabl
         return held
     w = SleepWatch(worker, on_discard, on_wake)
     observe(worker, w)
-    patch = patches.get("vllm_sleep_watch")
-    if patch.name not in patches.disabled():
-        scope = patch.scoped()
-        scope.__enter__()
-        w.observed = patch.active
-        weakref.finalize(worker, scope.__exit__, None, None, None)
+    release, why = patches.hold("vllm_sleep_watch", worker)
+    w.observed = release is not None
     if not w.observed:
         logger.warning("hwsync: vLLM's sleep and wake of this worker are not observed (patch vllm_sleep_watch: %s); "
-                       "sync after a level-2 sleep with strategy='full'", "switched off by HWSYNC_DISABLE_PATCHES"
-                       if patch.name in patches.disabled() else patch.probe().reason)
+                       "sync after a level-2 sleep with strategy='full'", why)
     return w
 
 

@@ -37,7 +37,6 @@ with one error.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -164,16 +163,10 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
 
         if self._release is not None:
             return
-        patch = patches.get("vllm_weight_transfer_lora_reset")
-        if patch.name in patches.disabled():
+        self._release, _ = patches.hold("vllm_weight_transfer_lora_reset", self)  # not held: probe not needed
+        if "vllm_weight_transfer_lora_reset" in patches.disabled():  # (vLLM keeps LoRA state) or target moved
             logger.warning("hwsync weight transfer: patch vllm_weight_transfer_lora_reset is switched off "
                            "(HWSYNC_DISABLE_PATCHES): updates carrying a LoRA adapter are refused")
-            return
-        scope = patch.scoped()
-        scope.__enter__()
-        if not patch.active:  # probe: not needed (vLLM keeps LoRA state) or its target moved
-            return
-        self._release = weakref.finalize(self, scope.__exit__, None, None, None)
 
     def _keeps_adapters(self) -> bool:
         import hwsync.patches as patches

@@ -163,28 +163,19 @@ def guard_adapters(worker: Any) -> bool:
     manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
     if manager is None or not hasattr(manager, "add_adapter"):
         return False
-    patch = patches.get("vllm_lora_manager_guards")
     if isinstance(guard_of(manager), AdapterGuard):
-        return patch.active
-    if patch.name in patches.disabled():
-        reason = "switched off by HWSYNC_DISABLE_PATCHES"
-    else:
-        scope = patch.scoped()
-        scope.__enter__()
-        if patch.active:
-            guard(manager, AdapterGuard())
-            ref = weakref.ref(manager)
+        return patches.get("vllm_lora_manager_guards").active
+    ref = weakref.ref(manager)
 
-            def release() -> None:
-                m = ref()
-                if m is not None:
-                    unguard(m)
-                scope.__exit__(None, None, None)
+    def unguard_manager() -> None:
+        m = ref()
+        if m is not None:
+            unguard(m)
 
-            weakref.finalize(worker, release)
-            return True
-        scope.__exit__(None, None, None)
-        reason = patch.probe().reason
+    release, reason = patches.hold("vllm_lora_manager_guards", worker, then=unguard_manager)
+    if release is not None:
+        guard(manager, AdapterGuard())
+        return True
     logging.getLogger("hwsync.worker").warning(
         "hwsync: LoRA requests under hwsync's adapter id, and for its evicted adapter, are not guarded on this worker "
         "(patch vllm_lora_manager_guards: %s)", reason)
