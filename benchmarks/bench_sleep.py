@@ -183,6 +183,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _without(argv: list[str], *options: str) -> list[str]:
+    """``argv`` less the given options and their values (``--opt value`` and ``--opt=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not any(a.startswith(o + "=") for o in options):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if not _on_gpu():
@@ -193,10 +206,26 @@ def main(argv: list[str] | None = None) -> int:
     environment()  # the engine in this process (the bench reaches its worker): VLLM_ENABLE_V1_MULTIPROCESSING=0
     dtype = torch.bfloat16
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = _checkpoint(Path(tmp), args.shapes, args.layers)
-        for strategy in args.strategies.split(","):
-            rows += phase(path, strategy, args, dtype)
+    strategies = args.strategies.split(",")
+    if len(strategies) > 1:  # vLLM's CuMem allocator serves one sleep-mode engine per process (gpu_worker.py
+        # asserts an empty pool before the weights): one process per strategy, rows handed back as JSON
+        import subprocess
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for strategy in strategies:
+                out = Path(tmp) / f"{strategy}.json"
+                argv_one = [a for a in (argv if argv is not None else sys.argv[1:])]
+                cmd = [sys.executable, __file__, *_without(argv_one, "--strategies", "--json"),
+                       "--strategies", strategy, "--json", str(out)]
+                code = subprocess.call(cmd)
+                if not out.exists():
+                    print(f"bench_sleep: the {strategy} phase failed (exit {code})", file=sys.stderr)
+                    return code or 1
+                rows += json.loads(out.read_text())["rows"]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = _checkpoint(Path(tmp), args.shapes, args.layers)
+            rows += phase(path, strategies[0], args, dtype)
     table = ratios(rows)
     _print(f"sleep modes, {args.shapes} x {args.layers} layers, LoRA r{args.rank}", rows)
     _print("level-2 wake + refill against the baselines of this run", table)
