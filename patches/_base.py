@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from hwsync.errors import PatchError
+from hwsync.quiet import quiet_imports
 
 __all__ = [
     "APPLIES",
@@ -93,7 +94,8 @@ class ResolvedTarget:
 
 def _import(module_name: str) -> Any:
     try:
-        return importlib.import_module(module_name)
+        with quiet_imports():  # a probe's import: the upstream library's import-time lines are not hwsync's news
+            return importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         top = module_name.split(".")[0]
         if e.name == top:

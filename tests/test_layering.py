@@ -48,7 +48,7 @@ LIBRARY_OWNERS = {
 patch of it)."""
 
 TRANSPORT_MAY_IMPORT = ("hwsync.transport", "hwsync.wire", "hwsync.errors")
-PATCHES_MAY_IMPORT = ("hwsync.patches", "hwsync.errors", "hwsync.npu.ascend_layouts")
+PATCHES_MAY_IMPORT = ("hwsync.patches", "hwsync.errors", "hwsync.quiet", "hwsync.npu.ascend_layouts")
 """Patches stay leaves: they fix upstream code and call none of hwsync's sync machinery (the vllm_ascend patch writes
 vllm-ascend's processed expert layout, which lives with the NPU backend)."""
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hwsync.errors import FixtureConfigError
+from hwsync.quiet import quiet_imports, quiet_progress_bars
 from .tokenizer import VOCAB_SIZE, token_id, write_tokenizer
 
 __all__ = ["FAMILIES", "Family", "FixtureConfigError", "make_tiny_moe", "tiny_moe_config"]
@@ -137,7 +138,8 @@ def make_tiny_moe(
     state.update({k: v.to(torch_dtype) for k, v in extra.items()})
     # save_pretrained reverts transformers' runtime fusions (experts.gate_up_proj -> experts.{e}.gate_proj...),
     # so the file carries exactly the names of a Hub checkpoint.
-    model.save_pretrained(out, state_dict=state)
+    with quiet_imports(), quiet_progress_bars():  # DeepSpeed's "no GPU" line, a one-shard progress bar
+        model.save_pretrained(out, state_dict=state)
     _write_hub_style_config(out / "config.json")
     write_tokenizer(out, family, model_max_length=config.max_position_embeddings)
     return out
