@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hwsync.cuda import checked_copy
 from hwsync.finite import FiniteFlags, copy_, copy_all
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the checking copy is a CUDA (Triton) kernel")
@@ -16,7 +17,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the checking co
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
-def test_checking_copy_writes_the_same_bytes_and_finds_non_finite(dtype: torch.dtype, bad: float | None) -> None:
+def test_checking_copy_writes_the_same_bytes_and_finds_non_finite(dtype: torch.dtype, bad: float | None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checked_copy, "MIN_BYTES", 0)  # every size through the kernel (its masks and tails)
     srcs = [torch.randn(n, device="cuda").to(dtype) for n in (1, 4095, 4096, 4097, 3 * 4096 + 5, 1 << 20)]
     if bad is not None:
         srcs[4].view(-1)[-1] = bad  # the last element of a partial block
@@ -49,6 +52,21 @@ def test_what_no_checking_copy_reads_is_reduced_when_the_bucket_closes() -> None
     assert flags.non_finite() == [0, 1]
     assert flags.checked_in_copy == 0
     assert torch.equal(dst, whole[:16])
+
+
+@cuda
+def test_small_tensors_are_left_to_the_reduction() -> None:
+    """Below MIN_BYTES a kernel launch costs more than reading the bytes again: copied plainly, still checked."""
+    small = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    small[5] = float("nan")
+    big = torch.randn(checked_copy.MIN_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    dsts = [torch.empty_like(small), torch.empty_like(big)]
+    flags = FiniteFlags()
+    with flags.writing():
+        flags.open(0, [small, big], ["small", "big"])
+        copy_all(dsts, [small, big])
+    assert flags.checked_in_copy == 1 and flags.non_finite() == [0]
+    assert torch.equal(dsts[0].view(torch.uint8), small.view(torch.uint8)) and torch.equal(dsts[1], big)
 
 
 def test_outside_a_receive_copies_are_plain_copies() -> None:

@@ -19,9 +19,14 @@ from torch import Tensor
 __all__ = ["checked_copy", "available"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCK, TILES, WARPS = 4096, 4, 4
+BLOCK, TILES, WARPS = 2048, 1, 4
 """Elements per tile, tiles per program (the flag is reduced once per program, not per tile), warps per program:
 picked by ``benchmarks/bench_isfinite.py --sweep`` on an H200 (docs/performance.md)."""
+MIN_BYTES = 8 << 20
+"""Smaller tensors are left to the bucket's reduction: a Triton launch costs the host tens of microseconds, and a
+48-layer sync of 531 tensors launched one kernel each was host-bound (+21 % on a 34 ms sync); below 8 MiB are the
+norms, the router and the k/v projections, 0.4 % of Qwen3-30B-A3B's bytes, read once more by one multi-tensor
+kernel per bucket."""
 
 
 @functools.cache
@@ -63,9 +68,11 @@ def available() -> bool:
 
 def checked_copy(dst: Tensor, src: Tensor, flag: Tensor) -> bool:
     """``dst.copy_(src)``, setting ``flag`` (int32, on the tensors' device) to 1 if ``src`` holds a NaN or an
-    infinity. ``False`` (nothing done) unless both are contiguous CUDA tensors of one checked dtype and size."""
-    if not (src.is_cuda and dst.device == src.device == flag.device and dst.dtype == src.dtype in _DTYPES
-            and dst.numel() == src.numel() and src.is_contiguous() and dst.is_contiguous() and available()):
+    infinity. ``False`` (nothing done) unless both are contiguous CUDA tensors of one checked dtype and size, of at
+    least :data:`MIN_BYTES`."""
+    if not (src.is_cuda and src.numel() * src.element_size() >= MIN_BYTES and dst.device == src.device == flag.device
+            and dst.dtype == src.dtype in _DTYPES and dst.numel() == src.numel() and src.is_contiguous()
+            and dst.is_contiguous() and available()):
         return False
     n = src.numel()
     if n:
