@@ -19,14 +19,17 @@ from torch import Tensor
 __all__ = ["checked_copy", "available"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCK, TILES, WARPS = 2048, 1, 4
+BLOCK, TILES, WARPS = 4096, 4, 4
 """Elements per tile, tiles per program (the flag is reduced once per program, not per tile), warps per program:
-picked by ``benchmarks/bench_isfinite.py --sweep`` on an H200 (docs/performance.md)."""
+from ``benchmarks/bench_isfinite.py --sweep`` on an H200. Alone on 59.5 GB, BLOCK 2048 x 1 x 4 was fastest (30.0 ms,
+Tensor.copy_ 29.1); inside the 48-layer sync 4096 x 4 x 4 measured best (41 ms against 48-88 ms): fewer programs
+(docs/performance.md)."""
 MIN_BYTES = 8 << 20
-"""Smaller tensors are left to the bucket's reduction: a Triton launch costs the host tens of microseconds, and a
-48-layer sync of 531 tensors launched one kernel each was host-bound (+21 % on a 34 ms sync); below 8 MiB are the
-norms, the router and the k/v projections, 0.4 % of Qwen3-30B-A3B's bytes, read once more by one multi-tensor
-kernel per bucket."""
+"""Smaller tensors are left to the bucket's reduction: a Triton launch costs the host tens of microseconds, and the
+check's extra time in the 48-layer sync varied with the host, not with the bytes (+21 % to +111 % over a steady
+34 ms unchecked sync across runs on one H200; the kernel alone runs at copy speed). Below 8 MiB are the norms, the
+router and the k/v projections: 0.4 % of Qwen3-30B-A3B's bytes, read once more by one multi-tensor kernel per
+bucket. The launches that remain are still the cost: docs/performance.md, "Non-finite check"."""
 
 
 @functools.cache
