@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hwsync.backend import get_backend
-from hwsync.comm import broadcast, broadcast_coalesced
+from hwsync.common.backend import get_backend
+from hwsync.common.comm import broadcast, broadcast_coalesced
 
 WORLD = 2
 MB = 1 << 20

@@ -1,4 +1,4 @@
-"""Cost of the non-finite check (:mod:`hwsync.finite`) against the copy a sync makes of the same bytes.
+"""Cost of the non-finite check (:mod:`hwsync.common.finite`) against the copy a sync makes of the same bytes.
 
 The receiver queues one ``torch._foreach_norm(ord=inf)`` per bucket and (device, dtype) on the tensors it is given
 and reads every flag once after the last bucket. This script builds a model-shaped set of tensors (``--layers``
@@ -8,7 +8,7 @@ layers: attention projections, fused experts, norms; ``--gb`` in all, ``--dtype`
 * copy: one ``torch._foreach_copy_`` per bucket into preallocated destinations (the steady colocated in-place write);
 * check: ``FiniteFlags.open`` per bucket, one ``non_finite()`` at the end;
 * copy+check: both, interleaved per bucket (the reduction where no checking copy exists);
-* checking copy: :func:`hwsync.finite.copy_all` inside a receive (a Triton kernel on CUDA that checks as it copies:
+* checking copy: :func:`hwsync.common.finite.copy_all` inside a receive (a Triton kernel on CUDA that checks as it copies:
   the in-place write the receiver makes; the overhead the ≤ 2 % budget is about).
 
 It also checks that a NaN and an Inf in one tensor are found on that device. Prints one table.
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from hwsync.finite import FiniteFlags, copy_all
+from hwsync.common.finite import FiniteFlags, copy_all
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -69,7 +69,7 @@ def sweep(time_checked: Callable[[], float], t_copy: float) -> None:
     """Time the checking copy's kernel per (BLOCK, TILES, WARPS); keep the fastest for the rows below."""
     import itertools
 
-    import hwsync.cuda.checked_copy as cc
+    import hwsync.common.cuda.checked_copy as cc
 
     rows = []
     for block, tiles, warps in itertools.product((2048, 4096, 8192), (1, 2, 4, 8, 16), (2, 4, 8)):

@@ -1,4 +1,4 @@
-"""In-place expert writes (hwsync.layouts) vs a per-expert Python loop, measured in the same run.
+"""In-place expert writes (hwsync.common.layouts) vs a per-expert Python loop, measured in the same run.
 
 The loop is the shape of vLLM's own path (``RoutedExperts.weight_loader`` called once per expert and shard:
 narrow the TP slice, narrow the destination rows, ``copy_``) without its Python bookkeeping, so it is a
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from hwsync.layouts import (
+from hwsync.common.layouts import (
     ExpertLayout,
     ExpertSharding,
     copy_expert_shards_,

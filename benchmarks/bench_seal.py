@@ -1,4 +1,4 @@
-"""Cost of sealing a bucket (server mode's keyed tag, :mod:`hwsync.transport.seal`) against a plain copy.
+"""Cost of sealing a bucket (server mode's keyed tag, :mod:`hwsync.common.transport.seal`) against a plain copy.
 
 Every bucket is sealed by the trainer and checked by each engine worker before any loader sees it. On CPU the tag is
 keyed BLAKE2b over the bytes; on accelerators a keyed linear hash runs where the bytes are (this script measures the
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from hwsync.transport.seal import Sealer, derive_secret
+from hwsync.common.transport.seal import Sealer, derive_secret
 
 
 def best(fn: Callable[[], object], repeat: int, sync: Callable[[], None] = lambda: None) -> float:

@@ -83,9 +83,9 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
     import gc
 
     import hwsync
-    from hwsync.api import as_engine
-    from hwsync.merged import merged_named_weights
-    from hwsync.vllm.applier import vllm_reload
+    from hwsync.trainer.api import as_engine
+    from hwsync.trainer.merged import merged_named_weights
+    from hwsync.engine.vllm.applier import vllm_reload
 
     llm = _engine(path, dtype, args.rank, enable_sleep_mode=True)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner

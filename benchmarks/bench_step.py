@@ -8,7 +8,7 @@ stops a healthy run.
 Each run builds one engine and one trainer (trainer and engine on the same device, as a colocated GRPO job) and
 loops the way a user's own PyTorch loop or a trainer integration calls hwsync, per step:
 
-* **sync**: ``hwsync.sync`` through :class:`hwsync.trainer_sync.TrainerSync`, the integrations' own path;
+* **sync**: ``hwsync.sync`` through :class:`hwsync.integrations.trainer_sync.TrainerSync`, the integrations' own path;
 * **guard**: that class's check after the sync (content checks of what can have changed; the check prompts'
   logprobs and the model's numerics spread at the first check and every ``HWSYNC_VERIFY_LOGPROBS_EVERY``-th) plus
   the rollout check (the engine's sampling logprobs against the trainer's on the sampled tokens, which the
@@ -127,9 +127,9 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
         ) -> dict[str, Any]:
     import gc
 
-    from hwsync.errors import VerifyError
-    from hwsync.options import SyncOptions
-    from hwsync.trainer_sync import TrainerSync, first_prompts
+    from hwsync.common.errors import VerifyError
+    from hwsync.integrations.options import SyncOptions
+    from hwsync.integrations.trainer_sync import TrainerSync, first_prompts
 
     model = bs._trainer(path, strategy, rank, dtype)
     if bs._on_gpu():

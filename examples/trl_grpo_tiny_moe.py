@@ -234,7 +234,7 @@ def checks(recs: list[dict[str, Any]], trainer: Any, steps: int, steps_per_gener
 
 def _all_nonzero(params: list[Any]) -> bool:
     """Whether every tensor has a non-zero entry (read whole under a sharded trainer: ZeRO-3 / FSDP2)."""
-    from hwsync import gather
+    from hwsync.common import gather
 
     with gather.gathered(params):
         return all(float(gather.full(p).detach().abs().max()) > 0 for p in params)

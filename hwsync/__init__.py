@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hwsync.errors import (
+from hwsync.common.errors import (
     AdapterFormatError,
     EngineBusyError,
     OptionError,
@@ -27,65 +27,31 @@ from hwsync.errors import (
     VersionError,
 )
 
-from hwsync.version import __version__
+from hwsync.common.version import __version__
 
-
-def _map_source_checkout_patches() -> None:
-    """Make ``hwsync.patches`` importable from a source checkout (``PYTHONPATH=.``, ``python -m pytest``).
-
-    The wheel installs ``patches/`` as ``hwsync.patches``; in a checkout that folder sits beside ``hwsync/``. When
-    this package was imported from a checkout, ``hwsync.patches`` must come from the *same* checkout (not from
-    another tree an editable install points at), so its folder is added to this package's search path under its
-    own name only: nothing else beside ``hwsync/`` becomes importable.
-    """
-    import importlib.abc
-    import importlib.machinery
-    import importlib.util
-    import sys
-    from collections.abc import Sequence
-    from pathlib import Path
-    from types import ModuleType
-
-    here = Path(__file__).resolve().parent
-    source = here.parent / "patches"
-    if (here / "patches").is_dir() or not (source / "_base.py").is_file():
-        return
-
-    class _SourcePatches(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname: str, path: Sequence[str] | None = None,
-                      target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-            if fullname != "hwsync.patches":
-                return None
-            return importlib.util.spec_from_file_location(fullname, source / "__init__.py",
-                                                          submodule_search_locations=[str(source)])
-
-    sys.meta_path.insert(0, _SourcePatches())
-
-
-_map_source_checkout_patches()
 
 _LAZY: dict[str, str] = {
-    "Backend": "hwsync.backend",
-    "get_backend": "hwsync.backend",
-    "register_backend": "hwsync.backend",
-    "available_backends": "hwsync.backend",
-    "known_backends": "hwsync.backend",
-    "backend_for_device": "hwsync.backend",
-    "broadcast": "hwsync.comm",
-    "broadcast_coalesced": "hwsync.comm",
-    "sync": "hwsync.api",
-    "generate": "hwsync.api",
-    "verify": "hwsync.verify",
-    "agreement": "hwsync.verify",
-    "SyncReport": "hwsync.report",
-    "Strategy": "hwsync.wire",
-    "as_engine": "hwsync.api",
-    "TransferBackendEngine": "hwsync.transfer_backend",
-    "connect": "hwsync.server",
-    "serve": "hwsync.server",
-    "new_token": "hwsync.tokens",
-    "ExpertLayout": "hwsync.layouts",
-    "ExpertSharding": "hwsync.layouts",
+    "Backend": "hwsync.common.backend",
+    "get_backend": "hwsync.common.backend",
+    "register_backend": "hwsync.common.backend",
+    "available_backends": "hwsync.common.backend",
+    "known_backends": "hwsync.common.backend",
+    "backend_for_device": "hwsync.common.backend",
+    "broadcast": "hwsync.common.comm",
+    "broadcast_coalesced": "hwsync.common.comm",
+    "sync": "hwsync.trainer.api",
+    "generate": "hwsync.trainer.api",
+    "verify": "hwsync.trainer.verify",
+    "agreement": "hwsync.trainer.verify",
+    "SyncReport": "hwsync.trainer.report",
+    "Strategy": "hwsync.common.wire",
+    "as_engine": "hwsync.trainer.api",
+    "TransferBackendEngine": "hwsync.trainer.transfer_backend",
+    "connect": "hwsync.trainer.client",
+    "serve": "hwsync.engine.server",
+    "new_token": "hwsync.common.tokens",
+    "ExpertLayout": "hwsync.common.layouts",
+    "ExpertSharding": "hwsync.common.layouts",
 }
 
 __all__ = [
@@ -115,8 +81,8 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'hwsync' has no attribute {name!r}")
     mod = importlib.import_module(module)
-    # `hwsync.verify` is the module itself, callable as the function (`hwsync.verify(...)`, `hwsync.verify.check`):
-    # importing the submodule rebinds the package attribute anyway, so both spellings must mean one object
+    # `hwsync.verify` is the module hwsync.trainer.verify itself, callable as the function (`hwsync.verify(...)`,
+    # `hwsync.verify.check`): both spellings mean one object
     value = mod if name == module.rsplit(".", 1)[-1] and callable(mod) else getattr(mod, name)
     globals()[name] = value
     return value
@@ -127,23 +93,23 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only ("X as X": re-exported, the lazy names above)
-    from hwsync.api import as_engine as as_engine
-    from hwsync.api import generate as generate
-    from hwsync.api import sync as sync
-    from hwsync.transfer_backend import TransferBackendEngine as TransferBackendEngine
-    from hwsync.backend import Backend as Backend
-    from hwsync.backend import available_backends as available_backends
-    from hwsync.backend import backend_for_device as backend_for_device
-    from hwsync.backend import get_backend as get_backend
-    from hwsync.backend import known_backends as known_backends
-    from hwsync.backend import register_backend as register_backend
-    from hwsync.comm import broadcast as broadcast
-    from hwsync.comm import broadcast_coalesced as broadcast_coalesced
-    from hwsync.layouts import ExpertLayout as ExpertLayout
-    from hwsync.layouts import ExpertSharding as ExpertSharding
-    from hwsync.report import SyncReport as SyncReport
-    from hwsync.server import connect as connect
-    from hwsync.server import serve as serve
-    from hwsync.verify import agreement as agreement
-    from hwsync.verify import verify as verify
-    from hwsync.wire import Strategy as Strategy
+    from hwsync.trainer.api import as_engine as as_engine
+    from hwsync.trainer.api import generate as generate
+    from hwsync.trainer.api import sync as sync
+    from hwsync.trainer.transfer_backend import TransferBackendEngine as TransferBackendEngine
+    from hwsync.common.backend import Backend as Backend
+    from hwsync.common.backend import available_backends as available_backends
+    from hwsync.common.backend import backend_for_device as backend_for_device
+    from hwsync.common.backend import get_backend as get_backend
+    from hwsync.common.backend import known_backends as known_backends
+    from hwsync.common.backend import register_backend as register_backend
+    from hwsync.common.comm import broadcast as broadcast
+    from hwsync.common.comm import broadcast_coalesced as broadcast_coalesced
+    from hwsync.common.layouts import ExpertLayout as ExpertLayout
+    from hwsync.common.layouts import ExpertSharding as ExpertSharding
+    from hwsync.trainer.report import SyncReport as SyncReport
+    from hwsync.trainer.client import connect as connect
+    from hwsync.engine.server import serve as serve
+    from hwsync.trainer.verify import agreement as agreement
+    from hwsync.trainer.verify import verify as verify
+    from hwsync.common.wire import Strategy as Strategy

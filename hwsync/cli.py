@@ -26,7 +26,7 @@ from importlib import metadata
 
 __all__ = ["Command", "command", "main", "COMMAND_MODULES", "ENTRY_POINT_GROUP"]
 
-COMMAND_MODULES: tuple[str, ...] = ("hwsync.doctor", "hwsync.plugin_paths", "hwsync.tokens")
+COMMAND_MODULES: tuple[str, ...] = ("hwsync.doctor", "hwsync.plugin_paths")
 ENTRY_POINT_GROUP = "hwsync.commands"
 
 Run = Callable[[argparse.Namespace], int]
@@ -81,7 +81,7 @@ def _load_commands() -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hwsync.version import __version__
+    from hwsync.common.version import __version__
 
     parser = argparse.ArgumentParser(prog="hwsync", description="hwsync: trainer -> vLLM weight sync for MoE + LoRA")
     parser.add_argument("--version", action="version", version=f"hwsync {__version__}")
@@ -104,6 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     return int(_COMMANDS[args.command](args) or 0)
+
+
+@command("token", help="print a new random server-mode token (for HWSYNC_TOKEN, hwsync.serve and hwsync.connect)")
+def token_command(args: argparse.Namespace) -> int:
+    from hwsync.common.tokens import new_token
+
+    print(new_token())
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from hwsync.capabilities import environment_report
+from hwsync.common.capabilities import environment_report
 from hwsync.cli import command
 
 __all__ = ["doctor_report", "format_report"]
@@ -34,8 +34,8 @@ def _patch_rows() -> dict[str, Any]:
 
 
 def doctor_report(*, probe_vllm: bool = True) -> dict[str, Any]:
-    """:func:`~hwsync.capabilities.environment_report` plus the patch table."""
-    from hwsync.gather import SUPPORTED_PARALLELISM
+    """:func:`~hwsync.common.capabilities.environment_report` plus the patch table."""
+    from hwsync.common.gather import SUPPORTED_PARALLELISM
 
     report = environment_report(probe_vllm=probe_vllm)
     report["patches"] = _patch_rows()

@@ -16,7 +16,7 @@ __all__ = ["swift_plugin_file"]
 
 def swift_plugin_file() -> Path:
     """The file ms-swift's ``--external_plugins`` should import to route GRPO weight sync through hwsync."""
-    spec = importlib.util.find_spec("hwsync.swift")
+    spec = importlib.util.find_spec("hwsync.integrations.swift")
     if spec is None or not spec.submodule_search_locations:  # pragma: no cover - broken install
         raise FileNotFoundError("hwsync.swift is not installed with this hwsync; reinstall: pip install -e '.[swift]'")
     return Path(next(iter(spec.submodule_search_locations))) / "plugin.py"

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.errors import HwsyncError, StaleEngineError, SyncError
+from hwsync.common.errors import HwsyncError, StaleEngineError, SyncError
 from hwsync.testing import patched_llm
 from hwsync.testing.trainer import lora_trainer, perturb
 
@@ -146,7 +146,7 @@ def _worker(llm: Any) -> Any:
 # -- receiver-side failures -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [0, 3, -1], ids=["first", "4th", "last"])
 def test_loader_raises_mid_bucket(base: Baseline, monkeypatch: pytest.MonkeyPatch, k: int) -> None:
-    from hwsync.vllm.applier import VllmApplier
+    from hwsync.engine.vllm.applier import VllmApplier
 
     original = VllmApplier.load_base
 
@@ -210,7 +210,7 @@ def test_recover_itself_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch,
     """The loader fails and restoring the layers fails too: logged, stale, and a complete sync still recovers."""
     import vllm.model_executor.model_loader.reload.layerwise as layerwise
 
-    from hwsync.vllm.applier import VllmApplier
+    from hwsync.engine.vllm.applier import VllmApplier
 
     original = VllmApplier.load_base
 
@@ -245,13 +245,13 @@ def test_recover_itself_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch,
 
 
 def _lora_injection(name: str, llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hwsync.vllm.applier import lora_manager_of
-    from hwsync.vllm.lora_slots import SlotWriter
+    from hwsync.engine.vllm.applier import lora_manager_of
+    from hwsync.engine.vllm.lora_slots import SlotWriter
 
     def boom(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"injected: {name}")
 
-    from hwsync.vllm.worker import receiver_of
+    from hwsync.engine.vllm.worker import receiver_of
 
     manager = lora_manager_of(_worker(llm))
     if name == "slot rewrite fails after writing":
@@ -395,9 +395,9 @@ def test_swift_rollout_generation_takes_the_engine_lock(base: Baseline, monkeypa
     """``swift rollout``'s routes all end in ``engine.infer``: guarded, it waits for a sync in progress and refuses
     while the engine is stale; every handle on one ``LLMEngine`` is the same (one lock)."""
     pytest.importorskip("swift")
-    from hwsync.swift._engine_view import LLMEngineView
-    from hwsync.swift._server import guard_generation
-    from hwsync.vllm.applier import VllmApplier
+    from hwsync.integrations.swift._engine_view import LLMEngineView
+    from hwsync.integrations.swift._server import guard_generation
+    from hwsync.engine.vllm.applier import VllmApplier
 
     view = LLMEngineView.of(base.llm.llm_engine)
     assert LLMEngineView.of(base.llm.llm_engine) is view
@@ -642,7 +642,7 @@ def test_unauthenticated_inputs_are_refused(base: Baseline) -> None:
         sock.sendall(bytes(random.Random(1).getrandbits(8) for _ in range(200)))
 
     def wrong_token(sock: socket.socket) -> None:
-        from hwsync.server.protocol import stretch
+        from hwsync.common.protocol import stretch
 
         salt, nonce = _hello(sock)
         mine = b"\1" * 32
@@ -691,7 +691,7 @@ def test_unauthenticated_inputs_are_refused(base: Baseline) -> None:
 
 
 def _authenticated(address: str) -> Any:
-    from hwsync.server.protocol import client_handshake
+    from hwsync.common.protocol import client_handshake
 
     sock = socket.create_connection(_host_port(address), timeout=30)
     return client_handshake(sock, TOKEN, address)
@@ -707,8 +707,8 @@ def _call(channel: Any, body: dict[str, Any]) -> dict[str, Any]:
 
 def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
     """A trainer with the token but a broken (or hostile) client: each request gets one error, nothing changes."""
-    from hwsync.api import SyncOptions, SyncPlan
-    from hwsync.wire import Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.common.wire import Strategy
 
     before = base.remote.state()
     plan = SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB))
@@ -871,8 +871,8 @@ def _data_plane(tag: bytes, timeout_s: float) -> tuple[socket.socket, Any, Any]:
 
     import torch.distributed as dist
 
-    from hwsync.server.protocol import group_prefix
-    from hwsync.transport.base import LinkSpec
+    from hwsync.common.protocol import group_prefix
+    from hwsync.common.transport.base import LinkSpec
 
     sock = socket.create_server(("127.0.0.1", 0))
     store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
@@ -885,10 +885,10 @@ def _forge(base: Baseline, kind: str) -> bool:
     seal (the CPU link's rendezvous itself needs that key: ``test_the_data_plane_rendezvous_needs_the_token`` in
     ``tests/test_attacks_reliability.py``; here the link is joined with it, the buckets are still forged). True when
     the engine refused before any loader saw them."""
-    from hwsync.api import SyncOptions, SyncPlan
-    from hwsync.transport.buckets import TRAILER_BYTES, _HEAD
-    from hwsync.transport.seal import Sealer
-    from hwsync.wire import Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.common.transport.buckets import TRAILER_BYTES, _HEAD
+    from hwsync.common.transport.seal import Sealer
+    from hwsync.common.wire import Strategy
 
     engine = hwsync.as_engine(base.llm)
     if kind == "bucket replayed as the next one":
@@ -902,7 +902,7 @@ def _forge(base: Baseline, kind: str) -> bool:
     sock, store, spec = _data_plane(b"\7", 5.0)
     engine_key, attacker_key = b"E" * 32, b"A" * 32
     thread, result = receive_in_thread(engine, manifest, spec, engine_key)
-    from hwsync.backend import open_link
+    from hwsync.common.backend import open_link
 
     # join as a trainer on this machine would (CUDA: the GPU identity exchange first, then NCCL -- or gloo, as here,
     # when the engine shares the GPU): only the data key is missing
@@ -914,7 +914,7 @@ def _forge(base: Baseline, kind: str) -> bool:
     replay = None
     for bucket in manifest.buckets:
         buf = torch.zeros(size + TRAILER_BYTES, dtype=torch.uint8)
-        from hwsync.transport.pack import pack
+        from hwsync.common.transport.pack import pack
 
         pack(buf, bucket.offsets, [tensors[i] for i in bucket.entries], [manifest.specs[i].dtype
                                                                        for i in bucket.entries])
@@ -957,8 +957,8 @@ def _forge(base: Baseline, kind: str) -> bool:
 def test_a_peer_that_never_joins_the_data_plane_is_a_refused_sync(base: Baseline) -> None:
     """The control channel said "go" but nobody joins the data-plane group (a trainer that died, or a client that
     skips the GPU identity exchange): one SyncError after the link timeout, nothing applied, engine not stale."""
-    from hwsync.api import SyncOptions, SyncPlan
-    from hwsync.wire import Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.common.wire import Strategy
 
     engine = hwsync.as_engine(base.llm)
     before = engine.state()
@@ -1047,8 +1047,8 @@ def test_fuzzed_manifests(base: Baseline) -> None:
     """Seeded random mutations of real manifests (full and adapter syncs) and of their bytes: each is refused with
     one SyncError by ``Manifest.from_json`` or by the engine's validation, or is a valid manifest the engine
     prepares without writing anything."""
-    from hwsync.api import SyncOptions, SyncPlan
-    from hwsync.wire import Manifest, Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.common.wire import Manifest, Strategy
 
     engine = hwsync.as_engine(base.llm)
     lora = lora_trainer(base.path, ATTN)
@@ -1148,7 +1148,7 @@ def test_data_plane_listens_only_during_a_sync(base: Baseline, monkeypatch: pyte
     at the limit (``gloo::EnforceNotMet ... accept: Too many open files``, the engine or the trainer). hwsync's gloo
     data plane therefore exists only during a sync: afterwards nothing of it listens, and a connect/close flood on
     what does listen (the sync server, the trainer's rendezvous store) costs no descriptor."""
-    from hwsync.cpu import framed
+    from hwsync.common.cpu import framed
 
     base.restore()  # the rendezvous store exists: what listens now is what listens between syncs
     between = _listening_ports()
@@ -1188,7 +1188,7 @@ def test_data_plane_listens_only_during_a_sync(base: Baseline, monkeypatch: pyte
 
 def _server(base: Baseline, **kwargs: Any) -> Any:
     """A second sync server on the suite's engine (same handle and lock), with its own limits."""
-    from hwsync.server.server import SyncServer
+    from hwsync.engine.server import SyncServer
 
     return SyncServer(base.llm, "127.0.0.1:0", TOKEN, timeout_s=30, **kwargs)
 
@@ -1228,7 +1228,7 @@ def test_slow_handshakes_hold_no_slot_past_the_deadline(base: Baseline) -> None:
 def test_busy_engine_says_busy(base: Baseline) -> None:
     """Every slot held: the trainer is told the engine is busy (not that it refused the token), after retrying for
     a while when unauthenticated connections hold the handshake slots."""
-    from hwsync.errors import EngineBusyError
+    from hwsync.common.errors import EngineBusyError
 
     with _server(base, max_clients=1, idle_s=60.0) as server:
         holder = hwsync.connect(server.address, TOKEN, timeout_s=10)
@@ -1254,7 +1254,7 @@ def test_idle_and_stalled_trainers_lose_their_slot(base: Baseline, monkeypatch: 
     """Token holders that idle, or stall in the middle of a frame, do not lock a trainer out: an idle one loses its
     slot after ``idle_s`` (its handle reconnects by itself on its next call), a stalled frame is dropped after the
     frame deadline."""
-    import hwsync.server.protocol as protocol
+    import hwsync.common.protocol as protocol
 
     monkeypatch.setattr(protocol, "FRAME_TIMEOUT_S", 2.0)
     with _server(base, max_clients=1, idle_s=1.5) as server:
@@ -1413,7 +1413,7 @@ def test_a_declined_cache_reset_leaves_the_engine_stale(base: Baseline, monkeypa
 
 def test_a_failed_sync_keeps_its_own_error(base: Baseline, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sync that fails while vLLM would also decline the reset reports its own failure, not the reset's."""
-    from hwsync.vllm.applier import VllmApplier
+    from hwsync.engine.vllm.applier import VllmApplier
 
     original = VllmApplier.load_base
 
@@ -1464,7 +1464,7 @@ def test_one_recorded_handshake_allows_no_fast_guessing(base: Baseline) -> None:
     """The client proves nothing to a peer that has not proven the token first (an impostor on the engine's address
     gets a nonce and nothing else); what the server proves to anyone costs a scrypt per offline guess (the HMAC it
     replaced allowed ~300k guesses per second and core)."""
-    from hwsync.server.protocol import stretch
+    from hwsync.common.protocol import stretch
 
     impostor = socket.create_server(("127.0.0.1", 0))
     heard: list[bytes] = []
@@ -1516,7 +1516,7 @@ def test_weak_tokens_are_refused(base: Baseline) -> None:
                 call()
             record("weak tokens", refused=True)
     made = sp.run([sys.executable, "-m", "hwsync", "token"], capture_output=True, text=True, check=True).stdout.strip()
-    from hwsync.tokens import check_token
+    from hwsync.common.tokens import check_token
 
     assert check_token(made) == made and made != hwsync.new_token()
 
@@ -1524,7 +1524,7 @@ def test_weak_tokens_are_refused(base: Baseline) -> None:
 def test_a_version_cannot_use_up_the_range(base: Baseline) -> None:
     """A token holder syncing version 2^63 - 1 used to lock the engine out for good (every later version was
     "malformed"); a version may now step at most 2^32 past the engine's."""
-    from hwsync.errors import VersionError
+    from hwsync.common.errors import VersionError
 
     before = base.remote.state()["version"]
     for version in (2**63 - 1, before + 2**32 + 1):
@@ -1544,8 +1544,8 @@ def test_swift_rollout_weight_routes_are_closed(base: Baseline) -> None:
     calls go through. ``init_communicator`` stays open: ms-swift's trainer opens it before any plugin loads
     (tests/test_swift_server.py runs that start-up end to end)."""
     pytest.importorskip("swift")
-    from hwsync.errors import UnsupportedSetupError
-    from hwsync.swift._server import SWIFT_WEIGHT_METHODS, close_weight_routes
+    from hwsync.common.errors import UnsupportedSetupError
+    from hwsync.integrations.swift._server import SWIFT_WEIGHT_METHODS, close_weight_routes
 
     llm_engine = base.llm.llm_engine
     close_weight_routes(llm_engine, base.server.address)

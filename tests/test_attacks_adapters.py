@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import hwsync
-from hwsync.errors import SyncError
+from hwsync.common.errors import SyncError
 from hwsync.testing import patched_llm
 from hwsync.testing.trainer import lora_trainer, perturb
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.errors import HwsyncError, StaleEngineError, SyncError
+from hwsync.common.errors import HwsyncError, StaleEngineError, SyncError
 from hwsync.testing import patched_llm
 from hwsync.testing.trainer import lora_trainer, perturb
 from test_attacks import receive_in_thread  # the engine's side of a sync over a data plane, in a thread
@@ -115,8 +115,8 @@ def _own_data_plane(timeout_s: float) -> tuple[socket.socket, Any, Any]:
 
     import torch.distributed as dist
 
-    from hwsync.server.protocol import group_prefix
-    from hwsync.transport.base import LinkSpec
+    from hwsync.common.protocol import group_prefix
+    from hwsync.common.transport.base import LinkSpec
 
     sock = socket.create_server(("127.0.0.1", 0))
     store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
@@ -126,8 +126,8 @@ def _own_data_plane(timeout_s: float) -> tuple[socket.socket, Any, Any]:
 
 def _engine_receives(llm: Any, model: Any, spec: Any, key: bytes) -> tuple[Any, threading.Thread, list[Any]]:
     """The engine's side of one sync of ``model`` over ``spec`` (data key ``key``), in a thread."""
-    from hwsync.api import SyncOptions, SyncPlan
-    from hwsync.wire import Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.common.wire import Strategy
 
     engine = hwsync.as_engine(llm)
     plan = SyncPlan.make(engine, model, SyncOptions(Strategy.FULL, BUCKET_MB))
@@ -141,8 +141,8 @@ def test_a_bucket_of_another_size_is_refused_not_a_crash(llm: Any, model: Any, e
     """A token holder (it has the sync's data key) sends a first bucket ``extra`` bytes off the manifest's size: gloo
     aborted the engine process (``op.preamble.length <= op.nbytes``, exit 134); now the frame's length is checked
     before a byte of it is read, and the sync is refused with nothing applied."""
-    from hwsync.backend import open_link
-    from hwsync.transport.buckets import TRAILER_BYTES
+    from hwsync.common.backend import open_link
+    from hwsync.common.transport.buckets import TRAILER_BYTES
 
     hwsync.sync(llm, model, strategy="full", bucket_mb=BUCKET_MB)
     before = hwsync.as_engine(llm).state()
@@ -152,7 +152,7 @@ def test_a_bucket_of_another_size_is_refused_not_a_crash(llm: Any, model: Any, e
     link = open_link(store, spec, 0, torch.device("cpu"), key)
     size = max(b.nbytes for b in manifest.buckets) + TRAILER_BYTES
     if extra == 1 << 30:  # announce 1 GiB more, send nothing of it
-        from hwsync.cpu.framed import _LEN
+        from hwsync.common.cpu.framed import _LEN
 
         link._peers[0].sendall(_LEN.pack(size + extra))
     else:
@@ -174,7 +174,7 @@ def test_the_data_plane_rendezvous_needs_the_token(llm: Any, model: Any) -> None
     """A process without the sync's secret wins rank 0 of the rendezvous (it rewrote the store, or got there first):
     the engine worker refuses it before reading a byte from it, and the impostor learns nothing (it reads no bucket:
     the trainer's side refuses peers that cannot prove the secret)."""
-    from hwsync.backend import open_link
+    from hwsync.common.backend import open_link
 
     hwsync.sync(llm, model, strategy="full", bucket_mb=BUCKET_MB)
     before = hwsync.as_engine(llm).state()
@@ -225,7 +225,7 @@ def test_nan_weights_poison_reused_kv_blocks(llm: Any, model: Any, tiny_qwen3_mo
     """Why NaN outlived the next complete sync (the check turned off to see it): after serving NaN weights and a
     complete good sync, outputs differ from the good weights' until the KV cache tensors are zeroed -- the reset
     frees the blocks, their stale NaN stays and reaches attention; zeroed, the outputs are right at once."""
-    from hwsync.finite import FiniteFlags
+    from hwsync.common.finite import FiniteFlags
 
     hwsync.sync(llm, model, strategy="full", bucket_mb=BUCKET_MB)
     good = _logprobs(llm)
@@ -247,7 +247,7 @@ def test_nan_weights_poison_reused_kv_blocks(llm: Any, model: Any, tiny_qwen3_mo
 def test_one_deadline_per_sync(llm: Any, server: Any, model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine stalls before joining the data plane: the trainer's ``sync`` with ``timeout_s=5`` returns within
     its 5 s (it took one timeout for the data plane, then another for the reply: ~2x)."""
-    from hwsync.vllm import worker
+    from hwsync.engine.vllm import worker
 
     original = worker._link
     release = threading.Event()
@@ -272,7 +272,7 @@ def test_one_deadline_per_sync(llm: Any, server: Any, model: Any, monkeypatch: p
 
 # -- small items ------------------------------------------------------------------------------------------------------
 def test_a_token_with_a_lone_surrogate_is_refused_as_a_token() -> None:
-    from hwsync.tokens import check_token
+    from hwsync.common.tokens import check_token
 
     token = "a strong-looking token of 40 characters \ud800"
     with pytest.raises(SyncError, match="lone surrogate"):
@@ -299,8 +299,8 @@ def test_ipv6_loopback_is_loopback(llm: Any, caplog: pytest.LogCaptureFixture) -
 def test_empty_and_gapped_manifests_are_refused(llm: Any, model: Any) -> None:
     import json
 
-    from hwsync.api import SyncOptions, SyncPlan
-    from hwsync.wire import Manifest, Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.common.wire import Manifest, Strategy
 
     plan = SyncPlan.make(hwsync.as_engine(llm), model, SyncOptions(Strategy.FULL, BUCKET_MB))
     doc = json.loads(plan.manifest.to_json())
@@ -319,7 +319,7 @@ def test_huge_control_frames_are_admitted_one_budget_at_a_time(server: Any) -> N
     """Authenticated peers start control frames near the 256 MB limit at once: the first is admitted (its size
     reserved before it is read), the others are refused unread and their connections dropped (three such frames
     used to take the server to 1.66 GB)."""
-    from hwsync.server.protocol import MAX_FRAME, _LEN, client_handshake
+    from hwsync.common.protocol import MAX_FRAME, _LEN, client_handshake
 
     socks = []
     for _ in range(3):
@@ -348,7 +348,7 @@ def test_a_user_adapter_under_hwsyncs_id_is_refused(llm: Any, model: Any, tiny_q
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from hwsync.vllm.applier import LORA_INT_ID
+    from hwsync.engine.vllm.applier import LORA_INT_ID
 
     lora = lora_trainer(tiny_qwen3_moe_dir, ["q_proj", "k_proj", "v_proj", "o_proj"])
     perturb(lora, 5, lora_scale=0.2)

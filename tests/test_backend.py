@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hwsync import backend as backend_mod
-from hwsync.backend import (
+from hwsync.common import backend as backend_mod
+from hwsync.common.backend import (
     Backend,
     available_backends,
     backend_for_device,
@@ -23,8 +23,8 @@ from hwsync.backend import (
     register_backend,
     unregister_backend,
 )
-from hwsync.cpu import CpuBackend
-from hwsync.errors import BackendUnavailableError, HwsyncError
+from hwsync.common.cpu import CpuBackend
+from hwsync.common.errors import BackendUnavailableError, HwsyncError
 
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 
@@ -154,7 +154,7 @@ def test_register_backend_rejects_non_backends() -> None:
 def plugin_dist(tmp_path: Path) -> Iterator[Path]:
     """A real installed distribution declaring two hwsync.backends entry points (one broken)."""
     (tmp_path / "hwsync_plugin_test.py").write_text(textwrap.dedent("""
-        from hwsync.cpu import CpuBackend
+        from hwsync.common.cpu import CpuBackend
 
         class PluginBackend(CpuBackend):
             name = "plugin-test"
@@ -192,9 +192,9 @@ def test_installed_package_declares_the_builtin_entry_points() -> None:
         pytest.fail(f"entry point metadata unreadable: {e}")
     if not eps:
         pytest.skip("hwsync is not pip-installed here (running from a source tree)")
-    assert eps["cpu"] == "hwsync.cpu:CpuBackend"
-    assert eps["cuda"] == "hwsync.cuda:CudaBackend"
-    assert eps["npu"] == "hwsync.npu:NpuBackend"
+    assert eps["cpu"] == "hwsync.common.cpu:CpuBackend"
+    assert eps["cuda"] == "hwsync.common.cuda:CudaBackend"
+    assert eps["npu"] == "hwsync.common.npu:NpuBackend"
 
 
 def test_backend_for_unknown_device_kind() -> None:

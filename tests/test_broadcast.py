@@ -1,6 +1,6 @@
-"""Real two-process broadcasts through ``hwsync.comm.broadcast``.
+"""Real two-process broadcasts through ``hwsync.common.comm.broadcast``.
 
-The transport follows ``hwsync.backend.get_backend()``: gloo on a CPU machine, nccl on a machine with
+The transport follows ``hwsync.common.backend.get_backend()``: gloo on a CPU machine, nccl on a machine with
 two or more GPUs — the module runs unchanged on both. Two ranks are spawned once per module; every
 case runs on both ranks and reports back, and each case is one pytest test below.
 """
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hwsync.backend import backend_for_device, get_backend
-from hwsync.comm import broadcast, broadcast_coalesced
-from hwsync.errors import BroadcastError, HwsyncError
+from hwsync.common.backend import backend_for_device, get_backend
+from hwsync.common.comm import broadcast, broadcast_coalesced
+from hwsync.common.errors import BroadcastError, HwsyncError
 
 WORLD = 2
 SPAWN_TIMEOUT_S = 300

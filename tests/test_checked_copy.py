@@ -1,4 +1,4 @@
-"""The copy that checks as it copies (:mod:`hwsync.cuda.checked_copy`, used by :mod:`hwsync.finite` inside a
+"""The copy that checks as it copies (:mod:`hwsync.common.cuda.checked_copy`, used by :mod:`hwsync.common.finite` inside a
 receive): same bytes as ``copy_``, NaN and +-Inf found in any block, the rest left to the separate reduction.
 
 CUDA only (the kernel is Triton's); on CPU the receiver's reduction path is what tests/test_attacks_reliability.py
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hwsync.cuda import checked_copy
-from hwsync.finite import FiniteFlags, copy_, copy_all
+from hwsync.common.cuda import checked_copy
+from hwsync.common.finite import FiniteFlags, copy_, copy_all
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the checking copy is a CUDA (Triton) kernel")
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hwsync import cli
-from hwsync.backend import get_backend
-from hwsync.capabilities import environment_report, package_versions
+from hwsync.common.backend import get_backend
+from hwsync.common.capabilities import environment_report, package_versions
 
 
 def test_doctor_text_without_vllm_probe(capsys: pytest.CaptureFixture[str]) -> None:
@@ -151,10 +151,10 @@ def test_env_override_shows_in_doctor(monkeypatch: pytest.MonkeyPatch, capsys: p
 
 def test_plugin_path_points_at_the_swift_plugin_without_importing_it() -> None:
     code = ("import sys; from hwsync.cli import main; rc = main(['plugin-path']); "
-            "assert 'swift' not in sys.modules and 'hwsync.swift' not in sys.modules, 'plugin-path imported ms-swift'; "
+            "assert 'swift' not in sys.modules and 'hwsync.integrations.swift' not in sys.modules, 'plugin-path imported ms-swift'; "
             "sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     path = Path(proc.stdout.strip())
     assert path.name == "plugin.py" and path.parent.name == "swift" and path.is_file()
-    assert "hwsync.swift" in path.read_text()  # the file ms-swift imports installs hwsync's plugin
+    assert "hwsync.integrations.swift" in path.read_text()  # the file ms-swift imports installs hwsync's plugin

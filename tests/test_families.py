@@ -47,7 +47,7 @@ def engine_patches() -> Iterator[None]:
     """What VLLM_PLUGINS=hwsync does in a vLLM process (MoE + enable_lora on CPU); one thread (2 shared cores)."""
     require_vllm()
     import hwsync.patches as patches
-    from hwsync import vllm_plugin
+    from hwsync.engine import vllm_plugin
 
     before = {n for n in patches.names() if patches.get(n).installed}
     active = set(vllm_plugin.register()) - before
@@ -171,7 +171,7 @@ def test_dry_run_names_the_parameter_of_a_loader_it_cannot_run(tmp_path: Path, r
     from transformers import AutoModelForCausalLM
 
     import hwsync
-    from hwsync.errors import ResolutionError
+    from hwsync.common.errors import ResolutionError
     from hwsync.testing import assert_serves, close_llm, make_llm
     from hwsync.testing.families import PROMPTS, Family, make_family_checkpoint
 
@@ -211,7 +211,7 @@ def test_checkpoint_names_view_hides_lora_wrappers_only_inside_the_block() -> No
     wrapper (``base_layer`` child) moves the names. The view gives them back for the block, then is gone."""
     from torch import nn
 
-    from hwsync.vllm.lora_view import checkpoint_names
+    from hwsync.engine.vllm.lora_view import checkpoint_names
 
     class Wrapper(nn.Module):  # the shape of vLLM's BaseLayerWithLoRA: the original layer as ``base_layer``
         def __init__(self, layer: nn.Module) -> None:

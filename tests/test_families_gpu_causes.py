@@ -21,10 +21,10 @@ import types
 import pytest
 import torch
 
-from hwsync.errors import AdapterFormatError, ResolutionError
-from hwsync.layouts import ExpertLayout
-from hwsync.names import ExpertGroup, Namespace, ParamSpec, resolve
-from hwsync.wire import EngineInfo, Strategy
+from hwsync.common.errors import AdapterFormatError, ResolutionError
+from hwsync.common.layouts import ExpertLayout
+from hwsync.engine.names import ExpertGroup, Namespace, ParamSpec, resolve
+from hwsync.common.wire import EngineInfo, Strategy
 
 E, H, I = 4, 8, 6
 EXPERTS = "model.layers.0.mixer.experts"
@@ -71,7 +71,7 @@ def test_non_gated_experts_are_complete_without_a_gate() -> None:
 
 
 def _applier(ns: Namespace, dtype: torch.dtype) -> object:
-    from hwsync.vllm.applier import VllmApplier
+    from hwsync.engine.vllm.applier import VllmApplier
 
     cfg = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=dtype))
     runner = types.SimpleNamespace(vllm_config=cfg, get_model=lambda: None)
@@ -165,9 +165,9 @@ def _lora_info() -> EngineInfo:
 
 @pytest.mark.parametrize("attention", [True, False], ids=["attention+experts", "experts-only"])
 def test_hybrid_merges_lora_on_non_gated_experts(attention: bool) -> None:
-    from hwsync.merged import merged_named_weights
-    from hwsync.payload import _base_params, build_payload, read_lora
-    from hwsync.strategy import choose
+    from hwsync.trainer.merged import merged_named_weights
+    from hwsync.trainer.payload import _base_params, build_payload, read_lora
+    from hwsync.trainer.strategy import choose
 
     model = _peft_toy(attention)
     info = _lora_info()
@@ -196,7 +196,7 @@ def test_hybrid_merges_lora_on_non_gated_experts(attention: bool) -> None:
 
 
 def test_lora_on_non_gated_experts_is_still_refused_as_vllm_lora() -> None:
-    from hwsync.lora_formats import LoraKind, extract_peft_lora, to_vllm_lora
+    from hwsync.common.lora_formats import LoraKind, extract_peft_lora, to_vllm_lora
 
     adapter = extract_peft_lora(_peft_toy(False))
     assert adapter.modules[f"{EXPERTS}.up_proj"].kind is LoraKind.EXPERTS_OTHER
@@ -208,7 +208,7 @@ def test_experts_prefix_of_a_lora_wrapped_moe_built_under_another_prefix() -> No
     """MiniMax-M2 builds its MoE with prefix '...mlp' but stores it as 'block_sparse_moe'; vLLM's MoE-LoRA wrapper
     then puts the experts under '.base_layer.': the group key must still be the checkpoint-side module path (the H100
     run refused every MiniMax-M2 sync: 'resolves to no receiver parameter ... block_sparse_moe.experts.base_layer')."""
-    from hwsync.names.namespace import _experts_prefix
+    from hwsync.engine.names.namespace import _experts_prefix
 
     live = "model.layers.0.block_sparse_moe.experts.base_layer.routed_experts"
     assert _experts_prefix(live, "model.layers.0.mlp.experts") == "model.layers.0.block_sparse_moe.experts"
@@ -222,7 +222,7 @@ def test_experts_prefix_of_a_lora_wrapped_moe_built_under_another_prefix() -> No
 def test_non_gated_experts_are_not_written_in_place() -> None:
     """The in-place writers build gate+up w13 blocks: non-gated experts go through vLLM's reload (on the H100 a
     Nemotron-H sync reached the writer's calibration and stopped at its assert, leaving the engine stale)."""
-    from hwsync.vllm.direct import eligible_names
+    from hwsync.engine.vllm.direct import eligible_names
 
     ns = _non_gated_namespace()
     plan = resolve({f"{EXPERTS}.up_proj": ((E, I, H), torch.float32), f"{EXPERTS}.down_proj": ((E, H, I), torch.float32)},
@@ -238,7 +238,7 @@ def test_llama4_expert_lora_is_reoriented_for_vllm(tmp_path) -> None:
     reference write both give each expert's linear ΔW = PEFT's ΔW transposed, in vLLM's per-expert shapes."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    from hwsync.lora_formats import LoraKind, extract_peft_lora, to_vllm_lora
+    from hwsync.common.lora_formats import LoraKind, extract_peft_lora, to_vllm_lora
     from hwsync.testing.families import _trainer, make_family_checkpoint
     from hwsync.testing.reference import write_adapter
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hwsync.errors import HwsyncError
+from hwsync.common.errors import HwsyncError
 from hwsync.testing import (
     FAMILIES,
     FixtureConfigError,
@@ -30,7 +30,7 @@ from hwsync.testing import (
     tiny_moe_config,
 )
 from hwsync.testing.tokenizer import VOCAB_SIZE
-from hwsync.verify import engine_logprobs, token_logprobs
+from hwsync.trainer.verify import engine_logprobs, token_logprobs
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 HF_CLASS = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}

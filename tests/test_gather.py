@@ -1,6 +1,6 @@
 """Sharded trainers on the CPU: FSDP2 (``fully_shard``) and DeepSpeed ZeRO-3 of a tiny PEFT MoE model on 2 gloo ranks.
 
-What each rank streams bucket by bucket (:mod:`hwsync.gather`) equals what the unsharded model streams (merged view
+What each rank streams bucket by bucket (:mod:`hwsync.common.gather`) equals what the unsharded model streams (merged view
 included, bit for bit in fp32), an adapter sync gathers only LoRA parameters, the gathered bytes alive at once stay
 within 2 buckets and never reach the model's size, and ``hwsync.sync`` runs the collective protocol: rank 0 syncs
 into an engine handle, rank 1 passes ``None``; an abort on rank 0 reaches every rank without a hang.
@@ -8,7 +8,7 @@ into an engine handle, rank 1 passes ``None``; an abort on rank 0 reaches every 
 Two ranks are spawned once per sharding; every case runs on both and reports back, one pytest test per case.
 ZeRO-3 runs DeepSpeed's CPU accelerator over gloo (``deepspeed.initialize`` with stage 3, every parameter
 partitioned); its first start compiles DeepSpeed's small shared-memory op with the system C++ compiler (~1 min).
-The engine here is ``make_recorder()``, an :class:`hwsync.engine.Engine` that keeps what it receives: these tests are
+The engine here is ``make_recorder()``, an :class:`hwsync.common.target.Engine` that keeps what it receives: these tests are
 about the trainer side; the vLLM side of a sharded sync is the 2-GPU test (tests/test_multigpu_fsdp_tp.py).
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def step(model: Any, k: int) -> None:
 
 
 def info(**kw: Any) -> Any:
-    from hwsync.wire import EngineInfo
+    from hwsync.common.wire import EngineInfo
 
     base = dict(engine="recorder", dtype="float32", lora_enabled=True, lora_dtype="float32", max_lora_rank=16,
                 moe_lora=True, moe_format="3d")
@@ -84,9 +84,9 @@ def info(**kw: Any) -> Any:
 
 
 def payloads(ref: Any, sharded: Any, strategy: str, limit: int, steady: bool = False) -> tuple[Any, Any]:
-    from hwsync.payload import build_payload, read_lora
-    from hwsync.strategy import Choice
-    from hwsync.wire import Strategy
+    from hwsync.trainer.payload import build_payload, read_lora
+    from hwsync.trainer.strategy import Choice
+    from hwsync.common.wire import Strategy
 
     st = Strategy.parse(strategy)
     out = []
@@ -103,9 +103,9 @@ def payloads(ref: Any, sharded: Any, strategy: str, limit: int, steady: bool = F
 
 def stream(payload: Any, model: Any, limit: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The sharded payload through the real bucketing consumer (one bucket list alive at a time)."""
-    from hwsync import gather
-    from hwsync.transport.buckets import bucket_lists
-    from hwsync.wire import Manifest, plan_buckets
+    from hwsync.common import gather
+    from hwsync.common.transport.buckets import bucket_lists
+    from hwsync.common.wire import Manifest, plan_buckets
 
     manifest = Manifest(version=1, strategy=payload.strategy, specs=tuple(payload.specs),
                         buckets=plan_buckets(payload.specs, limit))
@@ -118,7 +118,7 @@ def stream(payload: Any, model: Any, limit: int) -> Iterator[tuple[str, torch.Te
 
 
 def model_bytes(model: Any) -> int:
-    from hwsync import gather
+    from hwsync.common import gather
 
     return sum(gather.global_nbytes(p) for p in model.parameters())
 
@@ -126,7 +126,7 @@ def model_bytes(model: Any) -> int:
 def bucket_bytes(model: Any) -> int:
     """An eighth of the model, but at least its largest parameter (a larger one travels in a bucket of its own
     size, so "2 buckets" would mean 2 of those)."""
-    from hwsync import gather
+    from hwsync.common import gather
 
     return max(model_bytes(model) // 8, max(gather.global_nbytes(p) for p in model.parameters()))
 
@@ -135,7 +135,7 @@ def bucket_bytes(model: Any) -> int:
 
 
 def compare(ref: Any, sharded: Any, strategy: str, steady: bool = False) -> dict[str, Any]:
-    from hwsync import gather
+    from hwsync.common import gather
 
     total = model_bytes(sharded)
     limit = bucket_bytes(sharded)
@@ -156,8 +156,8 @@ def compare(ref: Any, sharded: Any, strategy: str, steady: bool = False) -> dict
 
 
 def make_recorder() -> Any:
-    from hwsync.engine import Engine
-    from hwsync.transport.buckets import bucket_lists
+    from hwsync.common.target import Engine
+    from hwsync.common.transport.buckets import bucket_lists
 
     class _Recorder(Engine):
         def __init__(self) -> None:
@@ -193,7 +193,7 @@ def make_recorder() -> Any:
 
 def case_sync(ref: Any, sharded: Any, rank: int) -> dict[str, Any]:
     import hwsync
-    from hwsync import gather
+    from hwsync.common import gather
 
     limit = bucket_bytes(sharded)
     mb = limit / (1 << 20)
@@ -222,7 +222,7 @@ def case_sync(ref: Any, sharded: Any, rank: int) -> dict[str, Any]:
 
 def case_abort(ref: Any, sharded: Any, rank: int) -> dict[str, Any]:
     import hwsync
-    from hwsync.errors import SyncError
+    from hwsync.common.errors import SyncError
 
     limit = bucket_bytes(sharded)
     engine = make_recorder() if rank == 0 else None
@@ -246,8 +246,8 @@ def case_abort(ref: Any, sharded: Any, rank: int) -> dict[str, Any]:
 
 def case_refusals(ref: Any, sharded: Any, rank: int) -> dict[str, Any]:
     import hwsync
-    from hwsync import gather
-    from hwsync.errors import OptionError, SyncError, UnsupportedSetupError
+    from hwsync.common import gather
+    from hwsync.common.errors import OptionError, SyncError, UnsupportedSetupError
 
     out = {}
     try:
@@ -301,7 +301,7 @@ def child(rank: int, port: int, out_dir: str, how: str) -> None:
                 elif case == "abort":
                     res = case_abort(ref, sharded, rank)
                 elif case == "rank0_value":  # the swift plugin's check prompts: rank 0's on every rank
-                    from hwsync.gather import rank0_value
+                    from hwsync.common.gather import rank0_value
 
                     res = {"got": rank0_value([[1, 2, 3], [4, 5]] if rank == 0 else [[9, 9]])}
                 else:

@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from hwsync.capabilities import SUPPORTED_VLLM, SUPPORTED_VLLM_CPU
+from hwsync.common.capabilities import SUPPORTED_VLLM, SUPPORTED_VLLM_CPU
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

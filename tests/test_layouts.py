@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hwsync.errors import LayoutError
-from hwsync.layouts import (
+from hwsync.common.errors import LayoutError
+from hwsync.common.layouts import (
     ExpertLayout,
     ExpertSharding,
     copy_expert_shard_,

@@ -174,7 +174,7 @@ def test_docs_table_is_generated_from_the_results() -> None:
 def test_fold_order_matters_for_these_cells() -> None:
     """The matrix exercises the rounding order: in bf16, folding these cells' scalings in fp32 with one rounding
     gives other bits than vLLM's order for some of B's elements (a power-of-two scaling would not)."""
-    from hwsync.lora_formats import fold_scaling
+    from hwsync.common.lora_formats import fold_scaling
 
     b = torch.randn(256, 8, generator=torch.Generator().manual_seed(0)) * 0.05
     for scaling in (6 / 4, 6 / math.sqrt(8), 5 / 4, 3 / 4):

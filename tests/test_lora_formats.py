@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from hwsync.errors import AdapterFormatError
-from hwsync.lora_formats import (
+from hwsync.common.errors import AdapterFormatError
+from hwsync.common.lora_formats import (
     VLLM_LORA_RANKS,
     LoraAdapter,
     LoraKind,
@@ -20,7 +20,7 @@ from hwsync.lora_formats import (
     to_vllm_lora,
     vllm_max_lora_rank,
 )
-from hwsync.names.trainer import strip_peft_name
+from hwsync.common.trainer_names import strip_peft_name
 from hwsync.testing import require_vllm, tiny_moe_config
 
 peft = pytest.importorskip("peft")
@@ -100,8 +100,8 @@ def test_extract_equals_peft_delta(peft_model) -> None:
 def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> None:
     """The per-sync reader (resolved once) gives extract_peft_lora's folded tensors, bit for bit, and sees the
     optimizer's in-place updates without a new walk; a module removed since is one clear error."""
-    from hwsync.errors import SyncError
-    from hwsync.lora_formats import PeftLoraReader
+    from hwsync.common.errors import SyncError
+    from hwsync.common.lora_formats import PeftLoraReader
 
     _, pm = peft_model
     names = list(extract_peft_lora(pm).modules)
@@ -396,7 +396,7 @@ def test_vllm_reads_3d_keys_to_peft_delta(vllm_lora, ep_rank: int) -> None:
 def test_folded_b_is_vllms_and_contiguous(experts: bool) -> None:
     """The scaling fold gives vLLM's bits (cast, then scaled in the LoRA dtype) and makes PEFT's permuted expert
     layout contiguous on the way."""
-    from hwsync.lora_formats import LoraKind, LoraModule
+    from hwsync.common.lora_formats import LoraKind, LoraModule
 
     gen = torch.Generator().manual_seed(0)
     for src, dt, scaling in [(torch.float32, torch.bfloat16, 0.37), (torch.float32, torch.bfloat16, 1.0),

@@ -1,4 +1,4 @@
-"""The adapter layout is traced on one layer per structure, whatever the depth (:mod:`hwsync.vllm.lora_slots`).
+"""The adapter layout is traced on one layer per structure, whatever the depth (:mod:`hwsync.engine.vllm.lora_slots`).
 
 A 6-layer model whose layer 4 has another LoRA rank (``rank_pattern``): two structures, so the trace runs vLLM's
 construction on two layers -- the same count a 60-layer model would need -- and the install it builds for all six
@@ -17,7 +17,7 @@ import torch
 import hwsync
 from hwsync.testing import make_llm, make_tiny_moe, require_vllm
 from hwsync.testing.trainer import lora_trainer, perturb
-from hwsync.vllm.lora_slots import layer_groups
+from hwsync.engine.vllm.lora_slots import layer_groups
 
 pytestmark = pytest.mark.vllm
 
@@ -47,7 +47,7 @@ def deep_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def llm(deep_dir: Path) -> Iterator[Any]:
     require_vllm()
-    from hwsync import vllm_plugin
+    from hwsync.engine import vllm_plugin
 
     vllm_plugin.register()
     kwargs: dict[str, Any] = dict(enable_lora=True, max_lora_rank=8, max_loras=2, dtype=str(DTYPE)[6:])
@@ -77,7 +77,7 @@ def _slots(llm: Any, lid: int) -> dict[str, torch.Tensor]:
 
 def test_trace_runs_on_one_layer_per_structure_and_installs_like_vllm(llm: Any, deep_dir: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from hwsync.vllm.worker import receiver_of
+    from hwsync.engine.vllm.worker import receiver_of
 
     model = lora_trainer(deep_dir, ATTN, EXPERTS if CUDA else None, dtype=DTYPE, lora_dropout=0.0,
                          rank_pattern={"model.layers.4.self_attn.o_proj": 8},

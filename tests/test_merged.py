@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 
-from hwsync.errors import AdapterFormatError
-from hwsync.merged import delta_weight, merged_named_weights
-from hwsync.names.trainer import strip_peft_name
+from hwsync.common.errors import AdapterFormatError
+from hwsync.trainer.merged import delta_weight, merged_named_weights
+from hwsync.common.trainer_names import strip_peft_name
 from hwsync.testing import tiny_moe_config
 
 peft = pytest.importorskip("peft")
@@ -88,7 +88,7 @@ def test_bf16_base_fp32_lora_single_rounding() -> None:
 
 
 def test_experts_chunked_merge(monkeypatch) -> None:
-    import hwsync.merged as merged_mod
+    import hwsync.trainer.merged as merged_mod
 
     pm = get_peft_model(tiny_model(), lora(**BOTH))
     want = reference(pm)

@@ -1,4 +1,4 @@
-"""hwsync.names on hand-built and vLLM-layer namespaces: wrappers, packing, experts, TP slicing, bad input.
+"""hwsync.engine.names on hand-built and vLLM-layer namespaces: wrappers, packing, experts, TP slicing, bad input.
 
 The hand-built receiver below is deliberately *not* a known family: Mixtral-style ``block_sparse_moe.experts``
 with checkpoint names ``w1/w2/w3``, a Qwen3.5-style GDN projection packed from fewer trainer tensors than it has
@@ -13,9 +13,9 @@ import pickle
 import pytest
 import torch
 
-from hwsync.errors import ResolutionError
-from hwsync.layouts import ExpertLayout, ExpertSharding, w2_from_fused, w13_from_fused
-from hwsync.names import (
+from hwsync.common.errors import ResolutionError
+from hwsync.common.layouts import ExpertLayout, ExpertSharding, w2_from_fused, w13_from_fused
+from hwsync.engine.names import (
     ExpertGroup,
     Namespace,
     ParamSpec,
@@ -28,7 +28,7 @@ from hwsync.names import (
     normalize_trainer_name,
     resolve,
 )
-from hwsync.names.namespace import _trainer_renames
+from hwsync.engine.names.namespace import _trainer_renames
 
 H, INTER, E, V = 8, 4, 4, 20
 QKV = (("q", 8), ("k", 4), ("v", 4))
@@ -62,7 +62,7 @@ def toy_namespace(sharding: ExpertSharding | None = None, layout=ExpertLayout.PR
     ]
     w13 = f"{EXPERTS}.routed_experts.w13_weight"
     w2 = f"{EXPERTS}.routed_experts.w2_weight"
-    from hwsync.layouts import w2_shape, w13_shape
+    from hwsync.common.layouts import w2_shape, w13_shape
 
     s13, s2 = w13_shape(sh, INTER, H, layout), w2_shape(sh, INTER, H, layout)
     specs += [ParamSpec(w13, s13, torch.float32), ParamSpec(w2, s2, torch.float32)]

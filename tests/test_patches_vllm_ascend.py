@@ -5,7 +5,7 @@ top level), so the patch's targets are missing here and its probe says so. The p
 *released* functions on a live vLLM engine is ``tests/test_vllm_ascend_released_code_on_cpu.py``; this module keeps
 the checks that also run without vLLM (the transformers-4.57 job runs tests/test_patches*.py):
 
-* :func:`hwsync.npu.ascend_layouts.processed_weight_loader` on CPU tensors against ``hwsync.layouts``
+* :func:`hwsync.common.npu.ascend_layouts.processed_weight_loader` on CPU tensors against ``hwsync.common.layouts``
   (TP/EP slices) and, with vLLM installed, against vLLM's own ``RoutedExperts.weight_loader`` on a live layer;
 * the patch's real replacement functions wrapped around hand-written *reproductions* (stand-ins) of the released steps
   (vllm-ascend v0.23.0 ``process_weights_after_loading`` lines 112-118 and ``NPUWorker.wake_up`` lines 251-270:
@@ -23,8 +23,8 @@ import hwsync.patches as patches
 import pytest
 import torch
 
-from hwsync.errors import LayoutError
-from hwsync.layouts import (
+from hwsync.common.errors import LayoutError
+from hwsync.common.layouts import (
     ExpertLayout,
     ExpertSharding,
     copy_expert_shard_,
@@ -32,7 +32,7 @@ from hwsync.layouts import (
     w2_from_fused,
     w13_from_fused,
 )
-from hwsync.npu import ascend_layouts as al
+from hwsync.common.npu import ascend_layouts as al
 from hwsync.testing import make_llm, require_vllm
 
 PATCH = patches.get("vllm_ascend")

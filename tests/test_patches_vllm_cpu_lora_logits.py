@@ -56,7 +56,7 @@ def test_probe_reproduces_the_crash_and_the_fix_computes_the_lora_delta(patch: A
 def llm(patch: Any, tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
     import hwsync.patches as patches
 
-    from hwsync import vllm_plugin
+    from hwsync.engine import vllm_plugin
 
     before = {n for n in patches.names() if patches.get(n).installed}
     active = set(vllm_plugin.register()) - before

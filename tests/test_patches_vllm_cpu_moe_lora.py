@@ -11,9 +11,9 @@ import gc
 import hwsync.patches as patches
 import pytest
 
-from hwsync.errors import AdapterFormatError
+from hwsync.common.errors import AdapterFormatError
 from hwsync.testing import make_llm, require_vllm, vllm_missing_reason
-from hwsync.verify import engine_logprobs, token_logprobs
+from hwsync.trainer.verify import engine_logprobs, token_logprobs
 
 PATCH = patches.get("vllm_cpu_moe_lora")
 PROMPT = [5, 17, 42, 99, 7, 3, 64, 12, 150, 33]

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hwsync.patches as patches
-from hwsync.errors import SyncError
+from hwsync.common.errors import SyncError
 from hwsync.testing import require_vllm
 
 PATCH = patches.get("vllm_lora_manager_guards")
@@ -77,7 +77,7 @@ def test_probe_applies_on_the_installed_vllm() -> None:
 def test_unguarded_vllm_serves_another_path_under_a_loaded_id() -> None:
     """The bug: vLLM keys adapters by id alone, so a user's own path under hwsync's id is served hwsync's adapter."""
     require_vllm()
-    from hwsync.vllm.applier import LORA_INT_ID
+    from hwsync.engine.vllm.applier import LORA_INT_ID
 
     assert not PATCH.active
     manager = _manager({LORA_INT_ID})
@@ -89,10 +89,10 @@ def test_a_worker_hwsync_attached_to_refuses_both_and_nothing_stays_patched() ->
     require_vllm()
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
 
-    from hwsync.engine import IN_MEMORY_LORA
+    from hwsync.common.target import IN_MEMORY_LORA
     from hwsync.patches.vllm_lora_manager_guards import guard_of
-    from hwsync.vllm.applier import LORA_INT_ID
-    from hwsync.vllm.worker import AdapterGuard, receiver_of
+    from hwsync.engine.vllm.applier import LORA_INT_ID
+    from hwsync.engine.vllm.worker import AdapterGuard, receiver_of
 
     add = LRUCacheWorkerLoRAManager.__dict__["add_adapter"]
     load = WorkerLoRAManager.__dict__["_load_adapter"]
@@ -124,7 +124,7 @@ def test_a_worker_hwsync_attached_to_refuses_both_and_nothing_stays_patched() ->
 def test_guard_is_released_from_a_manager_that_outlives_its_worker() -> None:
     require_vllm()
     from hwsync.patches.vllm_lora_manager_guards import guard_of
-    from hwsync.vllm.worker import guard_adapters
+    from hwsync.engine.vllm.worker import guard_adapters
 
     manager = _manager(set())
     worker = _Worker(manager)
@@ -137,7 +137,7 @@ def test_guard_is_released_from_a_manager_that_outlives_its_worker() -> None:
 def test_switched_off_leaves_vllm_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     require_vllm()
     from hwsync.patches.vllm_lora_manager_guards import guard_of
-    from hwsync.vllm.worker import guard_adapters
+    from hwsync.engine.vllm.worker import guard_adapters
 
     monkeypatch.setenv(patches.DISABLE_ENV, PATCH.name)
     manager = _manager(set())

@@ -69,7 +69,7 @@ def test_a_runner_left_with_the_raw_router_is_repaired(tiny_qwen3_moe_dir: Path)
     from hwsync.patches.vllm_moe_router_lora_alias import rewire_aliases
     from hwsync.testing import on_cpu, patched_llm, require_vllm
     from hwsync.testing.trainer import lora_trainer, perturb
-    from hwsync.vllm.applier import lora_manager_of
+    from hwsync.engine.vllm.applier import lora_manager_of
 
     require_vllm()
     if not on_cpu():

@@ -2,7 +2,7 @@
 
 Why a patch: vLLM refuses a worker extension that defines ``sleep`` (checked here against vLLM's ``init_worker``).
 What it does, on vLLM's real ``WorkerWrapperBase`` and ``run_method`` (the executors' RPC dispatch) around a small
-worker: a watched worker's calls reach its :class:`~hwsync.vllm.sleep.SleepWatch`, an unwatched one's are vLLM's own,
+worker: a watched worker's calls reach its :class:`~hwsync.engine.vllm.sleep.SleepWatch`, an unwatched one's are vLLM's own,
 and once no watched worker is left vLLM's class holds its own ``__getattr__`` again. The real engine's entry points
 (``LLM.sleep``, ``collective_rpc``, the executor's discard) are in ``tests/test_sleep_refill.py``.
 """
@@ -92,7 +92,7 @@ def test_watched_calls_reach_the_watch_and_nothing_of_vllm_stays_patched() -> No
     require_vllm()
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    from hwsync.vllm.sleep import check_awake, watch
+    from hwsync.engine.vllm.sleep import check_awake, watch
 
     original = WorkerWrapperBase.__dict__["__getattr__"]
     assert not PATCH.active
@@ -131,7 +131,7 @@ def test_watched_calls_reach_the_watch_and_nothing_of_vllm_stays_patched() -> No
 def test_switched_off_the_watch_says_sleeps_go_unseen(monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     require_vllm()
-    from hwsync.vllm.sleep import watch
+    from hwsync.engine.vllm.sleep import watch
 
     monkeypatch.setenv(patches.DISABLE_ENV, "vllm_sleep_watch")
     worker = _Worker()

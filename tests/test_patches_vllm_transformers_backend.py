@@ -104,7 +104,7 @@ def test_transformers_model_builds_after_the_engine(engine) -> None:
     assert cls.__init__ is init and cls.__bases__ == bases and dict(cls.__dict__) == namespace
     assert type(trainer.model) is cls
     from hwsync.testing.families import PROMPTS
-    from hwsync.verify import agreement
+    from hwsync.trainer.verify import agreement
 
     # the engine's forward is the model's: exactly comparable on vLLM's CPU build (fp32); a GPU engine computes in
     # TF32 / bf16 (0.075 on an H100), where the point of this test -- the model builds, its class untouched -- stands

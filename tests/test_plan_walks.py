@@ -1,6 +1,6 @@
 """What a steady-state sync does on the trainer side instead of walking the model: one iterative parameter walk
-(:func:`hwsync.gather.parameters`) whose result decides whether the plan still holds, and the strided views the
-in-place LoRA slot writer copies from (:mod:`hwsync.vllm.lora_slots`). CPU-only logic; the end-to-end syncs that use
+(:func:`hwsync.common.gather.parameters`) whose result decides whether the plan still holds, and the strided views the
+in-place LoRA slot writer copies from (:mod:`hwsync.engine.vllm.lora_slots`). CPU-only logic; the end-to-end syncs that use
 them are in test_sync_inplace / test_sync_strategies / test_sync_exact."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from hwsync.gather import parameters
-from hwsync.vllm.lora_slots import _index_view
+from hwsync.common.gather import parameters
+from hwsync.engine.vllm.lora_slots import _index_view
 
 
 def test_parameter_walk_is_torchs_order_and_dedup() -> None:
@@ -24,7 +24,7 @@ def test_parameter_walk_is_torchs_order_and_dedup() -> None:
 
 
 def test_plan_signature_sees_new_parameters_and_adapter_switches() -> None:
-    from hwsync.api import _sharding
+    from hwsync.trainer.api import _sharding
 
     model = nn.Sequential(nn.Linear(3, 3))
     kind, sig = _sharding(model)
@@ -42,7 +42,8 @@ def test_plan_signature_sees_new_parameters_and_adapter_switches() -> None:
 def test_registrations_on_other_models_do_not_walk_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """A colocated engine's reload registers parameters on vLLM's modules inside the first sync: the second sync
     must not pay a walk of the trainer for it; a module attached to the trainer, then given a parameter, must."""
-    from hwsync import api, gather
+    from hwsync.trainer import api
+    from hwsync.common import gather
 
     model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
     sig = api._signature(model)
@@ -78,7 +79,7 @@ def test_strided_views_reproduce_the_gather(case: str) -> None:
 def test_strided_reads_of_tensors_received_at_an_offset() -> None:
     """Server mode hands the writer views into one received bucket: the strided read must count from the view, not
     from the bucket's start (a bug caught by test_attacks: every in-place adapter rewrite fell back to vLLM's path)."""
-    from hwsync.vllm.lora_slots import SlotWriter, _View
+    from hwsync.engine.vllm.lora_slots import SlotWriter, _View
 
     bucket = torch.arange(100.0)
     a, b = bucket[10:34].view(2, 3, 4), bucket[50:60].view(2, 5)
@@ -101,7 +102,7 @@ def test_gathers_that_are_not_views_are_refused() -> None:
 def test_reorderings_that_are_no_strided_view_become_index_gathers() -> None:
     """Llama 4's loader interleaves each head's q/k rows: no strided view of the LoRA B tensor reproduces vLLM's, so
     the trace keeps the positions (an index gather of one tensor); reading and writing back through it round-trip."""
-    from hwsync.vllm.lora_slots import SlotWriter
+    from hwsync.engine.vllm.lora_slots import SlotWriter
 
     heads, dim, rank = 2, 4, 3
     b = torch.arange(heads * dim * rank, dtype=torch.float32).reshape(heads * dim, rank)
@@ -126,8 +127,8 @@ def test_ranks_learn_whether_they_share_a_device() -> None:
 
     import torch.distributed as dist
 
-    from hwsync.cuda.link import peer_devices
-    from hwsync.transport.base import LinkSpec
+    from hwsync.common.cuda.link import peer_devices
+    from hwsync.common.transport.base import LinkSpec
 
     for idents, shared in ((["GPU-a", "GPU-b"], False), (["GPU-a", "GPU-a"], True)):
         master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30),
@@ -170,7 +171,7 @@ def _moe_lora_layer(cls: type, max_loras: int, e: int, r: int, h: int, i: int, t
 
 @pytest.mark.parametrize("three_d", [False, True], ids=["2d", "3d"])
 def test_slot_blocks_reproduce_vllms_moe_set_lora(three_d: bool) -> None:
-    """The slot trace (:func:`hwsync.vllm.lora_slots._trace_blocks`) run on vLLM's own ``FusedMoEWithLoRA`` /
+    """The slot trace (:func:`hwsync.engine.vllm.lora_slots._trace_blocks`) run on vLLM's own ``FusedMoEWithLoRA`` /
     ``FusedMoE3DWithLoRA.set_lora`` (rank 4 adapter in rank-8 slots, slot 1 of 2): the traced blocks, read from new
     adapter tensors, leave the slot exactly as vLLM's ``set_lora`` of the same tensors does."""
     pytest.importorskip("vllm")
@@ -178,7 +179,7 @@ def test_slot_blocks_reproduce_vllms_moe_set_lora(three_d: bool) -> None:
 
     from vllm.lora.layers.fused_moe import FusedMoE3DWithLoRA, FusedMoEWithLoRA
 
-    from hwsync.vllm.lora_slots import SlotWriter
+    from hwsync.engine.vllm.lora_slots import SlotWriter
 
     e, r, max_r, h, i, slot = 4, 4, 8, 32, 16, 1
     cls = FusedMoE3DWithLoRA if three_d else FusedMoEWithLoRA

@@ -1,7 +1,7 @@
-"""The trainer-side planner (:mod:`hwsync.api`): one :class:`~hwsync.api.SyncPlan` per (engine, model, options), made
+"""The trainer-side planner (:mod:`hwsync.trainer.api`): one :class:`~hwsync.trainer.api.SyncPlan` per (engine, model, options), made
 from one description of the engine. A first adapter sync and the steady syncs after it come from that description
 (the engine's state after a successful sync is known, not asked again), and the steady plan equals what describing
-the engine again would give. The engine is a recorder (an :class:`hwsync.engine.Engine` that keeps what it
+the engine again would give. The engine is a recorder (an :class:`hwsync.common.target.Engine` that keeps what it
 receives and counts the describe round trips): CPU-only, no vLLM; the same planner against real engines runs in
 test_sync_strategies / test_sync_server / test_gather."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.api import SyncOptions, SyncPlan, last_plan
-from hwsync.engine import Engine
-from hwsync.wire import EngineInfo, Manifest, Strategy
+from hwsync.trainer.api import SyncOptions, SyncPlan, last_plan
+from hwsync.common.target import Engine
+from hwsync.common.wire import EngineInfo, Manifest, Strategy
 
 
 class Recorder(Engine):
@@ -38,8 +38,8 @@ class Recorder(Engine):
         return {"version": self.version, "stale": False, "lora_int_id": None}
 
     def send(self, manifest: Manifest, produce: Callable[[], Iterator[torch.Tensor]], progress: Any) -> dict[str, Any]:
-        from hwsync.errors import PlanChangedError
-        from hwsync.transport.buckets import bucket_lists
+        from hwsync.common.errors import PlanChangedError
+        from hwsync.common.transport.buckets import bucket_lists
 
         if manifest.expect_version is not None and manifest.expect_version != self.version:
             raise PlanChangedError(f"engine at v{self.version}, plan expects v{manifest.expect_version}")

@@ -63,7 +63,7 @@ def _qlora(model: Any, targets: list[str], parameters: list[str] | None) -> Any:
 def test_merged_view_is_bnb_dequant_plus_peft_delta(tiny_qwen3_moe_dir: Path) -> None:
     from bitsandbytes.functional import dequantize_4bit
 
-    from hwsync.merged import merged_named_weights
+    from hwsync.trainer.merged import merged_named_weights
 
     model = _qlora(_quantized(tiny_qwen3_moe_dir), ATTN, EXPERTS)
     perturb(model, torch.Generator().manual_seed(0))
@@ -103,7 +103,7 @@ def full_engine(tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.mark.vllm
 def test_full_sync_of_a_4bit_base_is_exact(full_engine: tuple[Any, EngineReference], tiny_qwen3_moe_dir: Path) -> None:
-    from hwsync.api import as_engine
+    from hwsync.trainer.api import as_engine
 
     llm, reference = full_engine
     model = _qlora(_quantized(tiny_qwen3_moe_dir), ATTN, EXPERTS)
@@ -135,7 +135,7 @@ def test_adapter_sync_of_a_4bit_base_is_exact(tiny_qwen3_moe_dir: Path, tmp_path
     an engine on the 4-bit checkpoint itself would take the adapter alone (hwsync then sends no base) on a vLLM that
     still serves bitsandbytes."""
     require_vllm()
-    from hwsync.api import as_engine
+    from hwsync.trainer.api import as_engine
 
     dtype = "bfloat16" if not on_cpu() else "float32"
     engine = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "lora_target_modules": ["qkv_proj", "o_proj"]}
@@ -167,9 +167,9 @@ def test_checking_a_4bit_trainer_leaves_it_as_it_was(tiny_qwen3_moe_dir: Path) -
     gate, and its repacked weights are refused, not sent wrong."""
     from bitsandbytes.functional import has_avx512bf16
 
-    from hwsync.errors import UnsupportedSetupError
-    from hwsync.merged import four_bit_matmul_dtype, plain_weight, repacked_for_cpu
-    from hwsync.verify import GATES, token_logprobs, trainer_gate
+    from hwsync.common.errors import UnsupportedSetupError
+    from hwsync.trainer.merged import four_bit_matmul_dtype, plain_weight, repacked_for_cpu
+    from hwsync.trainer.verify import GATES, token_logprobs, trainer_gate
 
     if _device() != "cpu" or not has_avx512bf16():
         pytest.skip("bitsandbytes repacks 4-bit weights only on a CPU with AVX512-BF16")

@@ -1,5 +1,5 @@
 """A newcomer's first screen is hwsync's (issue 41, 8): ``hwsync doctor`` opens without other libraries' import noise,
-and :func:`hwsync.quiet.quiet_imports` drops exactly the lines it names, for its block only."""
+and :func:`hwsync.common.quiet.quiet_imports` drops exactly the lines it names, for its block only."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hwsync.quiet import LOG_NOISE, WARNING_NOISE, quiet_imports
+from hwsync.common.quiet import LOG_NOISE, WARNING_NOISE, quiet_imports
 
 ROOT = Path(__file__).resolve().parent.parent
 

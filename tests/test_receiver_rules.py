@@ -1,8 +1,8 @@
 """The receiver's consistency rules against a fake applier: every branch of "never serve a half-written engine".
 
 The real-engine tests (test_sync_faults, test_attacks) show the rules hold with vLLM; these pin each rule on its own,
-through the :class:`hwsync.receiver.Applier` contract only: a load returns :class:`~hwsync.receiver.Loaded` or
-raises, and an error wrapped in :class:`~hwsync.receiver.NothingWritten` says the engine is as before the call.
+through the :class:`hwsync.engine.receiver.Applier` contract only: a load returns :class:`~hwsync.engine.receiver.Loaded` or
+raises, and an error wrapped in :class:`~hwsync.engine.receiver.NothingWritten` says the engine is as before the call.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from hwsync.errors import AdapterFormatError, PlanChangedError, StaleEngineError, SyncError, VersionError
-from hwsync.receiver import Loaded, NothingWritten, Receiver, leaves_stale
-from hwsync.wire import Manifest, TensorSpec, plan_buckets
+from hwsync.common.errors import AdapterFormatError, PlanChangedError, StaleEngineError, SyncError, VersionError
+from hwsync.engine.receiver import Loaded, NothingWritten, Receiver, leaves_stale
+from hwsync.common.wire import Manifest, TensorSpec, plan_buckets
 
 BASE = [TensorSpec(f"layers.{i}.w", (4,), torch.float32) for i in range(3)]
 LORA = [TensorSpec(f"layers.{i}.lora_{ab}", (2, 4), torch.float32, "lora") for i in range(2) for ab in "AB"]

@@ -1,4 +1,4 @@
-"""hwsync.replay: per-sync work recorded once and replayed while its tensors stay put (CUDA graphs on a GPU). Here
+"""hwsync.common.replay: per-sync work recorded once and replayed while its tensors stay put (CUDA graphs on a GPU). Here
 the recorder is a stand-in backend for torch's ``meta`` device that counts what it records, so the state machine --
 eager first, recorded right after and launched once, replayed while the key holds (the last two keys kept: alternating
 buffers), recorded only when seen again once a recording was dropped unused, op by op for good after a failed
@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 
-from hwsync.backend import register_backend, unregister_backend
-from hwsync.cpu import CpuBackend
-from hwsync.replay import GRAPHS_ENV, Replay, addresses, common_device, copy_all
+from hwsync.common.backend import register_backend, unregister_backend
+from hwsync.common.cpu import CpuBackend
+from hwsync.common.replay import GRAPHS_ENV, Replay, addresses, common_device, copy_all
 
 
 class _Recorder(CpuBackend):

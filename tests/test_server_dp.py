@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.errors import StaleEngineError, SyncError, VersionError
+from hwsync.common.errors import StaleEngineError, SyncError, VersionError
 from hwsync.testing import on_cpu, require_vllm
 from hwsync.testing.served import served_engines
 from hwsync.testing.trainer import fail_at, lora_trainer, perturb
-from hwsync.verify import check
+from hwsync.trainer.verify import check
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

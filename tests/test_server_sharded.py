@@ -44,9 +44,9 @@ def _rank(rank: int, port: int, address: str, model_dir: str, out: str, trainer:
     results: dict[str, Any] = {"checks": []}
     try:
         import hwsync
-        from hwsync.errors import StaleEngineError, SyncError
+        from hwsync.common.errors import StaleEngineError, SyncError
         from hwsync.testing.trainer import fail_at
-        from hwsync.verify import check
+        from hwsync.trainer.verify import check
 
         device = tp.init_rank(rank, port, cuda=False, trainer=trainer)
         ref = tp.peft_trainer(model_dir, device, False)  # unsharded copy, one step behind after each sync
@@ -99,9 +99,9 @@ def _plugin_syncs(rank: int, engine: Any, model: Any) -> dict[str, Any]:
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from hwsync.swift._options import SwiftOptions
-    from hwsync.swift._trainer import HwsyncGRPOTrainer
-    from hwsync.trainer_sync import TrainerSync
+    from hwsync.integrations.swift._options import SwiftOptions
+    from hwsync.integrations.swift._trainer import HwsyncGRPOTrainer
+    from hwsync.integrations.trainer_sync import TrainerSync
 
     trainer = HwsyncGRPOTrainer.__new__(HwsyncGRPOTrainer)  # not a whole GRPO run: its step, on real ranks
     options = SwiftOptions(strategy="adapter", verify_atol=ATOL, verify_logprobs_every=1)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.errors import EngineAsleepError, StaleEngineError, SyncError
+from hwsync.common.errors import EngineAsleepError, StaleEngineError, SyncError
 from hwsync.testing import close_llm, make_llm, require_vllm
 from hwsync.testing.sleep import stand_in_sleep, worker_of
 from hwsync.testing.trainer import fail_at, lora_trainer, perturb
@@ -30,7 +30,7 @@ ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 def _engine(path: Path, remap: bool) -> tuple[Any, Any]:
     require_vllm()
-    from hwsync import vllm_plugin
+    from hwsync.engine import vllm_plugin
 
     vllm_plugin.register()
     llm = make_llm(path, enable_lora=True, max_lora_rank=8, max_loras=2, lora_target_modules=["qkv_proj", "o_proj"])
@@ -47,7 +47,7 @@ def engine(tiny_qwen3_moe_dir: Path) -> Iterator[tuple[Any, Any]]:
 def _logprobs(llm: Any) -> list[list[float]]:
     from vllm import SamplingParams
 
-    from hwsync.verify import engine_logprobs
+    from hwsync.trainer.verify import engine_logprobs
 
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
     return [engine_logprobs(o)[1] for o in hwsync.generate(llm, [{"prompt_token_ids": p} for p in PROMPTS], params)]
@@ -55,7 +55,7 @@ def _logprobs(llm: Any) -> list[list[float]]:
 
 def _slots(llm: Any) -> dict[str, torch.Tensor]:
     """Every LoRA slot tensor of hwsync's adapter's slot (cloned)."""
-    from hwsync.api import as_engine
+    from hwsync.trainer.api import as_engine
 
     wm = worker_of(llm).model_runner.lora_manager._adapter_manager
     slot = wm.lora_index_to_id.index(as_engine(llm).lora_request.lora_int_id)
@@ -136,7 +136,7 @@ def test_trls_reload_after_wake_is_hwsyncs_refill(engine: tuple[Any, Any], tiny_
     """TRL's sleep mode calls ``collective_rpc("reload_weights")`` after waking (vllm#29341), which would reload the
     checkpoint from disk over the trainer's weights: through hwsync's ``ServedLLM`` it is the refill where vLLM
     discarded the weights, and nothing where it did not."""
-    from hwsync.trl._generation import ServedLLM
+    from hwsync.integrations.trl._generation import ServedLLM
 
     llm, _ = engine
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, lora_dropout=0.0)
@@ -197,7 +197,7 @@ def test_refill_takes_first_sync_path_where_addresses_moved(tiny_qwen3_moe_dir: 
     worker behind, so the sleep watch's hold on vLLM's dispatch (patch ``vllm_sleep_watch``) goes with it."""
     import weakref
 
-    from hwsync.vllm.worker import receiver_of
+    from hwsync.engine.vllm.worker import receiver_of
 
     llm, stand_in = _engine(tiny_qwen3_moe_dir, remap=True)
     worker = weakref.ref(worker_of(llm))

@@ -42,7 +42,7 @@ def run_main_job(tmp_path: Path, model: Path, *, gspo: bool = False, server: boo
 
 
 def _moe_lora() -> bool:
-    from hwsync.capabilities import vllm_capabilities
+    from hwsync.common.capabilities import vllm_capabilities
 
     return bool(vllm_capabilities()["moe_lora"]["supported"])
 

@@ -1,6 +1,6 @@
 """hwsync's ms-swift plugin without a training run: options, install / uninstall, refusals, summary table.
 
-Importing :mod:`hwsync.swift` installs the plugin process-wide, so the module fixture uninstalls it again at the
+Importing :mod:`hwsync.integrations.swift` installs the plugin process-wide, so the module fixture uninstalls it again at the
 end; the test that ms-swift is untouched without the plugin runs in a fresh interpreter.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.swift
 
 @pytest.fixture(scope="module")
 def plugin():
-    import hwsync.swift as plugin
+    import hwsync.integrations.swift as plugin
 
     yield plugin
     plugin.uninstall()
@@ -34,7 +34,7 @@ def test_options_defaults_and_values(plugin):
     assert opts == plugin.SwiftOptions("hybrid", 16.0, 0, 1e-3, 3, "/tmp/m.jsonl")
     # unset atol: hwsync.verify's content checks + the platform's logprob gate (a healthy bf16 GPU run passes)
     assert plugin.SwiftOptions().verify_atol is None and plugin.SwiftOptions().verify_gate is None
-    from hwsync.verify import Gate
+    from hwsync.trainer.verify import Gate
 
     gate = plugin.SwiftOptions.from_env({"HWSYNC_VERIFY_GATE": "0.5,0.8,0.05"}).verify_gate
     assert gate == Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05)
@@ -43,8 +43,8 @@ def test_options_defaults_and_values(plugin):
 def test_server_lists_one_address_per_rollout_engine(plugin):
     """``swift rollout --vllm_data_parallel_size N``: HWSYNC_SERVER lists N addresses, engine k serves on the k-th,
     the trainer connects to all of them."""
-    from hwsync.errors import UnsupportedSetupError
-    from hwsync.swift._server import rollout_address
+    from hwsync.common.errors import UnsupportedSetupError
+    from hwsync.integrations.swift._server import rollout_address
 
     opts = plugin.SwiftOptions.from_env({"HWSYNC_SERVER": "127.0.0.1:29555, 10.0.0.2:29555", "HWSYNC_TOKEN": "t"})
     assert opts.servers == ["127.0.0.1:29555", "10.0.0.2:29555"]
@@ -65,7 +65,7 @@ def test_server_lists_one_address_per_rollout_engine(plugin):
     ("HWSYNC_VERIFY_GATE", "a,b,c"),
 ])
 def test_options_refuse_bad_values_naming_the_variable(plugin, var, value):
-    from hwsync.errors import HwsyncError
+    from hwsync.common.errors import HwsyncError
 
     with pytest.raises(plugin.OptionError, match=var) as err:
         plugin.SwiftOptions.from_env({var: value})
@@ -103,11 +103,11 @@ def test_install_routes_grpo_through_hwsync_and_uninstall_restores(plugin):
 
 
 def test_ms_swift_untouched_without_the_plugin():
-    """A fresh interpreter that never imports hwsync.swift builds ms-swift's own trainer, unpatched."""
+    """A fresh interpreter that never imports hwsync.integrations.swift builds ms-swift's own trainer, unpatched."""
     code = (
         "import json, sys; from swift.trainers import TrainerFactory; import hwsync.patches as p; "
         "print(json.dumps([TrainerFactory.TRAINER_MAPPING['grpo'], any(x.installed for x in p.registered()), "
-        "any(m.startswith('hwsync.swift') for m in sys.modules)]))"
+        "any(m.startswith('hwsync.integrations.swift') for m in sys.modules)]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["swift.rlhf_trainers.GRPOTrainer", False, False]
@@ -147,8 +147,8 @@ def _setup(**over):
     ({"rollout_enable_lora": False}, "adapter", "--vllm_enable_lora true"),
 ])
 def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
-    from hwsync.errors import HwsyncError
-    from hwsync.swift._trainer import HwsyncGRPOTrainer
+    from hwsync.common.errors import HwsyncError
+    from hwsync.integrations.swift._trainer import HwsyncGRPOTrainer
 
     fake = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy=strategy))
     with pytest.raises(HwsyncError, match=match):
@@ -162,11 +162,11 @@ def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
 @pytest.mark.parametrize("over", [{"_is_fsdp2": True, "is_fsdp_enabled": True}, {"vllm_tensor_parallel_size": 2},
                                   {"_is_fsdp2": True, "is_fsdp_enabled": True, "vllm_tensor_parallel_size": 2}])
 def test_trainer_takes_sharded_and_tp_setups_with_the_check(plugin, over):
-    """FSDP2 and TP engines sync (hwsync.gather, the worker keeps its shard) and are checked after the sync (every
+    """FSDP2 and TP engines sync (hwsync.common.gather, the worker keeps its shard) and are checked after the sync (every
     rank scores rank 0's prompts), in colocate and in server mode (there rank 0 alone queries the engine: tested
     for real in tests/test_server_sharded.py)."""
-    from hwsync.errors import HwsyncError
-    from hwsync.swift._trainer import HwsyncGRPOTrainer
+    from hwsync.common.errors import HwsyncError
+    from hwsync.integrations.swift._trainer import HwsyncGRPOTrainer
 
     checked = SimpleNamespace(**_setup(**over), hwsync_options=plugin.SwiftOptions(strategy="auto"))
     HwsyncGRPOTrainer._hwsync_check_setup(checked)
@@ -253,8 +253,8 @@ def test_swift_rollout_serve_patch_only_when_server_mode_is_asked(plugin, monkey
 def test_served_rollout_engine_stays_in_the_worker_process(plugin, monkeypatch):
     """vLLM's GPU default moves the engine core into a child process, out of hwsync's server's reach (seen on an
     H100: swift rollout exited before serving); server mode keeps it in-process, and refuses an explicit 1."""
-    from hwsync.errors import UnsupportedSetupError
-    from hwsync.swift._server import keep_engine_in_process
+    from hwsync.common.errors import UnsupportedSetupError
+    from hwsync.integrations.swift._server import keep_engine_in_process
 
     monkeypatch.delenv("HWSYNC_SERVER", raising=False)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)

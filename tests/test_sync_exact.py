@@ -65,7 +65,7 @@ Served = tuple[str, Any, EngineReference, Path, list[str]]
 
 
 def _moe_lora_missing() -> str | None:
-    from hwsync.capabilities import vllm_capabilities
+    from hwsync.common.capabilities import vllm_capabilities
 
     moe = vllm_capabilities()["moe_lora"]
     if on_cpu() or not moe["supported"]:
@@ -105,7 +105,7 @@ def _syncs(fmt: str, llm: Any, reference: EngineReference, model: Any, strategy:
     steady), the last and every sync whose path differs from the sync before (``compared_with_reference``); each
     other sync repeats a compared sync's path with new values and must pass ``hwsync.verify`` with its content
     comparison complete and bit-equal (``bit_exact``), else the reference is asked for it too."""
-    from hwsync.api import as_engine
+    from hwsync.trainer.api import as_engine
 
     gen = torch.Generator().manual_seed(4321)
     worst, moved, previous, reports, compared = 0.0, 0.0, None, [], []
@@ -207,7 +207,7 @@ def test_wider_tensors_keep_their_dtype(engine: Served) -> None:
     ``shared_expert_gate``) in the dtype vLLM holds it in, as its own loading casts it. After each of 3 syncs of
     changed weights: engine tensor == trainer tensor cast to the engine tensor's dtype, bit for bit."""
     import hwsync
-    from hwsync.merged import strip_peft_name
+    from hwsync.trainer.merged import strip_peft_name
 
     fmt, llm, reference, ckpt, attention = engine
     if fmt != "no-moe-lora":

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.errors import AdapterFormatError, ResolutionError, StaleEngineError, SyncError, VersionError
+from hwsync.common.errors import AdapterFormatError, ResolutionError, StaleEngineError, SyncError, VersionError
 from hwsync.testing import EngineReference, assert_serves, make_tiny_moe, patched_llm
 from hwsync.testing.trainer import lora_trainer, perturb
 

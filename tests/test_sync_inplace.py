@@ -1,8 +1,8 @@
 """hwsync's fast paths equal vLLM's own paths, buffer for buffer, on a real engine.
 
-* Base weights written in place (:mod:`hwsync.vllm.direct`) leave every parameter exactly as vLLM's own
+* Base weights written in place (:mod:`hwsync.engine.vllm.direct`) leave every parameter exactly as vLLM's own
   ``reload_weights`` of the same tensors leaves it.
-* An adapter rewritten in place (:mod:`hwsync.vllm.lora_slots`) leaves every LoRA slot buffer exactly as vLLM's own
+* An adapter rewritten in place (:mod:`hwsync.engine.vllm.lora_slots`) leaves every LoRA slot buffer exactly as vLLM's own
   construction + activation of the same adapter leaves it (``LoRAModel.from_lora_tensors``, packing, ``set_lora``).
 
 On vLLM's CPU build the CPU kernels repack linears and experts, so base weights stay on vLLM's reload there (the
@@ -33,7 +33,7 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
     require_vllm()
-    from hwsync import vllm_plugin
+    from hwsync.engine import vllm_plugin
 
     vllm_plugin.register()
     kwargs: dict[str, Any] = dict(enable_lora=True, max_lora_rank=8, max_loras=2, dtype=str(DTYPE)[6:])
@@ -56,7 +56,7 @@ def _runner(llm: Any) -> Any:
 def _logprobs(llm: Any, lora_request: Any) -> list[list[float]]:
     from vllm import SamplingParams
 
-    from hwsync.verify import engine_logprobs
+    from hwsync.trainer.verify import engine_logprobs
 
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=lora_request,
@@ -65,8 +65,8 @@ def _logprobs(llm: Any, lora_request: Any) -> list[list[float]]:
 
 
 def test_base_written_in_place_equals_vllm_reload(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
-    from hwsync.merged import merged_named_weights
-    from hwsync.vllm.applier import vllm_reload
+    from hwsync.trainer.merged import merged_named_weights
+    from hwsync.engine.vllm.applier import vllm_reload
 
     model = _model(tiny_qwen3_moe_dir, lora=False)
     first = hwsync.sync(llm, model, strategy="full")
@@ -170,8 +170,8 @@ def test_steady_syncs_read_through_the_first_syncs_fold_buffers(llm: Any, tiny_q
     at the install (one graph on a GPU) replay from the second sync on, instead of being recorded again then (an
     H200 run: second sync 114 ms vs 17 ms steady at 48 layers, before); and the engine validated it at the end of
     the first sync, so no later sync pays that either."""
-    from hwsync.api import as_engine, last_plan
-    from hwsync.vllm.worker import receiver_of
+    from hwsync.trainer.api import as_engine, last_plan
+    from hwsync.engine.vllm.worker import receiver_of
 
     applier = receiver_of(llm.llm_engine.model_executor.driver_worker.worker).applier
 
@@ -195,8 +195,8 @@ def test_steady_syncs_read_through_the_first_syncs_fold_buffers(llm: Any, tiny_q
     assert validated == []  # the steady plan was validated when it was made
     # vLLM's adapter holds views of the kept fold buffers where the engine's dtype is theirs (here: every B, whose
     # scaling is folded): the adapter is held once, not twice; what is left is copied (A: the parameter itself)
-    from hwsync.lora_formats import kept_buffer
-    from hwsync.vllm.applier import lora_manager_of
+    from hwsync.common.lora_formats import kept_buffer
+    from hwsync.engine.vllm.applier import lora_manager_of
 
     buffers = [t for t in reader.read(plan.info.lora_dtype and getattr(torch, plan.info.lora_dtype)) if kept_buffer(t)]
     assert buffers, "no kept fold buffer: the test's adapter folds no scaling"

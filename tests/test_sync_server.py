@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.errors import StaleEngineError, SyncError
+from hwsync.common.errors import StaleEngineError, SyncError
 from hwsync.testing import EngineReference, assert_serves, require_vllm
 from hwsync.testing.served import served_engine
 from hwsync.testing.trainer import fail_at, lora_trainer, perturb

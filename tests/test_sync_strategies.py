@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.errors import AdapterFormatError, VerifyError
+from hwsync.common.errors import AdapterFormatError, VerifyError
 from hwsync.testing import EngineReference, assert_serves, patched_llm
 from hwsync.testing.trainer import lora_trainer, perturb
 
@@ -51,7 +51,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineRefere
 
 
 def _element_size(dtype_name: str) -> int:
-    from hwsync.wire import dtype_from_name
+    from hwsync.common.wire import dtype_from_name
 
     return torch.empty(0, dtype=dtype_from_name(dtype_name)).element_size()
 
@@ -99,7 +99,7 @@ def _run_schedule(llm: Any, reference: EngineReference, model: Any, strategy: st
 def test_full_20_syncs_lora_and_base_changes(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     reports = _run_schedule(llm, reference, model, "full", base=True, expect_lora=False)
-    n_params = len(list(hwsync.merged.merged_named_weights(model)))
+    n_params = len(list(hwsync.trainer.merged.merged_named_weights(model)))
     assert all(r.tensors == n_params and r.lora_tensors == 0 for r in reports)
 
 

@@ -9,16 +9,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from hwsync.cpu.link import GlooLink
-from hwsync.errors import AdapterFormatError, OptionError, SyncError
-from hwsync.payload import companions
-from hwsync.report import SyncReport
-from hwsync.strategy import choose
-from hwsync.transport.base import LinkSpec
-from hwsync.transport.buckets import _Pool, bucket_lists, receive_buckets, send_buckets
-from hwsync.transport.pack import pack, views
-from hwsync.transport.seal import Sealer, derive_secret
-from hwsync.wire import ALIGN, EngineInfo, Manifest, Strategy, TensorSpec, plan_buckets
+from hwsync.common.cpu.link import GlooLink
+from hwsync.common.errors import AdapterFormatError, OptionError, SyncError
+from hwsync.trainer.payload import companions
+from hwsync.trainer.report import SyncReport
+from hwsync.trainer.strategy import choose
+from hwsync.common.transport.base import LinkSpec
+from hwsync.common.transport.buckets import _Pool, bucket_lists, receive_buckets, send_buckets
+from hwsync.common.transport.pack import pack, views
+from hwsync.common.transport.seal import Sealer, derive_secret
+from hwsync.common.wire import ALIGN, EngineInfo, Manifest, Strategy, TensorSpec, plan_buckets
 
 
 def _specs() -> list[TensorSpec]:
@@ -131,7 +131,7 @@ def _info(**kw: object) -> EngineInfo:
     return EngineInfo.from_dict(base)
 
 
-class _Lora:  # the shape of hwsync.payload.TrainerLora that choose() reads (hwsync.strategy.LoraFacts)
+class _Lora:  # the shape of hwsync.trainer.payload.TrainerLora that choose() reads (hwsync.trainer.strategy.LoraFacts)
     def __init__(self, by_module: dict[str, list[str]], rank: int = 4) -> None:
         self.by_module = by_module
         self.max_rank = rank
@@ -364,10 +364,10 @@ def test_every_sync_meets_the_same_buffers_bucket_by_bucket() -> None:
 def test_vllm_plugin_entry_point_and_patch_selection() -> None:
     from importlib.metadata import entry_points
 
-    from hwsync import vllm_plugin
+    from hwsync.engine import vllm_plugin
 
     (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "hwsync"]
-    assert ep.value == "hwsync.vllm_plugin:register" and ep.load() is vllm_plugin.register
+    assert ep.value == "hwsync.engine.vllm_plugin:register" and ep.load() is vllm_plugin.register
     names = vllm_plugin.engine_patches()
     assert "vllm_cpu_moe_lora" in names  # needed before an engine is built
     assert "vllm_cpu_moe_prepack" not in names  # held by the receiver around its own reloads only
@@ -379,7 +379,7 @@ def test_nccl_transfer_past_its_deadline_aborts_the_group() -> None:
     stand-in for NCCL's work object; the real path ran in tests/test_sync_server.py on 2 GPUs)."""
     import time
 
-    from hwsync.cuda.link import NcclLink, _Pending
+    from hwsync.common.cuda.link import NcclLink, _Pending
 
     class Stuck:
         waited = False
@@ -413,7 +413,7 @@ def test_nccl_transfer_past_its_deadline_aborts_the_group() -> None:
     _Pending(done, link).wait()
     assert done.waited  # a finished collective still orders the current stream after it
 
-    from hwsync.cuda.link import _QUIET_WATCHDOG, watchdog_timeout_s
+    from hwsync.common.cuda.link import _QUIET_WATCHDOG, watchdog_timeout_s
 
     # NCCL's own watchdog must never race the link's abort (on two H200s it did, and the engine stopped answering)
     assert watchdog_timeout_s(20) >= 2 * 20 and _QUIET_WATCHDOG["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
@@ -424,7 +424,7 @@ def test_control_channel_sends_small_frames_without_nagle_delay() -> None:
     second waits for the peer's delayed ACK (~40 ms per sync, measured: 48.8 -> 8.3 ms per tiny adapter sync on CPU)."""
     import socket
 
-    from hwsync.server.protocol import Channel
+    from hwsync.common.protocol import Channel
 
     with socket.create_server(("127.0.0.1", 0)) as srv:
         cli = socket.create_connection(srv.getsockname())
@@ -443,7 +443,7 @@ def test_device_seal_is_the_keyed_linear_hash_it_documents() -> None:
     in the zero-padded last row -- changes it."""
     import numpy as np
 
-    from hwsync.transport.seal import _ROW
+    from hwsync.common.transport.seal import _ROW
 
     sealer = Sealer(derive_secret("token", "session"))
     n = 20 * _ROW + 77  # 20 full rows (enough for int8 products) and a partial one

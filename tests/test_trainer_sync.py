@@ -1,4 +1,4 @@
-"""hwsync.trainer_sync without an engine: the rollout check every trainer integration (ms-swift, TRL) runs on the
+"""hwsync.integrations.trainer_sync without an engine: the rollout check every trainer integration (ms-swift, TRL) runs on the
 tokens vLLM sampled, the step records, and the check prompts."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from hwsync.errors import VerifyError
-from hwsync.options import SyncOptions
-from hwsync.trainer_sync import TrainerSync, first_prompts
-from hwsync.verify import GATES
+from hwsync.common.errors import VerifyError
+from hwsync.integrations.options import SyncOptions
+from hwsync.integrations.trainer_sync import TrainerSync, first_prompts
+from hwsync.trainer.verify import GATES
 
 
 def _logps(gap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ as one triplet per expert -- asserts on any expert adapter, vLLM's own loading o
   of these models (on a platform with MoE-LoRA kernels: ``adapter`` with expert LoRA, checked against vLLM's own
   loading on a GPU);
 * an engine without it (the list vLLM builds unpatched, put in the live manager) gets those experts reported
-  unservable (:func:`hwsync.vllm.applier.expert_packing_problem`): ``hybrid`` merges them, ``adapter`` refuses naming
+  unservable (:func:`hwsync.engine.vllm.applier.expert_packing_problem`): ``hybrid`` merges them, ``adapter`` refuses naming
   the reason before anything is written.
 
 The packing list is built when vLLM's LoRA manager starts, on every platform: vLLM's CPU build shows it too (there the
@@ -28,9 +28,9 @@ import torch
 
 import hwsync
 import hwsync.patches as patches
-from hwsync.errors import AdapterFormatError
+from hwsync.common.errors import AdapterFormatError
 from hwsync.testing import EXACT_ATOL, on_cpu
-from hwsync.vllm.applier import expert_packing_problem
+from hwsync.engine.vllm.applier import expert_packing_problem
 
 pytestmark = pytest.mark.vllm
 FAMILY = "flex_olmo"
@@ -53,7 +53,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _manager(llm: Any) -> Any:
-    from hwsync.vllm.applier import lora_manager_of
+    from hwsync.engine.vllm.applier import lora_manager_of
 
     return lora_manager_of(llm.llm_engine.model_executor.driver_worker.worker)
 
@@ -122,7 +122,7 @@ def test_patch_gives_vllm_a_list_it_can_pack(engine) -> None:
 def test_patched_engine_serves_expert_lora_where_moe_lora_runs(engine) -> None:
     """``adapter`` with expert LoRA: served as LoRA on a GPU (equal to vLLM's own loading of the same adapter, with the
     patch in the reference process too); refused on vLLM's CPU build for the platform's reason, not packing."""
-    from hwsync.api import as_engine, describe_for
+    from hwsync.trainer.api import as_engine, describe_for
 
     llm, path, reference = engine
     model = _expert_trainer(path)
@@ -141,7 +141,7 @@ def test_patched_engine_serves_expert_lora_where_moe_lora_runs(engine) -> None:
 
 
 def test_unpatched_engine_reports_the_experts_and_hybrid_merges_them(engine) -> None:
-    from hwsync.api import as_engine, describe_for
+    from hwsync.trainer.api import as_engine, describe_for
 
     llm, path, reference = engine
     model = _expert_trainer(path, seed=3)

@@ -48,7 +48,7 @@ def run_job(workdir: Path, *flags: str, env: dict[str, str] | None = None,
 
 
 def _moe_lora() -> bool:
-    from hwsync.capabilities import vllm_capabilities
+    from hwsync.common.capabilities import vllm_capabilities
 
     return bool(vllm_capabilities()["moe_lora"]["supported"])
 

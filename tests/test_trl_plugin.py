@@ -22,10 +22,10 @@ pytestmark = pytest.mark.trl
 
 def test_options_are_the_ms_swift_plugins():
     """One home: the TRL integration reads the same SyncOptions (same variables, same defaults)."""
-    import hwsync.options
+    import hwsync.integrations.options
     import hwsync.trl
 
-    assert hwsync.trl.SyncOptions is hwsync.options.SyncOptions
+    assert hwsync.trl.SyncOptions is hwsync.integrations.options.SyncOptions
     assert hwsync.trl.SyncOptions.from_env({}) == hwsync.trl.SyncOptions()
     opts = hwsync.trl.SyncOptions.from_env({"HWSYNC_STRATEGY": "Adapter", "HWSYNC_VERIFY_EVERY": "2"})
     assert (opts.strategy, opts.verify_every, opts.verify_prompts) == ("adapter", 2, 2)
@@ -35,10 +35,10 @@ def test_options_are_the_ms_swift_plugins():
 def test_engine_settings_size_lora_serving_for_the_adapter(r, pattern, want):
     from peft import LoraConfig
 
-    from hwsync.trl._trainer import engine_settings_for
+    from hwsync.integrations.trl._trainer import engine_settings_for
 
     cfg = LoraConfig(r=r, rank_pattern=pattern, target_modules=["q_proj"])
-    from hwsync.options import SyncOptions
+    from hwsync.integrations.options import SyncOptions
 
     opts = SyncOptions()
     assert engine_settings_for("m", cfg, None, opts, None) == {"enable_lora": True, "max_lora_rank": want,
@@ -55,8 +55,8 @@ def test_a_four_bit_trainer_gets_an_unquantized_engine():
     bitsandbytes engine, so TRL's quantization='bitsandbytes' is replaced."""
     from transformers import BitsAndBytesConfig
 
-    from hwsync.options import SyncOptions
-    from hwsync.trl._trainer import engine_settings_for
+    from hwsync.integrations.options import SyncOptions
+    from hwsync.integrations.trl._trainer import engine_settings_for
 
     q = BitsAndBytesConfig(load_in_4bit=True)
     assert engine_settings_for("m", None, q, SyncOptions(), None) == {"quantization": None}
@@ -67,8 +67,8 @@ def test_a_four_bit_trainer_gets_an_unquantized_engine():
 def test_lora_rank_beyond_vllms_largest_is_refused():
     from peft import LoraConfig
 
-    from hwsync.errors import OptionError
-    from hwsync.trl._trainer import lora_rank_for_vllm
+    from hwsync.common.errors import OptionError
+    from hwsync.integrations.trl._trainer import lora_rank_for_vllm
 
     with pytest.raises(OptionError, match="512"):
         lora_rank_for_vllm(LoraConfig(r=1024, target_modules=["q_proj"]))
@@ -79,9 +79,9 @@ def test_lora_rank_beyond_vllms_largest_is_refused():
     ({"vllm_mode": "server"}, {"HWSYNC_SERVER": "127.0.0.1:29555"}, "HWSYNC_TOKEN"),
 ])
 def test_setups_hwsync_cannot_sync_are_refused_before_any_engine(over, env, match, monkeypatch):
-    from hwsync.errors import HwsyncError
-    from hwsync.options import SyncOptions
-    from hwsync.trl._trainer import _check_config
+    from hwsync.common.errors import HwsyncError
+    from hwsync.integrations.options import SyncOptions
+    from hwsync.integrations.trl._trainer import _check_config
 
     config = SimpleNamespace(**{"vllm_enable_sleep_mode": False, "vllm_mode": "colocate", **over})
     with pytest.raises(HwsyncError, match=match):
@@ -178,7 +178,7 @@ def test_middleware_holds_generation_while_syncing_and_refuses_it_while_stale():
 
 
 def test_middleware_without_server_address_fails_at_startup(monkeypatch):
-    from hwsync.errors import OptionError
+    from hwsync.common.errors import OptionError
     from hwsync.server.vllm_api import SyncMiddleware
 
     monkeypatch.delenv("HWSYNC_SERVER", raising=False)

@@ -57,7 +57,7 @@ def test_a_failed_sync_stops_generation_until_a_complete_one(tmp_path, monkeypat
         for key, value in {**job.CPU_ENV, "CUDA_VISIBLE_DEVICES": ""}.items():
             monkeypatch.setenv(key, os.environ.get(key, value))
     import hwsync
-    from hwsync.errors import HwsyncError
+    from hwsync.common.errors import HwsyncError
     from hwsync.testing.trainer import fail_at, lora_trainer, perturb
 
     model_dir, _ = job.prepare(tmp_path)

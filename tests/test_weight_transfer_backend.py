@@ -17,7 +17,7 @@ import torch
 
 import hwsync
 import hwsync.patches as patches
-from hwsync.errors import ResolutionError, StaleEngineError, SyncError, UnsupportedSetupError, VersionError
+from hwsync.common.errors import ResolutionError, StaleEngineError, SyncError, UnsupportedSetupError, VersionError
 from hwsync.testing import EXACT_ATOL, EngineReference, assert_serves, on_cpu, patched_llm
 from hwsync.testing.reference import compare_logprobs
 from hwsync.testing.trainer import lora_trainer, perturb
@@ -178,7 +178,7 @@ def test_update_info_without_buckets_is_refused(llm: Any, engine: Any) -> None:
 
 def test_engine_without_hwsync_receiver_refuses(llm: Any) -> None:
     """vLLM hands the backend a model; one that no hwsync receiver serves is refused at init, not searched for."""
-    from hwsync.vllm.weight_transfer import HwsyncInitInfo, HwsyncWeightTransferEngine
+    from hwsync.engine.vllm.weight_transfer import HwsyncInitInfo, HwsyncWeightTransferEngine
 
     config = llm.llm_engine.vllm_config
     stray = HwsyncWeightTransferEngine(config.weight_transfer_config, config, torch.device("cpu"), torch.nn.Linear(2, 2))
@@ -224,7 +224,7 @@ def test_lora_reset_patch_held_only_while_the_backend_is_used(llm: Any, engine: 
 def test_absent_api_is_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
-    from hwsync import transfer_backend
+    from hwsync.trainer import transfer_backend
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

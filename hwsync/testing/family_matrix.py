@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.run:
         import torch
 
-        from hwsync import vllm_plugin
+        from hwsync.engine import vllm_plugin
 
         from .families import enumerate_families, run_family, selected_families, syncs_per_strategy, write_results
         from .reference import EngineReference

@@ -50,8 +50,8 @@ def applicable(fault: str, strategy: str) -> bool:
 
 # -- functions run inside the worker (collective_rpc) ----------------------------------------------------------------
 def _manager(worker: Any) -> tuple[Any, Any]:
-    from hwsync.vllm.applier import lora_manager_of
-    from hwsync.vllm.worker import receiver_of, unwrap_worker
+    from hwsync.engine.vllm.applier import lora_manager_of
+    from hwsync.engine.vllm.worker import receiver_of, unwrap_worker
 
     w = unwrap_worker(worker)
     return receiver_of(w), lora_manager_of(w)
@@ -95,7 +95,7 @@ def _scale_adapter(worker: Any, factor: float) -> int:
 
 
 def _zero_slot(worker: Any) -> int:
-    from hwsync.vllm.fingerprint import stacked_buffers
+    from hwsync.engine.vllm.fingerprint import stacked_buffers
 
     rec, manager = _manager(worker)
     slot = manager.lora_index_to_id.index(rec.state.lora_int_id)
@@ -113,9 +113,9 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
     """Write trainer tensors into the engine through vLLM's own ``reload_weights`` (the sync's reload path),
     optionally with every MoE kernel's post-load step made a no-op for this reload; whether the parameters the
     tensors land in changed."""
-    from hwsync.vllm.applier import lora_manager_of, model_of, vllm_reload, vllm_spellings
-    from hwsync.vllm.worker import receiver_of, unwrap_worker
-    from hwsync.wire import TensorSpec
+    from hwsync.engine.vllm.applier import lora_manager_of, model_of, vllm_reload, vllm_spellings
+    from hwsync.engine.vllm.worker import receiver_of, unwrap_worker
+    from hwsync.common.wire import TensorSpec
 
     w = unwrap_worker(worker)
     rec = receiver_of(w)
@@ -174,8 +174,8 @@ class FaultInjector:
     def _layer_experts(self) -> dict[str, Tensor]:
         """The corrupted layer's fused expert tensors as the sync sends them (copies of those alone: a 48-layer
         model's whole base would not fit beside it)."""
-        from hwsync.api import last_plan
-        from hwsync.verify import reference_tensors
+        from hwsync.trainer.api import last_plan
+        from hwsync.trainer.verify import reference_tensors
 
         plan = last_plan(self.engine, self.model)
         assert plan is not None, "the model was never synced into this engine"
@@ -262,9 +262,9 @@ class FaultInjector:
     def _orders_differ(self) -> bool:
         """Whether folding the trainer's LoRA scalings in fp32 (one rounding) gives other bits than vLLM's order in
         the engine's LoRA dtype, for any module (no: every scaling a power of two, or an fp32 LoRA dtype)."""
-        from hwsync.lora_formats import extract_peft_lora, fold_scaling
-        from hwsync.payload import active_adapter_name
-        from hwsync.wire import dtype_from_name
+        from hwsync.common.lora_formats import extract_peft_lora, fold_scaling
+        from hwsync.trainer.payload import active_adapter_name
+        from hwsync.common.wire import dtype_from_name
 
         lora_dtype = self.engine.describe().lora_dtype
         if not lora_dtype:
@@ -276,7 +276,7 @@ class FaultInjector:
                        for m in adapter.modules.values())
 
     def _strategy(self) -> str:
-        from hwsync.api import last_plan
+        from hwsync.trainer.api import last_plan
 
         plan = last_plan(self.engine, self.model)
         assert plan is not None, "the model was never synced into this engine"
@@ -303,8 +303,8 @@ def _fold_fp32(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
 @contextlib.contextmanager
 def fp32_fold() -> Iterator[None]:
     """Syncs inside fold LoRA scalings in fp32 with one rounding (:func:`_fold_fp32`) instead of
-    :func:`hwsync.lora_formats.fold_scaling` (the fault "scaling folded in another order")."""
-    import hwsync.lora_formats as formats
+    :func:`hwsync.common.lora_formats.fold_scaling` (the fault "scaling folded in another order")."""
+    import hwsync.common.lora_formats as formats
 
     original = formats.fold_scaling
     formats.fold_scaling = _fold_fp32
@@ -390,7 +390,7 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
     repaired (a healthy check after each repair). Returns ``healthy`` (list of metrics), ``faults`` (fault -> metrics
     and the names of the failed checks), ``repaired`` (fault -> whether the check passed again)."""
     import hwsync
-    from hwsync.verify import check
+    from hwsync.trainer.verify import check
 
     gen = torch.Generator().manual_seed(seed)
     steps_move = moving(model, base=strategy == "full")

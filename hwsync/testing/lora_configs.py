@@ -211,7 +211,7 @@ def peft_merge_diff(model: Any) -> float:
     weight's max |value| (0 = the same bits; a bf16 trainer's merge rounds in PEFT's order, hwsync's once)."""
     import torch
 
-    from hwsync.merged import merged_named_weights
+    from hwsync.trainer.merged import merged_named_weights
 
     merged = copy.deepcopy(model).merge_and_unload()
     want = {n: p.detach() for n, p in merged.named_parameters()}
@@ -336,7 +336,7 @@ def _referenced(i: int, n: int, cell: Cell, path: str, previous_path: str | None
 def _exact(cell: Cell, llm: Any, reference: Any, model: Any, strategy: str, n: int, gen: Any) -> dict[str, Any]:
     import hwsync
     from hwsync.testing.reference import EXACT_ATOL, ReferenceMismatch, bit_exact, compare_logprobs
-    from hwsync.verify import check
+    from hwsync.trainer.verify import check
 
     engine = hwsync.as_engine(llm)
     worst, moved, previous, merge = 0.0, 0.0, None, None

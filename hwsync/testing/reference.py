@@ -23,7 +23,7 @@ earlier answer without an engine (:meth:`EngineReference._answer_key`).
 :func:`assert_serves` is what converted tests call: on vLLM's CPU build it is exactly ``hwsync.verify`` (engine vs
 trainer, ``atol``); elsewhere it compares the engine with its reference (``EXACT_ATOL``). Adapters compare
 bit-exactly whatever their scalings (rsLoRA, rank/alpha patterns): hwsync folds each scaling into B in vLLM's own
-rounding order (:func:`hwsync.lora_formats.fold_scaling`; the matrix of configurations: ``tests/test_lora_configs.py``).
+rounding order (:func:`hwsync.common.lora_formats.fold_scaling`; the matrix of configurations: ``tests/test_lora_configs.py``).
 :func:`write_adapter` writes what ``save_pretrained`` wrote, with the two config fields vLLM refuses although they
 change nothing on the served base rewritten (an init that rewrote the base, a ``bias`` that trained none).
 """
@@ -82,9 +82,9 @@ def hybrid_merged_by(target: Any, model: Any) -> Callable[[str], bool]:
     experts block, the other parts of a packed projection) -- the same decision the sync took, on any platform,
     instead of a guess from the platform (which cannot know, e.g., that MiniMax-M2's ``mlp.experts`` match no vLLM
     LoRA wrapper, or that vLLM cannot pack the Transformers backend's experts)."""
-    from hwsync.api import as_engine, describe_for
-    from hwsync.payload import companions, merged_names
-    from hwsync.strategy import choose
+    from hwsync.trainer.api import as_engine, describe_for
+    from hwsync.trainer.payload import companions, merged_names
+    from hwsync.trainer.strategy import choose
 
     info, lora = describe_for(as_engine(target), model)  # a model hybrid cannot sync: choose raises why
     names = merged_names(model)
@@ -112,8 +112,8 @@ def _has_tensors(adapter: Path) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 def _base_weights(model: Any) -> dict[str, Any]:
     """Trainer runtime name -> ``W0`` (LoRA factors left out; first of duplicate spellings wins; a 4-bit QLoRA base
-    dequantized, as :func:`hwsync.merged.plain_weight` sends it)."""
-    from hwsync.merged import plain_weight, strip_peft_name
+    dequantized, as :func:`hwsync.trainer.merged.plain_weight` sends it)."""
+    from hwsync.trainer.merged import plain_weight, strip_peft_name
 
     out: dict[str, Any] = {}
     for name, p in model.named_parameters():
@@ -156,7 +156,7 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
                      dtype: Any = None) -> Path:
     """Save the weights a sync delivers as a transformers checkpoint under ``root``; return its directory.
 
-    ``merged`` selects the tensors taken from the merged view ``W0 + ΔW`` (:func:`hwsync.merged.merged_named_weights`,
+    ``merged`` selects the tensors taken from the merged view ``W0 + ΔW`` (:func:`hwsync.trainer.merged.merged_named_weights`,
     the values ``full``/``hybrid`` send; dequantized for QLoRA bases); the others are the base ``W0``. ``dtype`` casts
     floating tensors (e.g. bf16, as the engine will hold them). The directory is named after a digest of the config
     and the tensors, so an unchanged model maps to the same directory (and the same reference engine). The config is
@@ -165,7 +165,7 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
     """
     import torch
 
-    from hwsync.merged import merged_named_weights
+    from hwsync.trainer.merged import merged_named_weights
 
     pick = (lambda _n: merged) if isinstance(merged, bool) else merged
     weights = _base_weights(model)
@@ -246,7 +246,7 @@ def _peft_in_out_owners(model: Any) -> set[str]:
     their gate_up/down shapes say ``[E, in, out]`` (:func:`peft_moe_lora_to_2d` ``in_out``)."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    from hwsync.lora_formats import experts_stored_in_out
+    from hwsync.common.lora_formats import experts_stored_in_out
 
     owners = set()
     for path, layer in model.named_modules():
@@ -263,7 +263,7 @@ def write_adapter(model: Any, out: Path, *, drop: Callable[[str], bool] | None =
     ``drop(key)`` removes tensors (the modules a hybrid sync merges instead). ``moe_format="2d"`` rewrites fused
     expert LoRA per expert (:func:`peft_moe_lora_to_2d`) for engines without ``enable_mixed_moe_lora_format``.
     ``rows`` (module path -> row index): B rows reordered as the engine's loader reorders that module's base weight
-    (what hwsync delivers for Llama 4's q/k, :meth:`hwsync.vllm.applier.VllmApplier.lora_row_orders`).
+    (what hwsync delivers for Llama 4's q/k, :meth:`hwsync.engine.vllm.applier.VllmApplier.lora_row_orders`).
     """
     from safetensors.torch import load_file, save_file
 
@@ -300,7 +300,7 @@ def _per_expert_patterns(config: dict[str, Any], tensors: Mapping[str, Any], num
     ``experts.gate_up_proj`` / ``experts.down_proj``, as vLLM's ``get_rank_and_scaling`` matches its 3-D keys)
     written as explicit patterns of the per-expert 2-D keys :func:`peft_moe_lora_to_2d` makes, first in each pattern:
     the 2-D adapter carries the scalings vLLM applies to the 3-D one."""
-    from hwsync.lora_formats import pattern_value
+    from hwsync.common.lora_formats import pattern_value
 
     rp, ap = dict(config.get("rank_pattern") or {}), dict(config.get("alpha_pattern") or {})
     if not rp and not ap:
@@ -330,7 +330,7 @@ def _served_as_is(config: dict[str, Any], model: Any, tensors: Mapping[str, Any]
     ``init_lora_weights`` of an init that rewrote the base (PiSSA, OLoRA, ...: the checkpoint served is the trainer's
     residual base, which is what vLLM's refusal asks for: "set init_lora_weights to true if the served base model
     already contains the modified weights"); ``bias`` when the adapter saved no bias tensor (it trained none)."""
-    from hwsync.lora_formats import base_init
+    from hwsync.common.lora_formats import base_init
 
     if base_init(config) is not None:
         config["init_lora_weights"] = True
@@ -360,7 +360,7 @@ def _serve(conn: Any, threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)  # the same as the synced engine's process: CPU results depend on it
-    from hwsync import vllm_plugin
+    from hwsync.engine import vllm_plugin
     from hwsync.testing.engine import close_llm, make_llm, register_in_process
 
     vllm_plugin.register()  # what VLLM_PLUGINS=hwsync does: e.g. MoE + enable_lora on vLLM's CPU build
@@ -461,7 +461,7 @@ class EngineReference:
         """Whether the engine serves LoRA on MoE experts (a platform with MoE-LoRA kernels, experts targeted)."""
         if on_cpu() or not self.engine.get("enable_lora"):
             return False
-        from hwsync.capabilities import vllm_capabilities
+        from hwsync.common.capabilities import vllm_capabilities
 
         targets = self.engine.get("lora_target_modules")
         return bool(vllm_capabilities()["moe_lora"]["supported"]) and (not targets or "experts" in targets)
@@ -497,7 +497,7 @@ class EngineReference:
               atol: float = EXACT_ATOL, strategy: str | None = None) -> float:
         """Max |Δ logprob| between the synced engine ``target`` and its reference for ``strategy`` (default: the one
         it last synced); raises :class:`ReferenceMismatch` above ``atol`` or when greedy tokens differ."""
-        from hwsync.api import as_engine
+        from hwsync.trainer.api import as_engine
 
         engine = as_engine(target)
         strategy = strategy or engine.state().get("strategy") or "full"
@@ -616,7 +616,7 @@ def bit_exact(target: Any, model: Any, prompts: Sequence[Sequence[int]], strateg
     present (``base content`` for ``full``, ``adapter content`` otherwise), every content check at deviation 0 (not
     merely within its last-bits allowance) with no tensor unreadable here (e.g. repacked on load). False: the caller
     compares this sync with vLLM's own loading instead."""
-    from hwsync.verify import check
+    from hwsync.trainer.verify import check
 
     verdict = check(target, model, prompts)
     if not verdict.ok:

@@ -52,7 +52,7 @@ class StandInSleep:
 
     @torch.no_grad()
     def discard(self) -> None:
-        from hwsync.vllm.sleep import device_tensors
+        from hwsync.engine.vllm.sleep import device_tensors
 
         model = self._model()
         patterns = list(self.worker.model_runner.vllm_config.model_config.sleep_preserve_parameter_names or [])
@@ -89,7 +89,7 @@ def stand_in_sleep(llm: Any, *, remap: bool = False) -> StandInSleep:
     before hwsync first touches the engine; hwsync's watch then runs around it, as around vLLM's methods on a GPU."""
     worker = worker_of(llm)
     if observer_of(worker) is not None:
-        from hwsync.errors import FixtureConfigError
+        from hwsync.common.errors import FixtureConfigError
 
         raise FixtureConfigError("stand_in_sleep(llm) must be installed before hwsync first touches the engine "
                                  "(hwsync's sleep watch observes the worker's methods from its first call)")

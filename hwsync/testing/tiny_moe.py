@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from hwsync.errors import FixtureConfigError
-from hwsync.quiet import quiet_imports, quiet_progress_bars
+from hwsync.common.errors import FixtureConfigError
+from hwsync.common.quiet import quiet_imports, quiet_progress_bars
 from .tokenizer import VOCAB_SIZE, token_id, write_tokenizer
 
 __all__ = ["FAMILIES", "Family", "FixtureConfigError", "make_tiny_moe", "tiny_moe_config"]

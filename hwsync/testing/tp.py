@@ -4,8 +4,8 @@
 Layout (ms-swift's colocate mode with ``--vllm_tensor_parallel_size 2``): two processes, each a trainer rank
 (``fully_shard`` of a PEFT MoE model) and one worker of one TP=2 engine (``distributed_executor_backend=
 "external_launcher"``, engine core in-process). Every rank calls ``hwsync.sync(llm, model)``: parameters are gathered
-bucket by bucket (:mod:`hwsync.gather`), each rank hands the full tensors to its own worker, and the worker keeps its
-TP shard (vLLM's loaders; hwsync's in-place writers slice through :mod:`hwsync.names` / :mod:`hwsync.layouts`). Each
+bucket by bucket (:mod:`hwsync.common.gather`), each rank hands the full tensors to its own worker, and the worker keeps its
+TP shard (vLLM's loaders; hwsync's in-place writers slice through :mod:`hwsync.engine.names` / :mod:`hwsync.common.layouts`). Each
 rank feeds its own worker rather than rank 0 feeding all: after the gather every rank holds the full tensors anyway,
 so this costs no extra traffic and no cross-process copy.
 
@@ -150,9 +150,10 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
     out = Path(work) / f"rank{rank}.json"
     try:
         import hwsync
-        from hwsync import gather, vllm_plugin
-        from hwsync.api import as_engine
-        from hwsync.verify import check as verify_check
+        from hwsync.common import gather
+        from hwsync.engine import vllm_plugin
+        from hwsync.trainer.api import as_engine
+        from hwsync.trainer.verify import check as verify_check
         from hwsync.testing.engine import make_llm
         from hwsync.testing.reference import write_adapter, write_checkpoint
 

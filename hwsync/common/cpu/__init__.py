@@ -1,0 +1,53 @@
+"""CPU reference backend: gloo, no device contexts, no streams.
+
+Every hwsync code path runs on it, so the whole stack is testable on a laptop or a CPU-only CI.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hwsync.common.backend import Backend, DeviceLike, as_device
+from hwsync.common.errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from hwsync.common.transport.base import Link, LinkSpec
+
+__all__ = ["CpuBackend"]
+
+
+class CpuBackend(Backend):
+    """The host CPU as one device; ``torch.distributed`` traffic goes through gloo."""
+
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    priority = 0
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def device_context(self, device: DeviceLike) -> contextlib.AbstractContextManager[None]:
+        dev = as_device(device)
+        if dev.type != "cpu":
+            raise BackendUnavailableError(f"cpu backend asked to enter device {dev}; pass a cpu device")
+        return contextlib.nullcontext()
+
+    def current_stream(self, device: DeviceLike = None) -> None:
+        return None
+
+    def synchronize(self, device: DeviceLike = None) -> None:
+        return None
+
+    def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device, secret: bytes = b"") -> Link:
+        from hwsync.common.cpu.framed import FramedLink
+
+        return FramedLink(store, spec, rank, secret)

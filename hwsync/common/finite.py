@@ -1,0 +1,132 @@
+"""Non-finite weights (NaN, +-Inf) never serve: checked inside the copy that writes them where the device can, one
+device reduction per bucket otherwise, one host read per sync.
+
+Why: a diverged step's NaN outlived the next complete sync. A forward with NaN weights writes NaN into the KV blocks
+it uses; the prefix-cache reset frees those blocks without clearing them, and attention reads the unused slots of a
+reused block (masked, but ``NaN * 0`` is NaN), so later requests came out NaN or wrong for a few calls
+(``tests/test_attacks_reliability.py::test_nan_weights_poison_reused_kv_blocks`` shows it). Refusing to *serve*
+non-finite weights keeps every cache clean: no forward ever runs on them.
+
+How: the receiver opens each bucket (:meth:`FiniteFlags.open`) with its floating-point tensors and writes under
+:meth:`FiniteFlags.writing`. An in-place write of a whole bucket tensor goes through :func:`copy_` / :func:`copy_all`,
+which ask the device's backend for a copy that checks as it copies (:meth:`hwsync.common.backend.Backend.checked_copy`:
+a Triton kernel on CUDA): the tensor is then read once, as the write reads it anyway. Whatever is not checked that
+way when the bucket closes (vLLM's loaders, the adapter, sharded pieces, devices without such a copy) gets
+``torch._foreach_norm(ord=inf)`` per (device, dtype): one multi-tensor kernel, NaN propagating, no host
+synchronization. The receiver reads all flags once, after the last bucket and before the adapter is installed or
+the sync counts as complete; a non-finite sync leaves the engine stale (it refuses to generate) and names the first
+offending tensors. An adapter-only sync is thereby refused before anything is written.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["FiniteFlags", "copy_", "copy_all"]
+
+_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Dtypes checked (8-bit floats have no foreach norm; they are not checked)."""
+
+_WRITING: contextvars.ContextVar[FiniteFlags | None] = contextvars.ContextVar("hwsync_finite_writing", default=None)
+
+
+def _span(t: Tensor) -> tuple[torch.device, int, int]:
+    return t.device, t.data_ptr(), t.numel() * t.element_size()
+
+
+class FiniteFlags:
+    """Per-bucket "all finite" flags on the tensors' devices, read back once (:meth:`non_finite`)."""
+
+    def __init__(self) -> None:
+        self._flags: list[tuple[int, Tensor]] = []
+        self._names: dict[int, list[str]] = {}
+        self._index = -1
+        self._pending: dict[tuple[torch.device, int, int], Tensor] = {}
+        self._copy_flags: dict[torch.device, Tensor] = {}
+        self.checked_in_copy = 0
+        """Tensors checked by the copy that wrote them (the benchmarks and tests read it)."""
+
+    def open(self, index: int, tensors: Sequence[Tensor], names: Sequence[str]) -> None:
+        """Start bucket ``index`` (closing the one before): its tensors are checked by the copy that writes them
+        whole, or when the bucket closes. No host synchronization."""
+        self.close()
+        self._index = index
+        self._names[index] = list(names)
+        for t in tensors:
+            if t.dtype in _CHECKED and t.numel():
+                self._pending[_span(t)] = t.detach()
+
+    def close(self) -> None:
+        """Reduce what no checking copy read (one multi-tensor kernel per device and dtype)."""
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for t in self._pending.values():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        self._pending.clear()
+        for group in groups.values():
+            peaks = torch._foreach_norm(group, float("inf"))
+            self._flags.append((self._index, torch.stack(peaks).isfinite().all()))
+        for flag in self._copy_flags.values():
+            self._flags.append((self._index, flag == 0))
+        self._copy_flags.clear()
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """While inside, :func:`copy_` / :func:`copy_all` check the open bucket's tensors as they copy them."""
+        token = _WRITING.set(self)
+        try:
+            yield
+        finally:
+            _WRITING.reset(token)
+
+    def _copy(self, dst: Tensor, src: Tensor) -> bool:
+        key = _span(src)
+        if key not in self._pending or not src.is_contiguous():
+            return False
+        from hwsync.common.backend import backend_for_device
+
+        flag = self._copy_flags.get(src.device)
+        if flag is None:
+            flag = self._copy_flags[src.device] = torch.zeros((), dtype=torch.int32, device=src.device)
+        if not backend_for_device(src.device).checked_copy(dst, src, flag):
+            return False
+        del self._pending[key]
+        self.checked_in_copy += 1
+        return True
+
+    def non_finite(self) -> list[int]:
+        """Indices of the buckets that carried a NaN or an infinity (one host read per device)."""
+        self.close()
+        by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        for index, flag in self._flags:
+            by_device.setdefault(flag.device, []).append((index, flag))
+        bad: set[int] = set()
+        for flags in by_device.values():
+            ok = torch.stack([f for _, f in flags]).cpu().tolist()
+            bad.update(index for (index, _), fine in zip(flags, ok) if not fine)
+        return sorted(bad)
+
+    def describe(self, bad: Sequence[int]) -> str:
+        """A short list of the tensors in the first offending bucket(s)."""
+        names = [n for i in bad[:2] for n in self._names.get(i, [])]
+        more = f" (+{len(names) - 4} more)" if len(names) > 4 else ""
+        return f"bucket(s) {list(bad[:8])}: {', '.join(names[:4])}{more}"
+
+
+def copy_(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)``; inside :meth:`FiniteFlags.writing`, a whole bucket tensor is checked in the same pass."""
+    flags = _WRITING.get()
+    if flags is None or not flags._copy(dst, src):
+        dst.copy_(src)
+
+
+def copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
+    """:func:`copy_` for every pair: the pairs checked in their copy one kernel each, the rest one
+    ``torch._foreach_copy_``."""
+    flags = _WRITING.get()
+    rest = [(d, s) for d, s in zip(dsts, srcs) if flags is None or not flags._copy(d, s)]
+    if rest:
+        torch._foreach_copy_([d for d, _ in rest], [s for _, s in rest])

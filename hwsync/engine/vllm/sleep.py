@@ -1,0 +1,208 @@
+"""vLLM's sleep mode as hwsync sees it, per worker: asleep or not, and what a level-2 sleep discarded.
+
+vLLM 0.32 sleeps a worker through ``Worker.sleep(level)`` / ``Worker.wake_up(tags)`` / ``Worker.discard(tags)``
+(``LLM.sleep``, the ``/sleep`` route and ``collective_rpc`` all end there, called by name through the executor's RPC).
+Level 1 offloads the weights pool to host memory and copies it back; level 2 (and a discard of the ``weights`` tag)
+saves the parameters named in ``model_config.sleep_preserve_parameter_names`` and every buffer, then unmaps the pool:
+on wake CuMemAllocator maps fresh memory at the same virtual addresses, contents undefined, and vLLM copies the saved
+parameters and buffers back. Everything else in the pool -- parameters, LoRA slot tensors, tensors a layer's post-load
+processing derived -- holds garbage until someone writes it.
+
+:class:`SleepWatch` observes those three calls of one worker. vLLM has no hook for it: a worker extension is
+appended behind the worker class's bases and may not name ``sleep`` (vLLM asserts), and the sleep-mode backend
+(``SleepModeBackendFactory``) only the GPU worker reaches. Every sleep path does reach the worker through its
+``WorkerWrapperBase``, by name: the ledgered patch ``vllm_sleep_watch`` (:mod:`hwsync.patches.vllm_sleep_watch`) hands
+the watch each of those calls there, around whatever the worker's method is (any worker class: GPU, CPU, NPU). The
+watch holds that patch while its worker lives; nothing of vLLM stays patched once no watched worker is left.
+
+On a level-2 sleep the watch
+
+* records what is discarded (:class:`Discarded`): parameters not preserved by vLLM, module paths holding other device
+  tensors (LoRA slots and vLLM's logits mapping are refilled by hwsync; anything else only a layer's post-load
+  processing rebuilds, so those layers are refilled through vLLM's reload), and every tensor's address;
+* tells the receiver the base is gone (:meth:`hwsync.engine.receiver.Receiver.forget`): the engine is stale and the next
+  sync must carry the base, adapter strategy included (a "full refill");
+* on wake compares the addresses: where all survived, the refill writes in place as before; where any moved, every
+  in-place plan is dropped and the refill takes the first-sync path (vLLM's reload, vLLM's adapter activation).
+
+While the weights are asleep (any level) nothing that reads or writes them may run: :func:`check_awake`.
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hwsync.common.errors import EngineAsleepError
+from hwsync.patches.vllm_sleep_watch import observe, observer_of
+
+__all__ = ["Discarded", "SleepWatch", "check_awake", "device_tensors", "watch"]
+
+logger = logging.getLogger("hwsync.vllm")
+
+AWAKE_NOT_NEEDED = frozenset({"describe", "state", "check_servable", "mark_stale"})
+"""Worker functions that read no weight contents: they run while the engine sleeps."""
+
+LORA_SLOT_ATTRS = ("_stacked", "adapter_enabled")
+"""Suffixes / names of the LoRA layers' slot tensors (refilled by the adapter sync or vLLM's activation)."""
+NOT_WEIGHTS = frozenset({"kv_cache"})
+"""Tensor attributes outside the weights pool: the KV cache (vLLM's ``kv_cache`` tag; it resets the prefix cache on
+sleep). Attributes ending in ``_cpu`` are host copies (``_k_scale_cpu``), never in device memory."""
+LOGITS_MAPPING = "sharded_to_full_mapping_gpu"
+"""vLLM's TP logits mapping of ``LogitsProcessorWithLoRA``: rebuilt by its own ``reset_sharded_to_full_mapping``."""
+
+
+def device_tensors(model: torch.nn.Module) -> Iterator[tuple[str, str, Tensor]]:
+    """``(kind, name, tensor)`` for every weights-pool tensor a module of ``model`` holds: ``param``, ``buffer``,
+    ``slot`` (LoRA slot tensors), ``mapping`` (vLLM's logits mapping) or ``derived`` (any other tensor attribute: what
+    post-load processing made; :data:`NOT_WEIGHTS` and host copies left out). ``name`` is
+    ``<module path>.<attribute>[<index>]``."""
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        for n, p in module._parameters.items():
+            if p is not None:
+                yield "param", prefix + n, p
+        for n, b in module._buffers.items():
+            if b is not None:
+                yield "buffer", prefix + n, b
+        for attr, value in vars(module).items():
+            if attr in NOT_WEIGHTS or attr.endswith("_cpu"):
+                continue
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            kind = ("slot" if attr.endswith(LORA_SLOT_ATTRS[0]) or attr == LORA_SLOT_ATTRS[1]
+                    else "mapping" if attr == LOGITS_MAPPING else "derived")
+            for i, t in enumerate(items):
+                if isinstance(t, Tensor) and not isinstance(t, torch.nn.Parameter) and t.numel():
+                    yield kind, f"{prefix}{attr}" + (f"[{i}]" if value is not t else ""), t
+
+
+def _address(t: Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    return id(t), t.data_ptr(), tuple(t.shape), tuple(t.stride())
+
+
+@dataclass
+class Discarded:
+    """What one level-2 sleep left undefined (``moved`` is known once the weights woke)."""
+
+    reason: str
+    params: frozenset[str]
+    """Live parameter names vLLM does not restore (not in ``sleep_preserve_parameter_names``; empty ones skipped)."""
+    derived: frozenset[str]
+    """Module paths holding ``derived`` tensors: their layers are refilled through vLLM's reload."""
+    addresses: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    moved: tuple[str, ...] = ()
+    """Parameters and slot tensors whose storage (object, address, shape or strides) changed across the sleep."""
+    woke: bool = False
+
+
+def _inventory(worker: Any, reason: str) -> Discarded:
+    model = worker.model_runner.get_model()
+    patterns = list(getattr(worker.model_runner.vllm_config.model_config, "sleep_preserve_parameter_names", None)
+                    or [])
+    params, derived, addresses = set(), set(), {}
+    for kind, name, t in device_tensors(model):
+        if kind in ("param", "slot"):
+            addresses[name] = _address(t)
+        if kind == "param" and t.numel() and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            params.add(name)
+        elif kind == "derived":
+            derived.add(name.rsplit(".", 1)[0] if "." in name else "")
+    return Discarded(reason, frozenset(params), frozenset(derived), addresses)
+
+
+class SleepWatch:
+    """The sleep state of one worker. vLLM's dispatch hands it each ``sleep`` / ``wake_up`` / ``discard`` of the worker
+    (patch ``vllm_sleep_watch``) as ``(the worker's method, *args)``; it runs that method and keeps the state."""
+
+    def __init__(self, worker: Any, on_discard: Callable[[Discarded], None],
+                 on_wake: Callable[[Discarded], None]) -> None:
+        self.worker = worker
+        self.asleep: str | None = None
+        """Why the weights are not resident (``None``: awake)."""
+        self.discarded: Discarded | None = None
+        """The last level-2 sleep's discard, until a sync refilled it (:meth:`refilled`)."""
+        self.sleeps = 0
+        self.observed = False
+        """Whether vLLM's calls reach this watch (the patch is held); ``False``: sleeps go unseen."""
+        self._on_discard = on_discard
+        self._on_wake = on_wake
+
+    def sleep(self, inner: Callable[..., Any], level: int = 1, *args: Any, **kwargs: Any) -> Any:
+        level = int(kwargs.pop("level", level))
+        if level >= 2:
+            self._lose(f"vLLM's level-{level} sleep discarded the engine's weights")
+        result = inner(*args, level=level, **kwargs)
+        self.sleeps += 1
+        self.asleep = f"vLLM sleep level {level}"
+        return result
+
+    def discard(self, inner: Callable[..., Any], tags: Any, *args: Any, **kwargs: Any) -> Any:
+        if "weights" in tuple(tags):
+            self._lose("vLLM discarded the engine's weights (discard of the weights tag)")
+        result = inner(tags, *args, **kwargs)
+        if "weights" in tuple(tags):
+            self.asleep = "vLLM discarded the weights tag"
+        return result
+
+    def _lose(self, reason: str) -> None:
+        """Before the memory goes: what it holds and where, then the receiver learns the base is gone."""
+        self.discarded = _inventory(self.worker, reason)
+        self._on_discard(self.discarded)
+
+    def wake_up(self, inner: Callable[..., Any], tags: list[str] | None = None, *args: Any, **kwargs: Any) -> Any:
+        tags = kwargs.pop("tags", tags)
+        result = inner(*args, tags=tags, **kwargs)
+        if tags is None or "weights" in tags:
+            self.asleep = None
+            d = self.discarded
+            if d is not None and not d.woke:
+                now = {name: _address(t) for kind, name, t in device_tensors(self.worker.model_runner.get_model())
+                       if kind in ("param", "slot")}
+                d.moved = tuple(sorted(n for n in set(d.addresses) | set(now) if d.addresses.get(n) != now.get(n)))
+                d.woke = True
+                logger.info("hwsync: %s; woke with %s", d.reason, f"{len(d.moved)} tensors at new addresses, e.g. "
+                            f"{d.moved[0]}" if d.moved else "every address kept")
+                self._on_wake(d)
+        return result
+
+    def refilled(self) -> None:
+        """A sync carried the base after the discard: nothing of it is pending any more."""
+        self.discarded = None
+
+
+def watch(worker: Any, on_discard: Callable[[Discarded], None], on_wake: Callable[[Discarded], None]) -> SleepWatch:
+    """The worker's :class:`SleepWatch` (one per worker), registered as its sleep observer, holding the patch that
+    lets vLLM's dispatch reach it until the worker is collected. Where the patch is switched off
+    (``HWSYNC_DISABLE_PATCHES``) or its probe does not apply, sleeps go unseen, and the log says so."""
+    import hwsync.patches as patches
+
+    held = observer_of(worker)
+    if isinstance(held, SleepWatch):
+        return held
+    w = SleepWatch(worker, on_discard, on_wake)
+    observe(worker, w)
+    release, why = patches.hold("vllm_sleep_watch", worker)
+    w.observed = release is not None
+    if not w.observed:
+        logger.warning("hwsync: vLLM's sleep and wake of this worker are not observed (patch vllm_sleep_watch: %s); "
+                       "sync after a level-2 sleep with strategy='full'", why)
+    return w
+
+
+def check_awake(worker: Any, what: str) -> None:
+    """Refuse ``what`` (a worker function that reads or writes weights) while the weights are not resident."""
+    w = observer_of(worker)
+    asleep = w.asleep if isinstance(w, SleepWatch) else None
+    backend = worker.__dict__.get("_sleep_mode_backend")  # vLLM's GPU worker, before hwsync watched it
+    if asleep is None and backend is not None and getattr(backend, "state", lambda: "RUNNING")() != "RUNNING":
+        asleep = f"vLLM's sleep-mode backend is {backend.state()}"
+    if asleep is not None:
+        raise EngineAsleepError(
+            f"{what} refused: the engine is asleep ({asleep}) and its weights are not in device memory; nothing "
+            "was read or written. Wake it first (llm.wake_up(), or wake_up(tags=['weights']) before the sync), "
+            "then sync: after a level-2 sleep the next hwsync.sync refills the weights")

@@ -1,0 +1,131 @@
+"""Trainer side of hwsync as a vLLM weight-transfer backend: :class:`TransferBackendEngine`.
+
+An engine built with ``LLM(..., weight_transfer_config={"backend": "hwsync"})`` takes weights through vLLM's own
+protocol (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``);
+this handle is what ``hwsync.sync`` drives it with, so planning, strategies (full / adapter / hybrid) and reports are
+hwsync's own::
+
+    llm = LLM(model, weight_transfer_config={"backend": "hwsync"}, enable_lora=True)   # in-process worker
+    engine = hwsync.TransferBackendEngine(llm)
+    hwsync.sync(engine, model, strategy="hybrid")   # after each optimizer step
+
+One ``update_weights`` carries one whole hwsync sync: its manifest (JSON) and its buckets (this process's tensors,
+by reference) in the backend's ``update_info`` (see :mod:`hwsync.engine.vllm.weight_transfer` for what rides where and why).
+Engine facts (``strategy="auto"``), the receiver's state, generation and vLLM's prefix-cache reset after a sync go
+through the colocated handle (:func:`hwsync.as_engine`), as they do for ``hwsync.sync(llm, ...)``.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from hwsync.common.target import Engine, ProgressFn
+from hwsync.common.errors import SyncError, UnsupportedSetupError
+from hwsync.common.transport.buckets import bucket_lists
+from hwsync.common.wire import EngineInfo, Manifest
+
+__all__ = ["BACKEND", "TransferBackendEngine", "check_weight_transfer_api"]
+
+BACKEND = "hwsync"
+PROTOCOL = 1
+"""Must equal :data:`hwsync.engine.vllm.weight_transfer.PROTOCOL` (checked by the engine at init)."""
+
+
+def check_weight_transfer_api() -> None:
+    """Raise :class:`UnsupportedSetupError` where the installed vLLM has no weight-transfer API
+    (``vllm.distributed.weight_transfer``: vLLM 0.30, 0.31 and 0.32 ship it, the CPU build included)."""
+    try:
+        found = importlib.util.find_spec("vllm.distributed.weight_transfer") is not None
+    except ModuleNotFoundError:  # no vllm, or no vllm.distributed
+        found = False
+    if not found:
+        from hwsync.common.capabilities import vllm_support
+
+        raise UnsupportedSetupError(
+            f"vLLM {vllm_support()['version'] or '(not installed)'} has no weight-transfer API "
+            "(vllm.distributed.weight_transfer, in vLLM 0.30-0.32), so weight_transfer_config={'backend': 'hwsync'} "
+            "cannot work here: install a vLLM that has it, or sync without it (hwsync.sync(llm, model) colocated, "
+            "hwsync.serve / hwsync.connect for an engine in another process)")
+
+
+class TransferBackendEngine(Engine):
+    """hwsync's :class:`~hwsync.common.target.Engine` over vLLM's weight-transfer protocol, for an in-process ``vllm.LLM``
+    built with ``weight_transfer_config={"backend": "hwsync"}``."""
+
+    mode = "colocate"
+
+    def __init__(self, llm: Any) -> None:
+        check_weight_transfer_api()
+        super().__init__()
+        from hwsync.trainer.api import as_engine
+
+        self.llm = llm
+        self.inner = as_engine(llm)
+        self.lock = self.inner.lock  # one lock per engine: syncs and generation through either handle serialize
+        config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "weight_transfer_config",
+                         None)
+        backend = getattr(config, "backend", None)
+        if backend != BACKEND:
+            raise UnsupportedSetupError(
+                f"this engine's weight transfer backend is {backend!r}, not 'hwsync': build it with "
+                "LLM(..., weight_transfer_config={'backend': 'hwsync'}) (the hwsync vLLM plugin registers it), or "
+                "sync it with hwsync.sync(llm, model) directly")
+        # hwsync's receiver on every worker, registered under the model vLLM handed the backend
+        # (hwsync.engine.vllm.worker.worker_of_model): what the backend reaches it by, from init_transfer_engine on
+        self.inner.state()
+        llm.init_weight_transfer_engine({"init_info": {"protocol": PROTOCOL}})
+
+    def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:
+        return self.inner.describe(lora_paths, base)
+
+    def state(self) -> dict[str, Any]:
+        return self.inner.state()
+
+    def warm(self, manifest: Manifest) -> None:
+        self.inner.warm(manifest)
+
+    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
+             progress: ProgressFn | None) -> dict[str, Any]:
+        committed = getattr(self.inner, "committed", None)
+        if committed is None or not getattr(self.inner, "in_process", False):
+            raise SyncError(
+                "hwsync's weight-transfer backend hands tensors over by reference and needs the engine's worker in "
+                "this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); for an engine in another process use hwsync.serve "
+                "/ hwsync.connect")
+        with self.lock:
+            result: dict[str, Any] = committed(manifest, lambda: self._through_vllm(manifest, produce, progress))
+            return result
+
+    def _through_vllm(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
+                      progress: ProgressFn | None) -> dict[str, Any]:
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"manifest": manifest.to_json(),
+                                                 "buckets": bucket_lists(manifest, produce, progress)}})
+        try:
+            self.llm.finish_weight_update(weight_version=str(manifest.version))
+        except BaseException as e:
+            # the weights are written and the receiver counted the sync, but vLLM's session did not close: the engine
+            # must not serve them until a sync completes (no prefix-cache reset follows a raising receive)
+            from hwsync.engine.vllm import worker
+
+            reason = (f"sync v{manifest.version} wrote the weights but vLLM's finish_weight_update raised "
+                      f"{type(e).__name__}: {e}")
+            self.inner.rpc_all(worker.mark_stale, reason)  # type: ignore[attr-defined]
+            raise
+        return {"version": manifest.version, "path": "vLLM weight-transfer API (backend hwsync)"}
+
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        return self.inner.generate(prompts, sampling_params, **kwargs)
+
+    def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+        return self.inner.logprobs(prompts, max_tokens)
+
+    def fingerprints(self, request: dict[str, Any]) -> Any:
+        """What :func:`hwsync.verify` reads, from the colocated handle."""
+        return self.inner.fingerprints(request)  # type: ignore[attr-defined]
+
+    def compare(self, request: dict[str, Any]) -> Any:
+        return self.inner.compare(request)  # type: ignore[attr-defined]
