@@ -1,14 +1,9 @@
-"""Server mode: the engine in other processes (or hosts); :func:`serve` on its side, :func:`connect` in the trainer.
+"""Public face of server mode: :func:`serve` on the engine's side, :func:`connect` in the trainer.
 
-* :mod:`hwsync.server.protocol` -- the authenticated control channel (threat model in its docstring)
-* :mod:`hwsync.server.server`   -- :class:`SyncServer` / :func:`serve` (engine side)
-* :mod:`hwsync.server.client`   -- :class:`RemoteEngine` / :func:`connect` (trainer side)
-
-Tensors travel over the data plane of :mod:`hwsync.transport`.
+The code lives in :mod:`hwsync.engine.server` (:class:`SyncServer`, :func:`serve`), :mod:`hwsync.trainer.client`
+(:class:`RemoteEngine`, :func:`connect`) and :mod:`hwsync.common.protocol` (the control channel).
 """
-from __future__ import annotations
-
-from hwsync.server.client import RemoteEngine, connect
-from hwsync.server.server import SyncServer, serve
+from hwsync.engine.server import SyncServer, serve
+from hwsync.trainer.client import RemoteEngine, connect
 
 __all__ = ["RemoteEngine", "SyncServer", "connect", "serve"]
