@@ -116,3 +116,36 @@ def test_logprob_verdict_is_decisive_only_beyond_gate_and_spread() -> None:
     # NaN is never weak
     nan, _, _ = V._logprob_check(_agreement(float("nan"), float("nan")), gate, spread, "")
     assert not nan.ok
+
+
+def _slots(report: Any) -> str:
+    return next(c.detail for c in report.checks if c.name == "adapter slots")
+
+
+def test_traced_layout_is_proven_once_and_slots_are_still_checked(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    """vLLM's own ``set_lora`` re-derives every module of hwsync's traced slot layout once (the layout is fixed per
+    writer; re-running it at every check was the adapter guard's largest part at 48 layers); later checks re-derive
+    none and still catch a slot written behind hwsync's back, through the traced blocks."""
+    import re
+
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, None)
+    with torch.no_grad():  # a trained adapter: PEFT starts B at zero, where a zeroed slot changes nothing
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.01)
+    hwsync.sync(llm, model, strategy="adapter")
+    first = V.check(llm, model, PROMPTS, logprobs=False)
+    assert first.ok, first.message()
+    found = re.search(r"layout of (\d+) of (\d+) modules proven by vLLM's own set_lora \((\d+) in this check\)",
+                      _slots(first))
+    assert found, _slots(first)
+    proven, modules, _ = map(int, found.groups())
+    assert proven == modules > 0, _slots(first)
+    second = V.check(llm, model, PROMPTS, logprobs=False)
+    assert second.ok and "(0 in this check)" in _slots(second), _slots(second)
+    injector = FaultInjector(llm, model)
+    injector.inject("LoRA slot not written")
+    caught = V.check(llm, model, PROMPTS, logprobs=False)
+    assert not caught.ok and any(c.name == "adapter slots" and not c.ok for c in caught.checks), caught.message()
+    injector.repair()
+    assert V.check(llm, model, PROMPTS, logprobs=False).ok

@@ -669,9 +669,9 @@ def _compared_checks(got: Mapping[str, Any], plan: SyncedPlan) -> list[Check]:
             checks.append(Check("adapter content", False, math.inf, 0.0, lora, _SYNC_AGAIN))
             return checks
         bad_slots = lora["bad_slots"]
-        how = (f"every traced slot block compared, vLLM's own set_lora re-run on {lora['oracle']} of "
-               f"{lora['modules']} modules in turn" if lora["traced_slots"] else
-               f"vLLM's own set_lora re-run on all {lora['oracle']} modules")
+        how = (f"every traced slot block compared; the traced layout of {lora.get('proven', 0)} of "
+               f"{lora['modules']} modules proven by vLLM's own set_lora ({lora['oracle']} in this check)"
+               if lora["traced_slots"] else f"vLLM's own set_lora re-run on all {lora['oracle']} modules")
         checks.append(Check("adapter slots", not bad_slots, float(len(bad_slots)), 0.0,
                             f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. {bad_slots[0]}"
                             if bad_slots else f"every LoRA slot holds the installed adapter ({how})", _SLOTS_FIX))

@@ -272,9 +272,8 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
     if isinstance(writer, str):
         return writer
     # 1. slots: vLLM's own set_lora re-run from the installed adapter -- on every module where hwsync's writes go
-    # through set_lora anyway, on ORACLE_MODULES in turn where they go through traced blocks (one layout per layer
-    # structure: a wrong one is wrong in the first modules re-run)
-    bad_slots = _oracle(manager, installed, slot, _oracle_modules(w, writer))
+    # through set_lora anyway, once per module of a traced layout (_oracle_modules)
+    bad_slots, _ = _rederive(manager, installed, slot, writer)
     # 2. the installed adapter, mapped back to the trainer's tensors through the traced gathers (each a strided view
     # of one trainer tensor: written back through the same view)
     values: dict[str, Any] = {}
@@ -300,22 +299,26 @@ def _lora(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any], seed: i
 
 
 # -- colocated: the trainer's own tensors, compared element by element ------------------------------------------
-ORACLE_MODULES = 2
-"""LoRA modules per check whose slot is also re-derived by vLLM's own ``set_lora`` (an oracle independent of hwsync's
-traced layout), in turn: every module of an adapter of M modules within ceil(M / 2) checks. The traced layout is
-learnt once per layer structure and applied to every layer, so a wrong one is wrong in the first modules re-derived."""
-
-
-def _oracle_modules(w: Any, writer: Any) -> list[str]:
-    """The modules whose slot vLLM's own ``set_lora`` re-derives in this check: all where the slots are written by
-    ``set_lora`` (no traced blocks), else the next :data:`ORACLE_MODULES` in turn."""
+def _oracle_modules(writer: Any) -> list[str]:
+    """The modules whose slot vLLM's own ``set_lora`` re-derives in this check: every module where the slots are
+    written by ``set_lora`` (no traced blocks: the re-derivation is the slot check), else those of the writer's
+    traced layout not yet proven (all of them at the writer's first check, none after: the layout is fixed per
+    writer, and every slot block is compared with the trainer's tensors through it at every check)."""
     modules = list(writer.modules)
     if not getattr(writer, "blocks", ()):
         return modules
-    cursor = w.__dict__.get("_hwsync_oracle_cursor", 0) % max(1, len(modules))
-    chosen = (modules[cursor:] + modules[:cursor])[:ORACLE_MODULES]
-    w.__dict__["_hwsync_oracle_cursor"] = cursor + len(chosen)
-    return chosen
+    return [m for m in modules if m not in writer.proven]
+
+
+def _rederive(manager: Any, installed: Any, slot: int, writer: Any) -> tuple[list[str], int]:
+    """:func:`_oracle` on :func:`_oracle_modules`, remembering the traced modules it proved: (what differs, how
+    many modules were re-derived)."""
+    chosen = _oracle_modules(writer)
+    bad = _oracle(manager, installed, slot, chosen)
+    if getattr(writer, "blocks", ()):
+        failed = {b.split(":", 1)[0] for b in bad}
+        writer.proven.update(m for m in chosen if m not in failed)
+    return bad, len(chosen)
 
 
 def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -394,9 +397,7 @@ def _lora_compare(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any]
     flags = differing_each([(held, want) for _, held, want in adapter] + [(held, want) for _, held, want in slots])
     pending = [("adapter", key, f) for (key, _, _), f in zip(adapter, flags)]
     pending += [("slot", label, f) for (label, _, _), f in zip(slots, flags[len(adapter):])]
-    # vLLM's own set_lora, in turn on a few modules (all of them where the slots are not traced)
-    modules = list(writer.modules)
-    chosen = _oracle_modules(w, writer)
-    bad = _oracle(manager, installed, slot, chosen)
-    return {"slot": slot, "differ": {}, "bad_slots": bad, "oracle": len(chosen), "modules": len(modules),
-            "traced_slots": bool(slots)}, pending
+    # vLLM's own set_lora: every module not yet proven for this traced layout (all of them where slots are not traced)
+    bad, rederived = _rederive(manager, installed, slot, writer)
+    return {"slot": slot, "differ": {}, "bad_slots": bad, "oracle": rederived, "modules": len(writer.modules),
+            "proven": len(writer.proven), "traced_slots": bool(slots)}, pending

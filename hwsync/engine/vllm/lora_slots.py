@@ -264,6 +264,9 @@ class SlotWriter:
     """Why slots are written by vLLM's ``set_lora`` (empty when :attr:`blocks` write them)."""
     traced_modules: int = 0
     """How many vLLM modules the trace ran through vLLM's construction (does not grow with the layer count)."""
+    proven: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    """Modules whose slots, written through :attr:`blocks`, vLLM's own ``set_lora`` re-derived bit for bit
+    (:func:`hwsync.vllm.fingerprint._oracle`). The blocks never change for a writer, so a module is proven once."""
     _replay: Replay = field(default_factory=lambda: Replay("the adapter's slot writes"), init=False, repr=False,
                             compare=False)
 
