@@ -266,7 +266,7 @@ class SlotWriter:
     """How many vLLM modules the trace ran through vLLM's construction (does not grow with the layer count)."""
     proven: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
     """Modules whose slots, written through :attr:`blocks`, vLLM's own ``set_lora`` re-derived bit for bit
-    (:func:`hwsync.vllm.fingerprint._oracle`). The blocks never change for a writer, so a module is proven once."""
+    (:func:`hwsync.engine.vllm.fingerprint._oracle`). The blocks never change for a writer, so a module is proven once."""
     _replay: Replay = field(default_factory=lambda: Replay("the adapter's slot writes"), init=False, repr=False,
                             compare=False)
 
