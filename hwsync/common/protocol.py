@@ -26,7 +26,6 @@ import functools
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import socket
 import struct
@@ -37,12 +36,13 @@ from typing import Any
 
 from hwsync.common.errors import EngineBusyError, SyncError
 from hwsync.common.tokens import MIN_TOKEN_CHARS, check_token, new_token
+from hwsync.common.config import read
 
 __all__ = ["Channel", "DEFAULT_TIMEOUT_S", "FRAME_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S",
            "IDLE_TIMEOUT_S", "IdleTimeout", "MAX_FRAME", "MIN_TOKEN_CHARS", "check_token", "client_handshake",
            "group_prefix", "new_token", "refuse_busy", "server_handshake", "split_address", "stretch"]
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("HWSYNC_TIMEOUT_S", "600"))
+DEFAULT_TIMEOUT_S = float(read("HWSYNC_TIMEOUT_S"))
 """Longest a data-plane transfer may stall, and a trainer waits for any answer, before giving up (the server caps what
 clients ask for)."""
 MAX_FRAME = 256 << 20

@@ -11,13 +11,13 @@ is, so the values are the same either way: a graph replays the recorded kernels 
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+from hwsync.common.config import read
 
 __all__ = ["Replay", "addresses", "common_device", "copy_all", "GRAPHS_ENV"]
 
@@ -112,7 +112,7 @@ class Replay:
         return launch
 
     def _records(self, device: torch.device) -> bool:
-        return not self._failed and device.type != "cpu" and os.environ.get(GRAPHS_ENV, "1") != "0"
+        return not self._failed and device.type != "cpu" and read(GRAPHS_ENV)
 
     def _record(self, device: torch.device, work: Callable[[], None]) -> Callable[[], None] | None:
         from hwsync.common.backend import backend_for_device

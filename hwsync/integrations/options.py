@@ -34,6 +34,7 @@ ENV: dict[str, str] = {
     "server": "HWSYNC_SERVER",
     "token": "HWSYNC_TOKEN",
 }
+"""Option field -> its variable (each registered, with its default and meaning, in :mod:`hwsync.common.config`)."""
 
 
 @dataclass(frozen=True)

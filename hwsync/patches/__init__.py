@@ -14,9 +14,10 @@ Set ``HWSYNC_DISABLE_PATCHES=name,name`` (or ``all``) to keep :func:`apply` from
 """
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable, Sequence
+
+from hwsync.common.config import read
 
 from ._base import (
     APPLIES,
@@ -90,7 +91,7 @@ def get(name: str) -> Patch:
 
 def disabled() -> set[str]:
     """Names switched off by ``HWSYNC_DISABLE_PATCHES`` (``all`` = every patch)."""
-    raw = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+    raw = set(read(DISABLE_ENV))
     return set(names()) if "all" in raw else raw
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from hwsync.common.progress import phase
 from hwsync.trainer.report import SyncReport
 from hwsync.trainer.strategy import choose
 from hwsync.common.wire import EngineInfo, Manifest, Strategy, plan_buckets
+from hwsync.common.config import raw
 
 logger = logging.getLogger("hwsync")
 
@@ -60,7 +60,7 @@ def parse_bucket_mb(value: str | float | None, what: str = BUCKET_ENV) -> float 
 
 def default_bucket_mb(device_type: str = "cpu") -> float:
     """Bucket size used when ``bucket_mb`` is not given: ``$HWSYNC_BUCKET_MB`` or the measured per-device default."""
-    env = parse_bucket_mb(os.environ.get(BUCKET_ENV))
+    env = parse_bucket_mb(raw(BUCKET_ENV) or None)
     return env if env is not None else float(_DEFAULT_MB.get(device_type, 512))
 
 

@@ -877,9 +877,9 @@ def _nan_inf(x: float) -> float:
 
 def _env_gate() -> str:
     """``HWSYNC_VERIFY_GATE`` as set ("" when unset): an explicit gate, applied alone."""
-    import os
+    from hwsync.common.config import read
 
-    return os.environ.get("HWSYNC_VERIFY_GATE", "").strip()
+    return str(read("HWSYNC_VERIFY_GATE"))
 
 
 def _combined(reports: Sequence[VerifyReport], addresses: Sequence[str]) -> VerifyReport:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from hwsync.common.progress import counted, phase
 from hwsync.engine.receiver import Loaded, NothingWritten
 from hwsync.engine.vllm.lora_slots import NOT_TRACED
 from hwsync.common.wire import Manifest, TensorSpec, dtype_name
+from hwsync.common.config import read
 
 if TYPE_CHECKING:
     from hwsync.engine.names import NameMap
@@ -112,7 +112,7 @@ def _signature(specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]], config
 
 def _direct_enabled() -> bool:
     """``HWSYNC_DIRECT=0`` keeps every write on vLLM's reload path (A/B checks, benchmarks' baseline)."""
-    return os.environ.get("HWSYNC_DIRECT", "1") != "0"
+    return bool(read("HWSYNC_DIRECT"))
 
 
 def _observed(weights: Iterator[tuple[str, Tensor]], calibration: Any) -> Iterator[tuple[str, Tensor]]:
