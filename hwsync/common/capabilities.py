@@ -97,6 +97,7 @@ def vllm_support(version: str | None = None) -> dict[str, Any]:
         out["reason"] = f"vLLM reports an unparseable version {version!r} (hwsync supports vllm{SUPPORTED_VLLM})"
         return out
     # dev/rc builds of a supported release count; "+cpu"-style local labels are ignored
+    # Limitation L1 (docs/limitations.md): only the vLLM releases read for hwsync attach
     out["supported"] = SpecifierSet(SUPPORTED_VLLM).contains(Version(parsed.base_version), prereleases=True)
     out["reason"] = (f"vLLM {version} is supported (vllm{SUPPORTED_VLLM})" if out["supported"] else
                      f"vLLM {version} is not supported: hwsync needs vllm{SUPPORTED_VLLM}")
@@ -187,6 +188,7 @@ def _moe_lora(wrapper: type, base: type, current_platform: Any, lora: dict[str, 
     name = wrapper.__name__
     if not lora["supported"]:
         return {"supported": False, "reason": lora["reason"]}
+    # Limitation L4 (docs/limitations.md): no fused-MoE LoRA kernels (CPU build, Ascend) -> experts travel merged
     if getattr(wrapper, "add_lora_fused_moe", None) is getattr(base, "add_lora_fused_moe", None):
         return {"supported": False, "reason": f"{name} does not implement add_lora_fused_moe"}
     is_cuda_alike = getattr(current_platform, "is_cuda_alike", lambda: False)()

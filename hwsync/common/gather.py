@@ -126,6 +126,7 @@ def parameters(model: nn.Module) -> list[Tensor]:
 def sharding(model: nn.Module) -> str:
     """How the trainer's parameters are sharded: ``"plain"``, ``"fsdp2"`` or ``"zero3"``; a clear error for
     shardings hwsync cannot read."""
+    # Limitation L9 (docs/limitations.md): FSDP1's flat parameters are not read
     if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         raise UnsupportedSetupError(
             "the model is wrapped in FSDP1 (FullyShardedDataParallel, flat parameters): hwsync gathers FSDP2 "

@@ -45,6 +45,7 @@ def check_token(token: Any) -> str:
         weakness = "not valid Unicode text: it holds a lone surrogate character, which has no UTF-8 encoding"
     else:
         return token
+    # Limitation L7 (docs/limitations.md): strength is judged by length and variety only
     raise SyncError(f"the server-mode token is too weak ({weakness}): use a random secret of at least "
                     f"{MIN_TOKEN_CHARS} characters, e.g. from {MAKE_TOKEN}, the same one for serve() and connect() "
                     "(HWSYNC_TOKEN with ms-swift), passed through the environment or a file, not a command line")

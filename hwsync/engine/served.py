@@ -65,6 +65,7 @@ class ServedEngine(Engine):
         self.syncing = threading.Event()
         self.stale_reason: str | None = None
         parallel = engine_client.vllm_config.parallel_config
+        # Limitation L10 (docs/limitations.md): one engine per `vllm serve`
         if parallel.data_parallel_size > 1:
             raise UnsupportedSetupError(
                 f"hwsync's sync server in `vllm serve` drives one engine; this server runs "

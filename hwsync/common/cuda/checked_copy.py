@@ -69,6 +69,7 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
+# Limitation L13 (docs/limitations.md): one launch per tensor; launch-bound inside the 48-layer full sync
 def checked_copy(dst: Tensor, src: Tensor, flag: Tensor) -> bool:
     """``dst.copy_(src)``, setting ``flag`` (int32, on the tensors' device) to 1 if ``src`` holds a NaN or an
     infinity. ``False`` (nothing done) unless both are contiguous CUDA tensors of one checked dtype and size, of at

@@ -111,6 +111,7 @@ def processed_weight_loader(layer: Any, sharding: ExpertSharding | None = None) 
                 f"(got shape {tuple(loaded_weight.shape)}); load quantized / biased experts through vLLM's reload "
                 "(model_runner.reload_weights), which restores the checkpoint layout and processes again"
             )
+        # Limitation L3 (docs/limitations.md): NZ / quantized / biased processed experts are not written in place
         if is_fractal_nz(param):
             raise LayoutError(
                 f"{weight_name}: the experts are stored in FRACTAL_NZ, which cannot be written in place; disable NZ "

@@ -201,6 +201,7 @@ def check_awake(worker: Any, what: str) -> None:
     backend = worker.__dict__.get("_sleep_mode_backend")  # vLLM's GPU worker, before hwsync watched it
     if asleep is None and backend is not None and getattr(backend, "state", lambda: "RUNNING")() != "RUNNING":
         asleep = f"vLLM's sleep-mode backend is {backend.state()}"
+    # Limitation L11 (docs/limitations.md): an asleep engine refuses weight work
     if asleep is not None:
         raise EngineAsleepError(
             f"{what} refused: the engine is asleep ({asleep}) and its weights are not in device memory; nothing "

@@ -108,6 +108,7 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
             raise SyncError("hwsync update_info carries no manifest: drive this backend with "
                             "hwsync.trainer.transfer_backend.TransferBackendEngine (or hwsync.sync on it)")
         buckets = update_info.buckets
+        # Limitation L8 (docs/limitations.md): tensors travel by reference, in-process engines only
         if buckets is None or isinstance(buckets, (str, bytes, dict)) or not isinstance(buckets, Iterable):
             raise SyncError(
                 "hwsync update_info carries no in-process buckets (JSON, e.g. over vLLM's HTTP routes, cannot carry "
