@@ -16,7 +16,7 @@ WHOLE_FILE = {"docs/architecture.md"}  # not edited on this branch: the module m
 
 
 def _docs() -> list[Path]:
-    return [ROOT / "README.md", ROOT / "patches" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", ROOT / "hwsync" / "patches" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _long(path: Path, tables: bool) -> list[str]:
