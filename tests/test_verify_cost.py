@@ -149,3 +149,41 @@ def test_traced_layout_is_proven_once_and_slots_are_still_checked(llm: Any, tiny
     assert not caught.ok and any(c.name == "adapter slots" and not c.ok for c in caught.checks), caught.message()
     injector.repair()
     assert V.check(llm, model, PROMPTS, logprobs=False).ok
+
+
+def test_adapter_compared_in_batches_holds_one_batch_and_still_catches(llm: Any, tiny_qwen3_moe_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's folded LoRA tensors (copies made for the check) go to the engine in batches of
+    LORA_BATCH_BYTES, not all at once: with one tensor per batch the verdicts are the same -- a healthy sync
+    passes with every tensor compared, a doubled scaling and a zeroed slot are caught."""
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, None)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.01)
+    hwsync.sync(llm, model, strategy="adapter")
+    whole = V.check(llm, model, PROMPTS, logprobs=False)
+    assert whole.ok, whole.message()
+    monkeypatch.setattr(V, "LORA_BATCH_BYTES", 1)
+    calls: list[int] = []
+    engine = hwsync.as_engine(llm)
+    real = engine.compare
+
+    def counted(request: dict[str, Any]) -> Any:
+        if request.get("lora") is not None:
+            calls.append(len(request["lora"]["tensors"]))
+        return real(request)
+
+    monkeypatch.setattr(engine, "compare", counted)
+    batched = V.check(llm, model, PROMPTS, logprobs=False)
+    assert batched.ok, batched.message()
+    assert len(calls) > 1 and max(calls) == 1, calls
+    content = lambda r: next(c.detail for c in r.checks if c.name == "adapter content")  # noqa: E731
+    assert content(batched) == content(whole)
+    for fault, check in (("LoRA scaling 2x", "adapter content"), ("LoRA slot not written", "adapter slots")):
+        injector = FaultInjector(llm, model)
+        injector.inject(fault)
+        caught = V.check(llm, model, PROMPTS, logprobs=False)
+        assert not caught.ok and any(c.name == check and not c.ok for c in caught.checks), (fault, caught.message())
+        injector.repair()
+    assert V.check(llm, model, PROMPTS, logprobs=False).ok

@@ -513,6 +513,10 @@ BASE_SAMPLE_BYTES = 2 << 30
 _BATCH_BYTES = 4 << 30
 """Reference tensors handed to a colocated engine per comparison: merged ones are computed for the check, so a
 48-layer model's are not all held at once."""
+LORA_BATCH_BYTES = 512 << 20
+"""The trainer's LoRA tensors as vLLM's loading folds them are copies made for the check: compared in batches of this
+size (the engine's writer still sees the whole adapter's structure), so the check never holds a second adapter (at
+48 layers r32 that copy did not fit beside an AdamW trainer and the engine on one H200)."""
 
 
 @dataclass
@@ -577,7 +581,10 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool 
     merged: dict[str, Any] = {"base": {}, "lora": None, "state": None}
     batch: dict[str, torch.Tensor] = {}
     lora: dict[str, torch.Tensor] = {}
-    size = 0
+    lora_specs = [s for s in payload.specs if s.kind == "lora" and s.dtype.is_floating_point]
+    structure = {"keys": [s.name for s in lora_specs], "shapes": [list(s.shape) for s in lora_specs],
+                 "meta": payload.lora_meta or {}}
+    size = lora_size = lora_seen = 0
 
     def flush(lora_part: Any) -> bool:
         got = engine.compare({"specs": spec_list, "base": dict(batch), "lora": lora_part})
@@ -586,9 +593,14 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool 
         merged["base"].update(got["base"])
         merged["state"] = merged["state"] or got
         if lora_part is not None:
-            merged["lora"] = got["lora"]
+            merged["lora"] = _merge_lora(merged["lora"], got["lora"])
         batch.clear()
         return True
+
+    def lora_part(last: bool) -> dict[str, Any]:
+        part = {"tensors": dict(lora), **structure, "first": merged["lora"] is None, "last": last}
+        lora.clear()
+        return part
 
     with torch.no_grad():
         for spec, t in zip(payload.specs, payload.produce()):
@@ -596,6 +608,12 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool 
                 continue
             if spec.kind == "lora":
                 lora[spec.name] = t.to(spec.dtype)
+                lora_size += spec.nbytes
+                lora_seen += 1
+                if lora_size >= LORA_BATCH_BYTES and lora_seen < len(lora_specs):  # the last batch runs the oracle
+                    if not flush(lora_part(last=False)):
+                        return None
+                    lora_size = 0
             elif spec.name in chosen:
                 batch[spec.name] = t.to(spec.dtype)
                 size += spec.nbytes
@@ -603,12 +621,27 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool 
                     if not flush(None):
                         return None
                     size = 0
-        if not flush({"tensors": lora, "meta": payload.lora_meta or {}} if lora else None):
+        if not flush(lora_part(last=True) if lora or merged["lora"] is not None else None):
             return None
     got = dict(merged["state"])
     got.update(base=merged["base"], lora=merged["lora"], base_how=how, base_read=len(chosen),
                base_total=len(base_specs), base_memo=memo)
     return got
+
+
+def _merge_lora(before: Any, got: Any) -> Any:
+    """The engine's answers for the batches of one adapter, as one: a reason (str) wins; counts add up."""
+    if before is None or isinstance(before, str):
+        return got if before is None else before
+    if isinstance(got, str):
+        return got
+    out = dict(before)
+    out["differ"] = {**before["differ"], **{k: before["differ"].get(k, 0) + n for k, n in got["differ"].items()}}
+    out["bad_slots"] = before["bad_slots"] + [b for b in got["bad_slots"] if b not in before["bad_slots"]]
+    out["oracle"] = before["oracle"] + got["oracle"]
+    out["proven"] = got.get("proven", before.get("proven"))
+    out["traced_slots"] = before["traced_slots"] or got["traced_slots"]
+    return out
 
 
 def _state_check(got: Mapping[str, Any], plan: SyncedPlan, lora_expected: bool) -> Check:

@@ -387,17 +387,18 @@ def _lora_compare(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any]
     manager, installed, slot = found
     assert lid is not None
     tensors: Mapping[str, Tensor] = req["tensors"]
-    keys = list(tensors)
-    writer = _writer(w, applier, manager, installed, lid, keys, [tuple(t.shape) for t in tensors.values()],
-                     dict(req["meta"]))
+    keys = list(req.get("keys") or tensors)  # a batch of the adapter: the whole adapter's structure rides along
+    shapes = [tuple(s) for s in req["shapes"]] if req.get("shapes") else [tuple(t.shape) for t in tensors.values()]
+    writer = _writer(w, applier, manager, installed, lid, keys, shapes, dict(req["meta"]))
     if isinstance(writer, str):
         return writer, []
-    adapter, slots = writer.compared(manager, installed, tensors)
+    adapter, slots = writer.compared(manager, installed, tensors, zero_fill=req.get("first", True))
     # every view of the installed adapter and every slot block: grouped foreach reductions, no per-view launches
     flags = differing_each([(held, want) for _, held, want in adapter] + [(held, want) for _, held, want in slots])
     pending = [("adapter", key, f) for (key, _, _), f in zip(adapter, flags)]
     pending += [("slot", label, f) for (label, _, _), f in zip(slots, flags[len(adapter):])]
-    # vLLM's own set_lora: every module not yet proven for this traced layout (all of them where slots are not traced)
-    bad, rederived = _rederive(manager, installed, slot, writer)
+    # vLLM's own set_lora: every module not yet proven for this traced layout (all of them where slots are not traced),
+    # once per check (with the adapter's last batch)
+    bad, rederived = _rederive(manager, installed, slot, writer) if req.get("last", True) else ([], 0)
     return {"slot": slot, "differ": {}, "bad_slots": bad, "oracle": rederived, "modules": len(writer.modules),
             "proven": len(writer.proven), "traced_slots": bool(slots)}, pending

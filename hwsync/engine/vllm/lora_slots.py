@@ -609,16 +609,19 @@ class SlotWriter:
                 break
         return self.no_blocks
 
-    def compared(self, manager: Any, installed: Any, tensors: Mapping[str, Tensor]
+    def compared(self, manager: Any, installed: Any, tensors: Mapping[str, Tensor], zero_fill: bool = True
                  ) -> tuple[list[tuple[str, Tensor, Tensor | None]], list[tuple[str, Tensor, Tensor]]]:
         """What the engine holds beside what it should hold if it holds ``tensors`` (the trainer's adapter as vLLM's
         own loading folds it), as ``(trainer key, held, expected)``: every tensor of the installed adapter (vLLM's
         zero fill included: expected ``None``, zeros), then ``(module.attr, held, expected)`` for every traced slot
         block (none while the slots are written by ``set_lora``). Views only: nothing is copied but an index view's
-        gather."""
+        gather. ``tensors`` may be a batch of the adapter: only what reads from it is compared (the zero fill where
+        ``zero_fill``, the first batch)."""
         read = self._reader(tensors)
         adapter: list[tuple[str, Tensor, Tensor | None]] = []
         for g in self.gathers:
+            if (g.view is None and not zero_fill) or (g.view is not None and g.view.source not in tensors):
+                continue
             held = held_tensor(installed.loras[g.module], g)
             adapter.append((g.view.source if g.view is not None else "(zero fill)", held,
                             read(g.view, g.shape) if g.view is not None else None))
@@ -626,7 +629,7 @@ class SlotWriter:
         if self.blocks and installed.id in manager.lora_index_to_id:
             slot = manager.lora_index_to_id.index(installed.id)
             slots = [(f"{b.module}.{b.attr}", self._slot_block(manager, b, slot), read(b.view, b.shape))
-                     for b in self.blocks]
+                     for b in self.blocks if b.view.source in tensors]
         return adapter, slots
 
     # -- per sync -------------------------------------------------------------------------------------------------
