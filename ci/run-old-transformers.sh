@@ -11,6 +11,16 @@ if [[ -z "${HWSYNC_OLD_VENV:-}" && -n "${HWSYNC_OLD_TRANSFORMERS:-}" ]]; then
     export HWSYNC_OLD_VENV="$PWD/.venv-tf$HWSYNC_OLD_TRANSFORMERS"
 fi
 VENV="${HWSYNC_OLD_VENV:-$PWD/.venv-old}"
-bash ci/install-old-transformers.sh
+# one install of the venv at a time (ci/preinstall.sh may have one under way): wait for it and print its log; the
+# install below then finds every pin satisfied
+exec 9>"$VENV.install.lock"
+flock 9
+if [[ -f "$VENV.install.log" ]]; then
+    echo "--- the early install (ci/preinstall.sh, beside the suite):"
+    cat "$VENV.install.log"
+    rm -f "$VENV.install.log"
+fi
+HWSYNC_OLD_VENV="$VENV" bash ci/install-old-transformers.sh 9>&-
+exec 9>&-
 export HWSYNC_NO_VLLM_EXPECTED=1
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not vllm and not swift" tests/test_patches*.py "$@"

@@ -55,9 +55,39 @@ start=$SECONDS
 serial="${HWSYNC_MATRIX_SERIAL:-0}"
 
 install_release() {  # install_release VERSION VENV: ci/install.sh for that release's venv (no vllm-ascend sdist)
+    # one install of a venv at a time (ci/preinstall.sh may have one under way): wait for it, print its log, then
+    # ci/install.sh finds every pin satisfied and takes seconds (or repairs what the early one left undone)
+    exec 9>"$2.install.lock"
+    flock 9
+    if [ -f "$2.install.log" ]; then
+        echo "--- the early install (ci/preinstall.sh, beside the suite):"
+        cat "$2.install.log"
+        rm -f "$2.install.log"
+        echo "--- ci/install.sh again (every satisfied pin is skipped):"
+    fi
     # shellcheck disable=SC2086  # INSTALL holds VAR=value words for env
-    env HWSYNC_VENV="$2" HWSYNC_VLLM_VERSION="$1" HWSYNC_WITH_VLLM_ASCEND=0 ${INSTALL[$1]} bash ci/install.sh
+    env HWSYNC_VENV="$2" HWSYNC_VLLM_VERSION="$1" HWSYNC_WITH_VLLM_ASCEND=0 ${INSTALL[$1]} bash ci/install.sh 9>&-
+    local rc=$?
+    exec 9>&-
+    return "$rc"
 }
+
+# HWSYNC_MATRIX_INSTALL_ONLY=1 (ci/preinstall.sh): only the releases' venvs, one after the other, each install's
+# output in <venv>.install.log (printed by the leg that uses the venv); no tests
+if [ "${HWSYNC_MATRIX_INSTALL_ONLY:-0}" = 1 ]; then
+    rc=0
+    for v in "${releases[@]}"; do
+        venv="${HWSYNC_MATRIX_VENVS:-$PWD}/${VENV[$v]}"
+        (
+            exec 9>"$venv.install.lock"
+            flock 9
+            # shellcheck disable=SC2086  # INSTALL holds VAR=value words for env
+            env HWSYNC_VENV="$venv" HWSYNC_VLLM_VERSION="$v" HWSYNC_WITH_VLLM_ASCEND=0 ${INSTALL[$v]} \
+                bash ci/install.sh >"$venv.install.log" 2>&1 9>&-
+        ) || rc=1
+    done
+    exit "$rc"
+fi
 
 # every release's install starts now, each in the background into its own log (a venv's directory is created by
 # ci/install.sh, so the log sits beside it)
