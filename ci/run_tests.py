@@ -17,6 +17,7 @@ and timing they assert on) run with nothing beside them. ``HWSYNC_PYTEST`` repla
 ``HWSYNC_TEST_LOG`` (a file) receives the whole output of every failed module (the console shows its last 6,000
 characters; the GPU job brings this file back from the device).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,16 +32,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # 2-rank scenarios (each rank a process that also drives an engine worker): alone, first
-ALONE = ("tests/test_fsdp_tp_cpu.py", "tests/test_server_tp.py", "tests/test_gather.py",
-         "tests/test_multigpu_fsdp_tp.py", "tests/test_server_sharded.py")
+ALONE = (
+    "tests/test_fsdp_tp_cpu.py",
+    "tests/test_server_tp.py",
+    "tests/test_gather.py",
+    "tests/test_multigpu_fsdp_tp.py",
+    "tests/test_server_sharded.py",
+)
 # the longest modules on CI's 2 cores (several minutes each), started first so that no long one starts last and runs
 # alone at the end
-LONG = ("tests/test_swift_server.py", "tests/test_families.py", "tests/test_lora_configs.py", "tests/test_attacks.py",
-        "tests/test_swift_grpo.py")
+LONG = (
+    "tests/test_swift_server.py",
+    "tests/test_families.py",
+    "tests/test_lora_configs.py",
+    "tests/test_attacks.py",
+    "tests/test_swift_grpo.py",
+)
 # modules made for another venv (an upstream pin keeps their library out of ./.venv): the default module list leaves
 # them out where that library, at the version they need, is missing, and says where they run
-ELSEWHERE = {"tests/test_trl_": ("trl", (1, 16), "TRL 1.16 declares vllm<=0.31 (ms-swift 4.6 pins trl<1): "
-                                                 "ci/run-trl.sh and the vLLM matrix's 0.31 leg run them in .venv-trl")}
+ELSEWHERE = {
+    "tests/test_trl_": (
+        "trl",
+        (1, 16),
+        "TRL 1.16 declares vllm<=0.31 (ms-swift 4.6 pins trl<1): "
+        "ci/run-trl.sh and the vLLM matrix's 0.31 leg run them in .venv-trl",
+    )
+}
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
 
@@ -54,8 +71,11 @@ def main(argv: list[str]) -> int:
         modules = _runnable_here(modules)
     jobs = [a for a in argv if a.startswith("--jobs=")]
     argv = [a for a in argv if not a.startswith("--jobs=")]
-    n_jobs = int(jobs[-1].split("=", 1)[1] if jobs else os.environ.get("HWSYNC_TEST_JOBS")
-                 or (2 if (os.cpu_count() or 1) >= 2 else 1))
+    n_jobs = int(
+        jobs[-1].split("=", 1)[1]
+        if jobs
+        else os.environ.get("HWSYNC_TEST_JOBS") or (2 if (os.cpu_count() or 1) >= 2 else 1)
+    )
     pytest_cmd = shlex.split(os.environ.get("HWSYNC_PYTEST", "")) or [sys.executable, "-m", "pytest"]
     totals: dict[str, int] = {}
     failed_modules: list[str] = []
@@ -67,8 +87,9 @@ def main(argv: list[str]) -> int:
         t0 = time.monotonic()
         # with a time limit, -v (instead of -q): a module cut off still shows which of its tests finished
         cmd = [*pytest_cmd, "-v" if limit else "-q", "-p", "no:cacheprovider", "-rfE", module, *argv]
-        with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) as p:
+        with subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        ) as p:
             try:
                 out, _ = p.communicate(timeout=limit)
                 code = p.returncode
@@ -135,8 +156,11 @@ def _runnable_here(modules: list[str]) -> list[str]:
             except metadata.PackageNotFoundError:
                 have = ()
             if have < minimum:
-                print(f"not here {m:<44} needs {dist}>={'.'.join(map(str, minimum))} "
-                      f"({'.'.join(map(str, have)) or 'not installed'} here); {where}", flush=True)
+                print(
+                    f"not here {m:<44} needs {dist}>={'.'.join(map(str, minimum))} "
+                    f"({'.'.join(map(str, have)) or 'not installed'} here); {where}",
+                    flush=True,
+                )
                 continue
         out.append(m)
     return out

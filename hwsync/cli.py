@@ -15,6 +15,7 @@ command is one decorator plus (for in-tree modules) one line in ``COMMAND_MODULE
 
 Command modules must be cheap to import: heavy imports (vLLM, ms-swift) belong inside the function.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """Merged view: equals PEFT's merge_and_unload of a deep copy, never writes the trainer's weights."""
+
 from __future__ import annotations
 
 import copy
@@ -7,9 +8,9 @@ import pytest
 import torch
 
 from hwsync.common.errors import AdapterFormatError
-from hwsync.trainer.merged import delta_weight, merged_named_weights
 from hwsync.common.trainer_names import strip_peft_name
 from hwsync.testing import tiny_moe_config
+from hwsync.trainer.merged import delta_weight, merged_named_weights
 
 peft = pytest.importorskip("peft")
 from peft import IA3Config, LoraConfig, get_peft_model  # noqa: E402
@@ -28,8 +29,14 @@ def lora(**kw) -> LoraConfig:
     return LoraConfig(lora_dropout=0.0, init_lora_weights=False, **kw)
 
 
-BOTH = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], target_parameters=EXPERTS,
-            rank_pattern={"down_proj": 2}, alpha_pattern={"gate_up_proj": 3})
+BOTH = dict(
+    r=4,
+    lora_alpha=8,
+    target_modules=["q_proj", "v_proj", "o_proj"],
+    target_parameters=EXPERTS,
+    rank_pattern={"down_proj": 2},
+    alpha_pattern={"gate_up_proj": 3},
+)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -42,10 +49,12 @@ def reference(pm) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "cfg",
-    [dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-     dict(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERTS),
-     BOTH,
-     dict(BOTH, use_rslora=True)],
+    [
+        dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        dict(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERTS),
+        BOTH,
+        dict(BOTH, use_rslora=True),
+    ],
     ids=["attention", "experts", "both", "rslora"],
 )
 def test_equals_merge_and_unload_and_leaves_model_untouched(cfg) -> None:

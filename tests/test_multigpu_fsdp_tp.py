@@ -7,6 +7,7 @@ adapter, full: 3 of each, the third one LoRA-only), and after each the engine's 
 those of a fresh TP=2 engine (``mp`` executor, same arguments) that vLLM loads from the same weights itself, within
 ``EXACT_ATOL``. Skips without 2 CUDA GPUs (conftest: ``multigpu``); with them, a failure fails, CI or not.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,7 @@ pytestmark = [pytest.mark.multigpu, pytest.mark.cuda, pytest.mark.vllm, pytest.m
 def test_sharded_trainer_into_tp2_engine_is_exact(tmp_path: Path, trainer: str) -> None:
     import torch
 
-    from hwsync.testing import make_tiny_moe
-    from hwsync.testing import tp
+    from hwsync.testing import make_tiny_moe, tp
 
     if torch.cuda.device_count() < 2:  # conftest skips first; kept for a direct run
         pytest.skip("needs 2 CUDA GPUs")

@@ -6,6 +6,7 @@ so no module outside ``hwsync/<backend>/`` needs to know whether it runs on CUDA
 a CPU. Backends are found through the ``hwsync.backends`` entry-point group, so a third party can
 add one (say XPU) without editing hwsync; :func:`register_backend` does the same in-process.
 """
+
 from __future__ import annotations
 
 import abc
@@ -243,7 +244,7 @@ _BUILTIN = {
 }
 
 _lock = threading.RLock()
-_registered: dict[str, type[Backend]] = {}   # register_backend(): wins over entry points
+_registered: dict[str, type[Backend]] = {}  # register_backend(): wins over entry points
 _discovered: dict[str, type[Backend]] | None = None
 _load_errors: dict[str, str] = {}
 _instances: dict[str, Backend] = {}

@@ -8,6 +8,7 @@ launches that graph, for as long as every tensor it reads or writes is still at 
 ``key``). Anywhere else (CPU, a backend without graphs, ``HWSYNC_GRAPHS=0``, tensors that moved) the work runs as it
 is, so the values are the same either way: a graph replays the recorded kernels on the current addresses.
 """
+
 from __future__ import annotations
 
 import logging
@@ -120,7 +121,12 @@ class Replay:
         try:
             return backend_for_device(device).capture(work, device)
         except Exception as e:  # noqa: BLE001 - a graph is an optimisation: the eager path is always right
-            logger.warning("hwsync: %s could not be recorded as one graph on %s (%s: %s); launching it op by op",
-                           self.what, device, type(e).__name__, e)
+            logger.warning(
+                "hwsync: %s could not be recorded as one graph on %s (%s: %s); launching it op by op",
+                self.what,
+                device,
+                type(e).__name__,
+                e,
+            )
             self._failed = True
             return None

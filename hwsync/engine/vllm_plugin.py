@@ -10,6 +10,7 @@ sync receiver holds only around its own reloads (``vllm_cpu_moe_prepack``, ``vll
 Select plugins with ``VLLM_PLUGINS`` (e.g. ``VLLM_PLUGINS=hwsync``); set ``HWSYNC_DISABLE_PATCHES=name,...`` to skip
 some.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,6 +21,7 @@ logger = logging.getLogger("hwsync")
 
 RECEIVER_SCOPED = frozenset({"vllm_cpu_moe_prepack", "vllm_cpu_mamba_conv", "vllm_reload_partial_loader"})
 """Patches :mod:`hwsync.engine.vllm.applier` holds for the duration of each reload instead of process-wide."""
+
 
 def engine_patches() -> list[str]:
     """Names of the patches the plugin installs: what ``hwsync.patches.apply()`` selects by default (opt-in

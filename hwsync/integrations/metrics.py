@@ -14,6 +14,7 @@ Records (one JSON object per line, ``event`` tells which):
 
 The file is appended to, so a run resumed into the same file keeps its history.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,23 +52,24 @@ def format_summary(records: Iterable[Mapping[str, Any]]) -> str:
     records = list(records)
     syncs = {r["step"]: r for r in records if r.get("event") == "sync"}
     steps = [r for r in records if r.get("event") == "step"]
-    header = ("step", "reward", "strategy", "MB", "sync ms", "max|Δlogp| verify", "max|Δlogp| rollout",
-              "policy shift")
+    header = ("step", "reward", "strategy", "MB", "sync ms", "max|Δlogp| verify", "max|Δlogp| rollout", "policy shift")
     rows = []
     for rec in steps:
         # rollouts of step s were generated right after the sync made at step s - 1; a step without one trains on a
         # rollout batch generated earlier (--steps_per_generation / --num_iterations > 1)
         sync = syncs.get(rec["step"] - 1, {})
-        rows.append((
-            str(rec["step"]),
-            _fmt(rec.get("reward"), ".3f"),
-            str(sync.get("strategy", "(no sync)")),
-            _fmt(sync.get("mb"), ".3f"),
-            _fmt(None if sync.get("seconds") is None else 1000 * sync["seconds"], ".0f"),
-            _fmt(sync.get("verify_max_abs_dlogp"), ".1e"),
-            _fmt(rec.get("rollout_max_abs_dlogp"), ".1e"),
-            _fmt(sync.get("policy_shift"), ".1e"),
-        ))
+        rows.append(
+            (
+                str(rec["step"]),
+                _fmt(rec.get("reward"), ".3f"),
+                str(sync.get("strategy", "(no sync)")),
+                _fmt(sync.get("mb"), ".3f"),
+                _fmt(None if sync.get("seconds") is None else 1000 * sync["seconds"], ".0f"),
+                _fmt(sync.get("verify_max_abs_dlogp"), ".1e"),
+                _fmt(rec.get("rollout_max_abs_dlogp"), ".1e"),
+                _fmt(sync.get("policy_shift"), ".1e"),
+            )
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines.append("  ".join("-" * w for w in widths))

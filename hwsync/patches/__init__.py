@@ -12,6 +12,7 @@ neither transformers, PEFT nor vLLM. Typical use::
 
 Set ``HWSYNC_DISABLE_PATCHES=name,name`` (or ``all``) to keep :func:`apply` from installing some or any.
 """
+
 from __future__ import annotations
 
 import os

@@ -12,6 +12,7 @@ the attribute alone and emit a :class:`PatchWarning` (recorded in :attr:`Patch.s
 
 Nothing here imports a patch's target until the patch is probed or applied.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -375,8 +376,9 @@ class Patch:
                 if wrapper is not None:
                     self._put_back(target, wrapper)
             if isinstance(e, Exception) and not isinstance(e, PatchError):
-                raise PatchError(f"applying patch {self.name!r} failed ({type(e).__name__}: {e}); nothing was "
-                                 "left patched") from e
+                raise PatchError(
+                    f"applying patch {self.name!r} failed ({type(e).__name__}: {e}); nothing was left patched"
+                ) from e
             raise
         self._applied = done
 
@@ -389,7 +391,9 @@ class Patch:
     def _put_back(self, target: ResolvedTarget, wrapper: Any) -> None:
         current = _current(target.owner, target.attr)
         if current is not wrapper:
-            now = "deleted" if current is _MISSING else f"now {getattr(current, '__qualname__', type(current).__name__)}"
+            now = (
+                "deleted" if current is _MISSING else f"now {getattr(current, '__qualname__', type(current).__name__)}"
+            )
             self.shadowed.append(target.spec)
             warnings.warn(
                 f"hwsync patch {self.name!r}: {target.spec} was replaced after hwsync patched it ({now}); "

@@ -1,5 +1,6 @@
 """gloo groups for the data plane where a library group is wanted: the CUDA backend's fallback when a trainer and an
 engine share one GPU (the CPU backend uses :mod:`hwsync.common.cpu.framed`)."""
+
 from __future__ import annotations
 
 import datetime

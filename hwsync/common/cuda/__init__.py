@@ -1,4 +1,5 @@
 """CUDA (and ROCm, which torch exposes as ``cuda``) backend: NCCL/RCCL through ``torch.distributed``."""
+
 from __future__ import annotations
 
 import os
@@ -25,10 +26,7 @@ class CudaBackend(AcceleratorBackend):
 
     def _no_device_hint(self) -> str:
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-            return (
-                f"this torch build ({torch.__version__}) has no CUDA support: "
-                "install a CUDA-enabled torch build"
-            )
+            return f"this torch build ({torch.__version__}) has no CUDA support: install a CUDA-enabled torch build"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         suffix = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         return f"torch has CUDA support but no GPU is visible{suffix}: check the driver with nvidia-smi"

@@ -25,6 +25,7 @@ layerwise reload (``layerwise``, ``meta``, ``sanitize``), ``LoRARequest``, the M
 ``PEFTHelper`` reads ``rank_pattern``/``alpha_pattern`` only from 0.32 on; hwsync folds every module's scaling into B
 and sends ``lora_alpha == r`` (scaling 1 per module, :mod:`hwsync.common.lora_formats`), so all four serve the same values.
 """
+
 from __future__ import annotations
 
 from typing import Any

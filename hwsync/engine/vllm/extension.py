@@ -4,6 +4,7 @@ vLLM mixes this class into every worker it starts; ``collective_rpc("hwsync_<nam
 functions of :mod:`hwsync.engine.vllm.worker` from any process that drives the engine (vLLM's own RPC). In-process engines
 do not need it: :func:`hwsync.sync` calls those functions directly.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -11,8 +12,8 @@ from typing import Any
 
 from torch import Tensor
 
-from hwsync.engine.vllm import worker as _w
 from hwsync.common.wire import Manifest
+from hwsync.engine.vllm import worker as _w
 
 __all__ = ["HwsyncWorkerExtension"]
 
@@ -20,8 +21,9 @@ __all__ = ["HwsyncWorkerExtension"]
 class HwsyncWorkerExtension:
     """Methods mixed into vLLM workers; each delegates to the function of the same name in :mod:`hwsync.engine.vllm.worker`."""
 
-    def hwsync_describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
-                        ) -> dict[str, Any]:
+    def hwsync_describe(
+        self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
+    ) -> dict[str, Any]:
         return _w.describe(self, lora_paths, base)
 
     def hwsync_state(self) -> dict[str, Any]:
@@ -36,8 +38,9 @@ class HwsyncWorkerExtension:
     def hwsync_receive(self, manifest: Manifest | str, buckets: Iterable[Sequence[Tensor]]) -> dict[str, Any]:
         return _w.receive(self, manifest, buckets)
 
-    def hwsync_receive_remote(self, manifest: Manifest | str, spec: Mapping[str, Any], first_rank: int,
-                              secret: bytes, abort_key: str) -> dict[str, Any]:
+    def hwsync_receive_remote(
+        self, manifest: Manifest | str, spec: Mapping[str, Any], first_rank: int, secret: bytes, abort_key: str
+    ) -> dict[str, Any]:
         return _w.receive_remote(self, manifest, spec, first_rank, secret, abort_key)
 
     def hwsync_call(self, name: str, *args: Any) -> tuple[str, Any]:
@@ -54,5 +57,10 @@ def _calls() -> dict[str, Any]:
     """The worker functions :meth:`HwsyncWorkerExtension.hwsync_call` reaches by name."""
     from hwsync.engine.vllm.fingerprint import fingerprints
 
-    return {"describe": _w.describe, "state": _w.state, "prepare": _w.prepare, "receive_remote": _w.receive_remote,
-            "fingerprints": fingerprints}
+    return {
+        "describe": _w.describe,
+        "state": _w.state,
+        "prepare": _w.prepare,
+        "receive_remote": _w.receive_remote,
+        "fingerprints": fingerprints,
+    }

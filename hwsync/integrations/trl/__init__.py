@@ -17,6 +17,7 @@ adapter. Options and defaults are the ms-swift plugin's (:class:`hwsync.integrat
 What changes and why (and the one scoped patch, ``trl_vllm_generation``): :mod:`hwsync.integrations.trl._trainer`;
 ``docs/trl.md``.
 """
+
 from __future__ import annotations
 
 from hwsync.common.errors import OptionError, UnsupportedSetupError
