@@ -526,10 +526,8 @@ class _PeakRss:
                 except psutil.Error:
                     continue
                 for p in procs:
-                    try:
+                    with contextlib.suppress(psutil.Error):
                         total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
             self.peak = max(self.peak, total)
             self._stop.wait(0.5)
 

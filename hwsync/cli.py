@@ -19,6 +19,7 @@ Command modules must be cheap to import: heavy imports (vLLM, ms-swift) belong i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -69,10 +70,8 @@ def _load_commands() -> dict[str, str]:
     """Import command modules; returns ``{module or entry point: error}`` for those that failed."""
     broken: dict[str, str] = {}
     targets = list(COMMAND_MODULES)
-    try:
+    with contextlib.suppress(Exception):  # broken metadata must not disable the built-in commands
         targets += [ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)]
-    except Exception:  # noqa: BLE001 - broken metadata must not disable the built-in commands
-        pass
     for target in targets:
         try:
             importlib.import_module(target.partition(":")[0])

@@ -14,6 +14,7 @@ attack refused, nothing half-applied.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -526,10 +527,8 @@ def _mac(key: bytes, *parts: bytes | str) -> bytes:
 
 
 def _hang_up(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     sock.close()
 
 
@@ -877,7 +876,7 @@ def test_third_process_on_the_data_plane(base: Baseline, mode: str) -> None:
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "READY"
-    for attempt in range(2):
+    for _attempt in range(2):
         try:
             hwsync.sync(remote, base.model, strategy="full", bucket_mb=BUCKET_MB)
             refused = False
@@ -1438,7 +1437,7 @@ def test_every_trainer_call_is_bounded_by_its_timeout(base: Baseline) -> None:
         ("sync", lambda: hwsync.sync(remote, base.model, strategy="full", bucket_mb=BUCKET_MB)),
     ):
         outcome: list[BaseException | None] = []
-        thread = threading.Thread(target=lambda: outcome.append(_raises(call)), daemon=True)
+        thread = threading.Thread(target=lambda outcome=outcome, call=call: outcome.append(_raises(call)), daemon=True)
         t0 = time.perf_counter()
         thread.start()
         thread.join(30)
@@ -1594,8 +1593,8 @@ def test_weak_tokens_are_refused(base: Baseline) -> None:
 
     for weak in ("", "secret", "attack-suite token", "a" * 64, "abcabcabcabcabcabcabcabcabcabcabcab"):
         for call in (
-            lambda: hwsync.serve(base.llm, "127.0.0.1:0", weak),
-            lambda: hwsync.connect(base.server.address, weak, timeout_s=5),
+            lambda weak=weak: hwsync.serve(base.llm, "127.0.0.1:0", weak),
+            lambda weak=weak: hwsync.connect(base.server.address, weak, timeout_s=5),
         ):
             with pytest.raises(SyncError, match=r"too weak .*hwsync token.*secrets.token_urlsafe\(32\)"):
                 call()

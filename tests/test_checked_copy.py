@@ -1,5 +1,5 @@
-"""The copy that checks as it copies (:mod:`hwsync.common.cuda.checked_copy`, used by :mod:`hwsync.common.finite` inside a
-receive): same bytes as ``copy_``, NaN and +-Inf found in any block, the rest left to the separate reduction.
+"""The copy that checks as it copies (:mod:`hwsync.common.cuda.checked_copy`, used by :mod:`hwsync.common.finite` inside
+a receive): same bytes as ``copy_``, NaN and +-Inf found in any block, the rest left to the separate reduction.
 
 CUDA only (the kernel is Triton's); on CPU the receiver's reduction path is what tests/test_attacks_reliability.py
 runs."""

@@ -158,7 +158,8 @@ def test_env_override_shows_in_doctor(monkeypatch: pytest.MonkeyPatch, capsys: p
 def test_plugin_path_points_at_the_swift_plugin_without_importing_it() -> None:
     code = (
         "import sys; from hwsync.cli import main; rc = main(['plugin-path']); "
-        "assert 'swift' not in sys.modules and 'hwsync.integrations.swift' not in sys.modules, 'plugin-path imported ms-swift'; "
+        "assert 'swift' not in sys.modules and 'hwsync.integrations.swift' not in sys.modules, "
+        "'plugin-path imported ms-swift'; "
         "sys.exit(rc)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -6,8 +6,8 @@ for the module) where vLLM and transformers disagree before any sync, for the fa
 model-specific route (GPT-OSS, Llama 4: both), and for every family off the CPU build (see
 ``hwsync.testing.families``).
 
-A family vLLM here cannot serve is recorded with the reason (the table in docs/families.md shows it); any hwsync failure fails
-the test. ``HWSYNC_FAMILY_RESULTS=<file>`` keeps the results for ``python -m hwsync.testing.family_matrix --from
+A family vLLM here cannot serve is recorded with the reason (the table in docs/families.md shows it); any hwsync failure
+fails the test. ``HWSYNC_FAMILY_RESULTS=<file>`` keeps the results for ``python -m hwsync.testing.family_matrix --from
 <file> --write-readme``; ``HWSYNC_FAMILIES`` (names, ``cpu-unserved`` or ``all``, each optionally ``@k/n``: shard k
 of n) narrows the families;
 ``HWSYNC_FAMILY_REFERENCE=engine`` checks every family against vLLM's own loading on CPU too (the GPU mode);
@@ -153,7 +153,7 @@ def test_family(family: Any, tmp_path: Path, reference: Any) -> None:
     assert set(result.strategies) == {"full", "adapter", "hybrid"}  # every cell has an outcome and a reason
     failed = {s: e["detail"] for s, e in result.strategies.items() if e["status"] == "fail"}
     assert not failed, f"{family.name}: hwsync sync failed: {failed}"
-    for s, e in result.strategies.items():
+    for _s, e in result.strategies.items():
         assert e["status"] in {"pass", "not_served", "config", "known"} and (e["status"] == "pass" or e["detail"])
         if e["status"] == "pass":  # each reference it was checked against held, every sync
             assert e["against"] in {"transformers", "vllm", "both"}

@@ -27,7 +27,7 @@ from hwsync.common.layouts import ExpertLayout
 from hwsync.common.wire import EngineInfo, Strategy
 from hwsync.engine.names import ExpertGroup, Namespace, ParamSpec, resolve
 
-E, H, I = 4, 8, 6
+E, H, I = 4, 8, 6  # noqa: E741 - experts, hidden, intermediate: the [E, I, H] of the docstring
 EXPERTS = "model.layers.0.mixer.experts"
 W13 = f"{EXPERTS}.routed_experts.w13_weight"
 W2 = f"{EXPERTS}.routed_experts.w2_weight"

@@ -1,5 +1,5 @@
-"""The family table (docs/families.md) is generated: the CPU results plus, for the families the CPU build does not serve, the
-GPU job's results (several files from parallel GPU processes merge; later ones win)."""
+"""The family table (docs/families.md) is generated: the CPU results plus, for the families the CPU build does not
+serve, the GPU job's results (several files from parallel GPU processes merge; later ones win)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """Sharded trainers on the CPU: FSDP2 (``fully_shard``) and DeepSpeed ZeRO-3 of a tiny PEFT MoE model on 2 gloo ranks.
 
-What each rank streams bucket by bucket (:mod:`hwsync.common.gather`) equals what the unsharded model streams (merged view
-included, bit for bit in fp32), an adapter sync gathers only LoRA parameters, the gathered bytes alive at once stay
+What each rank streams bucket by bucket (:mod:`hwsync.common.gather`) equals what the unsharded model streams (merged
+view included, bit for bit in fp32), an adapter sync gathers only LoRA parameters, the gathered bytes alive at once stay
 within 2 buckets and never reach the model's size, and ``hwsync.sync`` runs the collective protocol: rank 0 syncs
 into an engine handle, rank 1 passes ``None``; an abort on rank 0 reaches every rank without a hang.
 
 Two ranks are spawned once per sharding; every case runs on both and reports back, one pytest test per case.
 ZeRO-3 runs DeepSpeed's CPU accelerator over gloo (``deepspeed.initialize`` with stage 3, every parameter
 partitioned); its first start compiles DeepSpeed's small shared-memory op with the system C++ compiler (~1 min).
-The engine here is ``make_recorder()``, an :class:`hwsync.common.target.Engine` that keeps what it receives: these tests are
-about the trainer side; the vLLM side of a sharded sync is the 2-GPU test (tests/test_multigpu_fsdp_tp.py).
+The engine here is ``make_recorder()``, an :class:`hwsync.common.target.Engine` that keeps what it receives: these tests
+are about the trainer side; the vLLM side of a sharded sync is the 2-GPU test (tests/test_multigpu_fsdp_tp.py).
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def _targets(module: str, file: Path, node: ast.Import | ast.ImportFrom) -> Iter
 
 
 def _known(target: str) -> str:
-    """The hwsync module a dotted name lives in (``hwsync.common.wire.Manifest`` -> ``hwsync.common.wire``); others as they are."""
+    """The hwsync module a dotted name lives in (``hwsync.common.wire.Manifest`` -> ``hwsync.common.wire``); others as
+    they are."""
     t = target
     while t.startswith("hwsync") and t not in MODULES and "." in t:
         t = t.rpartition(".")[0]

@@ -162,7 +162,7 @@ def test_vllm_derives_peft_scalings_for_every_cell(tmp_path: Path, tiny_qwen3_mo
                 if isinstance(getattr(layer, "scaling", None), dict) and adapter in layer.scaling
             }
             with safe_open(str(src / "adapter_model.safetensors"), "pt") as f:
-                keys = [k for k in f.keys() if k.endswith("lora_A.weight")]
+                keys = [k for k in f.keys() if k.endswith("lora_A.weight")]  # noqa: SIM118 - safe_open has no __iter__
             assert keys
             for key in keys:
                 module, _ = parse_fine_tuned_lora_name(key)
@@ -228,7 +228,7 @@ def test_2d_reference_adapter_keeps_the_expert_scalings(tmp_path: Path, tiny_qwe
             truth[(owner, layer.parameter_name)] = (layer.r["default"], layer.scaling["default"])
     checked = 0
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
             m = re.search(
                 r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.lora_A\.weight$",
                 key.removeprefix("base_model.model."),

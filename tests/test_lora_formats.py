@@ -117,6 +117,7 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
     _, pm = peft_model
     names = list(extract_peft_lora(pm).modules)
     reader = PeftLoraReader(pm, "default", names)
+    kept: list[int] = []  # the buffers' addresses after the previous step
     for step in range(2):
         want = [
             t

@@ -169,11 +169,15 @@ def test_non_lora_adapters_are_refused() -> None:
 
 def test_strip_peft_name() -> None:
     cases = {
-        "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj": "model.layers.0.mlp.experts.gate_up_proj",
+        "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj": (
+            "model.layers.0.mlp.experts.gate_up_proj"
+        ),
         "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight": "model.layers.0.self_attn.q_proj.weight",
         "base_model.model.lm_head.modules_to_save.default.weight": "lm_head.weight",
         "base_model.model.lm_head.original_module.weight": "lm_head.weight",
-        "model._fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.mlp.gate.weight": "model.layers.0.mlp.gate.weight",
+        "model._fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.mlp.gate.weight": (
+            "model.layers.0.mlp.gate.weight"
+        ),
         "_orig_mod.model.norm.weight": "model.norm.weight",
         "model.layers.0.self_attn.q_proj.base_layer": "model.layers.0.self_attn.q_proj",
         "model.my_base_layer_x.weight": "model.my_base_layer_x.weight",

@@ -2,10 +2,11 @@
 exactly.
 
 The scenario is :mod:`hwsync.testing.tp` (NCCL, bf16 engine with 2-D MoE LoRA): every rank is a trainer rank
-(``fully_shard``, or DeepSpeed stage 3 with every parameter partitioned) and one worker of one TP=2 ``external_launcher`` engine; 6 syncs (full, adapter, adapter, full,
-adapter, full: 3 of each, the third one LoRA-only), and after each the engine's greedy tokens and logprobs must equal
-those of a fresh TP=2 engine (``mp`` executor, same arguments) that vLLM loads from the same weights itself, within
-``EXACT_ATOL``. Skips without 2 CUDA GPUs (conftest: ``multigpu``); with them, a failure fails, CI or not.
+(``fully_shard``, or DeepSpeed stage 3 with every parameter partitioned) and one worker of one TP=2
+``external_launcher`` engine; 6 syncs (full, adapter, adapter, full, adapter, full: 3 of each, the third one LoRA-only),
+and after each the engine's greedy tokens and logprobs must equal those of a fresh TP=2 engine (``mp`` executor, same
+arguments) that vLLM loads from the same weights itself, within ``EXACT_ATOL``. Skips without 2 CUDA GPUs (conftest:
+``multigpu``); with them, a failure fails, CI or not.
 """
 
 from __future__ import annotations

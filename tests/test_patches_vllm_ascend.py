@@ -88,7 +88,9 @@ def released_wake_up(worker, tags=None):
     if tags is None or "weights" in tags:
         for name, param in model.named_parameters():
             parent = model.get_submodule(".".join(name.split(".")[:-1]))
-            if "w2_weight" in name and param.shape[2] == hidden or "w13_weight" in name and param.shape[1] == hidden:
+            if ("w2_weight" in name and param.shape[2] == hidden) or (
+                "w13_weight" in name and param.shape[1] == hidden
+            ):
                 setattr(parent, name.split(".")[-1], torch.nn.Parameter(param.transpose(1, 2), requires_grad=False))
 
 

@@ -2,8 +2,8 @@
 
 Why a patch: vLLM refuses a worker extension that defines ``sleep`` (checked here against vLLM's ``init_worker``).
 What it does, on vLLM's real ``WorkerWrapperBase`` and ``run_method`` (the executors' RPC dispatch) around a small
-worker: a watched worker's calls reach its :class:`~hwsync.engine.vllm.sleep.SleepWatch`, an unwatched one's are vLLM's own,
-and once no watched worker is left vLLM's class holds its own ``__getattr__`` again. The real engine's entry points
+worker: a watched worker's calls reach its :class:`~hwsync.engine.vllm.sleep.SleepWatch`, an unwatched one's are vLLM's
+own, and once no watched worker is left vLLM's class holds its own ``__getattr__`` again. The real engine's entry points
 (``LLM.sleep``, ``collective_rpc``, the executor's discard) are in ``tests/test_sleep_refill.py``.
 """
 

@@ -3,8 +3,9 @@
 Without the patch, vLLM 0.32 decorates transformers' own decoder class in place (``support_torch_compile``), so
 once an engine has loaded a FlexOlmo model, ``AutoModelForCausalLM.from_pretrained`` of the same model in the same
 process (hwsync's colocated trainer) fails with ``AssertionError: Current vLLM config is not set``. One engine per
-module (tiny FlexOlmo, LoRA as the family matrix builds it), built under the engine patches (what ``VLLM_PLUGINS=hwsync``
-installs); with ``HWSYNC_DISABLE_PATCHES=vllm_transformers_backend`` the engine tests fail with that error.
+module (tiny FlexOlmo, LoRA as the family matrix builds it), built under the engine patches (what
+``VLLM_PLUGINS=hwsync`` installs); with ``HWSYNC_DISABLE_PATCHES=vllm_transformers_backend`` the engine tests fail with
+that error.
 """
 
 from __future__ import annotations

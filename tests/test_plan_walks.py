@@ -1,7 +1,7 @@
 """What a steady-state sync does on the trainer side instead of walking the model: one iterative parameter walk
 (:func:`hwsync.common.gather.parameters`) whose result decides whether the plan still holds, and the strided views the
-in-place LoRA slot writer copies from (:mod:`hwsync.engine.vllm.lora_slots`). CPU-only logic; the end-to-end syncs that use
-them are in test_sync_inplace / test_sync_strategies / test_sync_exact."""
+in-place LoRA slot writer copies from (:mod:`hwsync.engine.vllm.lora_slots`). CPU-only logic; the end-to-end syncs that
+use them are in test_sync_inplace / test_sync_strategies / test_sync_exact."""
 
 from __future__ import annotations
 
@@ -142,9 +142,10 @@ def test_ranks_learn_whether_they_share_a_device() -> None:
         spec = LinkSpec("127.0.0.1", master.port, "p/", 2, 30.0)
         seen: dict[int, list[str]] = {}
 
+        # B023: both threads are joined before the loop moves on, so the loop's current values are the ones meant
         def join(rank: int) -> None:
-            store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-            seen[rank] = peer_devices(store, spec, rank, idents[rank])
+            store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=30))  # noqa: B023
+            seen[rank] = peer_devices(store, spec, rank, idents[rank])  # noqa: B023
 
         threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
         for t in threads:

@@ -1,8 +1,8 @@
-"""The trainer-side planner (:mod:`hwsync.trainer.api`): one :class:`~hwsync.trainer.api.SyncPlan` per (engine, model, options), made
-from one description of the engine. A first adapter sync and the steady syncs after it come from that description
-(the engine's state after a successful sync is known, not asked again), and the steady plan equals what describing
-the engine again would give. The engine is a recorder (an :class:`hwsync.common.target.Engine` that keeps what it
-receives and counts the describe round trips): CPU-only, no vLLM; the same planner against real engines runs in
+"""The trainer-side planner (:mod:`hwsync.trainer.api`): one :class:`~hwsync.trainer.api.SyncPlan` per (engine, model,
+options), made from one description of the engine. A first adapter sync and the steady syncs after it come from that
+description (the engine's state after a successful sync is known, not asked again), and the steady plan equals what
+describing the engine again would give. The engine is a recorder (an :class:`hwsync.common.target.Engine` that keeps
+what it receives and counts the describe round trips): CPU-only, no vLLM; the same planner against real engines runs in
 test_sync_strategies / test_sync_server / test_gather."""
 
 from __future__ import annotations

@@ -139,8 +139,8 @@ def test_full_sync_of_a_4bit_base_is_exact(full_engine: tuple[Any, EngineReferen
 
 @pytest.mark.vllm
 def test_adapter_sync_of_a_4bit_base_is_exact(tiny_qwen3_moe_dir: Path, tmp_path: Path) -> None:
-    """``adapter`` with a 4-bit trainer base: the base once, dequantized, then LoRA only, equal to a fresh engine started
-    from a checkpoint of the dequantized base with PEFT's saved adapter as a ``LoRARequest``.
+    """``adapter`` with a 4-bit trainer base: the base once, dequantized, then LoRA only, equal to a fresh engine
+    started from a checkpoint of the dequantized base with PEFT's saved adapter as a ``LoRARequest``.
 
     vLLM 0.32 has no bitsandbytes quantization any more (``quantization="bitsandbytes"`` is refused: "Unknown
     quantization method", measured on an H100), so the engine of a QLoRA trainer serves the base in floating point;

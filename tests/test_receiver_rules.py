@@ -1,8 +1,9 @@
 """The receiver's consistency rules against a fake applier: every branch of "never serve a half-written engine".
 
 The real-engine tests (test_sync_faults, test_attacks) show the rules hold with vLLM; these pin each rule on its own,
-through the :class:`hwsync.engine.receiver.Applier` contract only: a load returns :class:`~hwsync.engine.receiver.Loaded` or
-raises, and an error wrapped in :class:`~hwsync.engine.receiver.NothingWritten` says the engine is as before the call.
+through the :class:`hwsync.engine.receiver.Applier` contract only: a load returns
+:class:`~hwsync.engine.receiver.Loaded` or raises, and an error wrapped in
+:class:`~hwsync.engine.receiver.NothingWritten` says the engine is as before the call.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """hwsync's ms-swift plugin without a training run: options, install / uninstall, refusals, summary table.
 
-Importing :mod:`hwsync.integrations.swift` installs the plugin process-wide, so the module fixture uninstalls it again at the
-end; the test that ms-swift is untouched without the plugin runs in a fresh interpreter.
+Importing :mod:`hwsync.integrations.swift` installs the plugin process-wide, so the module fixture uninstalls it again
+at the end; the test that ms-swift is untouched without the plugin runs in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -198,8 +198,8 @@ def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
     ],
 )
 def test_trainer_takes_sharded_and_tp_setups_with_the_check(plugin, over):
-    """FSDP2 and TP engines sync (hwsync.common.gather, the worker keeps its shard) and are checked after the sync (every
-    rank scores rank 0's prompts), in colocate and in server mode (there rank 0 alone queries the engine: tested
+    """FSDP2 and TP engines sync (hwsync.common.gather, the worker keeps its shard) and are checked after the sync
+    (every rank scores rank 0's prompts), in colocate and in server mode (there rank 0 alone queries the engine: tested
     for real in tests/test_server_sharded.py)."""
     from hwsync.common.errors import HwsyncError
     from hwsync.integrations.swift._trainer import HwsyncGRPOTrainer

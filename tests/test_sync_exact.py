@@ -8,8 +8,9 @@ checkpoint for base/merged weights, PEFT's saved adapter as a ``LoRARequest`` --
 measured 0.0). That fresh engine is asked at the syncs that take distinct paths (the first, the second -- the first
 steady sync --, the last, and any whose ``SyncReport.path`` differs from the sync before); every other sync repeats
 a compared sync's path with new values and must pass ``hwsync.verify`` with its content comparison complete and
-bit-equal to the trainer (``hwsync.testing.reference.bit_exact``), or it is compared with a fresh engine too. This holds on every platform (on GPUs an engine and transformers differ by 1e-2..1e0: TF32 fused MoE,
-bf16 LoRA), so the same test runs on CPU and CUDA. Engines:
+bit-equal to the trainer (``hwsync.testing.reference.bit_exact``), or it is compared with a fresh engine too. This holds
+on every platform (on GPUs an engine and transformers differ by 1e-2..1e0: TF32 fused MoE, bf16 LoRA), so the same test
+runs on CPU and CUDA. Engines:
 
 * ``no-moe-lora``: LoRA on attention only (``lora_target_modules=[qkv_proj, o_proj]``); a hybrid sync merges the
   experts. The only kind vLLM's CPU build can build.

@@ -2,8 +2,8 @@
 
 * Base weights written in place (:mod:`hwsync.engine.vllm.direct`) leave every parameter exactly as vLLM's own
   ``reload_weights`` of the same tensors leaves it.
-* An adapter rewritten in place (:mod:`hwsync.engine.vllm.lora_slots`) leaves every LoRA slot buffer exactly as vLLM's own
-  construction + activation of the same adapter leaves it (``LoRAModel.from_lora_tensors``, packing, ``set_lora``).
+* An adapter rewritten in place (:mod:`hwsync.engine.vllm.lora_slots`) leaves every LoRA slot buffer exactly as vLLM's
+  own construction + activation of the same adapter leaves it (``LoRAModel.from_lora_tensors``, packing, ``set_lora``).
 
 On vLLM's CPU build the CPU kernels repack linears and experts, so base weights stay on vLLM's reload there (the
 report says why) and adapters cover attention; on CUDA the same tests exercise in-place experts and expert LoRA.

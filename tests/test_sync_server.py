@@ -82,7 +82,7 @@ def test_syncs_across_processes_verify_each(
     gen = torch.Generator().manual_seed(0)
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     reports = []
-    for step in range(6):
+    for _step in range(6):
         perturb(model, gen, base=False)
         # auto: hybrid on vLLM's CPU build, adapter on GPUs (74 KB in bf16 there: one 0.25 MB bucket, seen on an H100)
         r = hwsync.sync(engine, model, bucket_mb=0.02)

@@ -1,5 +1,5 @@
-"""hwsync.integrations.trainer_sync without an engine: the rollout check every trainer integration (ms-swift, TRL) runs on the
-tokens vLLM sampled, the step records, and the check prompts."""
+"""hwsync.integrations.trainer_sync without an engine: the rollout check every trainer integration (ms-swift, TRL) runs
+on the tokens vLLM sampled, the step records, and the check prompts."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ as one triplet per expert -- asserts on any expert adapter, vLLM's own loading o
   of these models (on a platform with MoE-LoRA kernels: ``adapter`` with expert LoRA, checked against vLLM's own
   loading on a GPU);
 * an engine without it (the list vLLM builds unpatched, put in the live manager) gets those experts reported
-  unservable (:func:`hwsync.engine.vllm.applier.expert_packing_problem`): ``hybrid`` merges them, ``adapter`` refuses naming
-  the reason before anything is written.
+  unservable (:func:`hwsync.engine.vllm.applier.expert_packing_problem`): ``hybrid`` merges them, ``adapter`` refuses
+  naming the reason before anything is written.
 
 The packing list is built when vLLM's LoRA manager starts, on every platform: vLLM's CPU build shows it too (there the
 experts are unservable anyway: no MoE-LoRA kernels). One engine for the module (tiny FlexOlmo, built under the engine

@@ -1,5 +1,5 @@
-"""hwsync as vLLM's weight-transfer backend: a real in-process ``LLM(..., weight_transfer_config={"backend": "hwsync"})``
-(tiny Qwen3-MoE, vLLM's CPU build) synced through vLLM's own ``start_weight_update`` / ``update_weights`` /
+"""hwsync as vLLM's weight-transfer backend: a real in-process ``LLM(..., weight_transfer_config={"backend":
+"hwsync"})`` (tiny Qwen3-MoE, vLLM's CPU build) synced through vLLM's own ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update`` for every strategy, checked against the trainer (``assert_serves``: as the colocated path's
 tests); an adapter sync against vLLM's own loading of the same adapter (a fresh engine fed it as a ``LoRARequest``);
 the faults: a bad manifest is refused before any write (nothing half-applied, the adapter still served), an older

@@ -90,7 +90,8 @@ def main() -> int:
     import torch
 
     print(
-        f"  gpus          {torch.cuda.device_count()} x {torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'}"
+        f"  gpus          {torch.cuda.device_count()} x "
+        f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'}"
     )
     if "--quick" not in sys.argv and torch.cuda.is_available():
         try:

@@ -386,8 +386,8 @@ def backend_for_device(device: DeviceLike) -> Backend:
 
 
 def open_link(store: Any, spec: LinkSpec, rank: int, device: torch.device, secret: bytes = b"") -> Link:
-    """The link (:class:`hwsync.common.transport.Link`) of ``device``'s backend (gloo / NCCL / HCCL) for rank ``rank`` of
-    ``spec``."""
+    """The link (:class:`hwsync.common.transport.Link`) of ``device``'s backend (gloo / NCCL / HCCL) for rank ``rank``
+    of ``spec``."""
     return backend_for_device(device).open_link(store, spec, rank, device, secret)
 
 

@@ -115,8 +115,9 @@ def vllm_support(version: str | None = None) -> dict[str, Any]:
 
 
 def check_vllm_supported(version: str | None = None) -> None:
-    """Raise :class:`~hwsync.common.errors.UnsupportedVersionError` (naming the range and the fix) unless the vLLM that runs
-    here is one hwsync supports. Called where hwsync attaches to an engine, before anything touches vLLM internals."""
+    """Raise :class:`~hwsync.common.errors.UnsupportedVersionError` (naming the range and the fix) unless the vLLM that
+    runs here is one hwsync supports. Called where hwsync attaches to an engine, before anything touches vLLM
+    internals."""
     support = vllm_support(version)
     if not support["supported"]:
         raise UnsupportedVersionError(

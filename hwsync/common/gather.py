@@ -8,8 +8,8 @@ bucket of *gathered* bytes (:func:`plan_groups`): all ranks gather a group toget
 the next one is gathered. A LoRA-only (adapter) sync gathers only the LoRA factors. The whole model is never
 gathered on one rank.
 
-Reading code (:mod:`hwsync.trainer.merged`, :func:`hwsync.common.lora_formats.extract_peft_lora`) calls :func:`full` on every
-parameter it reads: outside a sharded model that is the parameter itself; for a sharded parameter it is the
+Reading code (:mod:`hwsync.trainer.merged`, :func:`hwsync.common.lora_formats.extract_peft_lora`) calls :func:`full` on
+every parameter it reads: outside a sharded model that is the parameter itself; for a sharded parameter it is the
 gathered tensor of the current group, a ``meta`` placeholder of the global shape while only structure is read
 (:func:`placeholders`: planning, extraction), and otherwise an error -- a read that was not gathered must never
 silently compute on a shard.

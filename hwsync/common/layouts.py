@@ -130,7 +130,8 @@ class ExpertSharding:
         tp_size: int = 1,
         tp_rank: int = 0,
     ) -> ExpertSharding:
-        """Build the ``expert_map`` vLLM's ``determine_expert_map`` computes for ``placement`` ("linear"/"round_robin")."""
+        """Build the ``expert_map`` vLLM's ``determine_expert_map`` computes for ``placement``
+        ("linear"/"round_robin")."""
         if ep_size <= 0 or not 0 <= ep_rank < ep_size:
             raise LayoutError(f"ep_rank must be in [0, ep_size): got ep_rank={ep_rank}, ep_size={ep_size}")
         base, rem = divmod(num_experts, ep_size)

@@ -4,8 +4,9 @@ One in-memory form, :class:`LoraAdapter`, sits between the formats. Each :class:
 trainer parameter (named like :func:`hwsync.engine.names.strip_peft_name` names it) with the scaling PEFT applies::
 
     linear            A [r, in]      B [out, r]      ΔW = scaling · B @ A               (param ``<module>.weight``)
-    experts_gate_up   A [E, r, H]    B [E, 2I, r]    ΔW[e] = scaling · B[e] @ A[e]      (param ``<experts>.gate_up_proj``)
-    experts_down      A [E, r, I]    B [E, H, r]     ΔW[e] = scaling · B[e] @ A[e]      (param ``<experts>.down_proj``)
+    experts_gate_up   A [E, r, H]    B [E, 2I, r]    ΔW[e] = scaling · B[e] @ A[e]      (param
+    ``<experts>.gate_up_proj``) experts_down      A [E, r, I]    B [E, H, r]     ΔW[e] = scaling · B[e] @ A[e]
+    (param ``<experts>.down_proj``)
 
 PEFT's ``ParamWrapper`` (``target_parameters``) keeps experts as ``lora_A`` [r·E, in] (expert-major rows) and
 ``lora_B`` [out, r·E] (rank-major columns: column k·E + e), i.e. ``einsum("o r e, e r i -> e o i")``; the stacked

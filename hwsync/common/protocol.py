@@ -259,10 +259,8 @@ class Channel:
         return bytes(a ^ b for a, b in zip(raw, pad))
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
 def server_handshake(sock: socket.socket, key: bytes, salt: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:

@@ -5,7 +5,8 @@
 * :class:`hwsync.trainer.client.RemoteEngine` (from :func:`hwsync.connect`) talks to an engine in other processes.
 
 Both expose the same small surface, so ``sync`` / ``verify`` do not care where the engine lives. One handle exists
-per engine (:func:`hwsync.trainer.api.as_engine` caches it on the ``LLM``), and its lock serializes syncs with generation.
+per engine (:func:`hwsync.trainer.api.as_engine` caches it on the ``LLM``), and its lock serializes syncs with
+generation.
 """
 
 from __future__ import annotations

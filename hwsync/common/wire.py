@@ -3,10 +3,10 @@
 The sync manifest (:class:`Manifest`, made of :class:`TensorSpec` and :class:`Bucket`), what an engine says about
 itself (:class:`EngineInfo`) and its sync state (:class:`ReceiverState`). In server mode they travel as JSON (never
 pickle) in the control channel's authenticated frames (:mod:`hwsync.common.protocol`); the tensors follow on the
-data plane, one flat buffer per :class:`Bucket` plus a sealed trailer (:mod:`hwsync.common.transport.buckets`). A colocated
-engine gets the same objects in-process. Whatever arrives as JSON is validated completely here, in ``from_json``,
-before any other code looks at it: a malformed manifest is refused with one :class:`~hwsync.common.errors.SyncError` and
-nothing else runs.
+data plane, one flat buffer per :class:`Bucket` plus a sealed trailer (:mod:`hwsync.common.transport.buckets`). A
+colocated engine gets the same objects in-process. Whatever arrives as JSON is validated completely here, in
+``from_json``, before any other code looks at it: a malformed manifest is refused with one
+:class:`~hwsync.common.errors.SyncError` and nothing else runs.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ def _int(value: Any, what: str, minimum: int = 0, maximum: int = _INT_MAX) -> in
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor of a sync: a base weight in trainer naming (``kind="base"``), or one factor of a trainer LoRA module
-    (``kind="lora"``, named ``<module>#A`` / ``<module>#B`` by :func:`hwsync.common.lora_formats.wire_name`: experts stacked,
-    scaling folded into B)."""
+    (``kind="lora"``, named ``<module>#A`` / ``<module>#B`` by :func:`hwsync.common.lora_formats.wire_name`: experts
+    stacked, scaling folded into B)."""
 
     name: str
     shape: tuple[int, ...]

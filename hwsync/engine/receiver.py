@@ -17,8 +17,9 @@ Consistency rules
 * Base weights stream into the engine as they arrive (memory stays bounded by a bucket, not the model). From the
   first base write until the sync completes the receiver is **stale**: generation through hwsync refuses with
   :class:`~hwsync.common.errors.StaleEngineError` until a complete sync lands.
-* A sync carrying NaN or infinite values never completes (:mod:`hwsync.common.finite`: checked in the copy that writes it, or one
-  device reduction per bucket; read once after the last): base weights leave the engine stale, an adapter is refused before it is installed.
+* A sync carrying NaN or infinite values never completes (:mod:`hwsync.common.finite`: checked in the copy that writes
+  it, or one device reduction per bucket; read once after the last): base weights leave the engine stale, an adapter is
+  refused before it is installed.
 
 The contract with an :class:`Applier` is explicit: a load returns :class:`Loaded` (how it wrote, and the adapter
 identity it installed), or raises. An error wrapped in :class:`NothingWritten` says the engine is exactly as before
@@ -82,8 +83,8 @@ class Applier(Protocol):
     """How one engine worker takes weights. Every method may raise an :class:`HwsyncError` naming the fix."""
 
     def describe(self, lora_paths: Sequence[str], base: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
-        """Static facts for :class:`hwsync.common.wire.EngineInfo` (dtype, LoRA support, unservable paths, kept dtypes of
-        the trainer's ``base`` tensors)."""
+        """Static facts for :class:`hwsync.common.wire.EngineInfo` (dtype, LoRA support, unservable paths, kept dtypes
+        of the trainer's ``base`` tensors)."""
 
     def validate(self, manifest: Manifest) -> Any:
         """Resolve and check the whole manifest against the live engine; return a plan. Must not write."""

@@ -27,6 +27,7 @@ client retries); after a sync failed half-way (the engine stale), 409 with the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -134,10 +135,8 @@ class ServedEngine(Engine):
                 f"sync v{manifest.version} wrote the weights but vLLM's prefix-cache reset failed "
                 f"({type(e).__name__}: {e}), so cached KV of the old weights could mix in"
             )
-            try:
+            with contextlib.suppress(Exception):  # the API server refuses generation through stale_reason anyway
                 self._rpc_all("mark_stale", reason)
-            except Exception:  # noqa: BLE001 - the API server refuses generation through stale_reason anyway
-                pass
             self.stale_reason = reason
             raise
 
@@ -147,12 +146,13 @@ class ServedEngine(Engine):
         return results[0] if len(results) == 1 else None
 
     def reset_cache(self) -> None:
-        if not self._run(self.client.reset_prefix_cache()):
-            if not self._run(self.client.reset_prefix_cache(reset_running_requests=True)):
-                raise SyncError(
-                    "the weights were written but vLLM could not reset its prefix cache even after "
-                    "preempting its running requests: do not serve from this engine"
-                )
+        if not self._run(self.client.reset_prefix_cache()) and not self._run(
+            self.client.reset_prefix_cache(reset_running_requests=True)
+        ):
+            raise SyncError(
+                "the weights were written but vLLM could not reset its prefix cache even after "
+                "preempting its running requests: do not serve from this engine"
+            )
 
     def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
         from hwsync.engine.vllm.outputs import engine_logprobs

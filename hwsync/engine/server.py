@@ -11,6 +11,7 @@ validation to the last bucket; its transfer timeout is the smaller of the client
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import secrets
@@ -84,8 +85,8 @@ def _base_shapes(base: Any) -> dict[str, list[int]] | None:
 
 
 class ServedTarget(Protocol):
-    """What :class:`SyncServer` drives: an engine handle of this process (``hwsync.engine.vllm.local.LocalEngine`` for an
-    in-process ``vllm.LLM``, ``hwsync.engine.served.ServedEngine`` inside ``vllm serve``) and the lock it shares
+    """What :class:`SyncServer` drives: an engine handle of this process (``hwsync.engine.vllm.local.LocalEngine`` for
+    an in-process ``vllm.LLM``, ``hwsync.engine.served.ServedEngine`` inside ``vllm serve``) and the lock it shares
     with generation."""
 
     lock: Any
@@ -163,10 +164,8 @@ class SyncServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         self._thread.join(timeout=30)
 
@@ -219,7 +218,7 @@ class SyncServer:
             self._pending.release()
         if not self._slots.acquire(blocking=False):
             logger.warning("hwsync sync server: %s is busy (%d trainers connected)", peer, self.max_clients)
-            try:
+            with contextlib.suppress(OSError, SyncError):
                 channel.send(
                     {
                         "busy": f"all {self.max_clients} trainer slots are held by other connections (a "
@@ -227,8 +226,6 @@ class SyncServer:
                         "handles you no longer use"
                     }
                 )
-            except (OSError, SyncError):
-                pass
             channel.close()
             return
         try:

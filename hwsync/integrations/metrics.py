@@ -5,8 +5,8 @@ Records (one JSON object per line, ``event`` tells which):
 * ``sync``  -- after every weight sync: ``step`` (optimizer steps done when the sync ran, so it serves the
   rollouts of step ``step + 1``), ``strategy``, ``reason``, ``mode``, ``version``, ``tensors``,
   ``base_tensors``, ``lora_tensors``, ``bytes``, ``mb``, ``seconds``, ``buckets``, ``verify_max_abs_dlogp``
-  (``null`` when the check did not run), ``verify_tokens``, ``verify_seconds`` and ``policy_shift`` (max |Δ logprob| of the trainer
-  on the check prompts since the first sync: evidence that the policy the engine now matches has moved).
+  (``null`` when the check did not run), ``verify_tokens``, ``verify_seconds`` and ``policy_shift`` (max |Δ logprob| of
+  the trainer on the check prompts since the first sync: evidence that the policy the engine now matches has moved).
 * ``step``  -- after every logged optimizer step: ``step``, ``reward``, ``reward_std``, ``loss``,
   ``rollout_max_abs_dlogp`` (engine vs trainer on the tokens the engine actually sampled this step, from the
   trainer's rollout logprobs), ``rollout_tokens``.

@@ -3,10 +3,10 @@
 :class:`TrainerSync` holds one training run's side of the contract: :func:`hwsync.sync` (strategy, bucket size and
 adapter identity from :class:`~hwsync.integrations.options.SyncOptions`), :func:`hwsync.verify`'s checks every
 ``verify_every`` syncs on the run's own prompts (the first rollout batch's), the rollout check (the logprobs the
-engine sampled with against the trainer's, on the sampled tokens), and the JSONL records of :mod:`hwsync.integrations.metrics`.
-A failed check raises :class:`~hwsync.common.errors.VerifyError`: training stops rather than learn from rollouts of
-another policy. The trainer integration decides only *when* to call it and where its numbers go in the trainer's
-own logs.
+engine sampled with against the trainer's, on the sampled tokens), and the JSONL records of
+:mod:`hwsync.integrations.metrics`. A failed check raises :class:`~hwsync.common.errors.VerifyError`: training stops
+rather than learn from rollouts of another policy. The trainer integration decides only *when* to call it and where its
+numbers go in the trainer's own logs.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class TrainerSync:
     # ---------------------------------------------------------------------------------------------------- sync
     def sync(self, target: Any, model: nn.Module, step: int) -> tuple[Any, dict[str, Any]]:
         """Sync ``model`` into ``target`` (``None``: a rank of a sharded trainer whose rank 0 holds the engine), then
-        check it when due. Returns the :class:`~hwsync.trainer.report.SyncReport` (``None`` on such ranks) and the numbers
-        for the trainer's logs (``hwsync/sync_ms``, ``hwsync/sync_mb``, ``hwsync/verify_*_abs_dlogp``)."""
+        check it when due. Returns the :class:`~hwsync.trainer.report.SyncReport` (``None`` on such ranks) and the
+        numbers for the trainer's logs (``hwsync/sync_ms``, ``hwsync/sync_mb``, ``hwsync/verify_*_abs_dlogp``)."""
         from hwsync.trainer.api import sync as hwsync_sync
         from hwsync.trainer.verify import check, trainer_gate
 

@@ -15,6 +15,7 @@ Nothing here imports a patch's target until the patch is probed or applied.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import threading
@@ -147,10 +148,8 @@ def _mark(obj: Any, name: str) -> None:
     for target in (obj, getattr(obj, "__func__", None)):
         if target is None:
             continue
-        try:
+        with contextlib.suppress(AttributeError, TypeError):
             setattr(target, WRAPPER_MARK, name)
-        except (AttributeError, TypeError):
-            pass
 
 
 def _marked(obj: Any) -> str | None:
@@ -197,9 +196,9 @@ class Patch:
     upstream: ClassVar[str] = ""
     seen_in: ClassVar[tuple[str, ...]] = ()
     remove_when: ClassVar[str] = ""
-    # opt_in patches are left out of ``apply()`` with no names, hence out of what ``hwsync.engine.vllm_plugin`` (every vLLM
-    # process) and ``hwsync.swift`` install process-wide: the hwsync code that needs one holds it (scoped, e.g. per
-    # worker), or the integration named by ``integration`` applies it.
+    # opt_in patches are left out of ``apply()`` with no names, hence out of what ``hwsync.engine.vllm_plugin``
+    # (every vLLM process) and ``hwsync.swift`` install process-wide: the hwsync code that needs one holds it (scoped,
+    # e.g. per worker), or the integration named by ``integration`` applies it.
     opt_in: ClassVar[bool] = False
     # the integration that applies an opt-in patch by this property (e.g. "swift": hwsync.swift installs those in
     # server mode); "" for patches held by hwsync's own code (the receiver, the backend, a trainer) or not opt-in

@@ -15,16 +15,17 @@ reference to the engine: ``--external_plugins`` are imported before the engine e
 with PyNccl, which vLLM's CPU build disables silently (no NCCL library): the trainer "syncs" and the engine keeps
 serving the old weights.
 
-The wrapper keeps vLLM's engine core in the worker process (:func:`hwsync.integrations.swift._server.keep_engine_in_process`:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM's GPU default would otherwise not be), calls the original, then
-:func:`hwsync.integrations.swift._server.serve_rollout_engine` on the engine it returns,
-which starts :func:`hwsync.serve` when ``HWSYNC_SERVER`` is set (and does nothing otherwise) and closes ms-swift's own
-weight-writing routes on that engine (:func:`hwsync.integrations.swift._server.close_weight_routes`:
-``/update_flattened_params/``, ... reach it without a key, past hwsync's lock and stale flag). ``/init_communicator/``
-stays open: ms-swift's GRPO trainer calls it while parsing its arguments, before its plugins are imported, and waits
-for the engine to join (the group carries nothing while hwsync serves). Installed by the hwsync ms-swift plugin
-(``hwsync.swift.install``) in the processes that import it, which hands the wrapper its two steps (:func:`serve_with`:
-a patch calls into no hwsync module); the probes say *not needed* unless ``HWSYNC_SERVER`` asks for hwsync's server.
+The wrapper keeps vLLM's engine core in the worker process
+(:func:`hwsync.integrations.swift._server.keep_engine_in_process`: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM's
+GPU default would otherwise not be), calls the original, then
+:func:`hwsync.integrations.swift._server.serve_rollout_engine` on the engine it returns, which starts
+:func:`hwsync.serve` when ``HWSYNC_SERVER`` is set (and does nothing otherwise) and closes ms-swift's own weight-writing
+routes on that engine (:func:`hwsync.integrations.swift._server.close_weight_routes`: ``/update_flattened_params/``, ...
+reach it without a key, past hwsync's lock and stale flag). ``/init_communicator/`` stays open: ms-swift's GRPO trainer
+calls it while parsing its arguments, before its plugins are imported, and waits for the engine to join (the group
+carries nothing while hwsync serves). Installed by the hwsync ms-swift plugin (``hwsync.swift.install``) in the
+processes that import it, which hands the wrapper its two steps (:func:`serve_with`: a patch calls into no hwsync
+module); the probes say *not needed* unless ``HWSYNC_SERVER`` asks for hwsync's server.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Let an observer registered on a vLLM worker see that worker's ``sleep`` / ``wake_up`` / ``discard`` calls.
 
-hwsync must know when a level-2 sleep discards the weights (:mod:`hwsync.engine.vllm.sleep`), and vLLM 0.32 offers no hook:
+hwsync must know when a level-2 sleep discards the weights (:mod:`hwsync.engine.vllm.sleep`), and vLLM 0.32 offers no
+hook:
 
 * a worker extension (``worker_extension_cls``) cannot override ``sleep``: ``WorkerWrapperBase.init_worker`` appends
   it *behind* the worker class's own bases (``Worker.sleep`` comes first in the MRO) and asserts that the extension

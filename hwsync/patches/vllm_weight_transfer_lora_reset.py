@@ -4,8 +4,8 @@ vLLM 0.30-0.32's ``Worker.finish_weight_update`` (``vllm/v1/worker/gpu_worker.py
 for every backend, with ``self.model_runner.reset_lora_state()`` ("Weight transfer bypasses
 GPUModelRunner.reload_weights()"), which removes every adapter. Its built-in backends write base weights only, so
 dropping adapters trained against the old base is their safe default. hwsync's backend installs the trainer's adapter
-inside ``update_weights`` (validated, then swapped in atomically by :class:`hwsync.engine.vllm.applier.VllmApplier`), and
-its receiver keeps LoRA state exact itself (a base reload goes through vLLM's ``reload_weights``, whose own
+inside ``update_weights`` (validated, then swapped in atomically by :class:`hwsync.engine.vllm.applier.VllmApplier`),
+and its receiver keeps LoRA state exact itself (a base reload goes through vLLM's ``reload_weights``, whose own
 ``reset_lora_state`` runs before the adapter is installed): the trailing reset would drop the adapter the update just
 installed. vLLM gives the backend no way to opt out -- nothing of the backend runs after it, and the engine class has
 no attribute the worker reads before it.

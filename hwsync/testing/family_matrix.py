@@ -1,9 +1,10 @@
 """Run the family matrix and/or render it as a Markdown table between marker comments.
 
-    python -m hwsync.testing.family_matrix --run results.json [--only mixtral qwen2]   # what tests/test_families.py runs
-    python -m hwsync.testing.family_matrix --from results.json --write-readme          # docs/families.md
+    python -m hwsync.testing.family_matrix --run results.json [--only mixtral qwen2]   # what tests/test_families.py
+    runs python -m hwsync.testing.family_matrix --from results.json --write-readme          # docs/families.md
     python -m hwsync.testing.family_matrix --from docs/families.json --gpu docs/families-gpu.json --write-readme
-    python -m hwsync.testing.family_matrix --from docs/families.json --gpu g1.json g2.json --save-gpu docs/families-gpu.json
+    python -m hwsync.testing.family_matrix --from docs/families.json --gpu g1.json g2.json --save-gpu
+    docs/families-gpu.json
 
 ``--gpu`` adds the GPU job's results (``bash ci/gpu.sh families``, one or more files, later ones win) for the families
 the CPU build does not serve; their rows are marked with the GPU they ran on.

@@ -23,9 +23,10 @@ earlier answer without an engine (:meth:`EngineReference._answer_key`).
 :func:`assert_serves` is what converted tests call: on vLLM's CPU build it is exactly ``hwsync.verify`` (engine vs
 trainer, ``atol``); elsewhere it compares the engine with its reference (``EXACT_ATOL``). Adapters compare
 bit-exactly whatever their scalings (rsLoRA, rank/alpha patterns): hwsync folds each scaling into B in vLLM's own
-rounding order (:func:`hwsync.common.lora_formats.fold_scaling`; the matrix of configurations: ``tests/test_lora_configs.py``).
-:func:`write_adapter` writes what ``save_pretrained`` wrote, with the two config fields vLLM refuses although they
-change nothing on the served base rewritten (an init that rewrote the base, a ``bias`` that trained none).
+rounding order (:func:`hwsync.common.lora_formats.fold_scaling`; the matrix of configurations:
+``tests/test_lora_configs.py``). :func:`write_adapter` writes what ``save_pretrained`` wrote, with the two config fields
+vLLM refuses although they change nothing on the served base rewritten (an init that rewrote the base, a ``bias`` that
+trained none).
 """
 
 from __future__ import annotations
@@ -156,12 +157,13 @@ def _plain_model(config: Any) -> Any:
 def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | bool = True, dtype: Any = None) -> Path:
     """Save the weights a sync delivers as a transformers checkpoint under ``root``; return its directory.
 
-    ``merged`` selects the tensors taken from the merged view ``W0 + ΔW`` (:func:`hwsync.trainer.merged.merged_named_weights`,
-    the values ``full``/``hybrid`` send; dequantized for QLoRA bases); the others are the base ``W0``. ``dtype`` casts
-    floating tensors (e.g. bf16, as the engine will hold them). The directory is named after a digest of the config
-    and the tensors, so an unchanged model maps to the same directory (and the same reference engine). The config is
-    part of the key: two families can hold the very same tensors (the family matrix's tiny DeepSeek-V3 and
-    GLM-4-MoE-lite do, bit for bit), and a directory keyed by tensors alone served the other family's architecture.
+    ``merged`` selects the tensors taken from the merged view ``W0 + ΔW``
+    (:func:`hwsync.trainer.merged.merged_named_weights`, the values ``full``/``hybrid`` send; dequantized for QLoRA
+    bases); the others are the base ``W0``. ``dtype`` casts floating tensors (e.g. bf16, as the engine will hold them).
+    The directory is named after a digest of the config and the tensors, so an unchanged model maps to the same
+    directory (and the same reference engine). The config is part of the key: two families can hold the very same
+    tensors (the family matrix's tiny DeepSeek-V3 and GLM-4-MoE-lite do, bit for bit), and a directory keyed by tensors
+    alone served the other family's architecture.
     """
     import torch
 

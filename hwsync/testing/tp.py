@@ -4,10 +4,10 @@
 Layout (ms-swift's colocate mode with ``--vllm_tensor_parallel_size 2``): two processes, each a trainer rank
 (``fully_shard`` of a PEFT MoE model) and one worker of one TP=2 engine (``distributed_executor_backend=
 "external_launcher"``, engine core in-process). Every rank calls ``hwsync.sync(llm, model)``: parameters are gathered
-bucket by bucket (:mod:`hwsync.common.gather`), each rank hands the full tensors to its own worker, and the worker keeps its
-TP shard (vLLM's loaders; hwsync's in-place writers slice through :mod:`hwsync.engine.names` / :mod:`hwsync.common.layouts`). Each
-rank feeds its own worker rather than rank 0 feeding all: after the gather every rank holds the full tensors anyway,
-so this costs no extra traffic and no cross-process copy.
+bucket by bucket (:mod:`hwsync.common.gather`), each rank hands the full tensors to its own worker, and the worker keeps
+its TP shard (vLLM's loaders; hwsync's in-place writers slice through :mod:`hwsync.engine.names` /
+:mod:`hwsync.common.layouts`). Each rank feeds its own worker rather than rank 0 feeding all: after the gather every
+rank holds the full tensors anyway, so this costs no extra traffic and no cross-process copy.
 
 :func:`run` spawns the ranks; after each sync they record the engine's greedy logprobs and rank 0 writes the weights
 the sync delivered (merged checkpoint for ``full``, ``W0`` + PEFT's adapter for ``adapter``) from an unsharded copy

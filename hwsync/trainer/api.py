@@ -2,13 +2,13 @@
 
 A sync is planned once per (engine, model, :class:`SyncOptions`) into a :class:`SyncPlan`, from one description
 of the engine (:func:`describe_for`): the strategy chosen (:mod:`hwsync.trainer.strategy`), the payload described
-(:mod:`hwsync.trainer.payload`) and the manifest built (:mod:`hwsync.common.wire`). After a successful sync the engine's state is
-known (:meth:`SyncPlan.after_sync`: a first adapter/hybrid sync leaves the base, so the steady plan sends only what
-changes). Later syncs whose plan still holds -- same parameters, the engine at the version this trainer left it,
+(:mod:`hwsync.trainer.payload`) and the manifest built (:mod:`hwsync.common.wire`). After a successful sync the engine's
+state is known (:meth:`SyncPlan.after_sync`: a first adapter/hybrid sync leaves the base, so the steady plan sends only
+what changes). Later syncs whose plan still holds -- same parameters, the engine at the version this trainer left it,
 the base weights unchanged -- reuse all of that and only stream tensors; the engine in turn reuses its validated
-plan for the same manifest digest (:mod:`hwsync.engine.receiver`). Anything that no longer holds re-plans: a changed model,
-another writer on the engine (it answers :class:`~hwsync.common.errors.PlanChangedError` before writing), an error.
-:func:`last_plan` is how :mod:`hwsync.verify` finds what the trainer last synced.
+plan for the same manifest digest (:mod:`hwsync.engine.receiver`). Anything that no longer holds re-plans: a changed
+model, another writer on the engine (it answers :class:`~hwsync.common.errors.PlanChangedError` before writing), an
+error. :func:`last_plan` is how :mod:`hwsync.verify` finds what the trainer last synced.
 """
 
 from __future__ import annotations
@@ -278,8 +278,8 @@ _SHARDINGS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], str]] = 
 
 
 def _sharding(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
-    """The model's :func:`hwsync.common.gather.sharding` and :func:`_signature`: one walk of the model per sync (the sharding
-    is looked at again only when the signature changes, e.g. after ``fully_shard``)."""
+    """The model's :func:`hwsync.common.gather.sharding` and :func:`_signature`: one walk of the model per sync (the
+    sharding is looked at again only when the signature changes, e.g. after ``fully_shard``)."""
     from hwsync.common.gather import sharding
 
     signature = _signature(model)
@@ -292,8 +292,8 @@ def _sharding(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
 
 def describe_for(engine: Engine, model: nn.Module) -> tuple[EngineInfo, TrainerLora | AdapterFormatError | None]:
     """One description of the engine for syncing ``model``, and the trainer's LoRA as it would travel
-    (:func:`hwsync.trainer.payload.read_lora`): what the engine serves, whether it serves LoRA on the trainer's modules, and
-    which of the trainer's base tensors it keeps in a wider dtype (those travel in it). Two round trips for a PEFT
+    (:func:`hwsync.trainer.payload.read_lora`): what the engine serves, whether it serves LoRA on the trainer's modules,
+    and which of the trainer's base tensors it keeps in a wider dtype (those travel in it). Two round trips for a PEFT
     model (where its modules land in vLLM's LoRA format depends on the engine), one otherwise."""
     lora: TrainerLora | AdapterFormatError | None = None
     paths: list[str] = []

@@ -5,9 +5,9 @@ validates a sync's manifest and says go while holding its lock, and only once al
 commit (one refusal: the others are cancelled, nothing is applied anywhere); then the buckets travel once, by
 broadcast, to every worker of every engine (one data-plane group: the trainer at rank 0, each engine's workers after
 it; tensor-parallel workers take their shards on arrival). An abort reaches every worker of every engine.
-:func:`hwsync.verify` checks each engine (:meth:`RemoteEngine.parts`). The trainer hosts the group's rendezvous store, bound to the interface it reaches the engines from;
-where the group meets is secret (a random id sent encrypted to each engine), and every bucket is sealed with a fresh
-per-sync key (:mod:`hwsync.common.transport.seal`).
+:func:`hwsync.verify` checks each engine (:meth:`RemoteEngine.parts`). The trainer hosts the group's rendezvous store,
+bound to the interface it reaches the engines from; where the group meets is secret (a random id sent encrypted to each
+engine), and every bucket is sealed with a fresh per-sync key (:mod:`hwsync.common.transport.seal`).
 """
 
 from __future__ import annotations
@@ -243,7 +243,8 @@ class RemoteEngine(Engine):
 
     def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """Content fingerprints of what the engine's kernels read (:mod:`hwsync.engine.vllm.fingerprint`), for
-        :func:`hwsync.verify`; ``None`` from an engine with several workers. One engine per handle: see :meth:`parts`."""
+        :func:`hwsync.verify`; ``None`` from an engine with several workers. One engine per handle: see
+        :meth:`parts`."""
         if len(self.conns) > 1:
             raise UnsupportedSetupError("fingerprints come from one engine: ask each of RemoteEngine.parts()")
         got: dict[str, Any] | None = self.conns[0].call("fingerprints", request)
@@ -442,10 +443,10 @@ def connect(
     address: str | Sequence[str], token: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, data_host: str | None = None
 ) -> RemoteEngine:
     """A handle on the engine(s) :func:`hwsync.serve`-d at ``address`` (several: data-parallel engines fed by one
-    broadcast); a wrong ``token`` raises :class:`~hwsync.common.errors.SyncError` here (the engine proves the token first).
-    Every answer is awaited at most ``timeout_s``; a connection the engine closed as idle is opened again by the next
-    call. ``data_host`` is the interface the engines reach this trainer on for the data plane (default: the one this
-    process reaches the first engine from).
+    broadcast); a wrong ``token`` raises :class:`~hwsync.common.errors.SyncError` here (the engine proves the token
+    first). Every answer is awaited at most ``timeout_s``; a connection the engine closed as idle is opened again by the
+    next call. ``data_host`` is the interface the engines reach this trainer on for the data plane (default: the one
+    this process reaches the first engine from).
     """
     return RemoteEngine(address, token, timeout_s=timeout_s, data_host=data_host)
 

@@ -124,10 +124,7 @@ def _collect(model: nn.Module) -> tuple[dict[int, list[_Contribution]], set[int]
         add, sub = _active_lora_adapters(module)
         if not add and not sub:
             continue
-        if isinstance(module, ParamWrapper):
-            target = module.get_param()
-        else:
-            target = module.get_base_layer().weight
+        target = module.get_param() if isinstance(module, ParamWrapper) else module.get_base_layer().weight
         for adapter, sign in [(a, 1.0) for a in add] + [(a, -1.0) for a in sub]:
             contrib.setdefault(id(target), []).append(_Contribution(module, adapter, sign, "weight"))
             if getattr(module, "lora_bias", {}).get(adapter, False):

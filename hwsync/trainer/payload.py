@@ -1,7 +1,7 @@
 """Trainer side: which tensors a sync sends, per strategy (:class:`hwsync.common.wire.Strategy`).
 
-* ``full``    -- the merged view ``W0 + ΔW`` (:func:`hwsync.trainer.merged.merged_named_weights`) of every parameter, every
-  sync. The trainer's weights are never merged/unmerged in place.
+* ``full``    -- the merged view ``W0 + ΔW`` (:func:`hwsync.trainer.merged.merged_named_weights`) of every parameter,
+  every sync. The trainer's weights are never merged/unmerged in place.
 * ``adapter`` -- LoRA tensors only (:mod:`hwsync.common.lora_formats`, scaling folded into B); the base ``W0`` once, on
   the first sync (and again whenever the engine lost it: a failed sync, a ``full`` sync in between, a base
   parameter changed in place).
@@ -50,15 +50,16 @@ class Payload:
     current_base_key: Callable[[], str | None] = lambda: None
     """The base key as the trainer's weights are *now* (a steady-state sync resends the base when it changed)."""
     schedule: list[list[str]] | None = None
-    """Sharded trainers (:mod:`hwsync.common.gather`): the parameter names gathered per group, in order; ``None`` when the
-    model is not sharded."""
+    """Sharded trainers (:mod:`hwsync.common.gather`): the parameter names gathered per group, in order; ``None`` when
+    the model is not sharded."""
     produce_sharded: Callable[[Iterator[None]], Iterator[Tensor]] | None = None
-    """Sharded trainers: like ``produce``, advancing ``groups`` (:func:`hwsync.common.gather.run_groups` of ``schedule``)
-    once per group and reading the gathered tensors inside it."""
+    """Sharded trainers: like ``produce``, advancing ``groups`` (:func:`hwsync.common.gather.run_groups` of
+    ``schedule``) once per group and reading the gathered tensors inside it."""
     lora_readers: dict[Any, Any] = field(default_factory=dict)
-    """The LoRA readers (:class:`~hwsync.common.lora_formats.PeftLoraReader`) by (adapter, modules), handed to the payload
-    of the plan that follows (:meth:`hwsync.trainer.api.SyncPlan.after_sync`): the steady syncs read through the first sync's
-    fold buffers, so the copies recorded at the first sync (:mod:`hwsync.common.replay`) replay from the second on."""
+    """The LoRA readers (:class:`~hwsync.common.lora_formats.PeftLoraReader`) by (adapter, modules), handed to the
+    payload of the plan that follows (:meth:`hwsync.trainer.api.SyncPlan.after_sync`): the steady syncs read through
+    the first sync's fold buffers, so the copies recorded at the first sync (:mod:`hwsync.common.replay`) replay from
+    the second on."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -459,10 +460,11 @@ def build_payload(
 
 class _Stream:
     """Reads a payload's tensors in manifest order, group by group: one group for a plain model; for a sharded one
-    (:mod:`hwsync.common.gather`) the groups of its gather schedule, each read while gathered. Merged tensors are computed
-    on demand, base tensors read as they are, LoRA factors through one :class:`~hwsync.common.lora_formats.PeftLoraReader`
-    per module list, resolved at the first read and reused (values are read at every sync; ``readers`` may come from
-    an earlier payload of the same plan: :attr:`Payload.lora_readers`)."""
+    (:mod:`hwsync.common.gather`) the groups of its gather schedule, each read while gathered. Merged tensors are
+    computed on demand, base tensors read as they are, LoRA factors through one
+    :class:`~hwsync.common.lora_formats.PeftLoraReader` per module list, resolved at the first read and reused (values
+    are read at every sync; ``readers`` may come from an earlier payload of the same plan:
+    :attr:`Payload.lora_readers`)."""
 
     def __init__(
         self,
@@ -484,8 +486,8 @@ class _Stream:
         wire: Mapping[str, torch.dtype] | None = None,
     ) -> Iterator[Tensor]:
         """The tensors of ``groups`` (``("base" | "lora", name)`` items, LoRA last in each group). With ``steps``
-        (:func:`hwsync.common.gather.run_groups`), advanced once per group, every tensor is checked to come from a gathered
-        parameter and cast to its ``wire`` dtype while the group is gathered: the bucket then holds wire-sized
+        (:func:`hwsync.common.gather.run_groups`), advanced once per group, every tensor is checked to come from a
+        gathered parameter and cast to its ``wire`` dtype while the group is gathered: the bucket then holds wire-sized
         copies and the gathered tensor is released with its group (an fp32 trainer feeding a bf16 engine would
         otherwise keep twice a bucket of gathered fp32 tensors pending in the transport)."""
         from hwsync.trainer.merged import merged_named_weights, plain_weight

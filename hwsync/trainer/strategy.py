@@ -1,8 +1,8 @@
 """Which strategy a sync uses: ordered rules, first match wins.
 
-Each rule looks at the requested :class:`~hwsync.common.wire.Strategy`, the trainer's LoRA (as the engine would serve it)
-and the engine's :class:`~hwsync.common.wire.EngineInfo`, and either decides (a :class:`Choice` with the reason the report
-prints), refuses an explicit request that cannot work (an error naming the fix), or passes. ``auto`` never
+Each rule looks at the requested :class:`~hwsync.common.wire.Strategy`, the trainer's LoRA (as the engine would serve
+it) and the engine's :class:`~hwsync.common.wire.EngineInfo`, and either decides (a :class:`Choice` with the reason the
+report prints), refuses an explicit request that cannot work (an error naming the fix), or passes. ``auto`` never
 refuses: it falls back to ``full``, which every engine serves.
 """
 

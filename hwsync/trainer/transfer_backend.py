@@ -10,8 +10,8 @@ hwsync's own::
     hwsync.sync(engine, model, strategy="hybrid")   # after each optimizer step
 
 One ``update_weights`` carries one whole hwsync sync: its manifest (JSON) and its buckets (this process's tensors,
-by reference) in the backend's ``update_info`` (see :mod:`hwsync.engine.vllm.weight_transfer` for what rides where and why).
-Engine facts (``strategy="auto"``), the receiver's state, generation and vLLM's prefix-cache reset after a sync go
+by reference) in the backend's ``update_info`` (see :mod:`hwsync.engine.vllm.weight_transfer` for what rides where and
+why). Engine facts (``strategy="auto"``), the receiver's state, generation and vLLM's prefix-cache reset after a sync go
 through the colocated handle (:func:`hwsync.as_engine`), as they do for ``hwsync.sync(llm, ...)``.
 """
 
@@ -54,8 +54,8 @@ def check_weight_transfer_api() -> None:
 
 
 class TransferBackendEngine(Engine):
-    """hwsync's :class:`~hwsync.common.target.Engine` over vLLM's weight-transfer protocol, for an in-process ``vllm.LLM``
-    built with ``weight_transfer_config={"backend": "hwsync"}``."""
+    """hwsync's :class:`~hwsync.common.target.Engine` over vLLM's weight-transfer protocol, for an in-process
+    ``vllm.LLM`` built with ``weight_transfer_config={"backend": "hwsync"}``."""
 
     mode = "colocate"
 

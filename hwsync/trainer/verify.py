@@ -4,8 +4,8 @@ A fixed logprob tolerance cannot tell a broken sync from GPU numerics (a correct
 to ~0.5 in fp32 with TF32 fused MoE and ~2 in bf16), so :func:`check` gathers two kinds of evidence (docs/verify.md):
 
 * **content** (exact, no numerics): the engine's receiver state against the trainer's last sync, and fingerprints
-  (:mod:`hwsync.common.fingerprint`) of what the engine's kernels read -- base weights, LoRA slots, the installed adapter --
-  read back through the sync plan and compared with the trainer's tensors;
+  (:mod:`hwsync.common.fingerprint`) of what the engine's kernels read -- base weights, LoRA slots, the installed
+  adapter -- read back through the sync plan and compared with the trainer's tensors;
 * **logprobs**: engine vs trainer over prompt + greedy tokens (one helper computes the trainer's,
   :func:`token_logprobs`, one reads the engine's, :func:`engine_logprobs`), summarized by mean, 90th percentile and
   mean |Δ probability| against the gate of the engine's device/dtype (:data:`GATES`).
@@ -70,8 +70,8 @@ def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.T
     model.eval()
     for m in model.modules():
         # bitsandbytes (0.50) repacks a 4-bit layer's weight in place for a bf16 CPU kernel at its first eval-mode,
-        # no-grad forward on a CPU with AVX512-BF16 (hwsync.trainer.merged.repacked_for_cpu): checking the trainer must not
-        # change how it computes. The flag only decides that repack (dropout lives in other modules)
+        # no-grad forward on a CPU with AVX512-BF16 (hwsync.trainer.merged.repacked_for_cpu): checking the trainer must
+        # not change how it computes. The flag only decides that repack (dropout lives in other modules)
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.training = True
     try:
@@ -325,7 +325,8 @@ RECURRENT_16BIT = Gate(mean_abs=0.8, p90_abs=2.0, mean_prob=0.05)
 engine's chunked recurrences round their state at different points, and one near-tie expert-routing flip moves the
 mean of a short sample further than in attention-only models. CUDA bf16, tiny Qwen3.5-MoE, H200 (vLLM 0.32, 60
 healthy syncs over full/adapter/hybrid): healthy max mean 0.543 (once; the others <= 0.35), p90 <= 1.56, mean |Δp|
-<= 0.025, with every fingerprint exact. The mean limit is 1.5x that maximum; p90 and mean |Δp| keep the 16-bit limits."""
+<= 0.025, with every fingerprint exact. The mean limit is 1.5x that maximum; p90 and mean |Δp| keep the 16-bit
+limits."""
 
 
 def gate_for(device_type: str, dtype: str, recurrent: bool = False) -> Gate:
@@ -347,8 +348,8 @@ def gate_for(device_type: str, dtype: str, recurrent: bool = False) -> Gate:
 
 def trainer_gate(device_type: str, dtype: str, model: nn.Module) -> Gate:
     """:func:`gate_for` the engine's platform and dtype, for this trainer: one whose forward runs in bf16 against an
-    fp32 engine (a 4-bit trainer on bitsandbytes' bf16 CPU kernel: :func:`hwsync.trainer.merged.four_bit_matmul_dtype`) is
-    judged by the bf16 gate."""
+    fp32 engine (a 4-bit trainer on bitsandbytes' bf16 CPU kernel: :func:`hwsync.trainer.merged.four_bit_matmul_dtype`)
+    is judged by the bf16 gate."""
     from hwsync.trainer.merged import four_bit_matmul_dtype
 
     if dtype in ("float32", "fp32") and four_bit_matmul_dtype(model) == "bfloat16":
@@ -435,7 +436,8 @@ def as_vllm_loads(b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.
     """LoRA B with its scaling folded in as vLLM's own loading of the trainer's saved adapter holds it: vLLM's
     ``LoRALayerWeights.optimize`` (``lora_b *= scaling``) on B cast to the LoRA dtype (``from_lora_tensors``). Where
     vLLM is not importable (a server-mode trainer) the same two steps, written out. Independent of the fold a sync
-    uses (:func:`hwsync.common.lora_formats.fold_scaling`), so a sync that folds in another order fails the content check."""
+    uses (:func:`hwsync.common.lora_formats.fold_scaling`), so a sync that folds in another order fails the content
+    check."""
     t = b.to(dtype=dtype, copy=True)
     try:
         from vllm.lora.lora_weights import LoRALayerWeights
@@ -445,8 +447,8 @@ def as_vllm_loads(b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.
         "hwsync.trainer.verify",
         int(t.shape[-1]),
         1,
-        None,
-        t,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        t,
         scaling=scaling,
     )
     out: torch.Tensor = weights.optimize().lora_b
@@ -607,7 +609,8 @@ class _BaseMemo:
         how = (
             "whole"
             if take >= n
-            else f"{take} of {n} in turn ({'written since last checked whole' if changed else 'unchanged since checked whole'}"
+            else f"{take} of {n} in turn "
+            f"({'written since last checked whole' if changed else 'unchanged since checked whole'}"
             f"; every one within {-(-n // take)} checks)"
         )
         return chosen, how
@@ -790,11 +793,11 @@ def _compared_checks(got: Mapping[str, Any], plan: SyncedPlan) -> list[Check]:
                 not differ,
                 float(total),
                 0.0,
-                f"{len(differ)} of {len(lora['differ'])} LoRA tensor(s) differ from the trainer's ({total} of the views "
-                f"vLLM's adapter holds of them), e.g. {next(iter(differ))}"
+                f"{len(differ)} of {len(lora['differ'])} LoRA tensor(s) differ from the trainer's ({total} of the "
+                f"views vLLM's adapter holds of them), e.g. {next(iter(differ))}"
                 if differ
-                else f"{len(lora['differ'])} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's adapter "
-                "holds (scaling folded by vLLM's code)",
+                else f"{len(lora['differ'])} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's "
+                "adapter holds (scaling folded by vLLM's code)",
                 _ADAPTER_FIX,
             )
         )
@@ -879,8 +882,8 @@ def _content_checks(
                     f"{len(bad)} of {len(lscores)} LoRA tensor(s) differ from the trainer's, e.g. {worst} (relative "
                     f"fingerprint error {lscores[worst][1]:.3g})"
                     if bad
-                    else f"{len(lscores)} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's adapter "
-                    "holds (scaling folded by vLLM's code)",
+                    else f"{len(lscores)} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's "
+                    "adapter holds (scaling folded by vLLM's code)",
                     _ADAPTER_FIX,
                 )
             )
@@ -1211,9 +1214,9 @@ def verify(
     content: bool = True,
     logprobs: bool = True,
 ) -> float:
-    """Does the engine serve ``model``? Raises :class:`~hwsync.common.errors.VerifyError` naming every failed check and its
-    fix (:func:`check` lists them), :class:`~hwsync.common.errors.StaleEngineError` on a stale engine; returns the max
-    |Δ logprob| (for logs: on GPUs it is noise-dominated, the checks are what decide).
+    """Does the engine serve ``model``? Raises :class:`~hwsync.common.errors.VerifyError` naming every failed check and
+    its fix (:func:`check` lists them), :class:`~hwsync.common.errors.StaleEngineError` on a stale engine; returns the
+    max |Δ logprob| (for logs: on GPUs it is noise-dominated, the checks are what decide).
 
     Two kinds of evidence, so GPU numerics do not false-alarm and a broken sync does not pass:
 

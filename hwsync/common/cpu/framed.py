@@ -17,6 +17,7 @@ and gloo's rendezvous is whatever the store says, so a store client that wins ra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -192,10 +193,8 @@ class FramedLink:
 
     def _drop(self) -> None:
         for conn in self._peers:
-            try:
+            with contextlib.suppress(OSError):
                 conn.close()
-            except OSError:
-                pass
 
     def close(self) -> None:
         """Close every connection (idempotent); a later sync forms a new group."""

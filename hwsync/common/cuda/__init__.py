@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -54,10 +55,9 @@ class CudaBackend(AcceleratorBackend):
                 try:
                     work()
                 except BaseException:
-                    try:
+                    # the recording is invalid anyway; the caller sees work's own error
+                    with contextlib.suppress(RuntimeError):
                         graph.capture_end()
-                    except RuntimeError:
-                        pass  # the recording is invalid anyway; the caller sees work's own error
                     raise
                 graph.capture_end()
             current.wait_stream(side)

@@ -13,6 +13,7 @@ Ranks that share one GPU (a server-mode engine beside its trainer on a single-GP
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -131,7 +132,5 @@ class NcclLink:
     def close(self) -> None:
         pg, self.pg = self.pg, None
         if pg is not None:
-            try:
+            with contextlib.suppress(Exception):  # closing a broken group must not mask the error that broke it
                 pg.abort()
-            except Exception:  # noqa: BLE001 - closing a broken group must not mask the error that broke it
-                pass

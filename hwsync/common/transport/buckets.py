@@ -1,9 +1,9 @@
 """Buckets over a :class:`~hwsync.common.transport.Link`: a symmetric sender / receiver pair.
 
 Each bucket travels as one flat buffer: the manifest's tensors at their offsets, then a trailer (status, bucket
-index, sync version, and a keyed tag over the payload, :mod:`hwsync.common.transport.seal`). The receiver knows the bucket
-plan from the manifest, so no per-bucket header round trip is needed; it checks the trailer before a bucket's views
-reach any loader. An aborting sender sends one last trailer with status ``ABORT`` and stops; both sides then stop.
+index, sync version, and a keyed tag over the payload, :mod:`hwsync.common.transport.seal`). The receiver knows the
+bucket plan from the manifest, so no per-bucket header round trip is needed; it checks the trailer before a bucket's
+views reach any loader. An aborting sender sends one last trailer with status ``ABORT`` and stops; both sides then stop.
 
 Pipelining (accelerators): the sender packs bucket b+1 while bucket b is on the wire, the receiver posts bucket b+1
 before it hands bucket b to the engine, each side alternating between buffers that nothing else references (a
@@ -13,6 +13,7 @@ buckets; LoRA tensors wait for the last bucket).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -136,10 +137,8 @@ def send_buckets(
             _write_trailer(buf, size, _OK, bucket.index, manifest.version, tag)
         except BaseException as e:
             if on_abort is not None:
-                try:
+                with contextlib.suppress(Exception):  # the reason is a courtesy; the abort itself must go out
                     on_abort(e)
-                except Exception:  # noqa: BLE001 - the reason is a courtesy; the abort itself must go out
-                    pass
             _write_trailer(
                 buf,
                 size,
@@ -198,10 +197,8 @@ def receive_buckets(
             sealer.check(buf[: bucket.nbytes], bucket.index, manifest.version, tag)
         except SyncError:
             for _, pending in posted:  # let the posted receive land (or time out) before its buffer can be reused
-                try:
+                with contextlib.suppress(Exception):  # the failed check is the error to report
                     pending.wait()
-                except Exception:  # noqa: BLE001 - the failed check is the error to report
-                    pass
             raise
         specs = [manifest.specs[i] for i in bucket.entries]
         out = views(buf, bucket.offsets, [s.shape for s in specs], [s.dtype for s in specs])

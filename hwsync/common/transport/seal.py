@@ -11,11 +11,12 @@ bucket's tensors are used.
   product with int32 accumulation (``torch._int_mm``; exact, ``|sum| <= 2**28``), or the same integers through a
   float64 product where int8 products are not available (exact below ``2**53``: both give the same digest). The
   row sums are hashed again per lane in int64 with secret keys in ``[0, 2**16)`` (exact: ``|sum| < 2**63`` for any
-  bucket below 2**33 bytes, 8 GiB; buckets are a few hundred MB). For any change of the payload, one lane's final sum stays equal with probability at
-  most ``2**-8 + 2**-16`` over the secret keys; 8 independent lanes are used (about ``2**-64``), then bound with
-  the bucket's index, the sync version and the payload length by BLAKE2b. An attacker without the token learns
-  nothing about the keys. The payload is read once, with no temporary of its size (the float64 products of the
-  previous design wrote and read 8 bytes per byte: 3-4 ms per 617 MB bucket on an H200, which held the wire).
+  bucket below 2**33 bytes, 8 GiB; buckets are a few hundred MB). For any change of the payload, one lane's final sum
+  stays equal with probability at most ``2**-8 + 2**-16`` over the secret keys; 8 independent lanes are used (about
+  ``2**-64``), then bound with the bucket's index, the sync version and the payload length by BLAKE2b. An attacker
+  without the token learns nothing about the keys. The payload is read once, with no temporary of its size (the float64
+  products of the previous design wrote and read 8 bytes per byte: 3-4 ms per 617 MB bucket on an H200, which held the
+  wire).
 """
 
 from __future__ import annotations

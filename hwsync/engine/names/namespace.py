@@ -252,13 +252,13 @@ def namespace_from_vllm_model(
     live: dict[str, Tensor] = {}
     groups: dict[str, ExpertGroup] = {}
     for mod_name, mod in model.named_modules():
-        own = dict(mod.named_parameters(recurse=False))
+        own: dict[str, Tensor] = dict(mod.named_parameters(recurse=False))
         if not own:
             continue
         rec = recorded.get(id(mod), {})
         for pname, p in own.items():
             full = f"{mod_name}.{pname}" if mod_name else pname
-            ref = rec[pname] if pname in rec else p
+            ref = rec.get(pname, p)
             params[canonical(full)] = _param_spec(full, mod, ref)
             live[canonical(full)] = p
         if "w13_weight" in own and "w2_weight" in own:

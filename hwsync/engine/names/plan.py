@@ -36,9 +36,9 @@ class Target:
     of a fused transformers tensor (``shard_id`` "w13"/"w2", ``expert_ids`` None = all), ``"loader"`` the whole
     parameter in the model's own checkpoint layout, which only vLLM's loader converts (GPT-OSS experts, Llama 4's
     ``[E, in, out]`` experts): written through vLLM's reload path only (one expert at a time where the model's loader
-    takes per-expert keys, :attr:`hwsync.engine.names.ExpertGroup.streamed`). ``"routed"``: a name no declaration places,
-    handed to vLLM's loader under its checkpoint spelling (``resolve(route_unknown=True)``); ``param`` is empty until
-    :meth:`NameMap.bind_routed` turns it into ``"loader"`` targets on the parameters the loader wrote.
+    takes per-expert keys, :attr:`hwsync.engine.names.ExpertGroup.streamed`). ``"routed"``: a name no declaration
+    places, handed to vLLM's loader under its checkpoint spelling (``resolve(route_unknown=True)``); ``param`` is empty
+    until :meth:`NameMap.bind_routed` turns it into ``"loader"`` targets on the parameters the loader wrote.
     """
 
     param: str

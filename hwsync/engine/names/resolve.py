@@ -88,8 +88,8 @@ def resolve(
             else:
                 problems.append(
                     f"{name!r} is a LoRA adapter tensor, not a base weight: merge it first "
-                    "(hwsync.trainer.merged.merged_named_weights), sync it as an adapter (hwsync.common.lora_formats), or pass "
-                    "skip_adapter_tensors=True"
+                    "(hwsync.trainer.merged.merged_named_weights), sync it as an adapter (hwsync.common.lora_formats), "
+                    "or pass skip_adapter_tensors=True"
                 )
             continue
         if category == PEFT_ORIGINAL and clean in trained_copies:

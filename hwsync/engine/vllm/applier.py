@@ -14,9 +14,10 @@ Later syncs of the same plan write in place where that was proven equal to vLLM'
 (:mod:`hwsync.engine.vllm.direct`): one copy per tensor into the parameter storage the kernels read.
 
 Adapters: the first install goes through ``LoRAModel.from_lora_tensors`` plus the validations vLLM's disk loader runs
-(``PEFTHelper.validate_legal``, MoE 2-D/3-D format, classification heads; :func:`hwsync.engine.vllm.compat.check_adapter`),
-built and validated before the engine's adapter set changes, then added under its id and pinned. Later syncs of the
-same adapter structure write A/B straight into the manager's slot tensors (:mod:`hwsync.engine.vllm.lora_slots`).
+(``PEFTHelper.validate_legal``, MoE 2-D/3-D format, classification heads;
+:func:`hwsync.engine.vllm.compat.check_adapter`), built and validated before the engine's adapter set changes, then
+added under its id and pinned. Later syncs of the same adapter structure write A/B straight into the manager's slot
+tensors (:mod:`hwsync.engine.vllm.lora_slots`).
 """
 
 from __future__ import annotations
@@ -158,10 +159,12 @@ class LoadPlan:
     ineligible: dict[str, str] = field(default_factory=dict)
     """Trainer name -> why it always goes through vLLM's reload."""
     direct: DirectWriter | None = None
-    """:class:`hwsync.engine.vllm.direct.DirectWriter` for the names proven equal to vLLM's own load path (else ``None``)."""
+    """:class:`hwsync.engine.vllm.direct.DirectWriter` for the names proven equal to vLLM's own load path (else
+    ``None``)."""
     raw: DirectWriter | None = None
-    """:class:`hwsync.engine.vllm.direct.DirectWriter` for the names the model's ``load_weights`` copies itself, which vLLM's
-    reload cannot see (:func:`hwsync.engine.vllm.dry_run.dry_run_load`): written in place on every sync (else ``None``)."""
+    """:class:`hwsync.engine.vllm.direct.DirectWriter` for the names the model's ``load_weights`` copies itself, which
+    vLLM's reload cannot see (:func:`hwsync.engine.vllm.dry_run.dry_run_load`): written in place on every sync (else
+    ``None``)."""
     calibrated: bool = False
     syncs: int = 0
 
@@ -464,8 +467,9 @@ class VllmApplier:
     def to_vllm_format(
         self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]
     ) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """The trainer's LoRA modules (:func:`hwsync.common.lora_formats.to_wire`) in the format this engine serves: vLLM's
-        keys, per-expert (2-D MoE LoRA) or stacked (3-D), packed modules split -- views where the layout allows."""
+        """The trainer's LoRA modules (:func:`hwsync.common.lora_formats.to_wire`) in the format this engine serves:
+        vLLM's keys, per-expert (2-D MoE LoRA) or stacked (3-D), packed modules split -- views where the layout
+        allows."""
         from hwsync.common.lora_formats import from_wire, to_vllm_lora
 
         manager = lora_manager_of(self.worker)
@@ -660,7 +664,7 @@ class VllmApplier:
             logger.info("hwsync: %s", path)
         return Loaded(path)
 
-    # -- after vLLM's level-2 sleep (hwsync.engine.vllm.sleep) -------------------------------------------------------------
+    # -- after vLLM's level-2 sleep (hwsync.engine.vllm.sleep) ---------------------------------------------------------
     def woke(self, discarded: Discarded) -> None:
         """The weights woke from a level-2 sleep: every LoRA slot holds garbage, so no adapter stays active (vLLM's
         activation rewrites a slot completely at the next use; hwsync's own at the refill), vLLM's punica mapping and
@@ -864,8 +868,8 @@ class VllmApplier:
         )
 
     def slot_writer_of(self, installed: Any) -> Any:
-        """The :class:`~hwsync.engine.vllm.lora_slots.SlotWriter` that installed and rewrites ``installed`` (``None``: vLLM's
-        own path built it)."""
+        """The :class:`~hwsync.engine.vllm.lora_slots.SlotWriter` that installed and rewrites ``installed`` (``None``:
+        vLLM's own path built it)."""
         signature = getattr(installed, "_hwsync_signature", None)
         return self._slot_writers.get(signature) if isinstance(signature, str) else None
 

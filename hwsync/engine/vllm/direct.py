@@ -3,8 +3,8 @@
 vLLM's reload path (``reload_weights``) is always correct but slow: it restores every layer in checkpoint format,
 calls each parameter's loader once per expert and projection, re-runs post-load processing and copies the result
 back. Where the kernels read a parameter exactly as checkpoint layout puts it, all of that is a copy: this module
-writes those parameters directly (:meth:`hwsync.engine.names.NameMap.apply`: TP slices, packed rows, fused experts through
-:mod:`hwsync.common.layouts`) and leaves every other layer to the reload path.
+writes those parameters directly (:meth:`hwsync.engine.names.NameMap.apply`: TP slices, packed rows, fused experts
+through :mod:`hwsync.common.layouts`) and leaves every other layer to the reload path.
 
 A parameter is written in place only when both hold:
 
@@ -118,8 +118,8 @@ def eligible_names(model: torch.nn.Module, name_map: Any) -> tuple[dict[str, str
 
 def raw_writable(model: torch.nn.Module, name_map: Any, raw: dict[str, str]) -> None:
     """Refuse (one :class:`~hwsync.common.errors.ResolutionError`, before any write) names the model's loader copies
-    itself (``raw``, see :func:`hwsync.engine.vllm.dry_run.dry_run_load`) where hwsync cannot write them in place: a kernel
-    that reads a processed copy, or a split hwsync cannot read. vLLM's reload cannot write them either."""
+    itself (``raw``, see :func:`hwsync.engine.vllm.dry_run.dry_run_load`) where hwsync cannot write them in place: a
+    kernel that reads a processed copy, or a split hwsync cannot read. vLLM's reload cannot write them either."""
     from hwsync.common.errors import ResolutionError
 
     mla = mla_consumed_modules(model)

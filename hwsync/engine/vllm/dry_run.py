@@ -48,9 +48,9 @@ def dry_run_load(
     ``meta`` stand-in), so a reload leaves the old value in place. With ``name_map``, such names get a second pass:
     their resolved parameters become zero-filled scratch tensors (everything else stays ``meta``), a probe tensor
     goes through ``load_weights``, and the name is accepted only if the model's own code left exactly what
-    :meth:`hwsync.engine.names.NameMap.apply` writes from the same probe. Those names are returned in ``raw`` (trainer name ->
-    engine parameters), to be written in place by hwsync (:mod:`hwsync.engine.vllm.applier`); any other name no loader
-    took is refused. Without ``raw`` they are refused too.
+    :meth:`hwsync.engine.names.NameMap.apply` writes from the same probe. Those names are returned in ``raw`` (trainer
+    name -> engine parameters), to be written in place by hwsync (:mod:`hwsync.engine.vllm.applier`); any other name no
+    loader took is refused. Without ``raw`` they are refused too.
     """
     groups: dict[str, str] = {}
     run = _DryRun(model, groups, transformed)
@@ -130,7 +130,8 @@ def _per_expert_only(name_map: Any, name: str) -> bool:
 
 
 def _pieces(name_map: Any, name: str, t: Tensor) -> list[tuple[str, Tensor]]:
-    """``(vLLM spelling, tensor)`` pairs for trainer tensor ``t``, as :meth:`hwsync.engine.names.NameMap.vllm_weights` renames."""
+    """``(vLLM spelling, tensor)`` pairs for trainer tensor ``t``, as :meth:`hwsync.engine.names.NameMap.vllm_weights`
+    renames."""
     if name_map is None:
         return [(name, t)]
     return [(load_name, fn(t) if fn is not None else t) for load_name, fn in name_map.vllm_checkpoint_names(name)]

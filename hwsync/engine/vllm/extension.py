@@ -1,8 +1,8 @@
 """``worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension"``: hwsync's worker functions, callable by name.
 
 vLLM mixes this class into every worker it starts; ``collective_rpc("hwsync_<name>", args=...)`` then reaches the
-functions of :mod:`hwsync.engine.vllm.worker` from any process that drives the engine (vLLM's own RPC). In-process engines
-do not need it: :func:`hwsync.sync` calls those functions directly.
+functions of :mod:`hwsync.engine.vllm.worker` from any process that drives the engine (vLLM's own RPC). In-process
+engines do not need it: :func:`hwsync.sync` calls those functions directly.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ __all__ = ["HwsyncWorkerExtension"]
 
 
 class HwsyncWorkerExtension:
-    """Methods mixed into vLLM workers; each delegates to the function of the same name in :mod:`hwsync.engine.vllm.worker`."""
+    """Methods mixed into vLLM workers; each delegates to the function of the same name in
+    :mod:`hwsync.engine.vllm.worker`."""
 
     def hwsync_describe(
         self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
@@ -45,8 +46,9 @@ class HwsyncWorkerExtension:
 
     def hwsync_call(self, name: str, *args: Any) -> tuple[str, Any]:
         """``(status, value)`` of the worker function ``name`` (:data:`CALLS`): every worker answers, and errors
-        travel as data that keeps their hwsync type (:func:`hwsync.engine.vllm.worker.answered`). What a driver in another
-        process uses (:class:`hwsync.engine.served.ServedEngine`: vLLM's API server, through its engine client)."""
+        travel as data that keeps their hwsync type (:func:`hwsync.engine.vllm.worker.answered`). What a driver in
+        another process uses (:class:`hwsync.engine.served.ServedEngine`: vLLM's API server, through its engine
+        client)."""
         fn = _calls().get(name)
         if fn is None:
             return "error", {"type": "SyncError", "message": f"unknown hwsync worker call {str(name)[:40]!r}"}

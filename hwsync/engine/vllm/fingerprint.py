@@ -2,13 +2,13 @@
 
 Runs in the worker (``collective_rpc``). For every trainer name the trainer asks about:
 
-* **Base tensors**: resolved with the same :mod:`hwsync.engine.names` plan a sync uses; the probe goes through the plan's
-  own writers (:func:`hwsync.engine.vllm.direct.write_pieces`: TP slices, packed q/k/v rows, fused experts in the engine's
-  layout). What the kernels read is taken where they read it: the parameter itself; on vLLM's CPU build a linear's
-  weight is handed to oneDNN / a packed kernel and emptied, so the kernel is asked (``cpu_linear`` on an identity
-  matrix gives ``W^T`` exactly: every product is by 1.0, every sum adds zeros); MoE experts whose kernel prepacks
-  them (CPU grouped GEMM, or any backend with a ``process_weights_after_loading``) get the probe sent through the
-  same post-load step (a pure data movement), so a skipped post-load step shows as a mismatch. Experts whose kernel
+* **Base tensors**: resolved with the same :mod:`hwsync.engine.names` plan a sync uses; the probe goes through the
+  plan's own writers (:func:`hwsync.engine.vllm.direct.write_pieces`: TP slices, packed q/k/v rows, fused experts in the
+  engine's layout). What the kernels read is taken where they read it: the parameter itself; on vLLM's CPU build a
+  linear's weight is handed to oneDNN / a packed kernel and emptied, so the kernel is asked (``cpu_linear`` on an
+  identity matrix gives ``W^T`` exactly: every product is by 1.0, every sum adds zeros); MoE experts whose kernel
+  prepacks them (CPU grouped GEMM, or any backend with a ``process_weights_after_loading``) get the probe sent through
+  the same post-load step (a pure data movement), so a skipped post-load step shows as a mismatch. Experts whose kernel
   reads them as stored (:func:`hwsync.engine.vllm.direct.why_not_direct`: Triton on CUDA) are read as they are.
 * **Adapter**: the installed adapter's id and its slot; every LoRA wrapper's slot is compared with what vLLM's own
   ``set_lora`` writes from the installed ``LoRAModel`` (then put back as it was), and the ``LoRAModel``'s tensors are

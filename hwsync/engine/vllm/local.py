@@ -97,8 +97,8 @@ class LocalEngine(Engine):
         return results[0] if len(results) == 1 else None
 
     def compare(self, request: dict[str, Any]) -> dict[str, Any] | None:
-        """The colocated content check (:func:`hwsync.engine.vllm.fingerprint.compare`): the trainer's own tensors against
-        what the worker's kernels read, element by element; ``None`` where the worker is not in this process or
+        """The colocated content check (:func:`hwsync.engine.vllm.fingerprint.compare`): the trainer's own tensors
+        against what the worker's kernels read, element by element; ``None`` where the worker is not in this process or
         the engine runs several (fingerprints serve there)."""
         from hwsync.engine.vllm.fingerprint import compare
 
@@ -127,8 +127,8 @@ class LocalEngine(Engine):
         weights' KV still matches them) or stale (it refuses to generate). A reset that does not happen after the
         weights were written -- vLLM declines it, or it raises anything (vLLM's ``RuntimeError``, a Ctrl-C landing
         there) -- marks the engine stale, so no output mixes the new weights with cached KV of the old ones; a
-        declined reset is a :class:`~hwsync.common.errors.SyncError`, anything else is raised as it was. The next complete
-        sync clears it."""
+        declined reset is a :class:`~hwsync.common.errors.SyncError`, anything else is raised as it was. The next
+        complete sync clears it."""
         result = receive()
         t0 = time.perf_counter()
         try:

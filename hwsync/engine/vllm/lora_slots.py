@@ -275,7 +275,8 @@ class SlotWriter:
     """How many vLLM modules the trace ran through vLLM's construction (does not grow with the layer count)."""
     proven: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
     """Modules whose slots, written through :attr:`blocks`, vLLM's own ``set_lora`` re-derived bit for bit
-    (:func:`hwsync.engine.vllm.fingerprint._oracle`). The blocks never change for a writer, so a module is proven once."""
+    (:func:`hwsync.engine.vllm.fingerprint._oracle`). The blocks never change for a writer, so a module is proven
+    once."""
     _replay: Replay = field(
         default_factory=lambda: Replay("the adapter's slot writes"), init=False, repr=False, compare=False
     )
@@ -477,8 +478,8 @@ class SlotWriter:
         """The ``LoRAModel`` vLLM's construction would make from ``tensors``, built by the gathers: the template's
         layer-weight objects copied per module, each tensor one copy from its view -- or the view itself where
         ``alias`` says its manifest tensor is kept for this purpose (a colocated trainer's fold buffers,
-        :func:`hwsync.common.lora_formats.kept_buffer`): vLLM's adapter then reads those buffers, rewritten at every sync,
-        and the adapter is held once on the device instead of twice (3.4 GB less at 48 layers r32)."""
+        :func:`hwsync.common.lora_formats.kept_buffer`): vLLM's adapter then reads those buffers, rewritten at every
+        sync, and the adapter is held once on the device instead of twice (3.4 GB less at 48 layers r32)."""
         self._check_tensors(tensors)
         read = self._reader(tensors)
         target = torch.device(device)

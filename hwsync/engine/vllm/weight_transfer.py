@@ -3,8 +3,8 @@
 vLLM (0.30+: ``vllm.distributed.weight_transfer``) drives every backend through the same worker methods:
 ``init_weight_transfer_engine(init_info)``, ``start_weight_update()``, ``update_weights(update_info)`` (once or more),
 ``finish_weight_update()``. This backend runs hwsync's own receiver and applier (:mod:`hwsync.engine.receiver`,
-:mod:`hwsync.engine.vllm.applier`) behind them, so every rule of a colocated ``hwsync.sync`` holds: the manifest is validated
-before anything is written, an interrupted update leaves the engine stale, versions only go forward, and the
+:mod:`hwsync.engine.vllm.applier`) behind them, so every rule of a colocated ``hwsync.sync`` holds: the manifest is
+validated before anything is written, an interrupted update leaves the engine stale, versions only go forward, and the
 strategies (full / adapter / hybrid, the adapter installed by hwsync from memory) are the same code.
 
 What vLLM's protocol does not carry, and how it travels instead (the way vLLM's own backends carry theirs, in the
@@ -29,10 +29,10 @@ backend-specific ``update_info`` dict, :class:`HwsyncUpdateInfo`):
 
 vLLM's factory hands a backend the model (``create_engine(config, vllm_config, device, model)``), not the worker;
 hwsync's applier needs the worker's model runner (vLLM's reload, the LoRA manager). hwsync's receiver registers the
-model it serves when it is created on a worker (:func:`hwsync.engine.vllm.worker.worker_of_model`: a weak map keyed by that
-model), and the trainer-side handle (:class:`hwsync.trainer.transfer_backend.TransferBackendEngine`) creates it on every worker
-before it calls ``init_weight_transfer_engine``; an engine no hwsync receiver serves refuses ``init_transfer_engine``
-with one error.
+model it serves when it is created on a worker (:func:`hwsync.engine.vllm.worker.worker_of_model`: a weak map keyed by
+that model), and the trainer-side handle (:class:`hwsync.trainer.transfer_backend.TransferBackendEngine`) creates it on
+every worker before it calls ``init_weight_transfer_engine``; an engine no hwsync receiver serves refuses
+``init_transfer_engine`` with one error.
 """
 
 from __future__ import annotations

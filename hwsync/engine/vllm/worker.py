@@ -111,8 +111,9 @@ def worker_of_model(model: Any) -> Any:
 
 
 def watch_sleep(worker: Any, rec: Receiver, applier: Any) -> None:
-    """vLLM's sleep and wake of this worker, as the receiver and applier must know them (:mod:`hwsync.engine.vllm.sleep`):
-    watched from before hwsync's first write, so no level-2 sleep after it goes unseen."""
+    """vLLM's sleep and wake of this worker, as the receiver and applier must know them
+    (:mod:`hwsync.engine.vllm.sleep`): watched from before hwsync's first write, so no level-2 sleep after it goes
+    unseen."""
     from hwsync.engine.vllm.sleep import watch
 
     def woke(d: Any) -> None:

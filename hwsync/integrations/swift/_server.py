@@ -5,8 +5,8 @@ PyNccl, which vLLM's CPU build silently disables). Instead, once ``swift rollout
 serves syncs into it (:func:`hwsync.serve`: an authenticated control channel, tensors over a gloo / NCCL
 group, manifest validated before any write) on ``HWSYNC_SERVER``, and the trainer reaches it with
 :func:`hwsync.connect` and the shared ``HWSYNC_TOKEN``. ms-swift hands plugins no reference to the engine it
-builds, so the patch ``swift_rollout_serve`` (``hwsync/patches/swift_rollout.py``) calls :func:`serve_rollout_engine` right
-after ``SwiftRolloutDeploy.get_infer_engine``.
+builds, so the patch ``swift_rollout_serve`` (``hwsync/patches/swift_rollout.py``) calls :func:`serve_rollout_engine`
+right after ``SwiftRolloutDeploy.get_infer_engine``.
 """
 
 from __future__ import annotations

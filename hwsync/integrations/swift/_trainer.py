@@ -45,7 +45,8 @@ class HwsyncGRPOTrainer(GRPOTrainer):
                 path = self.hwsync_options.metrics_path or os.path.join(self.args.output_dir, "hwsync_metrics.jsonl")
             # ms-swift only compares its rollout logprobs with the trainer's when asked; hwsync always wants to know
             self.log_rollout_offpolicy_metrics = True
-        # the sync, the checks after it and the records: hwsync.integrations.trainer_sync, shared with the TRL integration
+        # the sync, the checks after it and the records: hwsync.integrations.trainer_sync, shared with the TRL
+        # integration
         self._hwsync = TrainerSync(
             self.hwsync_options,
             metrics_path=path,

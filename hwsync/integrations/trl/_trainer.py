@@ -6,11 +6,12 @@ TRL's own code. What changes:
 * **construction**: TRL builds its vLLM backend with hwsync's engine settings (colocate: ``enable_lora`` and a
   ``max_lora_rank`` that fits the trainer's adapter, ``quantization=None`` for a 4-bit trainer, ``engine_kwargs``;
   server: no vLLM NCCL weight-transfer group), through the scoped patch ``trl_vllm_generation`` (TRL 1.16 has no
-  argument for either); then ``self.vllm_generation`` becomes :class:`~hwsync.integrations.trl._generation.HwsyncGeneration`;
+  argument for either); then ``self.vllm_generation`` becomes
+  :class:`~hwsync.integrations.trl._generation.HwsyncGeneration`;
 * **sync**: ``vllm_generation.sync_weights()`` (TRL calls it before generating when the step changed) is
-  :meth:`GRPOTrainer.hwsync_sync`: :class:`hwsync.integrations.trainer_sync.TrainerSync` -- :func:`hwsync.sync` (strategy
-  ``auto``: adapter-only where the engine serves LoRA on every adapted module, experts included; ``hybrid`` where
-  it serves it on some; ``full`` without LoRA) and :func:`hwsync.verify` every ``verify_every`` syncs on the run's
+  :meth:`GRPOTrainer.hwsync_sync`: :class:`hwsync.integrations.trainer_sync.TrainerSync` -- :func:`hwsync.sync`
+  (strategy ``auto``: adapter-only where the engine serves LoRA on every adapted module, experts included; ``hybrid``
+  where it serves it on some; ``full`` without LoRA) and :func:`hwsync.verify` every ``verify_every`` syncs on the run's
   first prompts, a failed check stopping training;
 * **observation**: the first rollout's prompts become the check prompts (``_generate_single_turn``); the logprobs
   vLLM sampled with are checked against the trainer's on the same tokens (``_generate_and_score_completions``,
