@@ -34,7 +34,11 @@ class LLMEngineView:
         return view
 
     def collective_rpc(
-        self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict[str, Any] | None = None
+        self,
+        method: Any,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         return self.llm_engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
