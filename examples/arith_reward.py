@@ -5,6 +5,7 @@ A random tiny model almost never earns it, and GRPO learns nothing from a group 
 two small shaping terms follow the prompt's instruction ("answer with a single number"): digits are rewarded,
 length is penalised. They keep the advantages non-zero, so every step really updates the LoRA weights.
 """
+
 from __future__ import annotations
 
 import re

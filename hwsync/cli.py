@@ -15,9 +15,11 @@ command is one decorator plus (for in-tree modules) one line in ``COMMAND_MODULE
 
 Command modules must be cheap to import: heavy imports (vLLM, ms-swift) belong inside the function.
 """
+
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -68,10 +70,8 @@ def _load_commands() -> dict[str, str]:
     """Import command modules; returns ``{module or entry point: error}`` for those that failed."""
     broken: dict[str, str] = {}
     targets = list(COMMAND_MODULES)
-    try:
+    with contextlib.suppress(Exception):  # broken metadata must not disable the built-in commands
         targets += [ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)]
-    except Exception:  # noqa: BLE001 - broken metadata must not disable the built-in commands
-        pass
     for target in targets:
         try:
             importlib.import_module(target.partition(":")[0])

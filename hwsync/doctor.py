@@ -3,14 +3,15 @@
 The first thing to run (and to paste into a bug report): it answers "which strategy will
 ``auto`` pick on this machine, and why" and "which upstream bugs does hwsync patch here".
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 from typing import Any
 
-from hwsync.common.capabilities import environment_report
 from hwsync.cli import command
+from hwsync.common.capabilities import environment_report
 
 __all__ = ["doctor_report", "format_report"]
 
@@ -66,8 +67,10 @@ def format_report(report: dict[str, Any]) -> str:
         how = f"from $HWSYNC_BACKEND={sel['override']}" if sel.get("override") else "auto-detected"
         rows = [["selected", f"{sel['name']} (torch.distributed: {sel['dist_backend']}), {how}"]]
         rows += [["device" if i == 0 else "", d] for i, d in enumerate(sel["devices"])]
-    rows += [[name, "available" if b["available"] else f"unavailable: {b['reason']}"]
-             for name, b in report["backends"].items()]
+    rows += [
+        [name, "available" if b["available"] else f"unavailable: {b['reason']}"]
+        for name, b in report["backends"].items()
+    ]
     out += _table(rows)
     out.append("")
 
@@ -75,9 +78,15 @@ def format_report(report: dict[str, Any]) -> str:
     rows = [[k, v or "not installed"] for k, v in report["versions"].items()]
     support = report.get("vllm_support")
     if support is not None:
-        state = "supported" if support["supported"] else (
-            "not installed" if support["version"] is None else
-            f"NOT SUPPORTED: pip install 'vllm{support['range']}'")
+        state = (
+            "supported"
+            if support["supported"]
+            else (
+                "not installed"
+                if support["version"] is None
+                else f"NOT SUPPORTED: pip install 'vllm{support['range']}'"
+            )
+        )
         rows.append(["vllm range", f"{support['range']} ({state})"])
     out += _table(rows)
     out.append("")
@@ -100,8 +109,10 @@ def format_report(report: dict[str, Any]) -> str:
         ]
         if caps.get("error"):
             rows.append(["probe error", caps["error"]])
-        rows += [[name, f"{_yes(strat[name]['supported'])}: {strat[name]['reason']}"]
-                 for name in ("full", "adapter", "hybrid")]
+        rows += [
+            [name, f"{_yes(strat[name]['supported'])}: {strat[name]['reason']}"]
+            for name in ("full", "adapter", "hybrid")
+        ]
     rows.append(["auto", f"{strat.get('auto')} ({strat.get('auto_reason')})"])
     out += _table(rows)
     out.append("")
@@ -136,10 +147,12 @@ def _ascend_lines(ascend: dict[str, Any] | None) -> list[str]:
     cann, nz = ascend["cann"], ascend["nz_mode"]
     if not (cann["version"] or ascend["torch_npu"] or ascend["vllm_ascend"]):
         return ["Ascend", "  not installed (no CANN toolkit, torch-npu or vllm-ascend)", ""]
-    rows = [["CANN", f"{cann['version']} ({cann['source']})" if cann["version"] else cann["reason"]],
-            ["torch-npu", ascend["torch_npu"] or "not installed"],
-            ["vllm-ascend", ascend["vllm_ascend"] or "not installed"],
-            ["NZ mode", f"{nz['value']} ({nz['source']}): {nz['meaning']}"]]
+    rows = [
+        ["CANN", f"{cann['version']} ({cann['source']})" if cann["version"] else cann["reason"]],
+        ["torch-npu", ascend["torch_npu"] or "not installed"],
+        ["vllm-ascend", ascend["vllm_ascend"] or "not installed"],
+        ["NZ mode", f"{nz['value']} ({nz['source']}): {nz['meaning']}"],
+    ]
     return ["Ascend", *_table(rows), ""]
 
 

@@ -3,6 +3,7 @@
 Importing :mod:`hwsync.swift` installs the plugin and imports ms-swift (seconds), so the path is found through the
 import system's spec only. Usage: ``swift rlhf ... --external_plugins "$(hwsync plugin-path)"``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,9 @@ def swift_plugin_file() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "plugin.py"
 
 
-@command("plugin-path", help='print the ms-swift plugin file: swift rlhf ... --external_plugins "$(hwsync plugin-path)"')
+@command(
+    "plugin-path", help='print the ms-swift plugin file: swift rlhf ... --external_plugins "$(hwsync plugin-path)"'
+)
 def plugin_path(args: argparse.Namespace) -> int:
     print(swift_plugin_file())
     return 0

@@ -4,6 +4,7 @@ Markers (declared in pyproject.toml) decide what a test needs; a missing piece s
 naming it. On the CPU CI job (``CI=true``) a missing vLLM or ms-swift *fails* instead: that job exists to run
 those tests for real.
 """
+
 from __future__ import annotations
 
 import importlib.util

@@ -11,8 +11,10 @@ after each complete sync (same weights, same batch -> same numbers on the CPU bu
 The module ends with a table (category | inputs tried | refused | accepted | half-applied) and asserts it: every
 attack refused, nothing half-applied.
 """
+
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -185,8 +187,13 @@ def test_post_processing_raises(base: Baseline, monkeypatch: pytest.MonkeyPatch)
     receiver puts the layers back)."""
     monkeypatch.setenv("HWSYNC_DIRECT", "0")  # every write through vLLM's reload: post-processing runs
     model = _worker(base.llm).model_runner.model
-    victims = [m for n, m in model.named_modules() if ".layers.1." in n and getattr(m, "quant_method", None)
-               is not None and hasattr(m.quant_method, "process_weights_after_loading")]
+    victims = [
+        m
+        for n, m in model.named_modules()
+        if ".layers.1." in n
+        and getattr(m, "quant_method", None) is not None
+        and hasattr(m.quant_method, "process_weights_after_loading")
+    ]
     assert victims
     qm = victims[0].quant_method
 
@@ -205,8 +212,9 @@ def test_post_processing_raises(base: Baseline, monkeypatch: pytest.MonkeyPatch)
     base.restore()
 
 
-def test_recover_itself_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch,
-                              caplog: pytest.LogCaptureFixture) -> None:
+def test_recover_itself_fails(
+    base: Baseline, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The loader fails and restoring the layers fails too: logged, stale, and a complete sync still recovers."""
     import vllm.model_executor.model_loader.reload.layerwise as layerwise
 
@@ -281,9 +289,16 @@ def _lora_injection(name: str, llm: Any, monkeypatch: pytest.MonkeyPatch) -> Non
         raise AssertionError(name)
 
 
-@pytest.mark.parametrize("injection", ["slot rewrite fails after writing", "adapter build fails",
-                                       "add_adapter fails after remove", "pin fails after add",
-                                       "vLLM cannot pack the adapter"])
+@pytest.mark.parametrize(
+    "injection",
+    [
+        "slot rewrite fails after writing",
+        "adapter build fails",
+        "add_adapter fails after remove",
+        "pin fails after add",
+        "vLLM cannot pack the adapter",
+    ],
+)
 def test_adapter_install_fails(base: Baseline, monkeypatch: pytest.MonkeyPatch, injection: str) -> None:
     lora = lora_trainer(base.path, ATTN)
     _perturb(lora, 500)
@@ -386,8 +401,7 @@ def test_generation_hammering_during_20_syncs(base: Baseline) -> None:
     assert all(not same(a, b) for a, b in zip(sigs, sigs[1:]))  # every sync changed the output
     for obs in seen:
         matches = sum(same(obs, s) for s in sigs)
-        record("generation during 20 syncs", refused=obs is None, half=obs is not None and matches != 1,
-               attack=False)
+        record("generation during 20 syncs", refused=obs is None, half=obs is not None and matches != 1, attack=False)
     base.restore()
 
 
@@ -395,9 +409,9 @@ def test_swift_rollout_generation_takes_the_engine_lock(base: Baseline, monkeypa
     """``swift rollout``'s routes all end in ``engine.infer``: guarded, it waits for a sync in progress and refuses
     while the engine is stale; every handle on one ``LLMEngine`` is the same (one lock)."""
     pytest.importorskip("swift")
+    from hwsync.engine.vllm.applier import VllmApplier
     from hwsync.integrations.swift._engine_view import LLMEngineView
     from hwsync.integrations.swift._server import guard_generation
-    from hwsync.engine.vllm.applier import VllmApplier
 
     view = LLMEngineView.of(base.llm.llm_engine)
     assert LLMEngineView.of(base.llm.llm_engine) is view
@@ -474,7 +488,7 @@ def _closed_by_server(sock: socket.socket, timeout: float = 15.0) -> bool:
                 return True
     except (ConnectionError, OSError):
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -513,10 +527,8 @@ def _mac(key: bytes, *parts: bytes | str) -> bytes:
 
 
 def _hang_up(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
     sock.close()
 
 
@@ -584,7 +596,7 @@ class _Proxy:
                         upstream.shutdown(socket.SHUT_WR)
                         return
                     elif self.mode == "swap to shutdown":  # a body of the attacker's choice under the real MAC
-                        frame = head + json.dumps({"op": "shutdown", "args": {}}).encode()[: n].ljust(n)
+                        frame = head + json.dumps({"op": "shutdown", "args": {}}).encode()[:n].ljust(n)
                 upstream.sendall(frame)
         except OSError:
             pass
@@ -593,8 +605,9 @@ class _Proxy:
             _hang_up(client)
 
 
-@pytest.mark.parametrize("mode", ["replay", "tamper body", "tamper mac", "oversized length", "truncate",
-                                  "swap to shutdown"])
+@pytest.mark.parametrize(
+    "mode", ["replay", "tamper body", "tamper mac", "oversized length", "truncate", "swap to shutdown"]
+)
 def test_man_in_the_middle_frames_are_refused(base: Baseline, mode: str) -> None:
     proxy = _Proxy(base.server.address, mode)
     remote = hwsync.connect(proxy.address, TOKEN, timeout_s=30)
@@ -609,8 +622,11 @@ def test_man_in_the_middle_frames_are_refused(base: Baseline, mode: str) -> None
     assert refused, mode
     assert not base.server.wait(0)  # the swapped "shutdown" did not reach the server
     after = base.remote.state()
-    record("MITM: forged / replayed / cut frames", refused=refused,
-           half=after != before or half_applied(base.llm, base.sig))
+    record(
+        "MITM: forged / replayed / cut frames",
+        refused=refused,
+        half=after != before or half_applied(base.llm, base.sig),
+    )
     # the server still serves honest trainers
     assert hwsync.connect(base.server.address, TOKEN, timeout_s=30).state()["version"] == before["version"]
 
@@ -673,8 +689,15 @@ def test_unauthenticated_inputs_are_refused(base: Baseline) -> None:
         _hello(sock)
         sock.sendall(b"".join(captured))  # the whole recorded conversation
 
-    cases = {"garbage": garbage, "wrong token": wrong_token, "silent": silent, "oversized hello": oversized_hello,
-             "http": http, "replayed handshake": replayed_handshake, "replayed session": replayed_session}
+    cases = {
+        "garbage": garbage,
+        "wrong token": wrong_token,
+        "silent": silent,
+        "oversized hello": oversized_hello,
+        "http": http,
+        "replayed handshake": replayed_handshake,
+        "replayed session": replayed_session,
+    }
     for name, attack in cases.items():
         sock = _raw_connect(address)
         try:
@@ -685,8 +708,11 @@ def test_unauthenticated_inputs_are_refused(base: Baseline) -> None:
         finally:
             sock.close()
         assert refused, name
-        record("unauthenticated connections", refused=refused,
-               half=base.remote.state() != before or half_applied(base.llm, base.sig))
+        record(
+            "unauthenticated connections",
+            refused=refused,
+            half=base.remote.state() != before or half_applied(base.llm, base.sig),
+        )
     legit.close()
 
 
@@ -707,8 +733,8 @@ def _call(channel: Any, body: dict[str, Any]) -> dict[str, Any]:
 
 def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
     """A trainer with the token but a broken (or hostile) client: each request gets one error, nothing changes."""
-    from hwsync.trainer.api import SyncOptions, SyncPlan
     from hwsync.common.wire import Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
 
     before = base.remote.state()
     plan = SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB))
@@ -724,8 +750,14 @@ def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
     group = {"host": "127.0.0.1", "port": dead_port, "world_size": 2, "first_rank": 1}
 
     def sync_args(**over: Any) -> dict[str, Any]:
-        args = {"manifest": manifest, "group": group, "group_id": secret, "new_group_id": secret,
-                "data_key": secret, "timeout": 2.0}
+        args = {
+            "manifest": manifest,
+            "group": group,
+            "group_id": secret,
+            "new_group_id": secret,
+            "data_key": secret,
+            "timeout": 2.0,
+        }
         args.update(over)
         return {"op": "sync", "args": args}
 
@@ -751,8 +783,10 @@ def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
         "prepare garbage": {"op": "prepare", "args": {"manifest": {"version": 1}}},
         "describe garbage": {"op": "describe", "args": {"lora_paths": 5}},
         "fingerprints garbage": {"op": "fingerprints", "args": {"base": "x", "seed": "y"}},
-        "fingerprints of no such weight": {"op": "fingerprints",
-                                           "args": {"base": [["model.no_such.weight", [4, 4], "float32"]]}},
+        "fingerprints of no such weight": {
+            "op": "fingerprints",
+            "args": {"base": [["model.no_such.weight", [4, 4], "float32"]]},
+        },
     }
     for name, body in bodies.items():
         t0 = time.perf_counter()
@@ -762,14 +796,19 @@ def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
         assert refused, (name, rep)
         assert took < 30, (name, took)  # the server-side timeout cap holds whatever the client asks
         after = base.remote.state()
-        record("malformed requests (token holder)", refused=refused,
-               half=after["version"] != before["version"] or half_applied(base.llm, base.sig))
+        record(
+            "malformed requests (token holder)",
+            refused=refused,
+            half=after["version"] != before["version"] or half_applied(base.llm, base.sig),
+        )
     assert _call(channel, {"op": "state"})["ok"]  # the connection survived every refusal
     channel.close()
 
     # one of several engines (confirm): after its go it takes nothing but the trainer's commit or cancel
-    for name, then in {"anything but a commit": lambda ch: ch.send({"op": "state"}),
-                       "no commit (the trainer stalls)": lambda ch: None}.items():
+    for name, then in {
+        "anything but a commit": lambda ch: ch.send({"op": "state"}),
+        "no commit (the trainer stalls)": lambda ch: None,
+    }.items():
         channel = _authenticated(base.server.address)
         channel.send(sync_args(confirm=True))
         assert channel.recv()["result"]["go"], name
@@ -778,8 +817,11 @@ def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
             channel.recv()
         channel.close()
         after = base.remote.state()  # the engine's lock is free again, nothing was applied
-        record("malformed requests (token holder)", refused=True,
-               half=after["version"] != before["version"] or after["stale"] or half_applied(base.llm, base.sig))
+        record(
+            "malformed requests (token holder)",
+            refused=True,
+            half=after["version"] != before["version"] or after["stale"] or half_applied(base.llm, base.sig),
+        )
 
 
 # -- the data plane ----------------------------------------------------------------------------------------------------
@@ -826,18 +868,21 @@ def test_third_process_on_the_data_plane(base: Baseline, mode: str) -> None:
     applied."""
     remote = hwsync.connect(base.server.address, TOKEN, timeout_s=15)
     store = remote._rendezvous_store()
-    proc = subprocess.Popen([sys.executable, "-c", INTRUDER, remote.data_host, str(store.port), "20", mode],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTRUDER, remote.data_host, str(store.port), "20", mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "READY"
-    for attempt in range(2):
+    for _attempt in range(2):
         try:
             hwsync.sync(remote, base.model, strategy="full", bucket_mb=BUCKET_MB)
             refused = False
         except HwsyncError:
             refused = True
-        record("third process on the data plane", refused=refused,
-               half=half_applied(base.llm, base.sig), attack=False)
+        record("third process on the data plane", refused=refused, half=half_applied(base.llm, base.sig), attack=False)
         remote._drop_link()  # form the group again: the intruder gets another go at the rendezvous
     out = proc.communicate(timeout=60)[0]
     assert "STOLE" not in out, out  # it never got into the group
@@ -845,8 +890,9 @@ def test_third_process_on_the_data_plane(base: Baseline, mode: str) -> None:
     base.restore()
 
 
-def receive_in_thread(engine: Any, manifest: Any, spec: Any, key: bytes, *, daemon: bool = False
-                      ) -> tuple[threading.Thread, list[BaseException | None]]:
+def receive_in_thread(
+    engine: Any, manifest: Any, spec: Any, key: bytes, *, daemon: bool = False
+) -> tuple[threading.Thread, list[BaseException | None]]:
     """The engine's side of one sync over the data plane ``spec`` (data key ``key``), started in a thread; the list
     receives ``None`` or the error it ended with."""
     result: list[BaseException | None] = []
@@ -875,8 +921,15 @@ def _data_plane(tag: bytes, timeout_s: float) -> tuple[socket.socket, Any, Any]:
     from hwsync.common.transport.base import LinkSpec
 
     sock = socket.create_server(("127.0.0.1", 0))
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.fileno(), use_libuv=True, timeout=datetime.timedelta(seconds=20))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        sock.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+        use_libuv=True,
+        timeout=datetime.timedelta(seconds=20),
+    )
     return sock, store, LinkSpec("127.0.0.1", store.port, group_prefix(tag * 32), 2, timeout_s)
 
 
@@ -885,10 +938,10 @@ def _forge(base: Baseline, kind: str) -> bool:
     seal (the CPU link's rendezvous itself needs that key: ``test_the_data_plane_rendezvous_needs_the_token`` in
     ``tests/test_attacks_reliability.py``; here the link is joined with it, the buckets are still forged). True when
     the engine refused before any loader saw them."""
-    from hwsync.trainer.api import SyncOptions, SyncPlan
-    from hwsync.common.transport.buckets import TRAILER_BYTES, _HEAD
+    from hwsync.common.transport.buckets import _HEAD, TRAILER_BYTES
     from hwsync.common.transport.seal import Sealer
     from hwsync.common.wire import Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
 
     engine = hwsync.as_engine(base.llm)
     if kind == "bucket replayed as the next one":
@@ -916,8 +969,9 @@ def _forge(base: Baseline, kind: str) -> bool:
         buf = torch.zeros(size + TRAILER_BYTES, dtype=torch.uint8)
         from hwsync.common.transport.pack import pack
 
-        pack(buf, bucket.offsets, [tensors[i] for i in bucket.entries], [manifest.specs[i].dtype
-                                                                       for i in bucket.entries])
+        pack(
+            buf, bucket.offsets, [tensors[i] for i in bucket.entries], [manifest.specs[i].dtype for i in bucket.entries]
+        )
         status, index, v = 0x4F4B, bucket.index, version
         if kind == "wrong key":
             tag = Sealer(attacker_key).seal(buf[: bucket.nbytes], index, v)
@@ -939,7 +993,7 @@ def _forge(base: Baseline, kind: str) -> bool:
         else:  # pragma: no cover
             raise AssertionError(kind)
         head = _HEAD.pack(status, index, v) + tag
-        buf[size: size + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        buf[size : size + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
         try:
             link.broadcast(buf.to(link.device), 0).wait()
         except Exception:  # noqa: BLE001 - the engine left the group
@@ -957,8 +1011,8 @@ def _forge(base: Baseline, kind: str) -> bool:
 def test_a_peer_that_never_joins_the_data_plane_is_a_refused_sync(base: Baseline) -> None:
     """The control channel said "go" but nobody joins the data-plane group (a trainer that died, or a client that
     skips the GPU identity exchange): one SyncError after the link timeout, nothing applied, engine not stale."""
-    from hwsync.trainer.api import SyncOptions, SyncPlan
     from hwsync.common.wire import Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
 
     engine = hwsync.as_engine(base.llm)
     before = engine.state()
@@ -976,8 +1030,9 @@ def test_a_peer_that_never_joins_the_data_plane_is_a_refused_sync(base: Baseline
     record("nobody joins the data plane", refused=True, half=half_applied(base.llm, base.sig), attack=False)
 
 
-@pytest.mark.parametrize("kind", ["wrong key", "random tag", "forged abort", "out of step",
-                                  "bucket replayed as the next one"])
+@pytest.mark.parametrize(
+    "kind", ["wrong key", "random tag", "forged abort", "out of step", "bucket replayed as the next one"]
+)
 def test_forged_buckets_never_reach_a_loader(base: Baseline, kind: str) -> None:
     before = base.remote.state()
     refused = _forge(base, kind)
@@ -991,8 +1046,30 @@ def test_forged_buckets_never_reach_a_loader(base: Baseline, kind: str) -> None:
 
 
 # -- fuzzed manifests ------------------------------------------------------------------------------------------------
-_ODD = [None, True, False, -1, 0, 1, 2**63, -(2**63) - 1, 2**64, 1.5, float("nan"), "", "x", "float32", "lora",
-        "base", [], {}, [[]], {"a": 1}, "\u0000", "A" * 5000]
+_ODD = [
+    None,
+    True,
+    False,
+    -1,
+    0,
+    1,
+    2**63,
+    -(2**63) - 1,
+    2**64,
+    1.5,
+    float("nan"),
+    "",
+    "x",
+    "float32",
+    "lora",
+    "base",
+    [],
+    {},
+    [[]],
+    {"a": 1},
+    "\u0000",
+    "A" * 5000,
+]
 
 
 def _paths(node: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
@@ -1035,7 +1112,7 @@ def mutate(doc: Any, rng: random.Random) -> Any:
             parent[key], parent[j] = parent[j], parent[key]
         elif op == 5 and isinstance(value, str) and value:
             i = rng.randrange(len(value))
-            parent[key] = value[:i] + rng.choice("._0aZ/") + value[i + 1:]
+            parent[key] = value[:i] + rng.choice("._0aZ/") + value[i + 1 :]
         elif op == 6 and isinstance(parent, dict):
             parent[rng.choice(["extra", "kind", "specs2", "__class__"])] = rng.choice(_ODD)
         elif op == 7 and isinstance(value, list) and value:
@@ -1047,14 +1124,16 @@ def test_fuzzed_manifests(base: Baseline) -> None:
     """Seeded random mutations of real manifests (full and adapter syncs) and of their bytes: each is refused with
     one SyncError by ``Manifest.from_json`` or by the engine's validation, or is a valid manifest the engine
     prepares without writing anything."""
-    from hwsync.trainer.api import SyncOptions, SyncPlan
     from hwsync.common.wire import Manifest, Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
 
     engine = hwsync.as_engine(base.llm)
     lora = lora_trainer(base.path, ATTN)
     _perturb(lora, 1000)
-    plans = [SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB)),
-             SyncPlan.make(base.remote, lora, SyncOptions(Strategy.ADAPTER, 0.01))]
+    plans = [
+        SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB)),
+        SyncPlan.make(base.remote, lora, SyncOptions(Strategy.ADAPTER, 0.01)),
+    ]
     docs = [json.loads(p.manifest.to_json()) for p in plans]
     before = engine.state()
     for doc in docs:
@@ -1353,10 +1432,12 @@ def test_every_trainer_call_is_bounded_by_its_timeout(base: Baseline) -> None:
     remote = hwsync.connect(link.address, TOKEN, timeout_s=2)
     version = remote.state()["version"]
     link.frozen.set()
-    for what, call in (("state()", remote.state),
-                       ("sync", lambda: hwsync.sync(remote, base.model, strategy="full", bucket_mb=BUCKET_MB))):
+    for what, call in (
+        ("state()", remote.state),
+        ("sync", lambda: hwsync.sync(remote, base.model, strategy="full", bucket_mb=BUCKET_MB)),
+    ):
         outcome: list[BaseException | None] = []
-        thread = threading.Thread(target=lambda: outcome.append(_raises(call)), daemon=True)
+        thread = threading.Thread(target=lambda outcome=outcome, call=call: outcome.append(_raises(call)), daemon=True)
         t0 = time.perf_counter()
         thread.start()
         thread.join(30)
@@ -1391,8 +1472,9 @@ def _reset_declined(llm: Any, monkeypatch: pytest.MonkeyPatch, when: Any = None)
 
 
 @pytest.mark.parametrize("mode", ["server", "colocate"])
-def test_a_declined_cache_reset_leaves_the_engine_stale(base: Baseline, monkeypatch: pytest.MonkeyPatch,
-                                                        mode: str) -> None:
+def test_a_declined_cache_reset_leaves_the_engine_stale(
+    base: Baseline, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
     """The weights are written but vLLM declines the prefix-cache reset: cached KV of the old weights would mix into
     what the engine serves, so the sync fails with the engine marked stale (generation refused) until a sync
     completes with the reset."""
@@ -1405,8 +1487,9 @@ def test_a_declined_cache_reset_leaves_the_engine_stale(base: Baseline, monkeypa
     assert base.remote.state()["stale"]
     with pytest.raises(StaleEngineError, match="prefix cache"):
         hwsync.generate(base.llm, [{"prompt_token_ids": PROMPTS[0]}])
-    record("prefix-cache reset declined after the write", refused=True, half=half_applied(base.llm, base.sig),
-           attack=False)
+    record(
+        "prefix-cache reset declined after the write", refused=True, half=half_applied(base.llm, base.sig), attack=False
+    )
     monkeypatch.undo()
     base.restore()
 
@@ -1498,8 +1581,7 @@ def test_one_recorded_handshake_allows_no_fast_guessing(base: Baseline) -> None:
     sock.close()
     guesses, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < 1.0:
-        assert _mac(stretch(f"guess number {guesses:08d} of a dictionary", salt), "server-auth", nonce,
-                    mine) != proof
+        assert _mac(stretch(f"guess number {guesses:08d} of a dictionary", salt), "server-auth", nonce, mine) != proof
         guesses += 1
     assert _mac(stretch(TOKEN, salt), "server-auth", nonce, mine) == proof  # the right guess would match
     assert guesses < 200, guesses  # per second and core (HMAC-SHA256 alone: ~300k)
@@ -1510,8 +1592,10 @@ def test_weak_tokens_are_refused(base: Baseline) -> None:
     import subprocess as sp
 
     for weak in ("", "secret", "attack-suite token", "a" * 64, "abcabcabcabcabcabcabcabcabcabcabcab"):
-        for call in (lambda: hwsync.serve(base.llm, "127.0.0.1:0", weak),
-                     lambda: hwsync.connect(base.server.address, weak, timeout_s=5)):
+        for call in (
+            lambda weak=weak: hwsync.serve(base.llm, "127.0.0.1:0", weak),
+            lambda weak=weak: hwsync.connect(base.server.address, weak, timeout_s=5),
+        ):
             with pytest.raises(SyncError, match=r"too weak .*hwsync token.*secrets.token_urlsafe\(32\)"):
                 call()
             record("weak tokens", refused=True)
@@ -1552,8 +1636,10 @@ def test_swift_rollout_weight_routes_are_closed(base: Baseline) -> None:
     close_weight_routes(llm_engine, base.server.address)  # idempotent
     try:
         assert "init_communicator" not in SWIFT_WEIGHT_METHODS
-        calls = {"update_flattened_params": {"args": ([{"name": "x", "dtype": "torch.float32", "shape": [1]}],)},
-                 "process_weights_after_loading": {"args": ()}}
+        calls = {
+            "update_flattened_params": {"args": ([{"name": "x", "dtype": "torch.float32", "shape": [1]}],)},
+            "process_weights_after_loading": {"args": ()},
+        }
         assert set(calls) <= SWIFT_WEIGHT_METHODS
         for method, kwargs in calls.items():
             with pytest.raises(UnsupportedSetupError, match=f"weight route '{method}' is closed"):

@@ -6,6 +6,7 @@ the refused request in its scheduler, where every later step ran it again: the
 the ``lora_request`` a sync reported must say so and that a sync installs it again (vLLM would otherwise try to load
 ``hwsync-in-memory://...`` from the Hugging Face Hub).
 """
+
 from __future__ import annotations
 
 import threading
@@ -69,8 +70,9 @@ def _user_adapter(path: Path, out: Path, kind: str) -> Any:
 
 
 @pytest.mark.parametrize("kind", ["rank above max_lora_rank", "3-D experts on a 2-D wrapper", "no free slot"])
-def test_a_refused_user_adapter_does_not_break_hwsync(llm: Any, tiny_qwen3_moe_dir: Path, tmp_path: Path,
-                                                      kind: str) -> None:
+def test_a_refused_user_adapter_does_not_break_hwsync(
+    llm: Any, tiny_qwen3_moe_dir: Path, tmp_path: Path, kind: str
+) -> None:
     from vllm import SamplingParams
 
     lora = lora_trainer(tiny_qwen3_moe_dir, ATTN)
@@ -79,8 +81,7 @@ def test_a_refused_user_adapter_does_not_break_hwsync(llm: Any, tiny_qwen3_moe_d
     request = _user_adapter(tiny_qwen3_moe_dir, tmp_path / "user", kind)
     greedy = SamplingParams(max_tokens=3, temperature=0.0)
     with pytest.raises(Exception):  # noqa: B017 - vLLM's own error for the user's adapter
-        _bounded(lambda: llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy, lora_request=request,
-                                      use_tqdm=False))
+        _bounded(lambda: llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy, lora_request=request, use_tqdm=False))
     assert llm.llm_engine.get_num_unfinished_requests() == 0  # the refused request was not left behind
     for seed in (2, 3):  # later syncs, hwsync's generation and verification work as before
         perturb(lora, seed)
@@ -101,12 +102,18 @@ def test_an_evicted_adapter_says_so_and_a_sync_reinstalls_it(llm: Any, tiny_qwen
     assert llm.llm_engine.remove_lora(report.lora_request.lora_int_id)
     greedy = SamplingParams(max_tokens=3, temperature=0.0)
     with pytest.raises(SyncError, match="synced by hwsync and is no longer in the engine.*hwsync.sync"):
-        _bounded(lambda: llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy, lora_request=report.lora_request,
-                                      use_tqdm=False))
+        _bounded(
+            lambda: llm.generate(
+                [{"prompt_token_ids": PROMPTS[0]}], greedy, lora_request=report.lora_request, use_tqdm=False
+            )
+        )
     assert hwsync.as_engine(llm).state()["lora_int_id"] is None  # hwsync knows its adapter is gone
     perturb(lora, 5)
     again = _bounded(lambda: hwsync.sync(llm, lora, strategy="adapter"))
-    out = _bounded(lambda: llm.generate([{"prompt_token_ids": PROMPTS[0]}], greedy, lora_request=again.lora_request,
-                                        use_tqdm=False))
+    out = _bounded(
+        lambda: llm.generate(
+            [{"prompt_token_ids": PROMPTS[0]}], greedy, lora_request=again.lora_request, use_tqdm=False
+        )
+    )
     assert len(out) == 1
     _bounded(lambda: hwsync.verify(llm, lora, PROMPTS))

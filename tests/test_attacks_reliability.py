@@ -4,8 +4,10 @@ A token holder's oversized bucket, a prefix-cache reset that raises, non-finite 
 call and the smaller holes (a lone surrogate in a token, IPv6 loopback, empty and gapped manifests, huge control
 frames, a user's ``LoRARequest`` under hwsync's adapter id). Each test failed on the code before its fix.
 """
+
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -15,12 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from test_attacks import receive_in_thread  # the engine's side of a sync over a data plane, in a thread
 
 import hwsync
 from hwsync.common.errors import HwsyncError, StaleEngineError, SyncError
 from hwsync.testing import patched_llm
 from hwsync.testing.trainer import lora_trainer, perturb
-from test_attacks import receive_in_thread  # the engine's side of a sync over a data plane, in a thread
 
 pytestmark = pytest.mark.vllm
 
@@ -60,24 +62,38 @@ def _tokens(llm: Any) -> list[list[int]]:
     """Greedy tokens for :data:`PROMPTS` through hwsync (plain ``generate``: it reads vLLM's prefix cache)."""
     from vllm import SamplingParams
 
-    outs = hwsync.generate(llm, [{"prompt_token_ids": p} for p in PROMPTS],
-                           SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, detokenize=False))
+    outs = hwsync.generate(
+        llm,
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, detokenize=False),
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _logprobs(llm: Any) -> list[float]:
     from vllm import SamplingParams
 
-    outs = hwsync.generate(llm, [{"prompt_token_ids": p} for p in PROMPTS],
-                           SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, detokenize=False))
+    outs = hwsync.generate(
+        llm,
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, detokenize=False),
+    )
     return [next(iter(lp.values())).logprob for o in outs for lp in o.outputs[0].logprobs]
 
 
 # -- 2. a prefix-cache reset that raises ----------------------------------------------------------------------------
-@pytest.mark.parametrize("mode,raised", [("colocate", RuntimeError), ("colocate", KeyboardInterrupt),
-                                         ("server", RuntimeError)])
-def test_a_reset_that_raises_leaves_the_engine_stale(llm: Any, remote: Any, model: Any, tiny_qwen3_moe_dir: Path,
-                                                     mode: str, raised: type, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "mode,raised", [("colocate", RuntimeError), ("colocate", KeyboardInterrupt), ("server", RuntimeError)]
+)
+def test_a_reset_that_raises_leaves_the_engine_stale(
+    llm: Any,
+    remote: Any,
+    model: Any,
+    tiny_qwen3_moe_dir: Path,
+    mode: str,
+    raised: type,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """vLLM's ``reset_prefix_cache`` raises on its first call (a ``RuntimeError``, a Ctrl-C landing there) after
     the weights were written: the sync raises that error and the engine is stale (it reported ``stale=False`` and
     served the new weights over the old weights' cached KV)."""
@@ -119,15 +135,22 @@ def _own_data_plane(timeout_s: float) -> tuple[socket.socket, Any, Any]:
     from hwsync.common.transport.base import LinkSpec
 
     sock = socket.create_server(("127.0.0.1", 0))
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.fileno(), use_libuv=True, timeout=datetime.timedelta(seconds=20))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        sock.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+        use_libuv=True,
+        timeout=datetime.timedelta(seconds=20),
+    )
     return sock, store, LinkSpec("127.0.0.1", store.port, group_prefix(secrets.token_bytes(32)), 2, timeout_s)
 
 
 def _engine_receives(llm: Any, model: Any, spec: Any, key: bytes) -> tuple[Any, threading.Thread, list[Any]]:
     """The engine's side of one sync of ``model`` over ``spec`` (data key ``key``), in a thread."""
-    from hwsync.trainer.api import SyncOptions, SyncPlan
     from hwsync.common.wire import Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
 
     engine = hwsync.as_engine(llm)
     plan = SyncPlan.make(engine, model, SyncOptions(Strategy.FULL, BUCKET_MB))
@@ -156,10 +179,8 @@ def test_a_bucket_of_another_size_is_refused_not_a_crash(llm: Any, model: Any, e
 
         link._peers[0].sendall(_LEN.pack(size + extra))
     else:
-        try:
+        with contextlib.suppress(OSError):  # the engine closed the connection before taking the whole frame
             link.broadcast(torch.zeros(size + extra, dtype=torch.uint8), 0).wait()
-        except OSError:
-            pass  # the engine closed the connection before taking the whole frame
     thread.join(30)
     link.close()
     sock.close()
@@ -195,14 +216,16 @@ def _poisoned(path: Path, value: float) -> Any:
     m = lora_trainer(path)
     perturb(m, 100, base=True, lora_scale=0.2, base_scale=0.05)
     with torch.no_grad():
-        dict(m.named_parameters())[next(n for n, _ in m.named_parameters()
-                                        if "layers.0." in n and "v_proj" in n and "lora" not in n)].fill_(value)
+        dict(m.named_parameters())[
+            next(n for n, _ in m.named_parameters() if "layers.0." in n and "v_proj" in n and "lora" not in n)
+        ].fill_(value)
     return m
 
 
 @pytest.mark.parametrize("mode,value", [("colocate", float("nan")), ("server", float("inf"))])
-def test_non_finite_weights_are_never_served(llm: Any, remote: Any, model: Any, tiny_qwen3_moe_dir: Path,
-                                             mode: str, value: float) -> None:
+def test_non_finite_weights_are_never_served(
+    llm: Any, remote: Any, model: Any, tiny_qwen3_moe_dir: Path, mode: str, value: float
+) -> None:
     """A diverged step (layer 0's ``v_proj`` NaN or +Inf) is refused: the engine is stale, serves nothing of it,
     and the next complete sync serves exactly what the good weights served before (the NaN used to linger in reused
     KV blocks for a few calls)."""
@@ -220,8 +243,9 @@ def test_non_finite_weights_are_never_served(llm: Any, remote: Any, model: Any, 
         assert _logprobs(llm) == pytest.approx(good[1], abs=1e-5)
 
 
-def test_nan_weights_poison_reused_kv_blocks(llm: Any, model: Any, tiny_qwen3_moe_dir: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nan_weights_poison_reused_kv_blocks(
+    llm: Any, model: Any, tiny_qwen3_moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Why NaN outlived the next complete sync (the check turned off to see it): after serving NaN weights and a
     complete good sync, outputs differ from the good weights' until the KV cache tensors are zeroed -- the reset
     frees the blocks, their stale NaN stays and reaches attention; zeroed, the outputs are right at once."""
@@ -299,8 +323,8 @@ def test_ipv6_loopback_is_loopback(llm: Any, caplog: pytest.LogCaptureFixture) -
 def test_empty_and_gapped_manifests_are_refused(llm: Any, model: Any) -> None:
     import json
 
-    from hwsync.trainer.api import SyncOptions, SyncPlan
     from hwsync.common.wire import Manifest, Strategy
+    from hwsync.trainer.api import SyncOptions, SyncPlan
 
     plan = SyncPlan.make(hwsync.as_engine(llm), model, SyncOptions(Strategy.FULL, BUCKET_MB))
     doc = json.loads(plan.manifest.to_json())
@@ -319,7 +343,7 @@ def test_huge_control_frames_are_admitted_one_budget_at_a_time(server: Any) -> N
     """Authenticated peers start control frames near the 256 MB limit at once: the first is admitted (its size
     reserved before it is read), the others are refused unread and their connections dropped (three such frames
     used to take the server to 1.66 GB)."""
-    from hwsync.common.protocol import MAX_FRAME, _LEN, client_handshake
+    from hwsync.common.protocol import _LEN, MAX_FRAME, client_handshake
 
     socks = []
     for _ in range(3):
@@ -341,8 +365,9 @@ def test_huge_control_frames_are_admitted_one_budget_at_a_time(server: Any) -> N
     assert closed == [False, True, True], closed
 
 
-def test_a_user_adapter_under_hwsyncs_id_is_refused(llm: Any, model: Any, tiny_qwen3_moe_dir: Path,
-                                                    tmp_path: Path) -> None:
+def test_a_user_adapter_under_hwsyncs_id_is_refused(
+    llm: Any, model: Any, tiny_qwen3_moe_dir: Path, tmp_path: Path
+) -> None:
     """A user's ``LoRARequest`` with hwsync's adapter id (26739) was served hwsync's adapter silently; now one
     error names the fix, and hwsync's own generation still works."""
     from vllm import SamplingParams
@@ -356,7 +381,8 @@ def test_a_user_adapter_under_hwsyncs_id_is_refused(llm: Any, model: Any, tiny_q
     lora.save_pretrained(tmp_path / "mine")
     mine = LoRARequest("mine", LORA_INT_ID, str(tmp_path / "mine"))
     with pytest.raises(Exception, match="another lora_int_id"):
-        llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2), lora_request=mine,
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=2), lora_request=mine, use_tqdm=False
+        )
     assert _tokens(llm)
     hwsync.sync(llm, model, strategy="full", bucket_mb=BUCKET_MB)

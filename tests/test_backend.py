@@ -1,4 +1,5 @@
 """Backend registry and the device surface, on whatever hardware this machine has."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -37,7 +38,10 @@ def _no_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_builtin_backends_are_known_with_their_dist_backends() -> None:
     known = known_backends()
     assert {n: (b.device_type, b.dist_backend) for n, b in known.items() if n in ("cpu", "cuda", "npu")} == {
-        "cpu": ("cpu", "gloo"), "cuda": ("cuda", "nccl"), "npu": ("npu", "hccl")}
+        "cpu": ("cpu", "gloo"),
+        "cuda": ("cuda", "nccl"),
+        "npu": ("npu", "hccl"),
+    }
     assert known["npu"].priority > known["cuda"].priority > known["cpu"].priority
 
 
@@ -153,13 +157,15 @@ def test_register_backend_rejects_non_backends() -> None:
 @pytest.fixture
 def plugin_dist(tmp_path: Path) -> Iterator[Path]:
     """A real installed distribution declaring two hwsync.backends entry points (one broken)."""
-    (tmp_path / "hwsync_plugin_test.py").write_text(textwrap.dedent("""
+    (tmp_path / "hwsync_plugin_test.py").write_text(
+        textwrap.dedent("""
         from hwsync.common.cpu import CpuBackend
 
         class PluginBackend(CpuBackend):
             name = "plugin-test"
             priority = -5
-    """))
+    """)
+    )
     info = tmp_path / "hwsync_plugin_test-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hwsync-plugin-test\nVersion: 0.1\n")

@@ -1,5 +1,6 @@
 """``benchmarks/bench_sleep.py`` outside CUDA: its arguments parse (the lead's H200 command line included), and on a
 machine without CUDA it refuses with the reason (vLLM's CPU build has no sleep mode) instead of measuring nothing."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,8 +18,13 @@ def test_h200_command_line_parses() -> None:
     from bench_sleep import parse
 
     args = parse(["--shapes", "qwen3-30b-a3b", "--layers", "48", "--rank", "32", "--json", "OUT"])
-    assert (args.shapes, args.layers, args.rank, args.json, args.strategies) == ("qwen3-30b-a3b", 48, 32, "OUT",
-                                                                                  "full,adapter")
+    assert (args.shapes, args.layers, args.rank, args.json, args.strategies) == (
+        "qwen3-30b-a3b",
+        48,
+        32,
+        "OUT",
+        "full,adapter",
+    )
     with pytest.raises(SystemExit):
         parse(["--strategies", "full,merged"])
 
@@ -26,7 +32,12 @@ def test_h200_command_line_parses() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU path")
 def test_refuses_without_cuda(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_sleep.py"), "--layers", "1", "--json",
-                          str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_sleep.py"), "--layers", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "no sleep mode" in run.stderr and not out.exists()

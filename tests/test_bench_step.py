@@ -5,6 +5,7 @@ alarm, every phase timed. ``benchmarks/verify_depth.py`` (CPU fp32, where vLLM c
 engine's residual stream equals the trainer's layer by layer to fp32 rounding and every token is routed to the same
 experts -- no semantic difference between vLLM's and transformers' Qwen3-MoE for the check to mistake for numerics.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(script: str, *args: str, timeout: int = 900) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
 

@@ -3,6 +3,7 @@ build, colocated and in server mode (a second engine process), every strategy. T
 synced engine differs from vLLM's own loading of the same weights (or a served engine from the colocated one); its
 timings are printed, never asserted (docs/performance.md has the GPU tables). In the GPU job it runs beside other
 modules: a fixed KV budget (no start-up profiling), server mode only with a second GPU, bf16 (no transformers gate)."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,25 @@ def test_bench_sync_is_exact_colocated_and_served(tmp_path: Path) -> None:
     server = on_cpu() or torch.cuda.device_count() >= 2  # one GPU: the served engine would share the trainer's GPU
     env = dict(os.environ) if on_cpu() else {**os.environ, "BENCH_KV_BYTES": str(256 << 20), "BENCH_GPU_BLOCKS": "64"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_sync.py"), "--layers", "2", "--syncs", "2", "--warmup", "1",
-         *(["--server"] if server else []), "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_sync.py"),
+            "--layers",
+            "2",
+            "--syncs",
+            "2",
+            "--warmup",
+            "1",
+            *(["--server"] if server else []),
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     tables = json.loads(out.read_text())
     assert [r["strategy"] for r in tables["colocate"]] == ["full", "adapter", "hybrid"]

@@ -4,6 +4,7 @@ The transport follows ``hwsync.common.backend.get_backend()``: gloo on a CPU mac
 two or more GPUs — the module runs unchanged on both. Two ranks are spawned once per module; every
 case runs on both ranks and reports back, and each case is one pytest test below.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -56,8 +57,9 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(raw(got), raw(want)), "received data differs from the source's"
 
 
-def prepare(ctx: Any, shape: tuple[int, ...], dtype: torch.dtype, src: int, seed: int,
-            device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare(
+    ctx: Any, shape: tuple[int, ...], dtype: torch.dtype, src: int, seed: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tensor to pass, expected result): src holds the data, receivers start from other data."""
     want = pattern(shape, dtype, seed)
     start = want.clone() if ctx.rank == src else pattern(shape, dtype, seed + 1000)
@@ -114,8 +116,19 @@ def case(name: str) -> Callable[[Callable[[Any], str | None]], Callable[[Any], s
     return register
 
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
-          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+]
 if hasattr(torch, "float8_e4m3fn"):
     DTYPES.append(torch.float8_e4m3fn)
 
@@ -194,6 +207,7 @@ def _(ctx: Any) -> None:
 
 def _in_worker_thread(ctx: Any, fn: Callable[[], Any]) -> Any:
     """Run ``fn`` in a fresh thread-pool worker, checking it did not inherit the current device."""
+
     def body() -> Any:
         if ctx.device.type != "cpu" and ctx.device.index != 0:
             # Precondition that makes the case meaningful: the worker starts on device 0.
@@ -268,8 +282,16 @@ def _(ctx: Any) -> None:
 
 
 def _mixed_tensors(ctx: Any, src: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    specs = [((17,), torch.bfloat16), ((), torch.float32), ((0, 4), torch.float16), ((3, 5), torch.bool),
-             ((9,), torch.int8), ((2, 2, 2), torch.float64), ((40, 3), torch.int64), ((1,), torch.uint8)]
+    specs = [
+        ((17,), torch.bfloat16),
+        ((), torch.float32),
+        ((0, 4), torch.float16),
+        ((3, 5), torch.bool),
+        ((9,), torch.int8),
+        ((2, 2, 2), torch.float64),
+        ((40, 3), torch.int64),
+        ((1,), torch.uint8),
+    ]
     got, want = [], []
     for i in range(60):
         shape, dtype = specs[i % len(specs)]
@@ -345,8 +367,14 @@ def _worker(rank: int, backend_name: str, init_file: str, out_dir: str) -> None:
     if device.type != "cpu":
         torch.get_device_module(device.type).set_device(device)
         kwargs["device_id"] = device
-    dist.init_process_group(backend.dist_backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=120), **kwargs)
+    dist.init_process_group(
+        backend.dist_backend,
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
+        **kwargs,
+    )
     group = dist.new_group(list(range(WORLD)), backend=backend.dist_backend)
     ctx = SimpleNamespace(rank=rank, device=device, backend=backend, group=group)
     results: dict[str, str] = {}
@@ -367,8 +395,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, str]]:
     if backend.device_type != "cpu" and backend.device_count() < WORLD:
         pytest.skip(f"{backend.name}: needs {WORLD} devices for {backend.dist_backend}, found {backend.device_count()}")
     tmp = tmp_path_factory.mktemp("broadcast")
-    ctx = mp.start_processes(_worker, args=(backend.name, str(tmp / "store"), str(tmp)), nprocs=WORLD,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker, args=(backend.name, str(tmp / "store"), str(tmp)), nprocs=WORLD, join=False, start_method="spawn"
+    )
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=SPAWN_TIMEOUT_S)
     try:
         while not ctx.join(timeout=5):

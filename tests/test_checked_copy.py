@@ -1,8 +1,9 @@
-"""The copy that checks as it copies (:mod:`hwsync.common.cuda.checked_copy`, used by :mod:`hwsync.common.finite` inside a
-receive): same bytes as ``copy_``, NaN and +-Inf found in any block, the rest left to the separate reduction.
+"""The copy that checks as it copies (:mod:`hwsync.common.cuda.checked_copy`, used by :mod:`hwsync.common.finite` inside
+a receive): same bytes as ``copy_``, NaN and +-Inf found in any block, the rest left to the separate reduction.
 
 CUDA only (the kernel is Triton's); on CPU the receiver's reduction path is what tests/test_attacks_reliability.py
 runs."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the checking co
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
-def test_checking_copy_writes_the_same_bytes_and_finds_non_finite(dtype: torch.dtype, bad: float | None,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checking_copy_writes_the_same_bytes_and_finds_non_finite(
+    dtype: torch.dtype, bad: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(checked_copy, "MIN_BYTES", 0)  # every size through the kernel (its masks and tails)
     srcs = [torch.randn(n, device="cuda").to(dtype) for n in (1, 4095, 4096, 4097, 3 * 4096 + 5, 1 << 20)]
     if bad is not None:

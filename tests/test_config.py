@@ -1,6 +1,7 @@
 """One home for hwsync's environment variables (:mod:`hwsync.common.config`): every ``HWSYNC_*`` name the package
 spells is registered there with its default and meaning, the integrations' options are among them, the page
 docs/configuration.md lists each, and a bad value fails naming the variable."""
+
 from __future__ import annotations
 
 import re

@@ -1,5 +1,6 @@
-"""Docs as reference (issue 41): README <= 8 KB, docs/performance.md <= 15 KB, no line over 200 characters in the README,
-docs/*.md and hwsync/patches/README.md (a failure names file:line)."""
+"""Docs as reference (issue 41): README <= 8 KB, docs/performance.md <= 15 KB, no line over 200 characters in the
+README, docs/*.md and hwsync/patches/README.md (a failure names file:line)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,9 +10,18 @@ MAX_LINE = 200
 # Files whose wide table rows are not cut yet: generated tables (docs/families.md, docs/lora-configs.md: shorten in
 # their generators), the patch ledger (tests/test_patches.py parses its rows), docs/architecture.md (rewritten by the
 # module move) and hand-made tables. Each entry must still have a long line: fix a file, then drop it from here.
-PENDING = {"docs/ascend.md", "docs/families.md", "docs/lora-configs.md", "docs/runs.md",
-           "docs/security.md", "docs/sharded.md", "docs/trl.md", "docs/verify.md", "docs/weight-transfer.md",
-           "hwsync/patches/README.md"}
+PENDING = {
+    "docs/ascend.md",
+    "docs/families.md",
+    "docs/lora-configs.md",
+    "docs/runs.md",
+    "docs/security.md",
+    "docs/sharded.md",
+    "docs/trl.md",
+    "docs/verify.md",
+    "docs/weight-transfer.md",
+    "hwsync/patches/README.md",
+}
 WHOLE_FILE: set[str] = set()  # files skipped whole (none)
 
 
@@ -36,8 +46,9 @@ def _long(path: Path, tables: bool) -> list[str]:
 
 def test_no_line_over_200_characters() -> None:
     bad = [hit for p in _docs() for hit in _long(p, tables=str(p.relative_to(ROOT)) not in PENDING)]
-    assert not bad, "lines over 200 characters (rewrap prose; shorten table cells, detail under the table):\n" + \
-        "\n".join(bad)
+    assert not bad, (
+        "lines over 200 characters (rewrap prose; shorten table cells, detail under the table):\n" + "\n".join(bad)
+    )
 
 
 def test_pending_list_only_names_files_still_pending() -> None:
@@ -49,4 +60,6 @@ def test_readme_and_performance_sizes() -> None:
     readme = (ROOT / "README.md").stat().st_size
     perf = (ROOT / "docs" / "performance.md").stat().st_size
     assert readme <= 8 * 1000, f"README.md is {readme} bytes (<= 8 KB: a product page; detail in docs/)"
-    assert perf <= 15 * 1000, f"docs/performance.md is {perf} bytes (<= 15 KB: latest numbers by topic; history in runs.md)"
+    assert perf <= 15 * 1000, (
+        f"docs/performance.md is {perf} bytes (<= 15 KB: latest numbers by topic; history in runs.md)"
+    )

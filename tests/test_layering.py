@@ -15,6 +15,7 @@ so a new file is under the rules by where it is put. No cycles, among modules or
 
 Fails on an import cycle and on an import across a boundary; each failure names the importing file and line.
 """
+
 from __future__ import annotations
 
 import ast
@@ -42,16 +43,16 @@ VLLM_IMPORTERS = {
     "hwsync.engine.vllm": "everything hwsync does inside vLLM",
     "hwsync.patches": "each patch's target is an upstream library, vLLM's for most",
     "hwsync.common.capabilities": "probes the installed vLLM without an engine (version range, MoE-LoRA kernels) for "
-                                  "`hwsync doctor` and the version check",
+    "`hwsync doctor` and the version check",
     "hwsync.common.target": "the handle's `lora_request` builds vLLM's LoRARequest where vLLM is importable (the "
-                            "report carries it in both modes; a trainer without vLLM gets None)",
+    "report carries it in both modes; a trainer without vLLM gets None)",
     "hwsync.engine.names.namespace": "reads vLLM's own reload helpers to name what a layer's loader accepts",
     "hwsync.integrations.swift._engine_view": "the view on the vLLM engine ms-swift's rollout builds",
     "hwsync.testing": "builds real vLLM engines and references for the tests",
     "hwsync.engine.served": "the engine host inside vLLM's own API server (`vllm serve`, `trl vllm-serve`): vLLM's "
-                            "async engine client, its sampling parameters and LoRA registry",
+    "async engine client, its sampling parameters and LoRA registry",
     "hwsync.trainer.verify": "folds the LoRA scaling with vLLM's own LoRALayerWeights.optimize, so the adapter-content "
-                             "check compares with what vLLM's own loading would hold (where vLLM is importable)",
+    "check compares with what vLLM's own loading would hold (where vLLM is importable)",
 }
 """Who may import ``vllm`` / ``vllm_ascend``, and why (docs/architecture.md lists the same)."""
 
@@ -64,11 +65,16 @@ LIBRARY_OWNERS = {
 patch of it)."""
 
 TRANSPORT_MAY_IMPORT = ("hwsync.common.transport", "hwsync.common.wire", "hwsync.common.errors")
-PATCHES_MAY_IMPORT = ("hwsync.patches", "hwsync.common.errors", "hwsync.common.quiet", "hwsync.common.config",
-                      "hwsync.common.npu.ascend_layouts")
+PATCHES_MAY_IMPORT = (
+    "hwsync.patches",
+    "hwsync.common.errors",
+    "hwsync.common.quiet",
+    "hwsync.common.config",
+    "hwsync.common.npu.ascend_layouts",
+)
 """Patches stay leaves: they fix upstream code and call none of hwsync's sync machinery (a probe's upstream import is
-quieted by hwsync.common.quiet, HWSYNC_DISABLE_PATCHES read through hwsync.common.config; the vllm_ascend patch writes vllm-ascend's processed expert layout, which lives with
-the NPU backend)."""
+quieted by hwsync.common.quiet, HWSYNC_DISABLE_PATCHES read through hwsync.common.config; the vllm_ascend patch
+writes vllm-ascend's processed expert layout, which lives with the NPU backend)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,8 @@ def _targets(module: str, file: Path, node: ast.Import | ast.ImportFrom) -> Iter
 
 
 def _known(target: str) -> str:
-    """The hwsync module a dotted name lives in (``hwsync.common.wire.Manifest`` -> ``hwsync.common.wire``); others as they are."""
+    """The hwsync module a dotted name lives in (``hwsync.common.wire.Manifest`` -> ``hwsync.common.wire``); others as
+    they are."""
     t = target
     while t.startswith("hwsync") and t not in MODULES and "." in t:
         t = t.rpartition(".")[0]
@@ -126,8 +133,10 @@ def _imports() -> list[Import]:
         def walk(node: ast.AST, in_function: bool, module: str = module, file: Path = file) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
-                    out.extend(Import(module, _known(t), file, child.lineno, in_function)
-                               for t in _targets(module, file, child))
+                    out.extend(
+                        Import(module, _known(t), file, child.lineno, in_function)
+                        for t in _targets(module, file, child)
+                    )
                 walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
         walk(tree, False)
@@ -185,8 +194,9 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _report(bad: list[Import], rule: str) -> str:
-    return f"{len(bad)} import(s) break the rule '{rule}' (docs/architecture.md, Import direction):\n" + \
-        "\n".join(f"  {i}" for i in bad)
+    return f"{len(bad)} import(s) break the rule '{rule}' (docs/architecture.md, Import direction):\n" + "\n".join(
+        f"  {i}" for i in bad
+    )
 
 
 def test_the_graph_is_read() -> None:
@@ -206,8 +216,12 @@ def test_no_import_cycles() -> None:
     detail = []
     for c in cycles:
         members = set(c)
-        detail.append(f"  {len(c)} modules: " + ", ".join(c) + "\n" + "\n".join(
-            f"    {i}" for i in IMPORTS if i.source in members and i.target in members))
+        detail.append(
+            f"  {len(c)} modules: "
+            + ", ".join(c)
+            + "\n"
+            + "\n".join(f"    {i}" for i in IMPORTS if i.source in members and i.target in members)
+        )
     assert not cycles, "import cycles (module level and inside functions):\n" + "\n".join(detail)
 
 
@@ -229,8 +243,11 @@ def _folder(module: str) -> str:
 def _house_folder(module: str) -> str:
     """The folder of hwsync's top level a module sits in (``hwsync.engine``, ``hwsync.testing``), or ``hwsync``."""
     parts = module.split(".")
-    return ".".join(parts[:2]) if len(parts) > 1 and MODULES.get(".".join(parts[:2]), Path()).name == "__init__.py" \
+    return (
+        ".".join(parts[:2])
+        if len(parts) > 1 and MODULES.get(".".join(parts[:2]), Path()).name == "__init__.py"
         else "hwsync"
+    )
 
 
 def _hwsync_imports() -> list[Import]:
@@ -240,10 +257,15 @@ def _hwsync_imports() -> list[Import]:
 def test_every_module_sits_in_a_layer_folder_or_is_an_entry_or_a_face() -> None:
     """hwsync's top level holds the layer folders, the entry modules (``ENTRY_MODULES``) and the public faces only,
     so no new module escapes the layer rules by sitting at the top."""
-    stray = sorted(m for m in MODULES if _layer(m) == TOP and m != "hwsync"
-                   and m.split(".")[1] not in ENTRY_MODULES and not _within(m, PUBLIC_FACES))
-    assert not stray, f"modules outside hwsync's layer folders ({', '.join(LAYERS)}): {stray}; put each in the " \
-                      "folder of the process that runs it (docs/architecture.md, Where things live)"
+    stray = sorted(
+        m
+        for m in MODULES
+        if _layer(m) == TOP and m != "hwsync" and m.split(".")[1] not in ENTRY_MODULES and not _within(m, PUBLIC_FACES)
+    )
+    assert not stray, (
+        f"modules outside hwsync's layer folders ({', '.join(LAYERS)}): {stray}; put each in the "
+        "folder of the process that runs it (docs/architecture.md, Where things live)"
+    )
     assert all(f in MODULES for f in PUBLIC_FACES)
 
 
@@ -252,15 +274,20 @@ def test_no_import_runs_up_the_layers() -> None:
     integrations < the top level)."""
     bad = [i for i in _hwsync_imports() if _layer(i.target) > _layer(i.source)]
     detail = "\n".join(f"  {i} [{_layer_name(i.source)} -> {_layer_name(i.target)}]" for i in bad)
-    assert not bad, f"{len(bad)} import(s) run up the layers {' < '.join(LAYERS)} < top level " \
-                    f"(docs/architecture.md, Import direction):\n{detail}"
+    assert not bad, (
+        f"{len(bad)} import(s) run up the layers {' < '.join(LAYERS)} < top level "
+        f"(docs/architecture.md, Import direction):\n{detail}"
+    )
 
 
 def test_the_engine_never_imports_the_trainer() -> None:
     """What runs in the engine's processes loads nothing of the trainer's (``vllm serve`` and every vLLM worker
     import ``engine/``)."""
-    bad = [i for i in _hwsync_imports() if _within(i.source, ("hwsync.engine",))
-           and _within(i.target, ("hwsync.trainer", "hwsync.integrations"))]
+    bad = [
+        i
+        for i in _hwsync_imports()
+        if _within(i.source, ("hwsync.engine",)) and _within(i.target, ("hwsync.trainer", "hwsync.integrations"))
+    ]
     assert not bad, _report(bad, "engine/ never imports trainer/ (nor integrations/)")
 
 
@@ -278,9 +305,16 @@ def test_no_folder_cycles() -> None:
     detail = []
     for c in cycles:
         members = set(c)
-        detail.append(f"  {', '.join(c)}\n" + "\n".join(
-            f"    {i}" for i in _hwsync_imports() if _house_folder(i.source) in members
-            and _house_folder(i.target) in members and _house_folder(i.source) != _house_folder(i.target)))
+        detail.append(
+            f"  {', '.join(c)}\n"
+            + "\n".join(
+                f"    {i}"
+                for i in _hwsync_imports()
+                if _house_folder(i.source) in members
+                and _house_folder(i.target) in members
+                and _house_folder(i.source) != _house_folder(i.target)
+            )
+        )
     assert not cycles, "folder cycles:\n" + "\n".join(detail)
 
 
@@ -306,34 +340,58 @@ def test_public_faces_only_re_export() -> None:
     for face in PUBLIC_FACES:
         tree = ast.parse(MODULES[face].read_text())
         for k, node in enumerate(tree.body):
-            docstring = k == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+            docstring = (
+                k == 0
+                and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant)
                 and isinstance(node.value.value, str)
+            )
             all_ = isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
-            imports = isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hwsync.") \
+            imports = (
+                isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("hwsync.")
                 and _layer(node.module or "") < TOP
+            )
             if not (docstring or all_ or imports):
                 bad.append(f"{MODULES[face].relative_to(ROOT)}:{node.lineno} {type(node).__name__}")
-    assert not bad, "public faces hold something besides a docstring, imports from the layer folders and " \
-                    "__all__:\n  " + "\n  ".join(bad)
+    assert not bad, (
+        "public faces hold something besides a docstring, imports from the layer folders and "
+        "__all__:\n  " + "\n  ".join(bad)
+    )
 
 
 def test_only_the_vllm_package_and_the_listed_modules_import_vllm() -> None:
-    bad = [i for i in IMPORTS if i.target.split(".")[0] in ("vllm", "vllm_ascend")
-           and not _within(i.source, list(VLLM_IMPORTERS))]
+    bad = [
+        i
+        for i in IMPORTS
+        if i.target.split(".")[0] in ("vllm", "vllm_ascend") and not _within(i.source, list(VLLM_IMPORTERS))
+    ]
     assert not bad, _report(bad, "only hwsync/engine/vllm/ and the modules listed with their reason import vLLM")
 
 
 def test_device_and_framework_libraries_stay_in_their_folder() -> None:
-    bad = [i for i in IMPORTS if i.target.split(".")[0] in LIBRARY_OWNERS
-           and not _within(i.source, LIBRARY_OWNERS[i.target.split(".")[0]])]
-    assert not bad, _report(bad, "a device library only in its backend's folder, a trainer framework only in its "
-                                 "integration package")
+    bad = [
+        i
+        for i in IMPORTS
+        if i.target.split(".")[0] in LIBRARY_OWNERS and not _within(i.source, LIBRARY_OWNERS[i.target.split(".")[0]])
+    ]
+    assert not bad, _report(
+        bad, "a device library only in its backend's folder, a trainer framework only in its integration package"
+    )
 
 
 def test_transport_and_patches_are_leaves() -> None:
-    bad = [i for i in IMPORTS if i.target.startswith("hwsync") and (
-        _within(i.source, ("hwsync.common.transport",)) and not _within(i.target, TRANSPORT_MAY_IMPORT)
-        or _within(i.source, ("hwsync.patches",)) and not _within(i.target, PATCHES_MAY_IMPORT))]
+    bad = [
+        i
+        for i in IMPORTS
+        if i.target.startswith("hwsync")
+        and (
+            _within(i.source, ("hwsync.common.transport",))
+            and not _within(i.target, TRANSPORT_MAY_IMPORT)
+            or _within(i.source, ("hwsync.patches",))
+            and not _within(i.target, PATCHES_MAY_IMPORT)
+        )
+    ]
     assert not bad, _report(bad, "transport imports only wire and errors; patches import no sync code")
 
 
@@ -356,8 +414,9 @@ def test_no_private_names_across_modules() -> None:
         for node in ast.walk(ast.parse(file.read_text(), str(file))):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            base = next(_targets(module, file, ast.ImportFrom(module=node.module, names=[ast.alias("_")],
-                                                            level=node.level)))
+            base = next(
+                _targets(module, file, ast.ImportFrom(module=node.module, names=[ast.alias("_")], level=node.level))
+            )
             if _known(base) not in MODULES or _known(base) == module:
                 continue
             for a in node.names:

@@ -1,4 +1,5 @@
 """Expert layouts: exact round trips, in-place writes, vLLM loader semantics, refusals."""
+
 from __future__ import annotations
 
 import itertools
@@ -72,7 +73,9 @@ def rank_shardings(e: int, tp: int, ep: int, placement: str, seed: int = 0) -> l
                 emap[g] = loc
             out.append(ExpertSharding(e, tp, t, ep, r, tuple(emap)))
         else:
-            out.append(ExpertSharding.with_placement(e, ep_size=ep, ep_rank=r, placement=placement, tp_size=tp, tp_rank=t))
+            out.append(
+                ExpertSharding.with_placement(e, ep_size=ep, ep_rank=r, placement=placement, tp_size=tp, tp_rank=t)
+            )
     return out
 
 
@@ -86,7 +89,9 @@ def _shapes(rng: random.Random) -> list[tuple[int, int, int]]:
 @pytest.mark.parametrize("layout", [PRE, PROC])
 def test_round_trip_all_ranks_bit_identical(dtype: torch.dtype, layout: ExpertLayout) -> None:
     rng = random.Random(0)
-    for (e, i, h), tp, ep, placement in itertools.product(_shapes(rng), (1, 2, 4), (1, 2), ("linear", "round_robin", "random")):
+    for (e, i, h), tp, ep, placement in itertools.product(
+        _shapes(rng), (1, 2, 4), (1, 2), ("linear", "round_robin", "random")
+    ):
         if ep > e:
             continue
         gen = torch.Generator().manual_seed(e * 1000 + i * 10 + h)
@@ -109,8 +114,16 @@ def test_hf_per_expert_round_trip_and_transformers_convention(tmp_path) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
     )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg)
@@ -129,7 +142,9 @@ def test_hf_per_expert_round_trip_and_transformers_convention(tmp_path) -> None:
     gu2, dn2 = fuse_experts(list(g.unbind()), list(u.unbind()), list(d.unbind()))
     assert torch.equal(gu2, gu) and torch.equal(dn2, dn)
     with pytest.raises(LayoutError, match="missing"):
-        fused_from_hf_expert_weights({k: v for k, v in saved.items() if "experts.2.up_proj" not in k}, "model.layers.0.mlp.experts")
+        fused_from_hf_expert_weights(
+            {k: v for k, v in saved.items() if "experts.2.up_proj" not in k}, "model.layers.0.mlp.experts"
+        )
 
 
 def _vllm_param(shape, dtype=torch.float32) -> torch.nn.Parameter:
@@ -215,7 +230,9 @@ def test_one_write_kernel_per_tensor_no_expert_loop() -> None:
             fn(dst, src, sh, layout, carried)  # warm the selection cache
             with _CountWrites() as mode:
                 fn(dst, src, sh, layout, carried)
-            heavy = [op for op in mode.ops if op in {"copy_", "index_copy_", "index_select", "index_put_", "_foreach_copy_"}]
+            heavy = [
+                op for op in mode.ops if op in {"copy_", "index_copy_", "index_select", "index_put_", "_foreach_copy_"}
+            ]
             assert sorted(heavy) == writes, (fn.__name__, sh, layout, mode.ops)
             full = ref(gate_up if ref is ref_w13 else down, sh, layout)
             for g in carried or range(e):
@@ -305,7 +322,9 @@ def test_linear_placement_gives_remainder_to_first_ranks() -> None:
     got = [ExpertSharding(10, ep_size=4, ep_rank=r).local_experts for r in range(4)]
     assert got == [(0, 1, 2), (3, 4, 5), (6, 7), (8, 9)]
     assert [ExpertSharding.with_placement(10, ep_size=4, ep_rank=r).local_experts for r in range(4)] == got
-    rr = [ExpertSharding.with_placement(10, ep_size=4, ep_rank=r, placement="round_robin").local_experts for r in range(4)]
+    rr = [
+        ExpertSharding.with_placement(10, ep_size=4, ep_rank=r, placement="round_robin").local_experts for r in range(4)
+    ]
     assert rr == [(0, 4, 8), (1, 5, 9), (2, 6), (3, 7)]
 
 
@@ -324,18 +343,24 @@ def test_matches_vllm_loader_code(layout: ExpertLayout) -> None:
     )
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    for (e, i, h), tp, ep, placement in itertools.product([(6, 8, 8), (5, 16, 4)], (1, 2, 4), (1, 2), ("linear", "round_robin")):
+    for (e, i, h), tp, ep, placement in itertools.product(
+        [(6, 8, 8), (5, 16, 4)], (1, 2, 4), (1, 2), ("linear", "round_robin")
+    ):
         gen = torch.Generator().manual_seed(e + i + h)
         gate_up, down = torch.randn(e, 2 * i, h, generator=gen), torch.randn(e, h, i, generator=gen)
         gate, up, dn = unfuse_experts(gate_up, down)
         vllm_self = types.SimpleNamespace(
-            moe_config=types.SimpleNamespace(is_act_and_mul=True, moe_parallel_config=types.SimpleNamespace(tp_size=tp)),
+            moe_config=types.SimpleNamespace(
+                is_act_and_mul=True, moe_parallel_config=types.SimpleNamespace(tp_size=tp)
+            ),
             _get_hidden_dim=RoutedExperts._get_hidden_dim,
             _narrow_expert_data_for_padding=RoutedExperts._narrow_expert_data_for_padding,
         )
         for ep_rank, tp_rank in itertools.product(range(ep), range(tp)):
             n_local, emap, _ = determine_expert_map(ep, ep_rank, e, placement)
-            ours = ExpertSharding.with_placement(e, ep_size=ep, ep_rank=ep_rank, placement=placement, tp_size=tp, tp_rank=tp_rank)
+            ours = ExpertSharding.with_placement(
+                e, ep_size=ep, ep_rank=ep_rank, placement=placement, tp_size=tp, tp_rank=tp_rank
+            )
             vmap = list(range(e)) if emap is None else emap.tolist()
             assert [ours.local_id(g) for g in range(e)] == vmap and ours.num_local_experts == n_local
             w13 = torch.zeros(n_local, 2 * i // tp, h)

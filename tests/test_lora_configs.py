@@ -14,6 +14,7 @@ sync passes ``hwsync.verify``'s complete, bit-exact content comparison or is com
 ``HWSYNC_LORA_RESULTS=<file>`` writes the results the docs table is generated from
 (``python -m hwsync.testing.lora_configs --from <file> --write-docs``).
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,10 @@ def matrix(tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         llm = make_llm(tiny_qwen3_moe_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **ENGINE)
         # full syncs in one reference process, adapter/hybrid in another: the base engine the latter keeps is not
         # restarted after each cell's full syncs (every answer is still a fresh engine's own loading)
-        reference = SplitReference(EngineReference(tmp_path_factory.mktemp("lora-configs-reference-full"), **ENGINE),
-                                   EngineReference(tmp_path_factory.mktemp("lora-configs-reference"), **ENGINE))
+        reference = SplitReference(
+            EngineReference(tmp_path_factory.mktemp("lora-configs-reference-full"), **ENGINE),
+            EngineReference(tmp_path_factory.mktemp("lora-configs-reference"), **ENGINE),
+        )
         try:
             yield llm, reference
         finally:
@@ -77,17 +80,29 @@ def _write() -> None:
     if out:
         from hwsync.testing.families import _device_name
 
-        write_results(RESULTS, out, platform="cpu" if on_cpu() else _device_name(),
-                      engine={k: v for k, v in ENGINE.items() if k != "enable_lora"},
-                      syncs=syncs_per_strategy(not on_cpu()))
+        write_results(
+            RESULTS,
+            out,
+            platform="cpu" if on_cpu() else _device_name(),
+            engine={k: v for k, v in ENGINE.items() if k != "enable_lora"},
+            syncs=syncs_per_strategy(not on_cpu()),
+        )
 
 
 @pytest.mark.parametrize("cell", selected_cells(), ids=_id)
 def test_cell(matrix: tuple[Any, Any], tiny_qwen3_moe_dir: Path, cell: Any) -> None:
     llm, reference = matrix
     syncs, full_syncs = syncs_per_strategy(not on_cpu())
-    result = run_cell(cell, llm, reference, tiny_qwen3_moe_dir, serves_expert_lora=reference.serves_expert_lora(),
-                      syncs=syncs, full_syncs=full_syncs, log=print)
+    result = run_cell(
+        cell,
+        llm,
+        reference,
+        tiny_qwen3_moe_dir,
+        serves_expert_lora=reference.serves_expert_lora(),
+        syncs=syncs,
+        full_syncs=full_syncs,
+        log=print,
+    )
     RESULTS[cell.name] = result
     _write()
     failed = {s: r["detail"] for s, r in result.items() if r["status"] == "fail"}
@@ -97,8 +112,9 @@ def test_cell(matrix: tuple[Any, Any], tiny_qwen3_moe_dir: Path, cell: Any) -> N
         assert r["status"] == want, f"{cell.name}/{s}: {r}"
 
 
-def test_trained_biases_are_refused_before_anything_is_written(matrix: tuple[Any, Any],
-                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_trained_biases_are_refused_before_anything_is_written(
+    matrix: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """bias='all' / 'lora_only' on a model that has biases trains base weights: adapter and hybrid refuse it (naming
     the option and strategy="full") before the engine is touched. (The matrix's model has none: there the option
     trains nothing and the adapter is served.)"""
@@ -112,8 +128,10 @@ def test_trained_biases_are_refused_before_anything_is_written(matrix: tuple[Any
         model = make_trainer(Cell("b", "", _lora(bias=mode)), biased)
         for strategy in ("adapter", "hybrid"):
             before = engine.state()
-            with pytest.raises(hwsync.AdapterFormatError,
-                               match=rf"bias='{mode}' trains \d+ bias tensor.*q_proj.bias.*strategy=\"full\""):
+            with pytest.raises(
+                hwsync.AdapterFormatError,
+                match=rf"bias='{mode}' trains \d+ bias tensor.*q_proj.bias.*strategy=\"full\"",
+            ):
                 hwsync.sync(llm, model, strategy=strategy)
             assert engine.state() == before
 
@@ -138,18 +156,21 @@ def test_vllm_derives_peft_scalings_for_every_cell(tmp_path: Path, tiny_qwen3_mo
             model.save_pretrained(out, selected_adapters=[adapter])
             src = out if (out / "adapter_config.json").exists() else out / adapter
             helper = PEFTHelper.from_dict(json.loads((src / "adapter_config.json").read_text()))
-            truth = {path.removeprefix("base_model.model."): (layer.r[adapter], layer.scaling[adapter])
-                     for path, layer in model.named_modules()
-                     if isinstance(getattr(layer, "scaling", None), dict) and adapter in layer.scaling}
+            truth = {
+                path.removeprefix("base_model.model."): (layer.r[adapter], layer.scaling[adapter])
+                for path, layer in model.named_modules()
+                if isinstance(getattr(layer, "scaling", None), dict) and adapter in layer.scaling
+            }
             with safe_open(str(src / "adapter_model.safetensors"), "pt") as f:
-                keys = [k for k in f.keys() if k.endswith("lora_A.weight")]
+                keys = [k for k in f.keys() if k.endswith("lora_A.weight")]  # noqa: SIM118 - safe_open has no __iter__
             assert keys
             for key in keys:
                 module, _ = parse_fine_tuned_lora_name(key)
                 rank, scaling = helper.get_rank_and_scaling(module)
                 want_rank, want_scaling = truth[module]
-                assert rank == want_rank and math.isclose(scaling, want_scaling, rel_tol=0, abs_tol=0), \
+                assert rank == want_rank and math.isclose(scaling, want_scaling, rel_tol=0, abs_tol=0), (
                     f"{cell.name}/{adapter}: vLLM {module} r={rank} s={scaling}, PEFT r={want_rank} s={want_scaling}"
+                )
                 checked += 1
     assert checked > 100
 
@@ -161,8 +182,10 @@ def test_docs_table_is_generated_from_the_results() -> None:
     cpu = load([cpu_file])
     gpu = load([gpu_file]) if gpu_file.exists() else None
     text = (ROOT / DOC).read_text()
-    assert render(cpu, gpu) in text, "regenerate: python -m hwsync.testing.lora_configs --from docs/lora-configs.json " \
-                                     "[--gpu docs/lora-configs-gpu.json] --write-docs"
+    assert render(cpu, gpu) in text, (
+        "regenerate: python -m hwsync.testing.lora_configs --from docs/lora-configs.json "
+        "[--gpu docs/lora-configs-gpu.json] --write-docs"
+    )
     rows = {r["cell"]: r["strategies"] for r in cpu["results"]}
     assert set(rows) == {c.name for c in CELLS}
     for c in CELLS:
@@ -205,9 +228,11 @@ def test_2d_reference_adapter_keeps_the_expert_scalings(tmp_path: Path, tiny_qwe
             truth[(owner, layer.parameter_name)] = (layer.r["default"], layer.scaling["default"])
     checked = 0
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
-        for key in f.keys():
-            m = re.search(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.lora_A\.weight$",
-                          key.removeprefix("base_model.model."))
+        for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            m = re.search(
+                r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)\.lora_A\.weight$",
+                key.removeprefix("base_model.model."),
+            )
             if m is None:
                 continue
             module, _ = parse_fine_tuned_lora_name(key)

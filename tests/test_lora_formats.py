@@ -1,5 +1,6 @@
 """LoRA formats: every conversion keeps ΔW = scaling·B·A equal to PEFT's own get_delta_weight (real PEFT, real
 tiny Qwen3-MoE), and vLLM's own loader code reads our tensors back to the same per-expert ΔW."""
+
 from __future__ import annotations
 
 import math
@@ -49,11 +50,21 @@ CONFIGS = {
     "attention": dict(r=8, lora_alpha=16, target_modules=ATTN),
     "experts": dict(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERTS),
     "both_patterns": dict(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], target_parameters=EXPERTS,
-        rank_pattern={"down_proj": 2, "v_proj": 8}, alpha_pattern={"gate_up_proj": 3, "q_proj": 5},
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=EXPERTS,
+        rank_pattern={"down_proj": 2, "v_proj": 8},
+        alpha_pattern={"gate_up_proj": 3, "q_proj": 5},
     ),
-    "rslora": dict(r=8, lora_alpha=4, use_rslora=True, target_modules=["o_proj"], target_parameters=EXPERTS,
-                   rank_pattern={"gate_up_proj": 2}),
+    "rslora": dict(
+        r=8,
+        lora_alpha=4,
+        use_rslora=True,
+        target_modules=["o_proj"],
+        target_parameters=EXPERTS,
+        rank_pattern={"gate_up_proj": 2},
+    ),
     # transformers-5 conversion: per-expert target_modules become target_parameters with 2r / 2α on gate_up
     "t5_conversion": dict(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"]),
 }
@@ -64,9 +75,9 @@ def peft_deltas(pm) -> dict[str, torch.Tensor]:
     out = {}
     for path, layer in pm.named_modules():
         if isinstance(layer, LoraLayer) and "default" in layer.lora_A:
-            out[f"{strip_peft_name(path)}.{getattr(layer, 'parameter_name', 'weight')}"] = (
-                layer.get_delta_weight("default").float()
-            )
+            out[f"{strip_peft_name(path)}.{getattr(layer, 'parameter_name', 'weight')}"] = layer.get_delta_weight(
+                "default"
+            ).float()
     return out
 
 
@@ -106,9 +117,14 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
     _, pm = peft_model
     names = list(extract_peft_lora(pm).modules)
     reader = PeftLoraReader(pm, "default", names)
+    kept: list[int] = []  # the buffers' addresses after the previous step
     for step in range(2):
-        want = [t for n in names for f in [extract_peft_lora(pm).modules[n].folded(torch.bfloat16)]
-                for t in (f.lora_A, f.lora_B)]
+        want = [
+            t
+            for n in names
+            for f in [extract_peft_lora(pm).modules[n].folded(torch.bfloat16)]
+            for t in (f.lora_A, f.lora_B)
+        ]
         got = reader.read(torch.bfloat16)
         assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
         assert all(g.dtype == w.dtype for g, w in zip(got, want))
@@ -119,8 +135,9 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
         kept = [t.data_ptr() for t in again]
         for _ in range(2):  # the trainer's own fp32: B scaled in fp32, A the parameter itself
             unscaled = reader.read(None)
-            fp32 = [t for n in names for f in [extract_peft_lora(pm).modules[n].folded(None)]
-                    for t in (f.lora_A, f.lora_B)]
+            fp32 = [
+                t for n in names for f in [extract_peft_lora(pm).modules[n].folded(None)] for t in (f.lora_A, f.lora_B)
+            ]
             assert all(torch.equal(g, w) and g.dtype == w.dtype for g, w in zip(unscaled, fp32))
         with torch.no_grad():
             for n, p in pm.named_parameters():
@@ -130,8 +147,12 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
 
     with fp32_fold():  # fold_scaling replaced (a verify fault): the reader folds through the replacement, kept or not
         other = reader.read(torch.bfloat16)
-        want = [t for n in names for f in [extract_peft_lora(pm).modules[n].folded(torch.bfloat16)]
-                for t in (f.lora_A, f.lora_B)]
+        want = [
+            t
+            for n in names
+            for f in [extract_peft_lora(pm).modules[n].folded(torch.bfloat16)]
+            for t in (f.lora_A, f.lora_B)
+        ]
     assert all(torch.equal(g, w) for g, w in zip(other, want))
     layer = next(m for m in pm.modules() if isinstance(m, LoraLayer) and "default" in m.lora_A)
     saved = layer.lora_A.pop("default")
@@ -164,8 +185,14 @@ def test_folding_rounds_as_vllms_own_loading(dtype) -> None:
         for src in (torch.float32, dtype):
             b = (torch.randn(64, 96, device=device) * 0.05).to(src)
             for scaling in (2.0, 0.7, 1 / 3, 4 / math.sqrt(2), 6 / math.sqrt(3)):
-                m = LoraModule("x.weight", LoraKind.LINEAR, torch.randn(8, 96, device=device).to(src), b[:, :8],
-                               alpha=8.0, scaling=scaling)
+                m = LoraModule(
+                    "x.weight",
+                    LoraKind.LINEAR,
+                    torch.randn(8, 96, device=device).to(src),
+                    b[:, :8],
+                    alpha=8.0,
+                    scaling=scaling,
+                )
                 want = _vllm_scaled_b(m.lora_B.cpu(), scaling, dtype)
                 assert torch.equal(m.folded(dtype).lora_B.cpu(), want), (device, src, dtype, scaling)
                 once = (m.lora_B.float() * scaling).to(dtype).cpu()
@@ -234,9 +261,15 @@ def _random_per_expert_adapter(e: int = 3, h: int = 16, i: int = 8) -> LoraAdapt
     g = torch.Generator().manual_seed(5)
     mods = {}
     for x in range(e):
-        for proj, (out, inp, r, s) in {"gate_proj": (i, h, 2, 0.5), "up_proj": (i, h, 3, 2.0), "down_proj": (h, i, 4, 1.5)}.items():
+        for proj, (out, inp, r, s) in {
+            "gate_proj": (i, h, 2, 0.5),
+            "up_proj": (i, h, 3, 2.0),
+            "down_proj": (h, i, 4, 1.5),
+        }.items():
             n = f"model.layers.0.mlp.experts.{x}.{proj}.weight"
-            mods[n] = LoraModule(n, LoraKind.LINEAR, torch.randn(r, inp, generator=g), torch.randn(out, r, generator=g), s * r, s)
+            mods[n] = LoraModule(
+                n, LoraKind.LINEAR, torch.randn(r, inp, generator=g), torch.randn(out, r, generator=g), s * r, s
+            )
     return LoraAdapter(mods, r=4, lora_alpha=4.0)
 
 
@@ -262,19 +295,37 @@ def test_from_vllm_honours_vllm_scaling_rules() -> None:
     """Adapters not made by hwsync: vLLM's per-module pattern/rsLoRA rules decide the scaling."""
     g = torch.Generator().manual_seed(6)
     a, b = torch.randn(2, 16, generator=g), torch.randn(8, 2, generator=g)
-    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b}
-    cfg = {"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": ["q_proj"],
-           "rank_pattern": {"q_proj": 2}, "alpha_pattern": {r"layers\.0\.self_attn\.q_proj": 6}}
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": b,
+    }
+    cfg = {
+        "r": 4,
+        "lora_alpha": 8,
+        "use_rslora": True,
+        "target_modules": ["q_proj"],
+        "rank_pattern": {"q_proj": 2},
+        "alpha_pattern": {r"layers\.0\.self_attn\.q_proj": 6},
+    }
     mod = from_vllm_lora(tensors, cfg).modules["model.layers.0.self_attn.q_proj.weight"]
     assert math.isclose(mod.scaling, 6 / math.sqrt(2))
     torch.testing.assert_close(mod.delta_weight(), b @ a * (6 / math.sqrt(2)))
 
 
 def test_vllm_max_lora_rank() -> None:
-    assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 320, 321, 512)] == [1, 8, 8, 16, 64, 320, 320, 512, 512]
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 320, 321, 512)] == [
+        1,
+        8,
+        8,
+        16,
+        64,
+        320,
+        320,
+        512,
+        512,
+    ]
     assert VLLM_LORA_RANKS[-1] == 512
-    with pytest.raises(AdapterFormatError, match="strategy=\"full\""):
+    with pytest.raises(AdapterFormatError, match='strategy="full"'):
         vllm_max_lora_rank(513)
 
 
@@ -315,8 +366,12 @@ def test_bad_inputs_are_refused() -> None:
         from_vllm_lora({k: v for k, v in tensors.items() if "q_proj.lora_B" not in k}, cfg)
     with pytest.raises(AdapterFormatError, match="packed module 'qkv_proj'"):
         bad = extract_peft_lora(pm)
-        renamed = {n.replace("q_proj", "qkv_proj"): LoraModule(n.replace("q_proj", "qkv_proj"), m.kind, m.lora_A, m.lora_B, m.alpha, m.scaling)
-                   for n, m in bad.modules.items()}
+        renamed = {
+            n.replace("q_proj", "qkv_proj"): LoraModule(
+                n.replace("q_proj", "qkv_proj"), m.kind, m.lora_A, m.lora_B, m.alpha, m.scaling
+            )
+            for n, m in bad.modules.items()
+        }
         to_vllm_lora(LoraAdapter(renamed, 8, 16.0), packed_modules_mapping={"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
     with pytest.raises(AdapterFormatError, match="moe_format"):
         to_vllm_lora(extract_peft_lora(pm), moe_format="4d")  # type: ignore[arg-type]
@@ -333,12 +388,16 @@ def vllm_lora():
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.lora.peft_helper import PEFTHelper
 
-    return types.SimpleNamespace(LoRAModel=LoRAModel, Packed=PackedLoRALayerWeights, Manager=LoRAModelManager, Helper=PEFTHelper)
+    return types.SimpleNamespace(
+        LoRAModel=LoRAModel, Packed=PackedLoRALayerWeights, Manager=LoRAModelManager, Helper=PEFTHelper
+    )
 
 
 def _vllm_model(v, tensors, config):
     helper = v.Helper.from_dict(dict(config))
-    helper.validate_legal(types.SimpleNamespace(max_lora_rank=vllm_max_lora_rank(max([config["r"], *config["rank_pattern"].values()]))))
+    helper.validate_legal(
+        types.SimpleNamespace(max_lora_rank=vllm_max_lora_rank(max([config["r"], *config["rank_pattern"].values()])))
+    )
     return v.LoRAModel.from_lora_tensors(1, dict(tensors), helper, device="cpu")
 
 
@@ -399,16 +458,23 @@ def test_folded_b_is_vllms_and_contiguous(experts: bool) -> None:
     from hwsync.common.lora_formats import LoraKind, LoraModule
 
     gen = torch.Generator().manual_seed(0)
-    for src, dt, scaling in [(torch.float32, torch.bfloat16, 0.37), (torch.float32, torch.bfloat16, 1.0),
-                             (torch.bfloat16, torch.bfloat16, 2.0), (torch.float32, torch.float16, 0.5),
-                             (torch.float32, torch.float32, 0.37)]:
+    for src, dt, scaling in [
+        (torch.float32, torch.bfloat16, 0.37),
+        (torch.float32, torch.bfloat16, 1.0),
+        (torch.bfloat16, torch.bfloat16, 2.0),
+        (torch.float32, torch.float16, 0.5),
+        (torch.float32, torch.float32, 0.37),
+    ]:
         if experts:  # PEFT's ParamWrapper B: [out, r * E] read as [E, out, r] (a permuted view)
             a = torch.randn(4, 8, 16, generator=gen).to(src)
             b = torch.randn(32, 8, 4, generator=gen).to(src).permute(2, 0, 1)
             kind = LoraKind.EXPERTS_DOWN
         else:
-            a, b, kind = torch.randn(8, 16, generator=gen).to(src), torch.randn(32, 8, generator=gen).to(src), \
-                LoraKind.LINEAR
+            a, b, kind = (
+                torch.randn(8, 16, generator=gen).to(src),
+                torch.randn(32, 8, generator=gen).to(src),
+                LoraKind.LINEAR,
+            )
         f = LoraModule("m", kind, a, b, 8.0, scaling, False).folded(dt)
         assert torch.equal(f.lora_B, _vllm_scaled_b(b, scaling, dt)), (src, dt, scaling)
         assert f.lora_B.is_contiguous() and f.scaling == 1.0

@@ -5,6 +5,7 @@ construction on two layers -- the same count a 60-layer model would need -- and 
 layers equals vLLM's own construction and activation of the same tensors, slot buffer for slot buffer. CPU-only
 engine (attention LoRA: vLLM's CPU build has no MoE-LoRA kernels); the GPU job runs the same module with expert LoRA.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 import hwsync
+from hwsync.engine.vllm.lora_slots import layer_groups
 from hwsync.testing import make_llm, make_tiny_moe, require_vllm
 from hwsync.testing.trainer import lora_trainer, perturb
-from hwsync.engine.vllm.lora_slots import layer_groups
 
 pytestmark = pytest.mark.vllm
 
@@ -33,8 +34,13 @@ def test_layer_groups_pick_one_layer_per_structure() -> None:
     meta["lm_head"] = ["linear", False, False]
     shapes = {n: ((8, 64), (64, 8)) if ".7." not in n else ((4, 64), (64, 4)) for n in meta}
     groups = layer_groups(meta, shapes)
-    assert set(groups.traced) == {"lm_head", "model.layers.0.self_attn.q", "model.layers.0.self_attn.o",
-                                  "model.layers.7.self_attn.q", "model.layers.7.self_attn.o"}
+    assert set(groups.traced) == {
+        "lm_head",
+        "model.layers.0.self_attn.q",
+        "model.layers.0.self_attn.o",
+        "model.layers.7.self_attn.q",
+        "model.layers.7.self_attn.o",
+    }
     assert groups.members == {("model.layers", 0): tuple(i for i in range(60) if i != 7), ("model.layers", 7): (7,)}
     assert {n.split(".")[2] for n in groups.sampled if n.startswith("model.")} == {"0", "59", "7"}
 
@@ -75,13 +81,20 @@ def _slots(llm: Any, lid: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_trace_runs_on_one_layer_per_structure_and_installs_like_vllm(llm: Any, deep_dir: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_trace_runs_on_one_layer_per_structure_and_installs_like_vllm(
+    llm: Any, deep_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from hwsync.engine.vllm.worker import receiver_of
 
-    model = lora_trainer(deep_dir, ATTN, EXPERTS if CUDA else None, dtype=DTYPE, lora_dropout=0.0,
-                         rank_pattern={"model.layers.4.self_attn.o_proj": 8},
-                         alpha_pattern={"model.layers.4.self_attn.o_proj": 16}).to("cuda" if CUDA else "cpu")
+    model = lora_trainer(
+        deep_dir,
+        ATTN,
+        EXPERTS if CUDA else None,
+        dtype=DTYPE,
+        lora_dropout=0.0,
+        rank_pattern={"model.layers.4.self_attn.o_proj": 8},
+        alpha_pattern={"model.layers.4.self_attn.o_proj": 16},
+    ).to("cuda" if CUDA else "cpu")
     perturb(model, 1)
     ours = hwsync.sync(llm, model, strategy="adapter")
     assert "adapter: built from vLLM's traced layout" in ours.path, ours.path

@@ -1,4 +1,5 @@
 """Merged view: equals PEFT's merge_and_unload of a deep copy, never writes the trainer's weights."""
+
 from __future__ import annotations
 
 import copy
@@ -7,9 +8,9 @@ import pytest
 import torch
 
 from hwsync.common.errors import AdapterFormatError
-from hwsync.trainer.merged import delta_weight, merged_named_weights
 from hwsync.common.trainer_names import strip_peft_name
 from hwsync.testing import tiny_moe_config
+from hwsync.trainer.merged import delta_weight, merged_named_weights
 
 peft = pytest.importorskip("peft")
 from peft import IA3Config, LoraConfig, get_peft_model  # noqa: E402
@@ -28,8 +29,14 @@ def lora(**kw) -> LoraConfig:
     return LoraConfig(lora_dropout=0.0, init_lora_weights=False, **kw)
 
 
-BOTH = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], target_parameters=EXPERTS,
-            rank_pattern={"down_proj": 2}, alpha_pattern={"gate_up_proj": 3})
+BOTH = dict(
+    r=4,
+    lora_alpha=8,
+    target_modules=["q_proj", "v_proj", "o_proj"],
+    target_parameters=EXPERTS,
+    rank_pattern={"down_proj": 2},
+    alpha_pattern={"gate_up_proj": 3},
+)
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -42,10 +49,12 @@ def reference(pm) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "cfg",
-    [dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-     dict(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERTS),
-     BOTH,
-     dict(BOTH, use_rslora=True)],
+    [
+        dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        dict(r=4, lora_alpha=8, target_modules=[], target_parameters=EXPERTS),
+        BOTH,
+        dict(BOTH, use_rslora=True),
+    ],
     ids=["attention", "experts", "both", "rslora"],
 )
 def test_equals_merge_and_unload_and_leaves_model_untouched(cfg) -> None:
@@ -160,11 +169,15 @@ def test_non_lora_adapters_are_refused() -> None:
 
 def test_strip_peft_name() -> None:
     cases = {
-        "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj": "model.layers.0.mlp.experts.gate_up_proj",
+        "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj": (
+            "model.layers.0.mlp.experts.gate_up_proj"
+        ),
         "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight": "model.layers.0.self_attn.q_proj.weight",
         "base_model.model.lm_head.modules_to_save.default.weight": "lm_head.weight",
         "base_model.model.lm_head.original_module.weight": "lm_head.weight",
-        "model._fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.mlp.gate.weight": "model.layers.0.mlp.gate.weight",
+        "model._fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.mlp.gate.weight": (
+            "model.layers.0.mlp.gate.weight"
+        ),
         "_orig_mod.model.norm.weight": "model.norm.weight",
         "model.layers.0.self_attn.q_proj.base_layer": "model.layers.0.self_attn.q_proj",
         "model.my_base_layer_x.weight": "model.my_base_layer_x.weight",

@@ -2,11 +2,13 @@
 exactly.
 
 The scenario is :mod:`hwsync.testing.tp` (NCCL, bf16 engine with 2-D MoE LoRA): every rank is a trainer rank
-(``fully_shard``, or DeepSpeed stage 3 with every parameter partitioned) and one worker of one TP=2 ``external_launcher`` engine; 6 syncs (full, adapter, adapter, full,
-adapter, full: 3 of each, the third one LoRA-only), and after each the engine's greedy tokens and logprobs must equal
-those of a fresh TP=2 engine (``mp`` executor, same arguments) that vLLM loads from the same weights itself, within
-``EXACT_ATOL``. Skips without 2 CUDA GPUs (conftest: ``multigpu``); with them, a failure fails, CI or not.
+(``fully_shard``, or DeepSpeed stage 3 with every parameter partitioned) and one worker of one TP=2
+``external_launcher`` engine; 6 syncs (full, adapter, adapter, full, adapter, full: 3 of each, the third one LoRA-only),
+and after each the engine's greedy tokens and logprobs must equal those of a fresh TP=2 engine (``mp`` executor, same
+arguments) that vLLM loads from the same weights itself, within ``EXACT_ATOL``. Skips without 2 CUDA GPUs (conftest:
+``multigpu``); with them, a failure fails, CI or not.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +23,7 @@ pytestmark = [pytest.mark.multigpu, pytest.mark.cuda, pytest.mark.vllm, pytest.m
 def test_sharded_trainer_into_tp2_engine_is_exact(tmp_path: Path, trainer: str) -> None:
     import torch
 
-    from hwsync.testing import make_tiny_moe
-    from hwsync.testing import tp
+    from hwsync.testing import make_tiny_moe, tp
 
     if torch.cuda.device_count() < 2:  # conftest skips first; kept for a direct run
         pytest.skip("needs 2 CUDA GPUs")

@@ -5,6 +5,7 @@ with checkpoint names ``w1/w2/w3``, a Qwen3.5-style GDN projection packed from f
 shards, and no vLLM mapper at all: everything resolves from ``packed_modules_mapping``, the expert group and
 transformers' own (reversed) Mixtral renames. TP slicing is checked against vLLM's real ``weight_loader`` methods.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,9 @@ from hwsync.common.errors import ResolutionError
 from hwsync.common.layouts import ExpertLayout, ExpertSharding, w2_from_fused, w13_from_fused
 from hwsync.engine.names import (
     ExpertGroup,
+    NameMapCache,
     Namespace,
     ParamSpec,
-    NameMapCache,
     Shard,
     Target,
     manifest_of,
@@ -66,14 +67,28 @@ def toy_namespace(sharding: ExpertSharding | None = None, layout=ExpertLayout.PR
 
     s13, s2 = w13_shape(sh, INTER, H, layout), w2_shape(sh, INTER, H, layout)
     specs += [ParamSpec(w13, s13, torch.float32), ParamSpec(w2, s2, torch.float32)]
-    group = ExpertGroup(prefix=EXPERTS, w13=w13, w2=w2, gate="w1", up="w3", down="w2", num_experts=E, hidden=H,
-                        intermediate=INTER, dtype=torch.float32, layout=layout, sharding=sh)
+    group = ExpertGroup(
+        prefix=EXPERTS,
+        w13=w13,
+        w2=w2,
+        gate="w1",
+        up="w3",
+        down="w2",
+        num_experts=E,
+        hidden=H,
+        intermediate=INTER,
+        dtype=torch.float32,
+        layout=layout,
+        sharding=sh,
+    )
     return Namespace(
         params={s.name: s for s in specs},
         expert_groups={EXPERTS: group},
-        packed_modules={"qkv_proj": ("q_proj", "k_proj", "v_proj"),
-                        "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
-                        "in_proj_ba": ("in_proj_b", "in_proj_a")},
+        packed_modules={
+            "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+            "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+            "in_proj_ba": ("in_proj_b", "in_proj_a"),
+        },
         trainer_renames=_trainer_renames("mixtral"),  # transformers' own: runtime ".mlp." -> ".block_sparse_moe."
         num_hidden_layers=1,
         architecture="ToyMoeForCausalLM",
@@ -112,9 +127,11 @@ def expected_params(t: dict[str, torch.Tensor], sh: ExpertSharding | None = None
         lp + "self_attn.qkv_proj.weight": torch.cat([t[lp + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
         lp + "self_attn.o_proj.weight": t[lp + "self_attn.o_proj.weight"],
         lp + "linear_attn.in_proj_qkvz.weight": torch.cat(
-            [t[lp + "linear_attn.in_proj_qkv.weight"], t[lp + "linear_attn.in_proj_z.weight"]]),
+            [t[lp + "linear_attn.in_proj_qkv.weight"], t[lp + "linear_attn.in_proj_z.weight"]]
+        ),
         lp + "linear_attn.in_proj_ba.weight": torch.cat(
-            [t[lp + "linear_attn.in_proj_b.weight"], t[lp + "linear_attn.in_proj_a.weight"]]),
+            [t[lp + "linear_attn.in_proj_b.weight"], t[lp + "linear_attn.in_proj_a.weight"]]
+        ),
         lp + "block_sparse_moe.gate.weight": t[lp + f"{MOE}.gate.weight"],
         f"{EXPERTS}.routed_experts.w13_weight": w13_from_fused(t[lp + f"{MOE}.experts.gate_up_proj"], sh, layout),
         f"{EXPERTS}.routed_experts.w2_weight": w2_from_fused(t[lp + f"{MOE}.experts.down_proj"], sh, layout),
@@ -131,22 +148,37 @@ def assert_params(ns: Namespace, want: dict[str, torch.Tensor]) -> None:
 # -------------------------------------------------------------------------------------------------------------
 # trainer wrappers
 # -------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("raw, clean, category", [
-    ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight", None),
-    ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight",
-     "model.layers.0.self_attn.q_proj.weight", None),
-    ("base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj",
-     "model.layers.0.mlp.experts.gate_up_proj", None),
-    ("base_model.model.lm_head.modules_to_save.default.weight", "lm_head.weight", None),
-    ("base_model.model.lm_head.modules_to_save.my_adapter.weight", "lm_head.weight", None),
-    ("base_model.model.lm_head.original_module.weight", "lm_head.weight", "peft_original"),
-    ("model.layers.3._checkpoint_wrapped_module.mlp.gate.weight", "model.layers.3.mlp.gate.weight", None),
-    ("_orig_mod.model.norm.weight", "model.norm.weight", None),
-    ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
-     "model.layers.0.self_attn.q_proj.lora_A.default.weight", "adapter"),
-    ("base_model.model.model.layers.0.mlp.experts.lora_B.default.weight",
-     "model.layers.0.mlp.experts.lora_B.default.weight", "adapter"),
-])
+@pytest.mark.parametrize(
+    "raw, clean, category",
+    [
+        ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight", None),
+        (
+            "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            None,
+        ),
+        (
+            "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj",
+            "model.layers.0.mlp.experts.gate_up_proj",
+            None,
+        ),
+        ("base_model.model.lm_head.modules_to_save.default.weight", "lm_head.weight", None),
+        ("base_model.model.lm_head.modules_to_save.my_adapter.weight", "lm_head.weight", None),
+        ("base_model.model.lm_head.original_module.weight", "lm_head.weight", "peft_original"),
+        ("model.layers.3._checkpoint_wrapped_module.mlp.gate.weight", "model.layers.3.mlp.gate.weight", None),
+        ("_orig_mod.model.norm.weight", "model.norm.weight", None),
+        (
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
+            "model.layers.0.self_attn.q_proj.lora_A.default.weight",
+            "adapter",
+        ),
+        (
+            "base_model.model.model.layers.0.mlp.experts.lora_B.default.weight",
+            "model.layers.0.mlp.experts.lora_B.default.weight",
+            "adapter",
+        ),
+    ],
+)
 def test_normalize_trainer_name(raw, clean, category):
     assert normalize_trainer_name(raw) == (clean, category)
 
@@ -160,7 +192,8 @@ def test_renamed_family_resolves_from_mappings_and_applies():
     plan = resolve(manifest_of(t), ns)
     lp = "model.layers.0."
     assert plan.entries[lp + f"{MOE}.experts.gate_up_proj"] == (
-        Target(f"{EXPERTS}.routed_experts.w13_weight", "experts", "w13"),)
+        Target(f"{EXPERTS}.routed_experts.w13_weight", "experts", "w13"),
+    )
     assert plan.entries[lp + "self_attn.k_proj.weight"] == (Target(lp + "self_attn.qkv_proj.weight", "packed", "k"),)
     # fewer trainer tensors than shards: the span comes from the siblings' row counts
     assert plan.entries[lp + "linear_attn.in_proj_qkv.weight"][0].shard_id == (0, 1, 2)
@@ -183,7 +216,8 @@ def test_checkpoint_per_expert_names_and_vllm_checkpoint_names():
         t[f"{EXPERTS}.{e}.w2.weight"] = down[e]
     plan = resolve(manifest_of(t), ns)
     assert plan.entries[f"{EXPERTS}.2.w3.weight"] == (
-        Target(f"{EXPERTS}.routed_experts.w13_weight", "expert", "w3", (2,)),)
+        Target(f"{EXPERTS}.routed_experts.w13_weight", "expert", "w3", (2,)),
+    )
     plan.apply(t)
     assert torch.equal(ns.live[f"{EXPERTS}.routed_experts.w13_weight"], torch.cat([gate, up], dim=1))
     assert torch.equal(ns.live[f"{EXPERTS}.routed_experts.w2_weight"], down)
@@ -233,9 +267,11 @@ def test_mtp_is_an_explicit_skip():
 def test_tied_embedding_alias():
     toy = toy_namespace()
     ns = dataclasses.replace(  # vLLM's tie_weights: lm_head *is* embed_tokens, listed once by named_parameters()
-        toy, params={n: s for n, s in toy.params.items() if n != "lm_head.weight"},
+        toy,
+        params={n: s for n, s in toy.params.items() if n != "lm_head.weight"},
         live={n: t for n, t in toy.live.items() if n != "lm_head.weight"},
-        aliases={"lm_head.weight": "model.embed_tokens.weight"})
+        aliases={"lm_head.weight": "model.embed_tokens.weight"},
+    )
     t = trainer_tensors()
     plan = resolve(manifest_of(t), ns)
     assert "tied to model.embed_tokens.weight" in plan.skipped["lm_head.weight"]
@@ -258,7 +294,8 @@ def test_peft_wrapped_names_adapters_and_modules_to_save():
     plan = resolve(manifest_of(peft), ns, skip_adapter_tensors=True)
     assert "frozen PEFT original" in plan.skipped["base_model.model.lm_head.original_module.weight"]
     assert plan.vllm_checkpoint_names("base_model.model." + lp + "self_attn.v_proj.base_layer.weight") == [
-        (lp + "self_attn.v_proj.weight", None)]
+        (lp + "self_attn.v_proj.weight", None)
+    ]
     plan.apply(peft)
     assert_params(ns, expected_params(t))
 
@@ -288,8 +325,11 @@ def test_bad_manifest_is_one_error_and_nothing_is_written():
 
 def test_a_name_that_fits_two_receiver_parameters_is_ambiguous():
     # a receiver with two language-model roots (thinker/talker style): a text-only "lm_head.weight" fits both
-    specs = [ParamSpec(f"{root}.{n}", (V, H), torch.float32) for root in ("thinker", "talker")
-             for n in ("lm_head.weight", "model.embed_tokens.weight")]
+    specs = [
+        ParamSpec(f"{root}.{n}", (V, H), torch.float32)
+        for root in ("thinker", "talker")
+        for n in ("lm_head.weight", "model.embed_tokens.weight")
+    ]
     ns = Namespace(params={s.name: s for s in specs}, live={s.name: torch.zeros(s.shape) for s in specs})
     t = {"lm_head.weight": torch.ones(V, H), "thinker.model.embed_tokens.weight": torch.ones(V, H)}
     with pytest.raises(ResolutionError) as e:
@@ -331,9 +371,12 @@ def test_cast_and_require_complete():
     del partial[f"model.layers.0.{MOE}.experts.down_proj"], partial["model.layers.0.self_attn.k_proj.weight"]
     with pytest.raises(ResolutionError) as e:
         resolve(manifest_of(partial), ns, cast=True, require_complete=True)
-    assert sorted(e.value.problems) == sorted([
-        f"receiver parameter {EXPERTS}.routed_experts.w2_weight is not (fully) written by any trainer name",
-        "receiver parameter model.layers.0.self_attn.qkv_proj.weight is not (fully) written by any trainer name"])
+    assert sorted(e.value.problems) == sorted(
+        [
+            f"receiver parameter {EXPERTS}.routed_experts.w2_weight is not (fully) written by any trainer name",
+            "receiver parameter model.layers.0.self_attn.qkv_proj.weight is not (fully) written by any trainer name",
+        ]
+    )
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -390,29 +433,47 @@ def _vllm_layers(tp_size: int, tp_rank: int):
     vocab = 50
     padded = pad_vocab_size(vocab, 16 * tp_size)
     m = torch.nn.Module()
-    m.qkv_proj = make(QKVParallelLinear, ((q_local + 2 * kv_local) * hs, hidden), head_size=hs, v_head_size=hs,
-                      total_num_heads=heads, total_num_kv_heads=kv_heads, num_heads=q_local, num_kv_heads=kv_local,
-                      num_kv_head_replicas=replicas,
-                      output_sizes=[heads * hs, kv_local * hs * tp_size, kv_local * hs * tp_size])
+    m.qkv_proj = make(
+        QKVParallelLinear,
+        ((q_local + 2 * kv_local) * hs, hidden),
+        head_size=hs,
+        v_head_size=hs,
+        total_num_heads=heads,
+        total_num_kv_heads=kv_heads,
+        num_heads=q_local,
+        num_kv_heads=kv_local,
+        num_kv_head_replicas=replicas,
+        output_sizes=[heads * hs, kv_local * hs * tp_size, kv_local * hs * tp_size],
+    )
     m.gate_up_proj = make(MergedColumnParallelLinear, (2 * inter // tp_size, hidden), output_sizes=[inter, inter])
     m.o_proj = make(RowParallelLinear, (hidden, heads * hs // tp_size), input_is_parallel=True)
     m.up_only = make(ColumnParallelLinear, (inter // tp_size, hidden))
     m.router = make(ReplicatedLinear, (4, hidden))
-    m.embed = make(VocabParallelEmbedding, (padded // tp_size, hidden), org_vocab_size=vocab,
-                   shard_indices=VocabParallelEmbedding._get_indices(padded, padded, vocab, vocab, tp_rank, tp_size))
+    m.embed = make(
+        VocabParallelEmbedding,
+        (padded // tp_size, hidden),
+        org_vocab_size=vocab,
+        shard_indices=VocabParallelEmbedding._get_indices(padded, padded, vocab, vocab, tp_rank, tp_size),
+    )
     m.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     full = {
-        "q_proj.weight": torch.randn(heads * hs, hidden), "k_proj.weight": torch.randn(kv_heads * hs, hidden),
-        "v_proj.weight": torch.randn(kv_heads * hs, hidden), "gate_proj.weight": torch.randn(inter, hidden),
-        "up_proj.weight": torch.randn(inter, hidden), "o_proj.weight": torch.randn(hidden, heads * hs),
-        "up_only.weight": torch.randn(inter, hidden), "router.weight": torch.randn(4, hidden),
+        "q_proj.weight": torch.randn(heads * hs, hidden),
+        "k_proj.weight": torch.randn(kv_heads * hs, hidden),
+        "v_proj.weight": torch.randn(kv_heads * hs, hidden),
+        "gate_proj.weight": torch.randn(inter, hidden),
+        "up_proj.weight": torch.randn(inter, hidden),
+        "o_proj.weight": torch.randn(hidden, heads * hs),
+        "up_only.weight": torch.randn(inter, hidden),
+        "router.weight": torch.randn(4, hidden),
         "embed.weight": torch.randn(vocab, hidden),
     }
     via_vllm = {
         "qkv_proj": [("q_proj.weight", "q"), ("k_proj.weight", "k"), ("v_proj.weight", "v")],
         "gate_up_proj": [("gate_proj.weight", 0), ("up_proj.weight", 1)],
-        "o_proj": [("o_proj.weight", None)], "up_only": [("up_only.weight", None)],
-        "router": [("router.weight", None)], "embed": [("embed.weight", None)],
+        "o_proj": [("o_proj.weight", None)],
+        "up_only": [("up_only.weight", None)],
+        "router": [("router.weight", None)],
+        "embed": [("embed.weight", None)],
     }
     return m, full, via_vllm
 

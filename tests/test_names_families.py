@@ -13,6 +13,7 @@ runtime, PEFT-wrapped) against the pickled namespace, applies the plan to zeroed
 requires bit-identical results; names translated by ``NameMap.vllm_checkpoint_names`` are fed back through vLLM's own
 loader in the subprocess and must give the same parameters too.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,16 @@ from hwsync.engine.names import manifest_of, resolve
 pytestmark = pytest.mark.vllm
 
 TINY_MIXTRAL = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
     tie_word_embeddings=False,
 )
 
@@ -67,8 +76,13 @@ def built(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_5_moe_dir: Path) 
     dirs = {"qwen3_5_moe": tiny_qwen3_5_moe_dir, "mixtral": _make_mixtral(root / "mixtral")}
     out = root / "probe.pkl"
     env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, __file__, str(out), *(f"{k}={v}" for k, v in dirs.items())],
-                          env=env, capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out), *(f"{k}={v}" for k, v in dirs.items())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     if proc.returncode != 0:
         pytest.fail(f"vLLM model build failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}", pytrace=False)
     with open(out, "rb") as f:
@@ -128,14 +142,23 @@ def test_qwen3_5_runtime_peft_and_vl_names(built):
     _assert_equal_to_reference(params, reference)
 
     # VL-trained checkpoints nest the text model under model.language_model.: vLLM's own mapper strips it
-    vl = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t for n, t in runtime.items()}
+    vl = {
+        ("model.language_model." + n[len("model.") :] if n.startswith("model.") else n): t for n, t in runtime.items()
+    }
     plan_vl = resolve(manifest_of(vl), ns)
     assert sorted(map(repr, plan_vl.entries.values())) == sorted(map(repr, plan.entries.values()))
 
     model = AutoModelForCausalLM.from_pretrained(r["dir"], dtype=torch.float32)
-    peft = get_peft_model(model, LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv"],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    peft = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     wrapped = {n: p.detach() for n, p in peft.named_parameters()}
     plan_peft = resolve(manifest_of(wrapped), ns, skip_adapter_tensors=True)
     assert all("lora_" in n for n in plan_peft.skipped) and plan_peft.unwritten() == []
@@ -147,7 +170,8 @@ def test_qwen3_5_translated_names_load_through_vllm(built):
     r = built["qwen3_5_moe"]
     _assert_equal_to_reference(r["via_vllm_loader"], r["reference"])
     assert r["translated_example"]["model.layers.0.mlp.experts.gate_up_proj"] == [
-        "model.layers.0.mlp.experts.gate_up_proj"]
+        "model.layers.0.mlp.experts.gate_up_proj"
+    ]
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -169,10 +193,14 @@ def test_mixtral_resolves_from_mappings(built):
         _assert_equal_to_reference(params, reference)
     plan = resolve(manifest_of(runtime), ns)
     (t,) = plan.entries["model.layers.1.mlp.experts.down_proj"]
-    assert (t.param, t.kind, t.shard_id) == ("model.layers.1.block_sparse_moe.experts.routed_experts.w2_weight",
-                                             "experts", "w2")
+    assert (t.param, t.kind, t.shard_id) == (
+        "model.layers.1.block_sparse_moe.experts.routed_experts.w2_weight",
+        "experts",
+        "w2",
+    )
     assert [n for n, _ in plan.vllm_checkpoint_names("model.layers.1.mlp.experts.gate_up_proj")] == [
-        "model.layers.1.block_sparse_moe.experts.w13"]
+        "model.layers.1.block_sparse_moe.experts.w13"
+    ]
     _assert_equal_to_reference(r["via_vllm_loader"], reference)
 
 
@@ -203,8 +231,12 @@ def _stub_torchvision() -> None:
 
     import transformers.image_utils  # noqa: F401  (decides "no torchvision" before the stub exists)
 
-    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
-                 "torchvision.transforms.v2.functional"):
+    for name in (
+        "torchvision",
+        "torchvision.transforms",
+        "torchvision.transforms.v2",
+        "torchvision.transforms.v2.functional",
+    ):
         if name not in sys.modules:
             mod = types.ModuleType(name)
             mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
@@ -236,12 +268,18 @@ def _probe(out: str, families: dict[str, str]) -> None:
     results = {}
     initialized = False
     for k, (family, path) in enumerate(families.items()):
-        cfg = EngineArgs(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                         max_model_len=256).create_engine_config()
+        cfg = EngineArgs(
+            model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=256
+        ).create_engine_config()
         with set_current_vllm_config(cfg):
             if not initialized:
-                init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                             distributed_init_method=f"tcp://127.0.0.1:{port}")
+                init_distributed_environment(
+                    world_size=1,
+                    rank=0,
+                    local_rank=0,
+                    backend="gloo",
+                    distributed_init_method=f"tcp://127.0.0.1:{port}",
+                )
                 initialize_model_parallel(1, 1)
                 initialized = True
         from safetensors.torch import load_file
@@ -262,8 +300,9 @@ def _probe(out: str, families: dict[str, str]) -> None:
             "namespace": ns,
             "reference": reference,
             "via_vllm_loader": {n: p.detach().clone() for n, p in fresh.named_parameters()},
-            "translated_example": {n: [x for x, _ in plan.vllm_checkpoint_names(n)] for n in runtime
-                                   if "layers.0." in n and "experts" in n},
+            "translated_example": {
+                n: [x for x, _ in plan.vllm_checkpoint_names(n)] for n in runtime if "layers.0." in n and "experts" in n
+            },
         }
         del k
     with open(out, "wb") as f:

@@ -11,6 +11,7 @@ PEFT-wrapped names) resolves into the engine's live namespace. Writes are proven
   GPUs, where no engine equals transformers that closely: exactly what a fresh engine on the trainer's checkpoint
   serves).
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,9 +48,17 @@ def trainer(tiny_qwen3_moe_dir: Path):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe_dir, dtype=torch.float32).eval()
-    peft = get_peft_model(copy.deepcopy(hf), LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], modules_to_save=["lm_head"]))
+    peft = get_peft_model(
+        copy.deepcopy(hf),
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            modules_to_save=["lm_head"],
+        ),
+    )
     return {
         "hf": hf,
         "checkpoint": load_file(str(tiny_qwen3_moe_dir / "model.safetensors")),
@@ -70,12 +79,15 @@ def test_every_trainer_spelling_resolves_into_the_live_namespace(live, trainer):
         assert len(plan.entries) == len(trainer[spelling]) and not plan.skipped
     plan = resolve(manifest_of(trainer["runtime"]), ns)
     assert plan.entries["model.layers.1.self_attn.v_proj.weight"] == (
-        Target("model.layers.1.self_attn.qkv_proj.weight", "packed", "v"),)
+        Target("model.layers.1.self_attn.qkv_proj.weight", "packed", "v"),
+    )
     assert plan.entries["model.layers.1.mlp.experts.gate_up_proj"] == (
-        Target("model.layers.1.mlp.experts.routed_experts.w13_weight", "experts", "w13"),)
+        Target("model.layers.1.mlp.experts.routed_experts.w13_weight", "experts", "w13"),
+    )
     plan = resolve(manifest_of(trainer["checkpoint"]), ns)
     assert plan.entries["model.layers.0.mlp.experts.5.down_proj.weight"] == (
-        Target("model.layers.0.mlp.experts.routed_experts.w2_weight", "expert", "w2", (5,)),)
+        Target("model.layers.0.mlp.experts.routed_experts.w2_weight", "expert", "w2", (5,)),
+    )
 
     peft = trainer["peft"]
     with pytest.raises(ResolutionError) as e:
@@ -84,9 +96,11 @@ def test_every_trainer_spelling_resolves_into_the_live_namespace(live, trainer):
     plan = resolve(manifest_of(peft), ns, skip_adapter_tensors=True, require_complete=True)
     assert {n for n in plan.skipped if "lora_" not in n} == {"base_model.model.lm_head.original_module.weight"}
     assert plan.entries["base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj"] == (
-        Target("model.layers.0.mlp.experts.routed_experts.w13_weight", "experts", "w13"),)
+        Target("model.layers.0.mlp.experts.routed_experts.w13_weight", "experts", "w13"),
+    )
     assert plan.entries["base_model.model.lm_head.modules_to_save.default.weight"] == (
-        Target("lm_head.weight", "param"),)
+        Target("lm_head.weight", "param"),
+    )
 
 
 def test_plan_apply_matches_vllm_own_loader(live, trainer):

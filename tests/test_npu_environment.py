@@ -3,14 +3,15 @@
 The CANN layouts are written here as the toolkit lays them out (``<home>/<arch>-linux/ascend_toolkit_install.info``,
 ``<home>/version.cfg``); no CANN is installed on this machine.
 """
+
 from __future__ import annotations
 
 import json
 import platform
 
 from hwsync.common.capabilities import environment_report
-from hwsync.doctor import format_report
 from hwsync.common.npu.environment import cann_version, nz_mode
+from hwsync.doctor import format_report
 
 
 def test_cann_version_from_install_info_then_version_cfg(tmp_path):

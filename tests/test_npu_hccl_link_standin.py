@@ -13,6 +13,7 @@ What this shows: every group creation, broadcast and wait runs inside the link d
 thread-pool workers that start on device 0; the rendezvous uses the spec's prefix; bad calls are refused before any
 collective; ``close`` is idempotent. What it cannot show: HCCL's stream ordering, its communicator setup, speed.
 """
+
 from __future__ import annotations
 
 import contextlib

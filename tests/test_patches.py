@@ -3,6 +3,7 @@
 Targets are small modules built here: the mechanism patches attributes of any module, so these tests exercise
 exactly the code real patches use, without importing transformers / PEFT / vLLM.
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,8 +14,10 @@ import types
 import warnings
 from pathlib import Path
 
-import hwsync.patches as patches
 import pytest
+
+import hwsync.patches as patches
+from hwsync.common.errors import HwsyncError, PatchError
 from hwsync.patches import (
     APPLIES,
     NOT_NEEDED,
@@ -23,8 +26,6 @@ from hwsync.patches import (
     PatchWarning,
     ProbeResult,
 )
-
-from hwsync.common.errors import HwsyncError, PatchError
 
 README = Path(patches.__file__).with_name("README.md")
 
@@ -97,10 +98,9 @@ def test_scope_patches_and_restores_the_exact_object(target_module):
 def test_scope_restores_when_the_body_raises(target_module):
     p, _ = make_patch()
     original = target_module.double
-    with pytest.raises(ZeroDivisionError):
-        with p:
-            assert target_module.double(1) == ("patched", 2)
-            1 / 0
+    with pytest.raises(ZeroDivisionError), p:
+        assert target_module.double(1) == ("patched", 2)
+        raise ZeroDivisionError
     assert target_module.double is original and not p.active
 
 
@@ -148,8 +148,7 @@ def test_classmethod_and_staticmethod_are_restored_raw(target_module):
             return classmethod(lambda cls: ("patched", func(cls)))
         return staticmethod(lambda: ("patched", func()))
 
-    p, _ = make_patch(targets=("hwsync_patch_target:Base.make", "hwsync_patch_target:Base.static"),
-                      factory=factory)
+    p, _ = make_patch(targets=("hwsync_patch_target:Base.make", "hwsync_patch_target:Base.static"), factory=factory)
     with p:
         assert Base.make() == ("patched", "Base") and Base.static() == ("patched", "static")
     assert Base.__dict__["make"] is raw_cm and Base.__dict__["static"] is raw_sm
@@ -170,7 +169,10 @@ def test_not_needed_and_missing_targets_patch_nothing(target_module):
         missing.install(force=True)
 
     nomodule, _ = make_patch(targets=("hwsync_no_such_module_xyz:f",))
-    assert nomodule.probe().state == TARGET_MISSING and nomodule.probe().reason == "hwsync_no_such_module_xyz is not installed"
+    assert (
+        nomodule.probe().state == TARGET_MISSING
+        and nomodule.probe().reason == "hwsync_no_such_module_xyz is not installed"
+    )
 
 
 def test_force_applies_against_the_probe_and_probe_is_cached(target_module):
@@ -267,15 +269,27 @@ def test_a_raising_probe_patches_nothing(target_module):
 
 
 def test_registry_api():
-    assert set(patches.names()) == {"rope_config", "peft_moe_regex", "mtp_config", "vllm_cpu_moe_lora",
-                                    "vllm_cpu_moe_prepack", "vllm_cpu_mamba_conv", "vllm_reload_partial_loader",
-                                    "vllm_cpu_lora_logits",
-                                    "vllm_transformers_backend", "vllm_lora_expert_spellings",
-                                    "vllm_offline_failed_requests", "vllm_moe_router_lora_alias",
-                                    "vllm_sleep_watch", "vllm_weight_transfer_lora_reset", "vllm_lora_manager_guards",
-                                    "vllm_ascend",
-                                    "swift_rollout_cpu",
-                                    "swift_rollout_serve", "trl_vllm_generation"}
+    assert set(patches.names()) == {
+        "rope_config",
+        "peft_moe_regex",
+        "mtp_config",
+        "vllm_cpu_moe_lora",
+        "vllm_cpu_moe_prepack",
+        "vllm_cpu_mamba_conv",
+        "vllm_reload_partial_loader",
+        "vllm_cpu_lora_logits",
+        "vllm_transformers_backend",
+        "vllm_lora_expert_spellings",
+        "vllm_offline_failed_requests",
+        "vllm_moe_router_lora_alias",
+        "vllm_sleep_watch",
+        "vllm_weight_transfer_lora_reset",
+        "vllm_lora_manager_guards",
+        "vllm_ascend",
+        "swift_rollout_cpu",
+        "swift_rollout_serve",
+        "trl_vllm_generation",
+    }
     assert patches.get("mtp_config").name == "mtp_config"
     with pytest.raises(PatchError, match="known:"):
         patches.get("nope")
@@ -291,9 +305,11 @@ def test_disable_env_keeps_apply_from_installing(monkeypatch):
 
 
 def test_importing_patches_imports_no_target():
-    code = ("import sys, hwsync.patches as p; p.names(); "
-            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'vllm', 'vllm_ascend', 'swift', 'trl') "
-            "if m in sys.modules))")
+    code = (
+        "import sys, hwsync.patches as p; p.names(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'peft', 'vllm', 'vllm_ascend', 'swift', 'trl') "
+        "if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -341,8 +357,13 @@ def test_a_second_copy_of_the_same_patch_does_not_wrap_twice(target_module):
 def test_opt_in_patches_are_left_out_of_a_plain_apply(monkeypatch):
     """apply() with no names (what every vLLM process runs via hwsync.engine.vllm_plugin) must not touch ms-swift."""
     opt_in = {p.name for p in patches.registered() if p.opt_in}
-    assert {"swift_rollout_cpu", "swift_rollout_serve", "trl_vllm_generation", "vllm_sleep_watch",
-            "vllm_weight_transfer_lora_reset"} <= opt_in
+    assert {
+        "swift_rollout_cpu",
+        "swift_rollout_serve",
+        "trl_vllm_generation",
+        "vllm_sleep_watch",
+        "vllm_weight_transfer_lora_reset",
+    } <= opt_in
     chosen = {p.name for p in patches.select(None)}
     assert not chosen & opt_in
     assert {p.name for p in patches.select(sorted(opt_in))} == opt_in  # by name they are selectable
@@ -357,6 +378,8 @@ def test_opt_in_is_a_property_of_each_patch_read_by_every_process_wide_install(m
     opt_in = {p.name for p in patches.registered() if p.opt_in}
     assert {"vllm_lora_manager_guards", "trl_vllm_generation", "vllm_sleep_watch", "swift_rollout_serve"} <= opt_in
     assert not opt_in & set(engine_patches())
-    assert {p.name for p in patches.registered() if p.integration == "swift"} == {"swift_rollout_cpu",
-                                                                                   "swift_rollout_serve"}
+    assert {p.name for p in patches.registered() if p.integration == "swift"} == {
+        "swift_rollout_cpu",
+        "swift_rollout_serve",
+    }
     assert all(p.opt_in for p in patches.registered() if p.integration)  # an integration's patches are opt-in

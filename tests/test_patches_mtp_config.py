@@ -3,14 +3,15 @@
 The vLLM part feeds ``use_multi_module_mtp`` the draft config vLLM itself derives from a Qwen3.5-MoE config
 (``SpeculativeConfig.hf_config_override``), without and with the patch.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import hwsync.patches as patches
 import pytest
-from hwsync.patches.mtp_config import mtp_disable_overrides, mtp_layers
 
+import hwsync.patches as patches
+from hwsync.patches.mtp_config import mtp_disable_overrides, mtp_layers
 from hwsync.testing import require_vllm, vllm_missing_reason
 
 transformers = pytest.importorskip("transformers")
@@ -31,8 +32,10 @@ def _qwen3_5_moe(mtp: int):
         from transformers import Qwen3_5MoeConfig
     except ImportError:
         return _nested({"model_type": "qwen3_5_moe"}, {"mtp_num_hidden_layers": mtp})
-    return Qwen3_5MoeConfig(text_config={"mtp_num_hidden_layers": mtp, "num_hidden_layers": 2},
-                            architectures=["Qwen3_5MoeForConditionalGeneration"])
+    return Qwen3_5MoeConfig(
+        text_config={"mtp_num_hidden_layers": mtp, "num_hidden_layers": 2},
+        architectures=["Qwen3_5MoeForConditionalGeneration"],
+    )
 
 
 def test_mtp_layers_reads_every_spelling_and_nesting():
@@ -54,7 +57,9 @@ def test_mtp_disable_overrides_zero_each_field_where_it_lives():
     assert mtp_disable_overrides(_qwen3_5_moe(1)) == {"text_config": {"mtp_num_hidden_layers": 0}}
     assert mtp_disable_overrides({"num_nextn_predict_layers": 1}) == {"num_nextn_predict_layers": 0}
     assert mtp_disable_overrides(_nested({"num_nextn_predict_layers": 2}, {"mtp_num_hidden_layers": 1})) == {
-        "num_nextn_predict_layers": 0, "text_config": {"mtp_num_hidden_layers": 0}}
+        "num_nextn_predict_layers": 0,
+        "text_config": {"mtp_num_hidden_layers": 0},
+    }
     assert mtp_disable_overrides(_qwen3_5_moe(0)) == {}
 
 
@@ -69,8 +74,11 @@ def test_probe_matches_the_installed_stack():
 
 def _spec(hf_config, num_speculative_tokens):
     # use_multi_module_mtp reads exactly these three attributes of the SpeculativeConfig
-    return SimpleNamespace(method="mtp", num_speculative_tokens=num_speculative_tokens,
-                           draft_model_config=SimpleNamespace(hf_config=hf_config))
+    return SimpleNamespace(
+        method="mtp",
+        num_speculative_tokens=num_speculative_tokens,
+        draft_model_config=SimpleNamespace(hf_config=hf_config),
+    )
 
 
 @pytest.mark.vllm
@@ -86,7 +94,9 @@ def test_multi_module_mtp_is_detected_for_qwen3_5_with_the_patch():
     with PATCH:
         assert SpeculativeConfig.use_multi_module_mtp(_spec(draft, 2)) is True
         assert SpeculativeConfig.use_multi_module_mtp(_spec(draft, 1)) is False  # one token: one module
-        assert SpeculativeConfig.use_multi_module_mtp(_spec(SpeculativeConfig.hf_config_override(
-            _qwen3_5_moe(1)), 3)) is False  # one MTP module
+        assert (
+            SpeculativeConfig.use_multi_module_mtp(_spec(SpeculativeConfig.hf_config_override(_qwen3_5_moe(1)), 3))
+            is False
+        )  # one MTP module
         assert SpeculativeConfig.use_multi_module_mtp(_spec(deepseek_like, 2)) is True  # unchanged
     assert SpeculativeConfig.use_multi_module_mtp(_spec(draft, 2)) is False

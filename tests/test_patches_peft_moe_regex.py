@@ -5,24 +5,26 @@ regex stays as written, the expert LoRA lands on the fused parameters with rank 
 the doubling is recorded. transformers 4.x (ci/run-old-transformers.sh): the converter does not exist and a
 per-expert regex works natively -- the probe says "target missing" and nothing is patched.
 """
+
 from __future__ import annotations
 
 import copy
 import importlib.util
 import warnings
 
-import hwsync.patches as patches
 import pytest
 import torch
 from packaging.version import Version
 
+import hwsync.patches as patches
 from hwsync.common.errors import AdapterFormatError
 from hwsync.testing import tiny_moe_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from hwsync.patches.peft_moe_regex import fused_moe_targets  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+from hwsync.patches.peft_moe_regex import fused_moe_targets  # noqa: E402
 
 PATCH = patches.get("peft_moe_regex")
 V5 = Version(transformers.__version__) >= Version("5")
@@ -45,13 +47,18 @@ def base():
 def _peft(base, target_modules, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "target_modules ... no module was matched" (experts-only)
-        return get_peft_model(copy.deepcopy(base), LoraConfig(r=R, lora_alpha=ALPHA, target_modules=target_modules,
-                                                              lora_dropout=0.0, **kw))
+        return get_peft_model(
+            copy.deepcopy(base),
+            LoraConfig(r=R, lora_alpha=ALPHA, target_modules=target_modules, lora_dropout=0.0, **kw),
+        )
 
 
 def _lora_modules(model) -> dict[str, torch.nn.Module]:
-    return {name.removeprefix("base_model.model."): module for name, module in model.named_modules()
-            if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {})}
+    return {
+        name.removeprefix("base_model.model."): module
+        for name, module in model.named_modules()
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {})
+    }
 
 
 def test_probe_matches_the_installed_version():
@@ -75,8 +82,11 @@ def test_v4_per_expert_regex_works_natively_and_nothing_is_patched(base):
 
 v5_only = pytest.mark.skipif(
     not (V5 and CONVERTER),
-    reason=(f"transformers {transformers.__version__} has per-expert modules" if not V5 else
-            f"peft {peft.__version__} has no transformers-5 config converter (probe: target missing)"),
+    reason=(
+        f"transformers {transformers.__version__} has per-expert modules"
+        if not V5
+        else f"peft {peft.__version__} has no transformers-5 config converter (probe: target missing)"
+    ),
 )
 
 
@@ -146,8 +156,10 @@ def test_with_patch_layer_scoped_regex_stays_scoped(base):
         scoped_experts = _peft(base, r"model\.layers\.1\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)")
     assert names == {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"}
     config = scoped_experts.peft_config["default"]
-    assert set(config.target_parameters) == {"model.layers.1.mlp.experts.gate_up_proj",
-                                             "model.layers.1.mlp.experts.down_proj"}
+    assert set(config.target_parameters) == {
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.experts.down_proj",
+    }
     assert set(_lora_modules(scoped_experts)) == {"model.layers.1.mlp.experts", "model.layers.1.mlp.experts.base_layer"}
     assert _lora_modules(scoped_experts)["model.layers.1.mlp.experts.base_layer"].r["default"] == 2 * R
 
@@ -169,7 +181,8 @@ def test_with_patch_refusals_and_fallbacks(base):
         assert recorded["gate_up_proj"].rank == 2 * R and recorded["gate_up_proj"].alpha == 2 * ALPHA
     unpatched = _peft(base, ["q_proj", "gate_proj", "up_proj", "down_proj"]).peft_config["default"]
     assert unpatched.rank_pattern == listed.rank_pattern and set(unpatched.target_parameters) == set(
-        listed.target_parameters)
+        listed.target_parameters
+    )
 
 
 @v5_only

@@ -3,11 +3,13 @@
 The same file runs in the main venv (transformers 5.19: "not needed") and in ci/run-old-transformers.sh
 (4.57: "target missing"; with HWSYNC_OLD_TRANSFORMERS=5.0.0: "applies", fixed by the patch).
 """
+
 from __future__ import annotations
 
-import hwsync.patches as patches
 import pytest
 from packaging.version import Version
+
+import hwsync.patches as patches
 
 transformers = pytest.importorskip("transformers")
 TF = Version(transformers.__version__)
@@ -18,8 +20,14 @@ KEY = "ignore_keys_at_rope_validation"
 def _config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=1, num_key_value_heads=1)
+    return LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
 
 
 def _expected_state() -> str | None:

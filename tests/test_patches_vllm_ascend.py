@@ -14,15 +14,16 @@ the checks that also run without vLLM (the transformers-4.57 job runs tests/test
 
 Not covered here: FRACTAL_NZ detection (needs an NPU tensor) and the real vllm-ascend classes.
 """
+
 from __future__ import annotations
 
 import importlib.util
 from types import SimpleNamespace
 
-import hwsync.patches as patches
 import pytest
 import torch
 
+import hwsync.patches as patches
 from hwsync.common.errors import LayoutError
 from hwsync.common.layouts import (
     ExpertLayout,
@@ -55,10 +56,12 @@ class StandInExperts(torch.nn.Module):
     def __init__(self, sharding: ExpertSharding, inter: int, hidden: int) -> None:
         super().__init__()
         self.sharding = sharding
-        par = SimpleNamespace(tp_size=sharding.tp_size, tp_rank=sharding.tp_rank, ep_size=sharding.ep_size,
-                              ep_rank=sharding.ep_rank)
-        self.moe_config = SimpleNamespace(num_experts=sharding.num_experts, num_logical_experts=sharding.num_experts,
-                                          moe_parallel_config=par)
+        par = SimpleNamespace(
+            tp_size=sharding.tp_size, tp_rank=sharding.tp_rank, ep_size=sharding.ep_size, ep_rank=sharding.ep_rank
+        )
+        self.moe_config = SimpleNamespace(
+            num_experts=sharding.num_experts, num_logical_experts=sharding.num_experts, moe_parallel_config=par
+        )
         self.expert_map = None if sharding.expert_map is None else torch.tensor(sharding.expert_map)
         n, i_tp = sharding.num_local_experts, inter // sharding.tp_size
         for name, shape in (("w13_weight", (n, 2 * i_tp, hidden)), ("w2_weight", (n, hidden, i_tp))):
@@ -85,9 +88,9 @@ def released_wake_up(worker, tags=None):
     if tags is None or "weights" in tags:
         for name, param in model.named_parameters():
             parent = model.get_submodule(".".join(name.split(".")[:-1]))
-            if "w2_weight" in name and param.shape[2] == hidden:
-                setattr(parent, name.split(".")[-1], torch.nn.Parameter(param.transpose(1, 2), requires_grad=False))
-            elif "w13_weight" in name and param.shape[1] == hidden:
+            if ("w2_weight" in name and param.shape[2] == hidden) or (
+                "w13_weight" in name and param.shape[1] == hidden
+            ):
                 setattr(parent, name.split(".")[-1], torch.nn.Parameter(param.transpose(1, 2), requires_grad=False))
 
 
@@ -101,17 +104,24 @@ def _experts(num_experts, inter, hidden, seed=0):
 def _load_all(layer, gate, up, down):
     """What a model's load_weights does: one loader call per expert tensor, through the Parameter's loader."""
     for e in range(gate.shape[0]):
-        for shard, name, tensor in (("w1", "w13_weight", gate[e]), ("w3", "w13_weight", up[e]),
-                                    ("w2", "w2_weight", down[e])):
+        for shard, name, tensor in (
+            ("w1", "w13_weight", gate[e]),
+            ("w3", "w13_weight", up[e]),
+            ("w2", "w2_weight", down[e]),
+        ):
             param = getattr(layer, name)
             param.weight_loader(param, tensor, f"experts.{e}.{name}", shard, e)
 
 
-@pytest.mark.parametrize("sharding", [
-    ExpertSharding(6),
-    ExpertSharding(6, tp_size=2, tp_rank=1),
-    ExpertSharding.with_placement(6, ep_size=2, ep_rank=1, placement="round_robin", tp_size=2, tp_rank=0),
-], ids=["tp1", "tp2", "ep2-round-robin-tp2"])
+@pytest.mark.parametrize(
+    "sharding",
+    [
+        ExpertSharding(6),
+        ExpertSharding(6, tp_size=2, tp_rank=1),
+        ExpertSharding.with_placement(6, ep_size=2, ep_rank=1, placement="round_robin", tp_size=2, tp_rank=0),
+    ],
+    ids=["tp1", "tp2", "ep2-round-robin-tp2"],
+)
 def test_processed_loader_writes_the_transposed_vllm_layout(sharding):
     inter, hidden = 64, 32
     gate, up, down = _experts(6, inter, hidden)
@@ -226,8 +236,11 @@ def test_processed_loader_equals_vllms_loader_transposed_on_a_live_layer(tiny_qw
     e_num, i2, hidden = pre13.shape
     gate, up, down = _experts(e_num, i2 // 2, hidden, seed=4)
     for e in range(e_num):
-        for shard, pre, proc, src in (("w1", pre13, proc13, gate[e]), ("w3", pre13, proc13, up[e]),
-                                      ("w2", pre2, proc2, down[e])):
+        for shard, pre, proc, src in (
+            ("w1", pre13, proc13, gate[e]),
+            ("w3", pre13, proc13, up[e]),
+            ("w2", pre2, proc2, down[e]),
+        ):
             weight_name = f"{name}.{'w2' if shard == 'w2' else 'w13'}_weight"  # vLLM dispatches on the name
             assert layer.weight_loader(pre, src, weight_name, shard, e, return_success=True) is True
             assert loader(proc, src, weight_name, shard, e, return_success=True) is True

@@ -4,6 +4,7 @@ One real engine with ``enable_lora=True`` and vLLM's own default ``lora_target_m
 with the patch an adapter synced by hwsync serves prompt logprobs equal to the trainer's; without it the same
 request crashes in ``punica_cpu.add_lora_logits`` (the probe's reason to apply).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ def patch() -> Any:
 def test_probe_reproduces_the_crash_and_the_fix_computes_the_lora_delta(patch: Any) -> None:
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-    import patches.vllm_cpu_lora_logits as module
+    import hwsync.patches.vllm_cpu_lora_logits as module
     from hwsync.patches import APPLIES
 
     assert patch.probe(refresh=True).state == APPLIES, patch.probe().reason
@@ -47,15 +48,13 @@ def test_probe_reproduces_the_crash_and_the_fix_computes_the_lora_delta(patch: A
     wrapper = module._wrapper(3)
     wrapper._sampler_indices[:2] = torch.tensor([0, 1])
     with pytest.raises(RuntimeError, match="different adapters"):
-        fixed(wrapper, torch.zeros(3, 64), torch.zeros(3, 32), torch.zeros(2, 1, 8, 32), torch.zeros(2, 1, 64, 8),
-              1.0)
+        fixed(wrapper, torch.zeros(3, 64), torch.zeros(3, 32), torch.zeros(2, 1, 8, 32), torch.zeros(2, 1, 64, 8), 1.0)
     assert not patch.installed or PunicaWrapperCPU.add_lora_logits is not patch.original()
 
 
 @pytest.fixture(scope="module")
 def llm(patch: Any, tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
     import hwsync.patches as patches
-
     from hwsync.engine import vllm_plugin
 
     before = {n for n in patches.names() if patches.get(n).installed}

@@ -5,6 +5,7 @@ applies: one real engine on a tiny Granite-MoE-hybrid (Mamba2 + attention, bf16:
 fp32), a reload of changed conv weights through vLLM's own ``reload_weights`` leaves ``conv_weights`` at the old
 values without the patch and at the new ones under it. Everywhere: the refresh itself on real modules.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -75,7 +76,9 @@ def test_reload_without_and_with_the_patch(tmp_path: Path) -> None:
             runner.reload_weights(weights_iterator=iter([(name, new)]), is_checkpoint_format=True)
 
         reload()
-        assert not torch.equal(mixer.conv_weights, new.view(shape)), "unpatched reload updated conv_weights: stale probe?"
+        assert not torch.equal(mixer.conv_weights, new.view(shape)), (
+            "unpatched reload updated conv_weights: stale probe?"
+        )
         with PATCH:
             reload()
         assert not PATCH.active

@@ -4,13 +4,14 @@ Without the patch an ``enable_lora`` engine on the tiny Qwen3-MoE dies at its fi
 CPU); with it, an attention-only adapter gives HF+PEFT's logprobs, and an adapter with expert LoRA is refused
 instead of being served with its expert deltas silently dropped.
 """
+
 from __future__ import annotations
 
 import gc
 
-import hwsync.patches as patches
 import pytest
 
+import hwsync.patches as patches
 from hwsync.common.errors import AdapterFormatError
 from hwsync.testing import make_llm, require_vllm, vllm_missing_reason
 from hwsync.trainer.verify import engine_logprobs, token_logprobs
@@ -92,8 +93,9 @@ def test_with_patch_attention_lora_matches_hf_peft(patched_llm, tiny, tmp_path):
     from vllm.lora.request import LoRARequest
 
     path, peft_model = _adapter(tiny, tmp_path / "attn", ["q_proj", "k_proj", "v_proj", "o_proj"], seed=1)
-    out = patched_llm.generate([{"prompt_token_ids": PROMPT}], _sampling(),
-                               lora_request=LoRARequest("attn", 1, str(path)))
+    out = patched_llm.generate(
+        [{"prompt_token_ids": PROMPT}], _sampling(), lora_request=LoRARequest("attn", 1, str(path))
+    )
     ids, got = engine_logprobs(out[0])
     want = token_logprobs(peft_model, ids)
     diff = max(abs(a - b) for a, b in zip(got, want.tolist()))
@@ -117,13 +119,13 @@ def test_with_patch_base_requests_match_hf(patched_llm, tiny):
 
 @pytest.mark.vllm
 def test_with_patch_experts_are_unwrapped_and_expert_adapters_refused(patched_llm, tiny, tmp_path):
-    from hwsync.patches.vllm_cpu_moe_lora import unwrapped_moe_modules
     from vllm.lora.request import LoRARequest
+
+    from hwsync.patches.vllm_cpu_moe_lora import unwrapped_moe_modules
 
     model = patched_llm.apply_model(lambda m: m)[0]
     assert unwrapped_moe_modules(model.lora_manager) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
     path, _ = _adapter(tiny, tmp_path / "moe", ["q_proj", "gate_proj", "up_proj", "down_proj"], seed=2)
     with pytest.raises(AdapterFormatError, match="hybrid"):
-        patched_llm.generate([{"prompt_token_ids": PROMPT}], _sampling(),
-                             lora_request=LoRARequest("moe", 2, str(path)))
+        patched_llm.generate([{"prompt_token_ids": PROMPT}], _sampling(), lora_request=LoRARequest("moe", 2, str(path)))

@@ -3,11 +3,12 @@
 One engine on the tiny Qwen3-MoE: it serves HF's logprobs; after ``reload_weights`` of the very same checkpoint
 without the patch it does not (the CPU prepack was skipped); after a reload under the patch it does again.
 """
+
 from __future__ import annotations
 
-import hwsync.patches as patches
 import pytest
 
+import hwsync.patches as patches
 from hwsync.testing import make_llm, require_vllm, vllm_missing_reason
 from hwsync.trainer.verify import engine_logprobs, token_logprobs
 

@@ -8,6 +8,7 @@ and nothing is left on the manager. The real engine: ``test_a_user_adapter_under
 (``tests/test_attacks_reliability.py``), ``test_an_evicted_adapter_says_so_and_a_sync_reinstalls_it``
 (``tests/test_attacks_adapters.py``).
 """
+
 from __future__ import annotations
 
 import gc
@@ -90,9 +91,9 @@ def test_a_worker_hwsync_attached_to_refuses_both_and_nothing_stays_patched() ->
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
 
     from hwsync.common.target import IN_MEMORY_LORA
-    from hwsync.patches.vllm_lora_manager_guards import guard_of
     from hwsync.engine.vllm.applier import LORA_INT_ID
     from hwsync.engine.vllm.worker import AdapterGuard, receiver_of
+    from hwsync.patches.vllm_lora_manager_guards import guard_of
 
     add = LRUCacheWorkerLoRAManager.__dict__["add_adapter"]
     load = WorkerLoRAManager.__dict__["_load_adapter"]
@@ -123,8 +124,8 @@ def test_a_worker_hwsync_attached_to_refuses_both_and_nothing_stays_patched() ->
 
 def test_guard_is_released_from_a_manager_that_outlives_its_worker() -> None:
     require_vllm()
-    from hwsync.patches.vllm_lora_manager_guards import guard_of
     from hwsync.engine.vllm.worker import guard_adapters
+    from hwsync.patches.vllm_lora_manager_guards import guard_of
 
     manager = _manager(set())
     worker = _Worker(manager)
@@ -136,8 +137,8 @@ def test_guard_is_released_from_a_manager_that_outlives_its_worker() -> None:
 
 def test_switched_off_leaves_vllm_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     require_vllm()
-    from hwsync.patches.vllm_lora_manager_guards import guard_of
     from hwsync.engine.vllm.worker import guard_adapters
+    from hwsync.patches.vllm_lora_manager_guards import guard_of
 
     monkeypatch.setenv(patches.DISABLE_ENV, PATCH.name)
     manager = _manager(set())

@@ -7,13 +7,13 @@ check the probe on the installed vLLM's source, the rewire on a module tree, and
 router LoRA -- that the runner holding the raw router (the state the bug leaves) serves the trainer without its router
 LoRA, and that the patch's rewire brings the engine back to the trainer.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from torch import nn
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
@@ -66,18 +66,19 @@ def test_probe_reads_the_installed_vllm() -> None:
 
 def test_a_runner_left_with_the_raw_router_is_repaired(tiny_qwen3_moe_dir: Path) -> None:
     import hwsync
+    from hwsync.engine.vllm.applier import lora_manager_of
     from hwsync.patches.vllm_moe_router_lora_alias import rewire_aliases
     from hwsync.testing import on_cpu, patched_llm, require_vllm
     from hwsync.testing.trainer import lora_trainer, perturb
-    from hwsync.engine.vllm.applier import lora_manager_of
 
     require_vllm()
     if not on_cpu():
         pytest.skip("the CPU check: a bf16 GPU engine cannot tell a router LoRA from bf16 noise by logprobs")
     model = lora_trainer(tiny_qwen3_moe_dir, ["q_proj", "v_proj", "gate"])
     perturb(model, 1)
-    with patched_llm(tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8,
-                     lora_target_modules=["qkv_proj", "o_proj", "gate"]) as llm:
+    with patched_llm(
+        tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8, lora_target_modules=["qkv_proj", "o_proj", "gate"]
+    ) as llm:
         hwsync.sync(llm, model, strategy="adapter")
         hwsync.verify(llm, model, PROMPTS, atol=1e-4)
 
@@ -99,6 +100,5 @@ def test_a_runner_left_with_the_raw_router_is_repaired(tiny_qwen3_moe_dir: Path)
             hwsync.verify(llm, model, PROMPTS, atol=1e-4)
         manager = lora_manager_of(llm.llm_engine.model_executor.driver_worker.worker)
         fixed = llm.apply_model(lambda m: rewire_aliases(m, manager.modules.values()))[0]
-        assert len(fixed) == len(held) and all(runner._modules["gate"] is wrapper_of[id(runner)]
-                                               for runner, _ in held)
+        assert len(fixed) == len(held) and all(runner._modules["gate"] is wrapper_of[id(runner)] for runner, _ in held)
         hwsync.verify(llm, model, PROMPTS, atol=1e-4)

@@ -1,6 +1,7 @@
 """``vllm_reload_partial_loader``: vLLM's layerwise reload wraps a layer whose weight loader is a
 ``functools.partial`` (MiniMax-M2's q/k RMSNorm), instead of stopping every reload with AttributeError. Real vLLM
 reload code on a real module, no engine (the model itself cannot be served by vLLM's CPU build)."""
+
 from __future__ import annotations
 
 import functools

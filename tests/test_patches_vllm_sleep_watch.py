@@ -2,10 +2,11 @@
 
 Why a patch: vLLM refuses a worker extension that defines ``sleep`` (checked here against vLLM's ``init_worker``).
 What it does, on vLLM's real ``WorkerWrapperBase`` and ``run_method`` (the executors' RPC dispatch) around a small
-worker: a watched worker's calls reach its :class:`~hwsync.engine.vllm.sleep.SleepWatch`, an unwatched one's are vLLM's own,
-and once no watched worker is left vLLM's class holds its own ``__getattr__`` again. The real engine's entry points
+worker: a watched worker's calls reach its :class:`~hwsync.engine.vllm.sleep.SleepWatch`, an unwatched one's are vLLM's
+own, and once no watched worker is left vLLM's class holds its own ``__getattr__`` again. The real engine's entry points
 (``LLM.sleep``, ``collective_rpc``, the executor's discard) are in ``tests/test_sleep_refill.py``.
 """
+
 from __future__ import annotations
 
 import gc
@@ -80,8 +81,9 @@ def test_vllm_refuses_a_worker_extension_that_overrides_sleep(monkeypatch: pytes
     monkeypatch.setattr(vllm.plugins, "load_general_plugins", lambda: None)  # nothing process-wide from here on
     monkeypatch.setattr(current_platform, "register_triton_kernel_overrides", lambda: None)
     bases = CPUWorker.__bases__
-    parallel = SimpleNamespace(worker_cls="vllm.v1.worker.cpu_worker.CPUWorker",
-                               worker_extension_cls=f"{__name__}.HwsyncSleepExtension")
+    parallel = SimpleNamespace(
+        worker_cls="vllm.v1.worker.cpu_worker.CPUWorker", worker_extension_cls=f"{__name__}.HwsyncSleepExtension"
+    )
     config = SimpleNamespace(parallel_config=parallel, enable_trace_function_call_for_thread=lambda: None)
     with pytest.raises(AssertionError, match="already has an attribute sleep"):
         WorkerWrapperBase(rpc_rank=0).init_worker([{"vllm_config": config}])
@@ -128,8 +130,9 @@ def test_watched_calls_reach_the_watch_and_nothing_of_vllm_stays_patched() -> No
     assert not PATCH.active and WorkerWrapperBase.__dict__["__getattr__"] is original
 
 
-def test_switched_off_the_watch_says_sleeps_go_unseen(monkeypatch: pytest.MonkeyPatch,
-                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_switched_off_the_watch_says_sleeps_go_unseen(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     require_vllm()
     from hwsync.engine.vllm.sleep import watch
 

@@ -3,9 +3,11 @@
 Without the patch, vLLM 0.32 decorates transformers' own decoder class in place (``support_torch_compile``), so
 once an engine has loaded a FlexOlmo model, ``AutoModelForCausalLM.from_pretrained`` of the same model in the same
 process (hwsync's colocated trainer) fails with ``AssertionError: Current vLLM config is not set``. One engine per
-module (tiny FlexOlmo, LoRA as the family matrix builds it), built under the engine patches (what ``VLLM_PLUGINS=hwsync``
-installs); with ``HWSYNC_DISABLE_PATCHES=vllm_transformers_backend`` the engine tests fail with that error.
+module (tiny FlexOlmo, LoRA as the family matrix builds it), built under the engine patches (what
+``VLLM_PLUGINS=hwsync`` installs); with ``HWSYNC_DISABLE_PATCHES=vllm_transformers_backend`` the engine tests fail with
+that error.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,28 +32,42 @@ def test_decoration_goes_to_a_subclass_and_only_while_an_engine_builds() -> None
     """Engine-free: the wrapped decorator leaves the class alone; _from_config redirects only under a vLLM config."""
     if vllm_missing_reason() is not None:
         pytest.skip(vllm_missing_reason())
-    from transformers import LlamaConfig, LlamaModel
+    from transformers import LlamaConfig, LlamaModel, PreTrainedModel
     from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.models.transformers.base import Base
 
     from hwsync.patches.vllm_transformers_backend import ENGINE_SUBCLASS_OF
 
-    from transformers import PreTrainedModel
-
     init, bases = LlamaModel.__init__, LlamaModel.__bases__
     originals = (Base.__dict__["_decorate_cls_for_torch_compile"], PreTrainedModel.__dict__["_from_config"])
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     with PATCH:
         assert PATCH.active
-        Base._decorate_cls_for_torch_compile(object(), cls=LlamaModel, dynamic_arg_dims={"input_ids": 1},
-                                             enable_if=lambda _config: False, is_encoder=False)
+        Base._decorate_cls_for_torch_compile(
+            object(),
+            cls=LlamaModel,
+            dynamic_arg_dims={"input_ids": 1},
+            enable_if=lambda _config: False,
+            is_encoder=False,
+        )
         assert LlamaModel.__init__ is init and LlamaModel.__bases__ == bases
         plain = LlamaModel._from_config(config)  # no vLLM config is current: not redirected (records dropped)
         assert type(plain) is LlamaModel
-        Base._decorate_cls_for_torch_compile(object(), cls=LlamaModel, dynamic_arg_dims={"input_ids": 1},
-                                             enable_if=lambda _config: False, is_encoder=False)
+        Base._decorate_cls_for_torch_compile(
+            object(),
+            cls=LlamaModel,
+            dynamic_arg_dims={"input_ids": 1},
+            enable_if=lambda _config: False,
+            is_encoder=False,
+        )
         with set_current_vllm_config(VllmConfig()):
             model = LlamaModel._from_config(config)
         sub = type(model)

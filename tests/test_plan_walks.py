@@ -1,7 +1,8 @@
 """What a steady-state sync does on the trainer side instead of walking the model: one iterative parameter walk
 (:func:`hwsync.common.gather.parameters`) whose result decides whether the plan still holds, and the strided views the
-in-place LoRA slot writer copies from (:mod:`hwsync.engine.vllm.lora_slots`). CPU-only logic; the end-to-end syncs that use
-them are in test_sync_inplace / test_sync_strategies / test_sync_exact."""
+in-place LoRA slot writer copies from (:mod:`hwsync.engine.vllm.lora_slots`). CPU-only logic; the end-to-end syncs that
+use them are in test_sync_inplace / test_sync_strategies / test_sync_exact."""
+
 from __future__ import annotations
 
 import threading
@@ -42,8 +43,8 @@ def test_plan_signature_sees_new_parameters_and_adapter_switches() -> None:
 def test_registrations_on_other_models_do_not_walk_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """A colocated engine's reload registers parameters on vLLM's modules inside the first sync: the second sync
     must not pay a walk of the trainer for it; a module attached to the trainer, then given a parameter, must."""
-    from hwsync.trainer import api
     from hwsync.common import gather
+    from hwsync.trainer import api
 
     model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
     sig = api._signature(model)
@@ -68,8 +69,12 @@ def test_strided_views_reproduce_the_gather(case: str) -> None:
     flat = torch.cat([a.reshape(-1), b.reshape(-1)])
     idx = torch.arange(34)
     ia, ib = idx[:24].reshape(2, 3, 4), idx[24:].reshape(2, 5)
-    gather = {"transpose": ib.T, "slice": ib[:, 1:4], "stack": torch.stack([ia[0, 1], ia[1, 1]]),
-              "permute3d": ia.permute(2, 0, 1)}[case]
+    gather = {
+        "transpose": ib.T,
+        "slice": ib[:, 1:4],
+        "stack": torch.stack([ia[0, 1], ia[1, 1]]),
+        "permute3d": ia.permute(2, 0, 1),
+    }[case]
     view = _index_view(gather.reshape(-1), tuple(gather.shape), ["a", "b"], starts, sizes)
     assert view is not None
     src = (a if view.source == "a" else b).reshape(-1)
@@ -131,14 +136,16 @@ def test_ranks_learn_whether_they_share_a_device() -> None:
     from hwsync.common.transport.base import LinkSpec
 
     for idents, shared in ((["GPU-a", "GPU-b"], False), (["GPU-a", "GPU-a"], True)):
-        master = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30),
-                               wait_for_workers=False)
+        master = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
+        )
         spec = LinkSpec("127.0.0.1", master.port, "p/", 2, 30.0)
         seen: dict[int, list[str]] = {}
 
+        # B023: both threads are joined before the loop moves on, so the loop's current values are the ones meant
         def join(rank: int) -> None:
-            store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=30))
-            seen[rank] = peer_devices(store, spec, rank, idents[rank])
+            store = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=30))  # noqa: B023
+            seen[rank] = peer_devices(store, spec, rank, idents[rank])  # noqa: B023
 
         threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
         for t in threads:

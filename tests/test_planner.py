@@ -1,9 +1,10 @@
-"""The trainer-side planner (:mod:`hwsync.trainer.api`): one :class:`~hwsync.trainer.api.SyncPlan` per (engine, model, options), made
-from one description of the engine. A first adapter sync and the steady syncs after it come from that description
-(the engine's state after a successful sync is known, not asked again), and the steady plan equals what describing
-the engine again would give. The engine is a recorder (an :class:`hwsync.common.target.Engine` that keeps what it
-receives and counts the describe round trips): CPU-only, no vLLM; the same planner against real engines runs in
+"""The trainer-side planner (:mod:`hwsync.trainer.api`): one :class:`~hwsync.trainer.api.SyncPlan` per (engine, model,
+options), made from one description of the engine. A first adapter sync and the steady syncs after it come from that
+description (the engine's state after a successful sync is known, not asked again), and the steady plan equals what
+describing the engine again would give. The engine is a recorder (an :class:`hwsync.common.target.Engine` that keeps
+what it receives and counts the describe round trips): CPU-only, no vLLM; the same planner against real engines runs in
 test_sync_strategies / test_sync_server / test_gather."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -13,9 +14,9 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.trainer.api import SyncOptions, SyncPlan, last_plan
 from hwsync.common.target import Engine
 from hwsync.common.wire import EngineInfo, Manifest, Strategy
+from hwsync.trainer.api import SyncOptions, SyncPlan, last_plan
 
 
 class Recorder(Engine):
@@ -30,9 +31,17 @@ class Recorder(Engine):
 
     def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:
         self.describes += 1
-        return EngineInfo(engine="recorder", dtype="float32", lora_enabled=True, lora_dtype="float32",
-                          max_lora_rank=16, moe_lora=True, moe_format="3d", version=self.version,
-                          base_key=self.base_key)
+        return EngineInfo(
+            engine="recorder",
+            dtype="float32",
+            lora_enabled=True,
+            lora_dtype="float32",
+            max_lora_rank=16,
+            moe_lora=True,
+            moe_format="3d",
+            version=self.version,
+            base_key=self.base_key,
+        )
 
     def state(self) -> dict[str, Any]:
         return {"version": self.version, "stale": False, "lora_int_id": None}
@@ -67,9 +76,14 @@ def tiny_model(lora: bool) -> Any:
         return model
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                     target_modules=["q_proj", "v_proj"],
-                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     return get_peft_model(model, cfg)
 
 

@@ -11,6 +11,7 @@
 Needs bitsandbytes (the `test` extra installs it: CI runs these on its CPU backend; the GPU kit carries the CUDA 13
 build). The 4-bit trainer runs on the GPU where there is one, else on bitsandbytes' CPU backend.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -29,8 +30,9 @@ try:
     import bitsandbytes as bnb
 except Exception as e:  # noqa: BLE001  (missing, or a build without a library for this machine)
     bnb, _BNB_ERROR = None, f"{type(e).__name__}: {e}"
-pytestmark = pytest.mark.skipif(bnb is None, reason="QLoRA tests need bitsandbytes (pip install bitsandbytes): "
-                                f"{_BNB_ERROR if bnb is None else ''}")
+pytestmark = pytest.mark.skipif(
+    bnb is None, reason=f"QLoRA tests need bitsandbytes (pip install bitsandbytes): {_BNB_ERROR if bnb is None else ''}"
+)
 
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99], [11, 400, 23]]
 SYNCS = 4
@@ -48,16 +50,18 @@ def _quantized(path: Path) -> Any:
 
     compute = torch.bfloat16 if _device() == "cuda" else torch.float32
     q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map={"": _device()},
-                                                dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=q, device_map={"": _device()}, dtype=torch.float32
+    )
 
 
 def _qlora(model: Any, targets: list[str], parameters: list[str] | None) -> Any:
     from peft import LoraConfig, get_peft_model
 
     # alpha/r = 2 (a power of two: scaling rounds alike on both loading paths in bf16)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                            target_parameters=parameters)).eval()
+    return get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=parameters)
+    ).eval()
 
 
 def test_merged_view_is_bnb_dequant_plus_peft_delta(tiny_qwen3_moe_dir: Path) -> None:
@@ -87,13 +91,15 @@ def test_merged_view_is_bnb_dequant_plus_peft_delta(tiny_qwen3_moe_dir: Path) ->
 
 
 @pytest.fixture(scope="module")
-def full_engine(tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[tuple[Any, EngineReference]]:
+def full_engine(
+    tiny_qwen3_moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, EngineReference]]:
     require_vllm()
     dtype = "bfloat16" if not on_cpu() else "float32"  # QLoRA users serve bf16; vLLM's CPU build tests run fp32
     llm = make_llm(tiny_qwen3_moe_dir, dtype=dtype, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension")
-    reference = EngineReference(tmp_path_factory.mktemp("qlora-full"), dtype=dtype,
-                                checkpoint_dtype=getattr(torch, dtype))
+    reference = EngineReference(
+        tmp_path_factory.mktemp("qlora-full"), dtype=dtype, checkpoint_dtype=getattr(torch, dtype)
+    )
     try:
         yield llm, reference
     finally:
@@ -118,8 +124,14 @@ def test_full_sync_of_a_4bit_base_is_exact(full_engine: tuple[Any, EngineReferen
         assert diff <= EXACT_ATOL, diff
         worst = max(worst, diff)
         if previous is not None:
-            moved = max(moved, max(abs(a - b) for (_, x), (_, y), p in zip(got, previous, PROMPTS)
-                                   for a, b in zip(x[:len(p) - 1], y[:len(p) - 1])))
+            moved = max(
+                moved,
+                max(
+                    abs(a - b)
+                    for (_, x), (_, y), p in zip(got, previous, PROMPTS)
+                    for a, b in zip(x[: len(p) - 1], y[: len(p) - 1])
+                ),
+            )
         previous = got
     assert moved > 1e-3, "the adapter changed every sync but the served logprobs did not"
     print(f"QLoRA full: {SYNCS} syncs, max |Δ logprob| vs vLLM's own loading of the merged view = {worst:.1e}")
@@ -127,8 +139,8 @@ def test_full_sync_of_a_4bit_base_is_exact(full_engine: tuple[Any, EngineReferen
 
 @pytest.mark.vllm
 def test_adapter_sync_of_a_4bit_base_is_exact(tiny_qwen3_moe_dir: Path, tmp_path: Path) -> None:
-    """``adapter`` with a 4-bit trainer base: the base once, dequantized, then LoRA only, equal to a fresh engine started
-    from a checkpoint of the dequantized base with PEFT's saved adapter as a ``LoRARequest``.
+    """``adapter`` with a 4-bit trainer base: the base once, dequantized, then LoRA only, equal to a fresh engine
+    started from a checkpoint of the dequantized base with PEFT's saved adapter as a ``LoRARequest``.
 
     vLLM 0.32 has no bitsandbytes quantization any more (``quantization="bitsandbytes"`` is refused: "Unknown
     quantization method", measured on an H100), so the engine of a QLoRA trainer serves the base in floating point;
@@ -141,8 +153,9 @@ def test_adapter_sync_of_a_4bit_base_is_exact(tiny_qwen3_moe_dir: Path, tmp_path
     engine = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "lora_target_modules": ["qkv_proj", "o_proj"]}
     model = _qlora(_quantized(tiny_qwen3_moe_dir), ["q_proj", "k_proj", "v_proj", "o_proj"], None)
     with engine_patches(threads=None):  # what VLLM_PLUGINS=hwsync does in a vLLM process (LoRA on the CPU build)
-        llm = make_llm(tiny_qwen3_moe_dir, dtype=dtype, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension",
-                       **engine)
+        llm = make_llm(
+            tiny_qwen3_moe_dir, dtype=dtype, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **engine
+        )
         try:
             with EngineReference(tmp_path / "reference", dtype=dtype, **engine) as reference:
                 gen = torch.Generator().manual_seed(2)
@@ -151,13 +164,15 @@ def test_adapter_sync_of_a_4bit_base_is_exact(tiny_qwen3_moe_dir: Path, tmp_path
                     perturb(model, gen)
                     reports.append(hwsync.sync(llm, model, strategy="adapter"))
                     got = as_engine(llm).logprobs(PROMPTS, 4)
-                    diff = compare_logprobs(got, reference.logprobs(model, "adapter", PROMPTS, 4),
-                                            f"QLoRA adapter sync {step + 1}")
+                    diff = compare_logprobs(
+                        got, reference.logprobs(model, "adapter", PROMPTS, 4), f"QLoRA adapter sync {step + 1}"
+                    )
                     assert diff <= EXACT_ATOL, diff
         finally:
             close_llm(llm)
-    assert reports[0].base_tensors > 0 and all(r.base_tensors == 0 and r.lora_tensors > 0 for r in reports[1:]), \
-        [r.reason for r in reports]
+    assert reports[0].base_tensors > 0 and all(r.base_tensors == 0 and r.lora_tensors > 0 for r in reports[1:]), [
+        r.reason for r in reports
+    ]
 
 
 def test_checking_a_4bit_trainer_leaves_it_as_it_was(tiny_qwen3_moe_dir: Path) -> None:

@@ -1,5 +1,6 @@
 """A newcomer's first screen is hwsync's (issue 41, 8): ``hwsync doctor`` opens without other libraries' import noise,
 and :func:`hwsync.common.quiet.quiet_imports` drops exactly the lines it names, for its block only."""
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,9 @@ def test_doctor_screen_is_hwsyncs() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     for name in ("LOG_LEVEL", "VLLM_LOGGING_LEVEL", "TORCH_LOGS"):  # the libraries' own switches show their lines
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-m", "hwsync", "doctor"], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hwsync", "doctor"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     screen = proc.stderr + proc.stdout
     shown = {what: line for what, text in FOREIGN.items() for line in screen.splitlines() if text in line}
@@ -57,8 +59,9 @@ def records() -> Iterator[list[logging.LogRecord]]:
     root.setLevel(old_level)
 
 
-def test_quiet_imports_drops_only_its_lines_for_its_block(records: list[logging.LogRecord],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quiet_imports_drops_only_its_lines_for_its_block(
+    records: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
+) -> None:
     for noise in LOG_NOISE:
         if noise.unless_env:
             monkeypatch.delenv(noise.unless_env, raising=False)
@@ -73,13 +76,18 @@ def test_quiet_imports_drops_only_its_lines_for_its_block(records: list[logging.
         logging.getLogger("user.code").warning("the user's own line")  # other loggers untouched
     bnb.warning("after the block")  # the filter is gone
     assert [r.getMessage() for r in records] == [
-        "a real failure", "an ms-swift warning", "another DeepSpeed warning", "the user's own line",
-        "after the block"]
+        "a real failure",
+        "an ms-swift warning",
+        "another DeepSpeed warning",
+        "the user's own line",
+        "after the block",
+    ]
     assert not any(logging.getLogger(n.name).filters for n in LOG_NOISE)
 
 
-def test_quiet_imports_keeps_the_users_switch(records: list[logging.LogRecord],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quiet_imports_keeps_the_users_switch(
+    records: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("LOG_LEVEL", "INFO")
     with quiet_imports():
         logging.getLogger("swift").info("asked for by LOG_LEVEL")
@@ -93,8 +101,10 @@ def test_quiet_imports_drops_the_named_warning_from_its_library_only() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with quiet_imports():
-            exec(compile("import warnings; warnings.warn(TEXT)", "trl/import_utils.py", "exec"),
-                 {"__name__": "trl.import_utils", "TEXT": text})  # dropped: TRL's, from TRL
+            exec(
+                compile("import warnings; warnings.warn(TEXT)", "trl/import_utils.py", "exec"),
+                {"__name__": "trl.import_utils", "TEXT": text},
+            )  # dropped: TRL's, from TRL
             warnings.warn(text, UserWarning, stacklevel=1)  # the same words from elsewhere pass
             warnings.warn("the user's own warning", UserWarning, stacklevel=1)
     assert [str(w.message) for w in caught] == [text, "the user's own warning"]

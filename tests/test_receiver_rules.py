@@ -1,9 +1,11 @@
 """The receiver's consistency rules against a fake applier: every branch of "never serve a half-written engine".
 
 The real-engine tests (test_sync_faults, test_attacks) show the rules hold with vLLM; these pin each rule on its own,
-through the :class:`hwsync.engine.receiver.Applier` contract only: a load returns :class:`~hwsync.engine.receiver.Loaded` or
-raises, and an error wrapped in :class:`~hwsync.engine.receiver.NothingWritten` says the engine is as before the call.
+through the :class:`hwsync.engine.receiver.Applier` contract only: a load returns
+:class:`~hwsync.engine.receiver.Loaded` or raises, and an error wrapped in
+:class:`~hwsync.engine.receiver.NothingWritten` says the engine is as before the call.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
@@ -14,8 +16,8 @@ import torch
 from torch import Tensor
 
 from hwsync.common.errors import AdapterFormatError, PlanChangedError, StaleEngineError, SyncError, VersionError
-from hwsync.engine.receiver import Loaded, NothingWritten, Receiver, leaves_stale
 from hwsync.common.wire import Manifest, TensorSpec, plan_buckets
+from hwsync.engine.receiver import Loaded, NothingWritten, Receiver, leaves_stale
 
 BASE = [TensorSpec(f"layers.{i}.w", (4,), torch.float32) for i in range(3)]
 LORA = [TensorSpec(f"layers.{i}.lora_{ab}", (2, 4), torch.float32, "lora") for i in range(2) for ab in "AB"]
@@ -53,8 +55,15 @@ class FakeApplier:
                 return Loaded("base: stopped early")
         return Loaded("base: all")
 
-    def load_lora(self, plan: Any, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None,
-                  lora_int_id: int | None, replaces: int | None) -> Loaded:
+    def load_lora(
+        self,
+        plan: Any,
+        tensors: Mapping[str, Tensor],
+        config: Mapping[str, Any],
+        name: str | None,
+        lora_int_id: int | None,
+        replaces: int | None,
+    ) -> Loaded:
         lid = lora_int_id or 1
         if self.lora_error is not None:
             if self.lora_error_aside:
@@ -76,8 +85,15 @@ class FakeApplier:
 
 def manifest(version: int, *, base: bool = True, lora: bool = True, strategy: str = "hybrid", **kw: Any) -> Manifest:
     specs = (BASE if base else []) + (LORA if lora else [])
-    return Manifest(version, strategy, tuple(specs), plan_buckets(specs, 32),  # one or two tensors per bucket
-                    {"r": 2} if lora else None, base_key="k", **kw)
+    return Manifest(
+        version,
+        strategy,
+        tuple(specs),
+        plan_buckets(specs, 32),  # one or two tensors per bucket
+        {"r": 2} if lora else None,
+        base_key="k",
+        **kw,
+    )
 
 
 def buckets(m: Manifest, value: float = 1.0, stop_after: int | None = None) -> Iterator[list[Tensor]]:
@@ -97,15 +113,20 @@ def engine() -> tuple[Receiver, FakeApplier]:
 
 
 def snapshot(applier: FakeApplier) -> tuple[dict[str, Tensor], dict[int, dict[str, Tensor]]]:
-    return ({k: v.clone() for k, v in applier.base.items()},
-            {i: {k: v.clone() for k, v in a.items()} for i, a in applier.adapters.items()})
+    return (
+        {k: v.clone() for k, v in applier.base.items()},
+        {i: {k: v.clone() for k, v in a.items()} for i, a in applier.adapters.items()},
+    )
 
 
 def unchanged(applier: FakeApplier, before: tuple[dict[str, Tensor], dict[int, dict[str, Tensor]]]) -> bool:
     base, adapters = before
-    return (applier.base.keys() == base.keys() and all(torch.equal(applier.base[k], base[k]) for k in base)
-            and applier.adapters.keys() == adapters.keys()
-            and all(torch.equal(applier.adapters[i][k], adapters[i][k]) for i in adapters for k in adapters[i]))
+    return (
+        applier.base.keys() == base.keys()
+        and all(torch.equal(applier.base[k], base[k]) for k in base)
+        and applier.adapters.keys() == adapters.keys()
+        and all(torch.equal(applier.adapters[i][k], adapters[i][k]) for i in adapters for k in adapters[i])
+    )
 
 
 def test_the_rule_itself() -> None:
@@ -116,8 +137,15 @@ def test_the_rule_itself() -> None:
             for adapter_stage in (False, True):
                 for nothing_written in (False, True):
                     expect = base_reached or adapter_lost or (adapter_stage and not nothing_written)
-                    assert leaves_stale(base_reached=base_reached, adapter_lost=adapter_lost,
-                                        adapter_stage=adapter_stage, nothing_written=nothing_written) is expect
+                    assert (
+                        leaves_stale(
+                            base_reached=base_reached,
+                            adapter_lost=adapter_lost,
+                            adapter_stage=adapter_stage,
+                            nothing_written=nothing_written,
+                        )
+                        is expect
+                    )
 
 
 def test_a_refused_manifest_writes_nothing(engine: tuple[Receiver, FakeApplier]) -> None:
@@ -145,7 +173,8 @@ def test_validation_is_kept_per_digest(engine: tuple[Receiver, FakeApplier]) -> 
 
 
 def test_a_bucket_refused_before_any_base_tensor_leaves_the_engine_serving(
-        engine: tuple[Receiver, FakeApplier]) -> None:
+    engine: tuple[Receiver, FakeApplier],
+) -> None:
     receiver, applier = engine
     before = snapshot(applier)
     m = manifest(2)
@@ -200,7 +229,8 @@ def test_an_adapter_only_sync_interrupted_keeps_the_previous_adapter(engine: tup
 
 
 def test_an_adapter_built_aside_that_fails_leaves_the_previous_one_serving(
-        engine: tuple[Receiver, FakeApplier]) -> None:
+    engine: tuple[Receiver, FakeApplier],
+) -> None:
     receiver, applier = engine
     before = snapshot(applier)
     applier.lora_error, applier.lora_error_aside = AdapterFormatError("vLLM refuses this adapter"), True

@@ -6,6 +6,7 @@ shapes, same seed), so a directory keyed by the tensors alone was shared: whiche
 process wrote ``config.json``, and the other family's syncs were checked against an engine of the wrong
 architecture (GLM-4-MoE-lite was recorded as "unexplained, order-dependent").
 """
+
 from __future__ import annotations
 
 import json

@@ -1,8 +1,9 @@
-"""hwsync.common.replay: per-sync work recorded once and replayed while its tensors stay put (CUDA graphs on a GPU). Here
-the recorder is a stand-in backend for torch's ``meta`` device that counts what it records, so the state machine --
+"""hwsync.common.replay: per-sync work recorded once and replayed while its tensors stay put (CUDA graphs on a GPU).
+Here the recorder is a stand-in backend for torch's ``meta`` device that counts what it records, so the state machine --
 eager first, recorded right after and launched once, replayed while the key holds (the last two keys kept: alternating
 buffers), recorded only when seen again once a recording was dropped unused, op by op for good after a failed
 recording -- is checked on any machine; the GPU job runs the real graphs under the exactness tests."""
+
 from __future__ import annotations
 
 import logging

@@ -7,6 +7,7 @@ loading but not the trainer (2026-11-28): the router is one suspect. Whatever th
 it serves after a sync must be the trainer's policy: ``adapter`` serves it exactly, or refuses before anything is
 written, naming ``hybrid``, which merges the router into its base weight.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,8 +25,9 @@ def test_router_lora_is_served_as_trained_or_refused_and_merged(tiny_qwen3_moe_d
     from hwsync.testing.trainer import lora_trainer
 
     require_vllm()
-    with patched_llm(tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8,
-                     lora_target_modules=["qkv_proj", "o_proj", "gate"]) as llm:
+    with patched_llm(
+        tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8, lora_target_modules=["qkv_proj", "o_proj", "gate"]
+    ) as llm:
         _check(llm, lora_trainer(tiny_qwen3_moe_dir, ["q_proj", "v_proj", "gate"]), 1e-4 if on_cpu() else None)
 
 
@@ -74,8 +76,9 @@ def test_the_router_wrapper_computes_base_plus_its_slots(tiny_qwen3_moe_dir: Pat
     require_vllm()
     model = lora_trainer(tiny_qwen3_moe_dir, ["q_proj", "v_proj", "gate"])
     perturb(model, 1)
-    with patched_llm(tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8,
-                     lora_target_modules=["qkv_proj", "o_proj", "gate"]) as llm:
+    with patched_llm(
+        tiny_qwen3_moe_dir, enable_lora=True, max_lora_rank=8, lora_target_modules=["qkv_proj", "o_proj", "gate"]
+    ) as llm:
         try:
             hwsync.sync(llm, model, strategy="adapter")
         except hwsync.HwsyncError as e:  # refused: the router travels merged (the test above checks that)
@@ -100,7 +103,8 @@ def test_the_router_wrapper_computes_base_plus_its_slots(tiny_qwen3_moe_dir: Pat
         assert seen, "the router's LoRA wrapper never ran: the engine computes the router logits elsewhere"
         assert aliases and all(a is gate for a in aliases), (
             f"the MoE runner holds {[type(a).__name__ for a in aliases]}, not the router's LoRA wrapper "
-            f"{type(gate).__name__} (patch vllm_moe_router_lora_alias)")
+            f"{type(gate).__name__} (patch vllm_moe_router_lora_alias)"
+        )
         x, out = seen[0]
         with torch.no_grad():
             base = gate.base_layer(x)
@@ -111,12 +115,15 @@ def test_the_router_wrapper_computes_base_plus_its_slots(tiny_qwen3_moe_dir: Pat
             a = gate.lora_a_stacked[0][slot, 0].float()
             b = gate.lora_b_stacked[0][slot, 0].float()
             want = base.float() + (x.float() @ a.T) @ b.T
-        facts = (f"x {x.dtype}, base out {base.dtype}, wrapper out {out.dtype}, slots {gate.lora_a_stacked[0].dtype}"
-                 f", base out_dtype {getattr(gate.base_layer, 'out_dtype', None)}")
+        facts = (
+            f"x {x.dtype}, base out {base.dtype}, wrapper out {out.dtype}, slots {gate.lora_a_stacked[0].dtype}"
+            f", base out_dtype {getattr(gate.base_layer, 'out_dtype', None)}"
+        )
         lora_part = (want - base.float()).abs().max().item()
         assert lora_part > 0, "the slot holds no LoRA: nothing to tell apart"
         err = (out.float() - want).abs().max().item()
         # bf16 engines: the LoRA term rounds in bf16 (one ulp of the logits), fp32 ones are exact to fp32 rounding
         bound = 1e-4 if out.dtype == torch.float32 and x.dtype == torch.float32 else 0.05 * max(1.0, lora_part)
-        assert err <= bound, f"router wrapper: max |out - (base + xAᵀBᵀ)| {err:.3g} (LoRA part {lora_part:.3g}); {facts}"
-
+        assert err <= bound, (
+            f"router wrapper: max |out - (base + xAᵀBᵀ)| {err:.3g} (LoRA part {lora_part:.3g}); {facts}"
+        )

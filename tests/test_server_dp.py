@@ -7,6 +7,7 @@ is applied by neither (the other is cancelled before any byte moves); a sender f
 until the next sync recovers both. On vLLM's CPU build, or on a machine with two GPUs: one engine per GPU (the
 trainer stays on the CPU, so its data plane is gloo); not sized for one GPU.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -86,8 +87,9 @@ def test_one_broadcast_feeds_both_engines(addresses: list[str], tiny_qwen3_moe_d
     attn = lora_trainer(tiny_qwen3_moe_dir, ATTN)
     both = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     rows = []
-    for k, (model, strategy) in enumerate([(attn, "full"), (attn, "adapter"), (attn, "adapter"), (both, "hybrid"),
-                                           (both, "hybrid")]):
+    for k, (model, strategy) in enumerate(
+        [(attn, "full"), (attn, "adapter"), (attn, "adapter"), (both, "hybrid"), (both, "hybrid")]
+    ):
         perturb(model, gen, base=k == 0)
         r = hwsync.sync(engine, model, strategy=strategy, bucket_mb=0.005)  # several buckets, LoRA too
         assert r.mode == "server" and r.strategy == strategy and r.buckets >= 2, r.line()
@@ -97,8 +99,7 @@ def test_one_broadcast_feeds_both_engines(addresses: list[str], tiny_qwen3_moe_d
     print("two engines:", "; ".join(rows))
 
 
-def test_a_manifest_one_engine_refuses_is_applied_by_neither(addresses: list[str],
-                                                              tiny_qwen3_moe_dir: Path) -> None:
+def test_a_manifest_one_engine_refuses_is_applied_by_neither(addresses: list[str], tiny_qwen3_moe_dir: Path) -> None:
     engine = hwsync.connect(addresses, TOKEN, timeout_s=120)
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN)
     perturb(model, 1, base=True)
@@ -124,8 +125,9 @@ def test_a_manifest_one_engine_refuses_is_applied_by_neither(addresses: list[str
     check_both(engine, model, v + 11)
 
 
-def test_sender_failing_mid_sync_leaves_both_stale_then_recovers(addresses: list[str],
-                                                                 tiny_qwen3_moe_dir: Path) -> None:
+def test_sender_failing_mid_sync_leaves_both_stale_then_recovers(
+    addresses: list[str], tiny_qwen3_moe_dir: Path
+) -> None:
     engine = hwsync.connect(addresses, TOKEN, timeout_s=120)
     model = lora_trainer(tiny_qwen3_moe_dir)
     perturb(model, 4, base=True)

@@ -8,6 +8,7 @@ Faults, each caught on every rank: "previous step synced" (:mod:`hwsync.testing.
 syncs the previous step's weights into the engine) fails the check on both ranks, a sender failing mid-sync leaves
 the engine stale and the check raises on both ranks; the next sync repairs both.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,8 +21,7 @@ from typing import Any
 
 import pytest
 
-from hwsync.testing import on_cpu, require_vllm
-from hwsync.testing import tp
+from hwsync.testing import on_cpu, require_vllm, tp
 from hwsync.testing.served import served_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -34,9 +34,13 @@ STRATEGIES = ["full", "adapter", "adapter"]
 
 
 def _outcome(report: Any) -> dict[str, Any]:
-    return {"ok": report.ok, "ran": sorted({c.name for c in report.checks}),
-            "failed": sorted({c.name for c in report.failed}), "max": report.agreement.max_abs_diff,
-            "skipped": list(report.skipped)}
+    return {
+        "ok": report.ok,
+        "ran": sorted({c.name for c in report.checks}),
+        "failed": sorted({c.name for c in report.failed}),
+        "max": report.agreement.max_abs_diff,
+        "skipped": list(report.skipped),
+    }
 
 
 def _rank(rank: int, port: int, address: str, model_dir: str, out: str, trainer: str) -> None:
@@ -106,18 +110,28 @@ def _plugin_syncs(rank: int, engine: Any, model: Any) -> dict[str, Any]:
     trainer = HwsyncGRPOTrainer.__new__(HwsyncGRPOTrainer)  # not a whole GRPO run: its step, on real ranks
     options = SwiftOptions(strategy="adapter", verify_atol=ATOL, verify_logprobs_every=1)
     trainer.__dict__.update(
-        hwsync_options=options, vllm_mode="server", model=model,
-        accelerator=SimpleNamespace(is_main_process=rank == 0, unwrap_model=lambda m: m), _is_fsdp2=True,
-        _hwsync_target=engine, _hwsync=TrainerSync(options), state=SimpleNamespace(global_step=0),
-        _metrics={"train": defaultdict(list)})
+        hwsync_options=options,
+        vllm_mode="server",
+        model=model,
+        accelerator=SimpleNamespace(is_main_process=rank == 0, unwrap_model=lambda m: m),
+        _is_fsdp2=True,
+        _hwsync_target=engine,
+        _hwsync=TrainerSync(options),
+        state=SimpleNamespace(global_step=0),
+        _metrics={"train": defaultdict(list)},
+    )
     trainer._hwsync.probe = trainer._same_on_every_rank(PROMPTS if rank == 0 else [[7, 7]])
     shifts = []
     for k in range(2):
         tp.step(model, 20 + k, base=False)
         trainer._hwsync_sync()
         shifts.append(trainer._hwsync.policy_shift(model))
-    return {"syncs": trainer._hwsync.syncs, "probe": trainer._hwsync.probe, "shifts": shifts,
-            "verified": list(trainer._metrics["train"]["hwsync/verify_max_abs_dlogp"])}
+    return {
+        "syncs": trainer._hwsync.syncs,
+        "probe": trainer._hwsync.probe,
+        "shifts": shifts,
+        "verified": list(trainer._metrics["train"]["hwsync/verify_max_abs_dlogp"]),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +144,21 @@ def address(tiny_qwen3_moe_dir: Path) -> Iterator[str]:
 
 
 @pytest.mark.parametrize("trainer", tp.TRAINERS)
-def test_sharded_trainer_checks_a_served_engine_on_every_rank(trainer: str, address: str, tiny_qwen3_moe_dir: Path,
-                                                              tmp_path: Path) -> None:
+def test_sharded_trainer_checks_a_served_engine_on_every_rank(
+    trainer: str, address: str, tiny_qwen3_moe_dir: Path, tmp_path: Path
+) -> None:
     if trainer == "zero3" and not os.environ.get("CI"):
         pytest.importorskip("deepspeed")  # CI installs it: a missing deepspeed fails there
     import torch.multiprocessing as mp
 
     try:
-        mp.start_processes(_rank, args=(tp.free_port(), address, str(tiny_qwen3_moe_dir), str(tmp_path), trainer),
-                           nprocs=tp.WORLD, join=True, start_method="spawn")
+        mp.start_processes(
+            _rank,
+            args=(tp.free_port(), address, str(tiny_qwen3_moe_dir), str(tmp_path), trainer),
+            nprocs=tp.WORLD,
+            join=True,
+            start_method="spawn",
+        )
     except Exception as e:  # noqa: BLE001 - the per-rank results say what failed
         print(f"ranks failed: {e}")
     ranks = []
@@ -149,8 +169,9 @@ def test_sharded_trainer_checks_a_served_engine_on_every_rank(trainer: str, addr
     r0, r1 = ranks
     # every rank reached rank 0's verdicts (the same checks, the same numbers)
     for key in ("checks", "fault", "repaired", "recovered"):
-        assert [{k: v for k, v in c.items() if k != "version"} for c in _list(r0[key])] == \
-               [{k: v for k, v in c.items() if k != "version"} for c in _list(r1[key])], key
+        assert [{k: v for k, v in c.items() if k != "version"} for c in _list(r0[key])] == [
+            {k: v for k, v in c.items() if k != "version"} for c in _list(r1[key])
+        ], key
     for c in r0["checks"]:  # healthy syncs: every check passed, content checks included (fingerprints over the wire)
         assert c["ok"] and {"state", "base content", "logprobs", "max |Δ logprob|"} <= set(c["ran"]), c
         assert c["max"] <= ATOL
@@ -169,9 +190,11 @@ def test_sharded_trainer_checks_a_served_engine_on_every_rank(trainer: str, addr
         assert p0["syncs"] == p1["syncs"] == 2 and p0["probe"] == p1["probe"] == PROMPTS
         assert p0["shifts"] == p1["shifts"] and p0["shifts"][-1] > 0
         assert len(p0["verified"]) == 2 and max(p0["verified"]) <= ATOL and p1["verified"] == []
-    print(f"{trainer}: max |Δ logprob| per healthy check {[c['max'] for c in r0['checks']]}; "
-          f"fault caught by {r0['fault']['failed']} (max {r0['fault']['max']:.3g}); recovered "
-          f"{r0['recovered']['max']:.2g}")
+    print(
+        f"{trainer}: max |Δ logprob| per healthy check {[c['max'] for c in r0['checks']]}; "
+        f"fault caught by {r0['fault']['failed']} (max {r0['fault']['max']:.3g}); recovered "
+        f"{r0['recovered']['max']:.2g}"
+    )
 
 
 def _list(value: Any) -> list[Any]:

@@ -9,6 +9,7 @@ weights itself). Also: a sender that fails mid-sync leaves
 On CPU (CI) the engine is vLLM's CPU build (TP over gloo/shared memory; attention LoRA only); on CUDA this needs 2
 GPUs (the engine's two workers; the trainer shares GPU 0, so the data plane is the CUDA link's gloo fallback).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -31,8 +32,13 @@ ATOL = 1e-4
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99]]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-ENGINE_ARGS: dict[str, Any] = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1, "tensor_parallel_size": 2,
-                               "distributed_executor_backend": "mp"}
+ENGINE_ARGS: dict[str, Any] = {
+    "enable_lora": True,
+    "max_lora_rank": 8,
+    "max_loras": 1,
+    "tensor_parallel_size": 2,
+    "distributed_executor_backend": "mp",
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +59,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineRefere
         yield ref
 
 
-def test_every_worker_receives_its_shard(served: str, reference: EngineReference | None,
-                                         tiny_qwen3_moe_dir: Path) -> None:
+def test_every_worker_receives_its_shard(
+    served: str, reference: EngineReference | None, tiny_qwen3_moe_dir: Path
+) -> None:
     engine = hwsync.connect(served, TOKEN, timeout_s=120)
     assert engine.describe().workers == 2  # the data plane has a rank per worker
     gen = torch.Generator().manual_seed(0)
@@ -71,8 +78,9 @@ def test_every_worker_receives_its_shard(served: str, reference: EngineReference
     assert assert_serves(engine, full, PROMPTS, atol=ATOL, reference=reference) <= ATOL
 
 
-def test_failed_sync_leaves_every_worker_stale_then_recovers(served: str, reference: EngineReference | None,
-                                                              tiny_qwen3_moe_dir: Path) -> None:
+def test_failed_sync_leaves_every_worker_stale_then_recovers(
+    served: str, reference: EngineReference | None, tiny_qwen3_moe_dir: Path
+) -> None:
     engine = hwsync.connect(served, TOKEN, timeout_s=120)
     model = lora_trainer(tiny_qwen3_moe_dir)
     perturb(model, 7, base=True)

@@ -6,6 +6,7 @@ tensors with NaN and restore what vLLM restores (buffers, ``sleep_preserve_param
 gives every parameter new storage on wake, where an in-place write through an old address would be wrong.
 Reference: the same engine's output and LoRA slots before the sleep (same weights), and vLLM's own activation.
 """
+
 from __future__ import annotations
 
 import gc
@@ -59,8 +60,12 @@ def _slots(llm: Any) -> dict[str, torch.Tensor]:
 
     wm = worker_of(llm).model_runner.lora_manager._adapter_manager
     slot = wm.lora_index_to_id.index(as_engine(llm).lora_request.lora_int_id)
-    return {f"{name}.{attr}[{i}]": t[slot].clone() for name, module in wm.modules.items()
-            for attr in ("lora_a_stacked", "lora_b_stacked") for i, t in enumerate(getattr(module, attr))}
+    return {
+        f"{name}.{attr}[{i}]": t[slot].clone()
+        for name, module in wm.modules.items()
+        for attr in ("lora_a_stacked", "lora_b_stacked")
+        for i, t in enumerate(getattr(module, attr))
+    }
 
 
 def _params(llm: Any) -> dict[str, torch.Tensor]:
@@ -171,8 +176,10 @@ def test_every_entry_point_is_watched(engine: tuple[Any, Any], tiny_qwen3_moe_di
     executor = llm.llm_engine.model_executor
     entries = {
         "LLM.sleep": (lambda: llm.sleep(level=2), llm.wake_up),
-        "collective_rpc": (lambda: llm.collective_rpc("sleep", kwargs={"level": 2}),
-                           lambda: llm.collective_rpc("wake_up", kwargs={"tags": None})),
+        "collective_rpc": (
+            lambda: llm.collective_rpc("sleep", kwargs={"level": 2}),
+            lambda: llm.collective_rpc("wake_up", kwargs={"tags": None}),
+        ),
         "discard": (lambda: executor.discard(("weights",)), lambda: executor.wake_up(["weights"])),
     }
     for name, (sleep, wake) in entries.items():

@@ -6,6 +6,7 @@ hwsync.verify after every sync. Asserts what the job promises: exit 0; every syn
 trainer after every sync and on the tokens the engine sampled; the expert LoRA weights trained; the engine followed
 the policy as it moved.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ pytestmark = [pytest.mark.swift, pytest.mark.vllm, pytest.mark.slow]
 STEPS = 3
 
 
-def run_main_job(tmp_path: Path, model: Path, *, gspo: bool = False, server: bool = False,
-                 engines: int = 1) -> job.JobResult:
+def run_main_job(
+    tmp_path: Path, model: Path, *, gspo: bool = False, server: bool = False, engines: int = 1
+) -> job.JobResult:
     """The README job (``server``: ``swift rollout`` + ``swift rlhf --vllm_mode server``, two processes;
     ``engines``: swift rollout's ``--vllm_data_parallel_size``)."""
     data = job.write_dataset(tmp_path / "arith.jsonl")
@@ -32,8 +34,13 @@ def run_main_job(tmp_path: Path, model: Path, *, gspo: bool = False, server: boo
     port = job.free_port() if server else None
     if server:
         env.update(job.server_env(engines))
-    result = job.run_job(job.swift_args(model, data, out, steps=STEPS, gspo=gspo, server_port=port), out, env=env,
-                         rollout=job.rollout_args(model, port, engines) if server else None, timeout_s=1200)
+    result = job.run_job(
+        job.swift_args(model, data, out, steps=STEPS, gspo=gspo, server_port=port),
+        out,
+        env=env,
+        rollout=job.rollout_args(model, port, engines) if server else None,
+        timeout_s=1200,
+    )
     if result.returncode != 0:
         rollout_log = out / "rollout.log"
         extra = f"\nrollout log tail:\n{job.file_tail(rollout_log, 40)}" if rollout_log.exists() else ""
@@ -95,11 +102,19 @@ def test_grpo_colocate(tmp_path, tiny_qwen3_moe_dir):
 
 # ms-swift's own `--deepspeed zero3` turns fp16 on; this one follows the run's dtype ("auto"), every parameter
 # partitioned (so every sync really gathers)
-ZERO3 = {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
-         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                               "stage3_gather_16bit_weights_on_model_save": True},
-         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
-         "train_micro_batch_size_per_gpu": "auto"}
+ZERO3 = {
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
 
 
 def test_grpo_colocate_deepspeed_zero3(tmp_path, tiny_qwen3_moe_dir):
@@ -113,8 +128,12 @@ def test_grpo_colocate_deepspeed_zero3(tmp_path, tiny_qwen3_moe_dir):
     data = job.write_dataset(tmp_path / "arith.jsonl")
     out = tmp_path / "zero3"
     extra = ["--deepspeed", str(config)] + ([] if job._has_gpu() else ["--fp16", "false", "--bf16", "false"])
-    result = job.run_job(job.swift_args(tiny_qwen3_moe_dir, data, out, steps=STEPS, extra=extra), out,
-                         env={"HWSYNC_STRATEGY": "auto", "HWSYNC_VERIFY_EVERY": "1"}, timeout_s=1200)
+    result = job.run_job(
+        job.swift_args(tiny_qwen3_moe_dir, data, out, steps=STEPS, extra=extra),
+        out,
+        env={"HWSYNC_STRATEGY": "auto", "HWSYNC_VERIFY_EVERY": "1"},
+        timeout_s=1200,
+    )
     assert result.returncode == 0, result.log_tail(60)
     syncs, steps = result.syncs, result.steps
     assert len(steps) == STEPS and len(syncs) == STEPS, (len(steps), len(syncs))
@@ -140,8 +159,12 @@ def test_grpo_stops_on_a_broken_sync(tmp_path, tiny_qwen3_moe_dir):
         pytest.skip("vllm_cpu_moe_prepack does not apply here (not vLLM's CPU build): no broken sync to provoke")
     data = job.write_dataset(tmp_path / "arith.jsonl")
     out = tmp_path / "broken"
-    result = job.run_job(job.swift_args(tiny_qwen3_moe_dir, data, out, steps=STEPS), out, timeout_s=1200,
-                         env={"HWSYNC_STRATEGY": "auto", "HWSYNC_DISABLE_PATCHES": "vllm_cpu_moe_prepack"})
+    result = job.run_job(
+        job.swift_args(tiny_qwen3_moe_dir, data, out, steps=STEPS),
+        out,
+        timeout_s=1200,
+        env={"HWSYNC_STRATEGY": "auto", "HWSYNC_DISABLE_PATCHES": "vllm_cpu_moe_prepack"},
+    )
     log = result.log.read_text(errors="replace")
     assert result.returncode != 0, "training went on with an engine serving unprocessed experts"
     assert "VerifyError" in log and "base content" in log and "Fix:" in log, result.log_tail(60)

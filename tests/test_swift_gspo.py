@@ -1,6 +1,7 @@
 """The main job as GSPO (``--importance_sampling_level sequence``, two optimizer steps per rollout batch, so the
 second step is off-policy): same sync guarantees as GRPO; the rollout check compares the engine with the policy that
 generated (ms-swift's old logprobs), not with the one already updated."""
+
 from __future__ import annotations
 
 import pytest

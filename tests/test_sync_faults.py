@@ -5,6 +5,7 @@ bf16 on GPUs), started *without* the worker extension: hwsync then calls the sam
 with a callable. "The engine serves these weights" is ``hwsync.testing.assert_serves``: engine == trainer within 1e-4
 on the CPU build, engine == vLLM's own loading of the same weights within 1e-6 elsewhere.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -54,15 +55,18 @@ def _state(llm: Any) -> dict[str, Any]:
     return hwsync.as_engine(llm).state()
 
 
-def test_adapter_sync_interrupted_keeps_the_previous_adapter(llm: Any, reference: EngineReference,
-                                                            tiny_qwen3_moe_dir: Path) -> None:
+def test_adapter_sync_interrupted_keeps_the_previous_adapter(
+    llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path
+) -> None:
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN)
     perturb(model, 1)
     hwsync.sync(llm, model, strategy="adapter")
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     served = _state(llm)
     perturb(model, 2)
-    with pytest.raises(SyncError, match=r"aborted after bucket 3 of \d+ .*nothing was applied; the engine still serves"):
+    with pytest.raises(
+        SyncError, match=r"aborted after bucket 3 of \d+ .*nothing was applied; the engine still serves"
+    ):
         hwsync.sync(llm, model, strategy="adapter", bucket_mb=0.002, progress=_fail_at(3))
     after = _state(llm)
     assert after["version"] == served["version"] and not after["stale"]
@@ -83,9 +87,9 @@ def test_adapter_sync_interrupted_keeps_the_previous_adapter(llm: Any, reference
 
 
 @pytest.mark.parametrize("strategy", ["full", "hybrid"])
-def test_interrupted_base_sync_marks_stale_until_a_complete_sync(llm: Any, reference: EngineReference,
-                                                                 tiny_qwen3_moe_dir: Path,
-                                                                 strategy: str) -> None:
+def test_interrupted_base_sync_marks_stale_until_a_complete_sync(
+    llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path, strategy: str
+) -> None:
     from vllm import SamplingParams
 
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
@@ -153,9 +157,16 @@ def _dropout_on_experts(path: Path, tmp: Path) -> Any:
     ],
     ids=["unknown-name", "wrong-shape", "dora-adapter", "dropout-experts"],
 )
-def test_bad_input_one_clear_error_engine_untouched(llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path,
-                                                    tmp_path: Path,
-                                                    make: Any, strategy: str, error: type, match: str) -> None:
+def test_bad_input_one_clear_error_engine_untouched(
+    llm: Any,
+    reference: EngineReference,
+    tiny_qwen3_moe_dir: Path,
+    tmp_path: Path,
+    make: Any,
+    strategy: str,
+    error: type,
+    match: str,
+) -> None:
     good = lora_trainer(tiny_qwen3_moe_dir, ATTN)
     perturb(good, 6)
     hwsync.sync(llm, good)

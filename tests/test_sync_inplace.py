@@ -2,12 +2,13 @@
 
 * Base weights written in place (:mod:`hwsync.engine.vllm.direct`) leave every parameter exactly as vLLM's own
   ``reload_weights`` of the same tensors leaves it.
-* An adapter rewritten in place (:mod:`hwsync.engine.vllm.lora_slots`) leaves every LoRA slot buffer exactly as vLLM's own
-  construction + activation of the same adapter leaves it (``LoRAModel.from_lora_tensors``, packing, ``set_lora``).
+* An adapter rewritten in place (:mod:`hwsync.engine.vllm.lora_slots`) leaves every LoRA slot buffer exactly as vLLM's
+  own construction + activation of the same adapter leaves it (``LoRAModel.from_lora_tensors``, packing, ``set_lora``).
 
 On vLLM's CPU build the CPU kernels repack linears and experts, so base weights stay on vLLM's reload there (the
 report says why) and adapters cover attention; on CUDA the same tests exercise in-place experts and expert LoRA.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -59,14 +60,13 @@ def _logprobs(llm: Any, lora_request: Any) -> list[list[float]]:
     from hwsync.trainer.verify import engine_logprobs
 
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=lora_request,
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=lora_request, use_tqdm=False)
     return [engine_logprobs(o)[1] for o in outs]
 
 
 def test_base_written_in_place_equals_vllm_reload(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
-    from hwsync.trainer.merged import merged_named_weights
     from hwsync.engine.vllm.applier import vllm_reload
+    from hwsync.trainer.merged import merged_named_weights
 
     model = _model(tiny_qwen3_moe_dir, lora=False)
     first = hwsync.sync(llm, model, strategy="full")
@@ -104,8 +104,9 @@ def _slot_buffers(llm: Any, lid: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_adapter_rewritten_in_place_equals_vllm_activation(llm: Any, tiny_qwen3_moe_dir: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adapter_rewritten_in_place_equals_vllm_activation(
+    llm: Any, tiny_qwen3_moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The adapter hwsync builds from vLLM's traced layout, and rewrites in place, leaves every slot buffer exactly
     as vLLM's own construction + activation of the same tensors (``HWSYNC_DIRECT=0``: vLLM's path only)."""
     model = _model(tiny_qwen3_moe_dir, lora=True)
@@ -135,13 +136,16 @@ def test_adapter_rewritten_in_place_equals_vllm_activation(llm: Any, tiny_qwen3_
     theirs = _slot_buffers(llm, lid + 1)
     assert ours.keys() == theirs.keys() and ours
     different = [k for k in ours if not torch.equal(ours[k], theirs[k])]
-    assert not different, (f"slot buffers differ from vLLM's activation in {different[:6]} (max |Δ| "
-                           f"{max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in different):.3g})")
+    assert not different, (
+        f"slot buffers differ from vLLM's activation in {different[:6]} (max |Δ| "
+        f"{max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in different):.3g})"
+    )
     assert ours_out == _logprobs(llm, reference.lora_request)
 
 
-def test_direct_off_applies_to_a_cached_plan(llm: Any, tiny_qwen3_moe_dir: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_direct_off_applies_to_a_cached_plan(
+    llm: Any, tiny_qwen3_moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``HWSYNC_DIRECT=0`` set after the plan was made (and proven) still routes every write through vLLM's own
     path: on an H100 the cached plan kept writing in place, so an injected post-processing failure never fired."""
     base = _model(tiny_qwen3_moe_dir, lora=False)
@@ -163,15 +167,16 @@ def test_direct_off_applies_to_a_cached_plan(llm: Any, tiny_qwen3_moe_dir: Path,
     assert "adapter: built by vLLM" in off.path, off.path
 
 
-def test_steady_syncs_read_through_the_first_syncs_fold_buffers(llm: Any, tiny_qwen3_moe_dir: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_steady_syncs_read_through_the_first_syncs_fold_buffers(
+    llm: Any, tiny_qwen3_moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A first adapter sync that carries the base is followed by a steady plan (only the adapter): that plan reads
     the LoRA factors through the same reader and fold buffers as the first sync, so the engine's slot writes recorded
     at the install (one graph on a GPU) replay from the second sync on, instead of being recorded again then (an
     H200 run: second sync 114 ms vs 17 ms steady at 48 layers, before); and the engine validated it at the end of
     the first sync, so no later sync pays that either."""
-    from hwsync.trainer.api import as_engine, last_plan
     from hwsync.engine.vllm.worker import receiver_of
+    from hwsync.trainer.api import as_engine, last_plan
 
     applier = receiver_of(llm.llm_engine.model_executor.driver_worker.worker).applier
 
@@ -203,8 +208,13 @@ def test_steady_syncs_read_through_the_first_syncs_fold_buffers(llm: Any, tiny_q
     storages = {t.untyped_storage().data_ptr() for t in buffers}
     lid = as_engine(llm).state()["lora_int_id"]
     installed = lora_manager_of(llm.llm_engine.model_executor.driver_worker.worker).get_adapter(lid)
-    held = [t for w in installed.loras.values() for f in ("lora_a", "lora_b")
-            for t in (getattr(w, f) if isinstance(getattr(w, f), list) else [getattr(w, f)]) if t is not None]
+    held = [
+        t
+        for w in installed.loras.values()
+        for f in ("lora_a", "lora_b")
+        for t in (getattr(w, f) if isinstance(getattr(w, f), list) else [getattr(w, f)])
+        if t is not None
+    ]
     shared = [t for t in held if t.untyped_storage().data_ptr() in storages]
     assert shared and len(shared) < len(held), (len(shared), len(held))
     hwsync.verify(llm, model, PROMPTS)  # raises where the engine's adapter is not what the trainer holds

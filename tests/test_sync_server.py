@@ -7,6 +7,7 @@ platform come from ``hwsync.testing.engine_args``; "the engine serves these weig
 ``hwsync.testing.assert_serves`` (engine == trainer within 1e-4 on the CPU build, engine == vLLM's own loading of the
 same weights within 1e-6 elsewhere).
 """
+
 from __future__ import annotations
 
 import os
@@ -73,14 +74,15 @@ def test_wrong_token_is_rejected(server: tuple[str, Any]) -> None:
         hwsync.connect(address, "not the token, though strong enough", timeout_s=30)
 
 
-def test_syncs_across_processes_verify_each(server: tuple[str, Any], reference: EngineReference,
-                                            tiny_qwen3_moe_dir: Path) -> None:
+def test_syncs_across_processes_verify_each(
+    server: tuple[str, Any], reference: EngineReference, tiny_qwen3_moe_dir: Path
+) -> None:
     address, _ = server
     engine = hwsync.connect(address, TOKEN, timeout_s=60)
     gen = torch.Generator().manual_seed(0)
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     reports = []
-    for step in range(6):
+    for _step in range(6):
         perturb(model, gen, base=False)
         # auto: hybrid on vLLM's CPU build, adapter on GPUs (74 KB in bf16 there: one 0.25 MB bucket, seen on an H100)
         r = hwsync.sync(engine, model, bucket_mb=0.02)
@@ -98,7 +100,8 @@ def test_syncs_across_processes_verify_each(server: tuple[str, Any], reference: 
 
 
 def test_sender_exception_and_killed_sender_leave_engine_stale_then_recover(
-        server: tuple[str, Any], reference: EngineReference, tiny_qwen3_moe_dir: Path) -> None:
+    server: tuple[str, Any], reference: EngineReference, tiny_qwen3_moe_dir: Path
+) -> None:
     address, _ = server
     engine = hwsync.connect(address, TOKEN, timeout_s=60)
     model = lora_trainer(tiny_qwen3_moe_dir)
@@ -111,8 +114,13 @@ def test_sender_exception_and_killed_sender_leave_engine_stale_then_recover(
     assert assert_serves(engine, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
 
     # a trainer process killed in the middle of a sync: the engine notices, turns stale, and a new trainer recovers
-    dying = subprocess.run([sys.executable, "-c", DYING_TRAINER, address, str(tiny_qwen3_moe_dir)],
-                           env={**os.environ, "HWSYNC_TOKEN": TOKEN}, capture_output=True, text=True, timeout=300)
+    dying = subprocess.run(
+        [sys.executable, "-c", DYING_TRAINER, address, str(tiny_qwen3_moe_dir)],
+        env={**os.environ, "HWSYNC_TOKEN": TOKEN},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert dying.returncode == 17, dying.stderr[-2000:]
     state = engine.state()
     for _ in range(60):
@@ -129,8 +137,9 @@ def test_sender_exception_and_killed_sender_leave_engine_stale_then_recover(
     assert assert_serves(engine, model, PROMPTS, atol=ATOL, reference=reference) <= ATOL
 
 
-def test_a_stopped_engine_bounds_every_trainer_call(server: tuple[str, Any], reference: EngineReference,
-                                                     tiny_qwen3_moe_dir: Path) -> None:
+def test_a_stopped_engine_bounds_every_trainer_call(
+    server: tuple[str, Any], reference: EngineReference, tiny_qwen3_moe_dir: Path
+) -> None:
     """The engine process is stopped (SIGSTOP) in the middle of a sync, then between syncs: each trainer call ends
     after ``timeout_s`` with one SyncError instead of waiting forever; once the engine runs again the same handle
     reconnects and a complete sync brings the engine back."""

@@ -8,6 +8,7 @@ engine equals transformers there) the engine must equal vLLM's own loading of th
 weight set. Without hwsync's reload fix the same check fails (the test proves it detects vLLM's skipped CPU MoE
 prepack).
 """
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,9 @@ ENGINE = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
 @pytest.fixture(scope="module")
 def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
     """One LoRA-enabled engine for the whole module (on the CPU build LoRA on attention: what it can serve)."""
-    with patched_llm(tiny_qwen3_moe_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **ENGINE) as engine:  # + what VLLM_PLUGINS=hwsync does
+    with patched_llm(
+        tiny_qwen3_moe_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **ENGINE
+    ) as engine:  # + what VLLM_PLUGINS=hwsync does
         yield engine
 
 
@@ -67,8 +70,9 @@ def _restore(model: Any, snap: dict[str, torch.Tensor]) -> None:
                 p.copy_(snap[n])
 
 
-def _run_schedule(llm: Any, reference: EngineReference, model: Any, strategy: str, *, base: bool,
-                  expect_lora: bool) -> list[Any]:
+def _run_schedule(
+    llm: Any, reference: EngineReference, model: Any, strategy: str, *, base: bool, expect_lora: bool
+) -> list[Any]:
     """20 syncs: changing weights, one repeat of unchanged weights, one switch back to an older set."""
     gen = torch.Generator().manual_seed(1234)
     reports = []
@@ -91,8 +95,10 @@ def _run_schedule(llm: Any, reference: EngineReference, model: Any, strategy: st
             snap = _snapshot(model, base=base)
     versions = [r.version for r in reports]
     assert versions == list(range(versions[0], versions[0] + STEPS))
-    print(f"{strategy}: max |Δ logprob| over {STEPS} syncs = {worst:.2e}; bytes/sync first={reports[0].bytes} "
-          f"steady={reports[-1].bytes}; seconds/sync median={sorted(r.seconds for r in reports)[STEPS // 2]:.3f}")
+    print(
+        f"{strategy}: max |Δ logprob| over {STEPS} syncs = {worst:.2e}; bytes/sync first={reports[0].bytes} "
+        f"steady={reports[-1].bytes}; seconds/sync median={sorted(r.seconds for r in reports)[STEPS // 2]:.3f}"
+    )
     return reports
 
 
@@ -103,8 +109,9 @@ def test_full_20_syncs_lora_and_base_changes(llm: Any, reference: EngineReferenc
     assert all(r.tensors == n_params and r.lora_tensors == 0 for r in reports)
 
 
-def test_hybrid_20_syncs_sends_only_merged_experts_after_the_first(llm: Any, reference: EngineReference,
-                                                                   tiny_qwen3_moe_dir: Path) -> None:
+def test_hybrid_20_syncs_sends_only_merged_experts_after_the_first(
+    llm: Any, reference: EngineReference, tiny_qwen3_moe_dir: Path
+) -> None:
     info = hwsync.as_engine(llm).describe()
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
     reports = _run_schedule(llm, reference, model, "hybrid", base=False, expect_lora=True)
@@ -160,12 +167,14 @@ def test_auto_asks_the_engine_and_says_why(llm: Any, reference: EngineReference,
 
 
 @pytest.mark.parametrize("strategy", ["full", "hybrid", "adapter"])
-def test_without_the_reload_fix_the_check_fails(llm: Any, tiny_qwen3_moe_dir: Path, strategy: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_the_reload_fix_the_check_fails(
+    llm: Any, tiny_qwen3_moe_dir: Path, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same sync + verify, with hwsync's prepack fix switched off, must detect vLLM's stale CPU prepack."""
+    from vllm.platforms import current_platform
+
     import hwsync.patches as patches
     from hwsync.patches import vllm_cpu_moe_prepack  # noqa: F401 - registers the patch
-    from vllm.platforms import current_platform
 
     if patches.get(PREPACK_FIX).probe().state != patches.APPLIES:
         pytest.skip(f"{PREPACK_FIX} does not apply on {type(current_platform).__name__}: nothing to prove here")

@@ -1,4 +1,5 @@
 """Sync engine pieces that need no engine: manifest, bucket plan, pack/unpack, strategy choice, gloo transport."""
+
 from __future__ import annotations
 
 import datetime
@@ -9,16 +10,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
 from hwsync.common.cpu.link import GlooLink
 from hwsync.common.errors import AdapterFormatError, OptionError, SyncError
-from hwsync.trainer.payload import companions
-from hwsync.trainer.report import SyncReport
-from hwsync.trainer.strategy import choose
 from hwsync.common.transport.base import LinkSpec
 from hwsync.common.transport.buckets import _Pool, bucket_lists, receive_buckets, send_buckets
 from hwsync.common.transport.pack import pack, views
 from hwsync.common.transport.seal import Sealer, derive_secret
 from hwsync.common.wire import ALIGN, EngineInfo, Manifest, Strategy, TensorSpec, plan_buckets
+from hwsync.trainer.payload import companions
+from hwsync.trainer.report import SyncReport
+from hwsync.trainer.strategy import choose
 
 
 def _specs() -> list[TensorSpec]:
@@ -51,8 +53,11 @@ def test_bucket_plan_keeps_order_limits_size_and_isolates_oversize() -> None:
             assert b.nbytes <= 1024
         for i, off in zip(b.entries, b.offsets):
             assert off % specs[i].dtype.itemsize == 0
-        runs = [off for k, (i, off) in enumerate(zip(b.entries, b.offsets))
-                if k == 0 or specs[b.entries[k - 1]].dtype != specs[i].dtype]
+        runs = [
+            off
+            for k, (i, off) in enumerate(zip(b.entries, b.offsets))
+            if k == 0 or specs[b.entries[k - 1]].dtype != specs[i].dtype
+        ]
         assert all(off % ALIGN == 0 for off in runs)  # each dtype run starts aligned
 
 
@@ -91,8 +96,15 @@ def test_pack_casts_to_wire_dtype() -> None:
 
 def test_manifest_json_roundtrip_and_malformed() -> None:
     specs = _specs()
-    m = Manifest(7, "hybrid", tuple(specs), plan_buckets(specs, 512), {"r": 8, "lora_alpha": 8},
-                 lora_base_names={"x.weight": (4, 2)}, base_key="k")
+    m = Manifest(
+        7,
+        "hybrid",
+        tuple(specs),
+        plan_buckets(specs, 512),
+        {"r": 8, "lora_alpha": 8},
+        lora_base_names={"x.weight": (4, 2)},
+        base_key="k",
+    )
     assert Manifest.from_json(m.to_json()) == m
     with pytest.raises(SyncError, match="malformed"):
         Manifest.from_json('{"version": 1}')
@@ -140,8 +152,10 @@ class _Lora:  # the shape of hwsync.trainer.payload.TrainerLora that choose() re
 
 _ATTN = "model.layers.0.self_attn.q_proj.weight"
 _EXP = "model.layers.0.mlp.experts.gate_up_proj"
-_BY_MODULE = {_ATTN: ["base_model.model.model.layers.0.self_attn.q_proj"],
-              _EXP: ["base_model.model.model.layers.0.mlp.experts.0.gate_proj"]}
+_BY_MODULE = {
+    _ATTN: ["base_model.model.model.layers.0.self_attn.q_proj"],
+    _EXP: ["base_model.model.model.layers.0.mlp.experts.0.gate_proj"],
+}
 
 
 def test_auto_choice_follows_what_the_engine_serves() -> None:
@@ -177,13 +191,20 @@ def test_explicit_strategies_refuse_what_cannot_work() -> None:
 
 
 def test_hybrid_companions_complete_engine_layers() -> None:
-    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-             "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
-             "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
-             "model.layers.0.mlp.gate.weight"]
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.mlp.gate.weight",
+    ]
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     assert companions(["model.layers.0.mlp.experts.gate_up_proj"], names, packed) == {
-        "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"}
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+    }
     assert companions(["model.layers.0.self_attn.k_proj.weight"], names, packed) == set(names[:3])
     assert companions(["model.layers.0.self_attn.o_proj.weight"], names, packed) == {names[3]}
 
@@ -191,21 +212,33 @@ def test_hybrid_companions_complete_engine_layers() -> None:
 def test_report_line_has_the_metrics() -> None:
     r = SyncReport("hybrid", 20, 2_000_000, 0.5, 3, 4, "why")
     line = r.line()
-    for part in ("v4", "strategy=hybrid", "tensors=20", "MB=2.000", "seconds=0.500", "GB/s=0.004", "buckets=3",
-                 "(why)"):
+    for part in (
+        "v4",
+        "strategy=hybrid",
+        "tensors=20",
+        "MB=2.000",
+        "seconds=0.500",
+        "GB/s=0.004",
+        "buckets=3",
+        "(why)",
+    ):
         assert part in line
     assert r.gbps == pytest.approx(0.004)
 
 
 def _gloo_pair() -> tuple[dict[int, GlooLink], dist.TCPStore]:
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
     spec = LinkSpec("127.0.0.1", store.port, "t/", 2, 30)
     links: dict[int, GlooLink] = {}
 
     def make(rank: int) -> None:  # one store client per rank, as across processes
-        client = store if rank == 0 else dist.TCPStore("127.0.0.1", store.port, is_master=False,
-                                                       timeout=datetime.timedelta(seconds=30))
+        client = (
+            store
+            if rank == 0
+            else dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        )
         links[rank] = GlooLink(client, spec, rank)
 
     threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
@@ -227,15 +260,21 @@ def test_gloo_transport_roundtrip_and_abort() -> None:
 
     def recv(manifest: Manifest) -> None:
         try:
-            for got in receive_buckets(manifest, links[1], _Pool(torch.device("cpu")), sealer,
-                                       abort_reason=lambda: "why"):
+            for got in receive_buckets(
+                manifest, links[1], _Pool(torch.device("cpu")), sealer, abort_reason=lambda: "why"
+            ):
                 received.append([v.clone() for v in got])
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
     def send(progress: object = None) -> None:
-        send_buckets(m, bucket_lists(m, lambda: iter(tensors), progress), links[0],  # type: ignore[arg-type]
-                     _Pool(torch.device("cpu")), sealer)
+        send_buckets(
+            m,
+            bucket_lists(m, lambda: iter(tensors), progress),
+            links[0],  # type: ignore[arg-type]
+            _Pool(torch.device("cpu")),
+            sealer,
+        )
 
     t = threading.Thread(target=recv, args=(m,))
     t.start()
@@ -304,8 +343,13 @@ def test_next_bucket_is_on_the_wire_while_this_one_is_checked() -> None:
     assert len(m.buckets) >= 3
     sealer = Sealer(derive_secret("token", "session"))
     sender = _Sending()
-    send_buckets(m, bucket_lists(m, lambda: iter(_tensors(specs)), None), sender,  # type: ignore[arg-type]
-                 _Pool(torch.device("cpu")), sealer)
+    send_buckets(
+        m,
+        bucket_lists(m, lambda: iter(_tensors(specs)), None),
+        sender,  # type: ignore[arg-type]
+        _Pool(torch.device("cpu")),
+        sealer,
+    )
     events: list[tuple[str, int]] = []
 
     class Checking(Sealer):

@@ -1,5 +1,6 @@
-"""hwsync.integrations.trainer_sync without an engine: the rollout check every trainer integration (ms-swift, TRL) runs on the
-tokens vLLM sampled, the step records, and the check prompts."""
+"""hwsync.integrations.trainer_sync without an engine: the rollout check every trainer integration (ms-swift, TRL) runs
+on the tokens vLLM sampled, the step records, and the check prompts."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,9 @@ def _logps(gap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def test_rollout_check_passes_within_the_gate_and_stops_beyond_it(tmp_path):
     sync = TrainerSync(SyncOptions(), metrics_path=str(tmp_path / "m.jsonl"))
     sync.gate = GATES[("cpu", "float32")]
-    assert sync.rollout_check(*_logps(1e-6), step=1, exact_sampling=True) == pytest.approx(1e-6, rel=0.05)  # fp32 rounding
+    assert sync.rollout_check(*_logps(1e-6), step=1, exact_sampling=True) == pytest.approx(
+        1e-6, rel=0.05
+    )  # fp32 rounding
     with pytest.raises(VerifyError, match="step 2: the engine sampled .*mean \\|Δ\\| 0.5"):
         sync.rollout_check(*_logps(0.5), step=2, exact_sampling=True)
     records = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]

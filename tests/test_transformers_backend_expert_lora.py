@@ -9,13 +9,14 @@ as one triplet per expert -- asserts on any expert adapter, vLLM's own loading o
   of these models (on a platform with MoE-LoRA kernels: ``adapter`` with expert LoRA, checked against vLLM's own
   loading on a GPU);
 * an engine without it (the list vLLM builds unpatched, put in the live manager) gets those experts reported
-  unservable (:func:`hwsync.engine.vllm.applier.expert_packing_problem`): ``hybrid`` merges them, ``adapter`` refuses naming
-  the reason before anything is written.
+  unservable (:func:`hwsync.engine.vllm.applier.expert_packing_problem`): ``hybrid`` merges them, ``adapter`` refuses
+  naming the reason before anything is written.
 
 The packing list is built when vLLM's LoRA manager starts, on every platform: vLLM's CPU build shows it too (there the
 experts are unservable anyway: no MoE-LoRA kernels). One engine for the module (tiny FlexOlmo, built under the engine
 patches, as ``VLLM_PLUGINS=hwsync`` builds it).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,8 @@ import torch
 import hwsync
 import hwsync.patches as patches
 from hwsync.common.errors import AdapterFormatError
-from hwsync.testing import EXACT_ATOL, on_cpu
 from hwsync.engine.vllm.applier import expert_packing_problem
+from hwsync.testing import EXACT_ATOL, on_cpu
 
 pytestmark = pytest.mark.vllm
 FAMILY = "flex_olmo"
@@ -47,8 +48,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory):
         pytest.skip(f"not affected here: {PATCH.probe().reason}")
     path = make_family_checkpoint(tmp_path_factory.mktemp("tbl") / FAMILY, FAMILY)
     kwargs = dict(max_model_len=256, enable_lora=True, max_lora_rank=8, max_loras=1)
-    with patched_llm(path, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **kwargs) as llm, \
-            EngineReference(tmp_path_factory.mktemp("tbl-ref"), **kwargs) as reference:
+    with (
+        patched_llm(path, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension", **kwargs) as llm,
+        EngineReference(tmp_path_factory.mktemp("tbl-ref"), **kwargs) as reference,
+    ):
         yield llm, path, reference
 
 
@@ -63,8 +66,11 @@ def _unpatched_list(llm: Any) -> list[str]:
     manager's construction: where the experts are LoRA-wrapped by now (a GPU), vLLM's wrapper has since set
     ``lora_base_layer_prefix``, which suffixes every per-expert name with ``.base_layer``."""
     manager = _manager(llm)
-    raw = PATCH.original()(manager.model, force_2d_moe=manager._enable_mixed_moe_lora_format,  # noqa: SLF001
-                           enable_moe_shared_loras=manager._enable_moe_shared_loras)["experts"]  # noqa: SLF001
+    raw = PATCH.original()(
+        manager.model,
+        force_2d_moe=manager._enable_mixed_moe_lora_format,  # noqa: SLF001
+        enable_moe_shared_loras=manager._enable_moe_shared_loras,
+    )["experts"]  # noqa: SLF001
     return [n.removesuffix(".base_layer") for n in raw]
 
 
@@ -98,8 +104,12 @@ def _pack(entries: list[str]) -> None:
     entry of that spelling, None elsewhere, then vLLM's own ``pack_moe``."""
     from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
 
-    loras = [LoRALayerWeights.create_dummy_lora_weights(n, 8, 8, 2, torch.float32, "cpu")
-             if n.rsplit(".", 1)[-1] in ("gate_proj", "down_proj", "up_proj") else None for n in entries]
+    loras = [
+        LoRALayerWeights.create_dummy_lora_weights(n, 8, 8, 2, torch.float32, "cpu")
+        if n.rsplit(".", 1)[-1] in ("gate_proj", "down_proj", "up_proj")
+        else None
+        for n in entries
+    ]
     PackedLoRALayerWeights.pack_moe(loras, "model.layers.0.mlp.experts")
 
 

@@ -5,6 +5,7 @@ adapter as a ``LoRARequest``), checked inside TRL's own training loop right afte
 On vLLM's CPU build the engine also equals the trainer (hwsync.verify after every sync, in the job); on a GPU this is
 the check that holds exactly (max |Δ logprob| <= 1e-6) where no engine computes like transformers.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,11 +43,18 @@ def test_every_sync_equals_vllms_own_loading(tmp_path, monkeypatch):
     # test_trl_grpo, not here
     monkeypatch.setenv("HWSYNC_VERIFY_EVERY", "0")
     model_dir, data = job.prepare(tmp_path)
-    engine = {**job.engine_kwargs(), "enable_lora": True, "max_lora_rank": 8, "max_loras": 1,
-              "max_model_len": 256, "logprobs_mode": "processed_logprobs"}
+    engine = {
+        **job.engine_kwargs(),
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "max_loras": 1,
+        "max_model_len": 256,
+        "logprobs_mode": "processed_logprobs",
+    }
     gaps: list[tuple[int, str, float]] = []
 
     with EngineReference(tmp_path / "reference", **engine) as reference:
+
         class CheckedTrainer(GRPOTrainer):
             def hwsync_sync(self) -> None:
                 super().hwsync_sync()

@@ -6,6 +6,7 @@ merged; adapter where vLLM has MoE-LoRA kernels), hwsync.verify after every sync
 every check it prints passed, every sync went through hwsync and was verified with every check, the engine followed
 the trained policy; GSPO (``importance_sampling_level="sequence"``, two optimizer steps per rollout batch) too.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ import pytest
 
 trl = pytest.importorskip("trl", reason="hwsync.trl needs TRL (HWSYNC_WITH_TRL=1 bash ci/install.sh; ci/run-trl.sh)")
 if tuple(int(x) for x in trl.__version__.split(".")[:2]) < (1, 16):
-    pytest.skip(f"hwsync.trl is made for trl 1.16 (installed: {trl.__version__}); ci/run-trl.sh runs it",
-                allow_module_level=True)
+    pytest.skip(
+        f"hwsync.trl is made for trl 1.16 (installed: {trl.__version__}); ci/run-trl.sh runs it",
+        allow_module_level=True,
+    )
 
 from hwsync.testing import require_vllm  # noqa: E402
 
@@ -29,21 +32,31 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4
 
 
-def run_job(workdir: Path, *flags: str, env: dict[str, str] | None = None,
-            timeout_s: float = 1800) -> tuple[list[dict], str]:
+def run_job(
+    workdir: Path, *flags: str, env: dict[str, str] | None = None, timeout_s: float = 1800
+) -> tuple[list[dict], str]:
     """``examples/trl_grpo_tiny_moe.py`` in its own interpreter; returns its hwsync records and its output."""
     require_vllm()
-    cmd = [sys.executable, str(ROOT / "examples" / "trl_grpo_tiny_moe.py"), "--steps", str(STEPS), "--workdir",
-           str(workdir), *flags]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "trl_grpo_tiny_moe.py"),
+        "--steps",
+        str(STEPS),
+        "--workdir",
+        str(workdir),
+        *flags,
+    ]
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "PYTHONPATH": path, **(env or {})}
+    )
     out = proc.stdout + proc.stderr
     name = "trl-" + ("gspo" if "--gspo" in flags else "grpo") + ("-server" if "--server" in flags else "")
     metrics = workdir / name / "hwsync_metrics.jsonl"
     if proc.returncode != 0:
-        pytest.fail(f"the TRL job exited {proc.returncode}; last lines:\n" + "\n".join(out.splitlines()[-60:]),
-                    pytrace=False)
+        pytest.fail(
+            f"the TRL job exited {proc.returncode}; last lines:\n" + "\n".join(out.splitlines()[-60:]), pytrace=False
+        )
     return [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()], out
 
 

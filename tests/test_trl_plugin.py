@@ -3,6 +3,7 @@ refuses before any engine is built, the scoped patch, and the vLLM-server middle
 
 Needs TRL 1.16 (its own venv: ``ci/run-trl.sh``); elsewhere the module skips, saying why.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,10 @@ import pytest
 
 trl = pytest.importorskip("trl", reason="hwsync.trl needs TRL (HWSYNC_WITH_TRL=1 bash ci/install.sh; ci/run-trl.sh)")
 if tuple(int(x) for x in trl.__version__.split(".")[:2]) < (1, 16):
-    pytest.skip(f"hwsync.trl is made for trl 1.16 (installed: {trl.__version__}); ci/run-trl.sh runs it",
-                allow_module_level=True)
+    pytest.skip(
+        f"hwsync.trl is made for trl 1.16 (installed: {trl.__version__}); ci/run-trl.sh runs it",
+        allow_module_level=True,
+    )
 
 pytestmark = pytest.mark.trl
 
@@ -41,8 +44,11 @@ def test_engine_settings_size_lora_serving_for_the_adapter(r, pattern, want):
     from hwsync.integrations.options import SyncOptions
 
     opts = SyncOptions()
-    assert engine_settings_for("m", cfg, None, opts, None) == {"enable_lora": True, "max_lora_rank": want,
-                                                                "max_loras": 1}
+    assert engine_settings_for("m", cfg, None, opts, None) == {
+        "enable_lora": True,
+        "max_lora_rank": want,
+        "max_loras": 1,
+    }
     # full: merged weights, no LoRA serving; no adapter: nothing to serve; engine_kwargs win
     full = SyncOptions(strategy="full")
     assert engine_settings_for("m", cfg, None, full, None) == {}
@@ -74,10 +80,13 @@ def test_lora_rank_beyond_vllms_largest_is_refused():
         lora_rank_for_vllm(LoraConfig(r=1024, target_modules=["q_proj"]))
 
 
-@pytest.mark.parametrize("over,env,match", [
-    ({"vllm_mode": "server"}, {}, "HWSYNC_SERVER and HWSYNC_TOKEN.*trl vllm-serve"),
-    ({"vllm_mode": "server"}, {"HWSYNC_SERVER": "127.0.0.1:29555"}, "HWSYNC_TOKEN"),
-])
+@pytest.mark.parametrize(
+    "over,env,match",
+    [
+        ({"vllm_mode": "server"}, {}, "HWSYNC_SERVER and HWSYNC_TOKEN.*trl vllm-serve"),
+        ({"vllm_mode": "server"}, {"HWSYNC_SERVER": "127.0.0.1:29555"}, "HWSYNC_TOKEN"),
+    ],
+)
 def test_setups_hwsync_cannot_sync_are_refused_before_any_engine(over, env, match, monkeypatch):
     from hwsync.common.errors import HwsyncError
     from hwsync.integrations.options import SyncOptions
@@ -87,7 +96,9 @@ def test_setups_hwsync_cannot_sync_are_refused_before_any_engine(over, env, matc
     with pytest.raises(HwsyncError, match=match):
         _check_config(config, SyncOptions.from_env(env))
     _check_config(SimpleNamespace(vllm_enable_sleep_mode=False, vllm_mode="colocate"), SyncOptions())
-    _check_config(SimpleNamespace(vllm_enable_sleep_mode=True, vllm_mode="colocate"), SyncOptions())  # level 2: refilled
+    _check_config(
+        SimpleNamespace(vllm_enable_sleep_mode=True, vllm_mode="colocate"), SyncOptions()
+    )  # level 2: refilled
 
 
 def test_patch_applies_to_trl_1_16_and_only_inside_the_block():
@@ -112,8 +123,10 @@ def test_patch_applies_to_trl_1_16_and_only_inside_the_block():
     llm(model="m", quantization="bitsandbytes")
     with engine_settings({"enable_lora": True, "quantization": None}):
         llm(model="m", quantization="bitsandbytes")
-    assert calls == [{"model": "m", "quantization": "bitsandbytes"},
-                     {"model": "m", "quantization": None, "enable_lora": True}]
+    assert calls == [
+        {"model": "m", "quantization": "bitsandbytes"},
+        {"model": "m", "quantization": None, "enable_lora": True},
+    ]
     joined: list[str] = []
     comm = TrlVllmGenerationPatch._communicator(lambda client, device=0: joined.append(device))
     with engine_settings({}):
@@ -186,4 +199,3 @@ def test_middleware_without_server_address_fails_at_startup(monkeypatch):
     mw = SyncMiddleware(None)
     with pytest.raises(OptionError, match="HWSYNC_SERVER and HWSYNC_TOKEN.*vLLM server"):
         mw._start(SimpleNamespace(state=SimpleNamespace()))
-

@@ -13,6 +13,7 @@ longer compute exactly the dequantized fp32 matmul the engine does (measured: me
 sync, 2e-6 at the first, while the content checks pass and the engine equals vLLM's own loading exactly); on a GPU
 the bf16 gate applies unchanged.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ import trl_grpo_tiny_moe as job  # noqa: E402
 try:
     import bitsandbytes  # noqa: F401
 except Exception as e:  # noqa: BLE001  (missing, or a build without a library for this machine)
-    pytest.skip(f"QLoRA needs bitsandbytes (the test extra installs it): {type(e).__name__}: {e}",
-                allow_module_level=True)
+    pytest.skip(
+        f"QLoRA needs bitsandbytes (the test extra installs it): {type(e).__name__}: {e}", allow_module_level=True
+    )
 
 pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
@@ -59,23 +61,42 @@ def test_qlora_syncs_the_adapter_without_merging_into_four_bit_weights(tmp_path,
     model_dir, data = job.prepare(tmp_path)
     compute = torch.bfloat16 if gpu else torch.float32
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
-    args = job.config(tmp_path / "out", steps=STEPS, gspo=False, server_port=None,
-                      model_init_kwargs={"dtype": compute, "device_map": {"": "cuda" if gpu else "cpu"}})
-    engine = {**job.engine_kwargs(), "enable_lora": True, "max_lora_rank": 8, "max_loras": 1,
-              "max_model_len": 256, "logprobs_mode": "processed_logprobs"}
+    args = job.config(
+        tmp_path / "out",
+        steps=STEPS,
+        gspo=False,
+        server_port=None,
+        model_init_kwargs={"dtype": compute, "device_map": {"": "cuda" if gpu else "cpu"}},
+    )
+    engine = {
+        **job.engine_kwargs(),
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        "max_loras": 1,
+        "max_model_len": 256,
+        "logprobs_mode": "processed_logprobs",
+    }
     gaps: list[float] = []
     if not gpu:
         monkeypatch.setenv("HWSYNC_VERIFY_GATE", "0.01,0.02,0.001")
     with EngineReference(tmp_path / "reference", **engine) as reference:
+
         class CheckedTrainer(GRPOTrainer):
             def hwsync_sync(self) -> None:
                 super().hwsync_sync()
-                gaps.append(reference.check(self.vllm_generation.engine, self.accelerator.unwrap_model(self.model),
-                                            PROMPTS))
+                gaps.append(
+                    reference.check(self.vllm_generation.engine, self.accelerator.unwrap_model(self.model), PROMPTS)
+                )
 
-        trainer = CheckedTrainer(model=str(model_dir), reward_funcs=job.arith_reward, args=args,
-                                 train_dataset=job.dataset(data), peft_config=LoraConfig(**job.LORA),
-                                 quantization_config=quant, engine_kwargs=job.engine_kwargs())
+        trainer = CheckedTrainer(
+            model=str(model_dir),
+            reward_funcs=job.arith_reward,
+            args=args,
+            train_dataset=job.dataset(data),
+            peft_config=LoraConfig(**job.LORA),
+            quantization_config=quant,
+            engine_kwargs=job.engine_kwargs(),
+        )
         llm = trainer.vllm_generation.engine
         assert llm.llm_engine.vllm_config.model_config.quantization is None  # not TRL's bitsandbytes engine
         four_bit = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.dtype == torch.uint8}

@@ -7,6 +7,7 @@
   engine stale, and the server then refuses generation (409, naming the cause) instead of serving half-written
   weights, until a complete sync lands; then it serves the trainer's policy again, exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ def test_grpo_server(tmp_path):
 
 
 def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, json.loads(reply.read())
@@ -45,8 +47,7 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
 
 
 def _completion(port: int, model: str) -> tuple[int, dict]:
-    return _post(port, "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 2,
-                                           "temperature": 0.0})
+    return _post(port, "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0.0})
 
 
 def test_a_failed_sync_stops_generation_until_a_complete_one(tmp_path, monkeypatch):
@@ -80,14 +81,19 @@ def test_a_failed_sync_stops_generation_until_a_complete_one(tmp_path, monkeypat
         # as LoRA) may travel in fewer than three (it did on an H200, 2026-11-28: the sync did not fail), so fail it
         # before its first bucket
         with pytest.raises(HwsyncError):
-            hwsync.sync(engine, model, strategy=strategy, bucket_mb=0.05,
-                        progress=fail_at(0 if strategy == "adapter" else 2))
+            hwsync.sync(
+                engine, model, strategy=strategy, bucket_mb=0.05, progress=fail_at(0 if strategy == "adapter" else 2)
+            )
         status, body = _completion(port, report.lora_request.lora_name)
         if strategy != "adapter":  # merged experts were being written: stale, and the server says so
             assert engine.state()["stale"]
             assert status == 409 and "stale" in body["error"]["message"], (status, body)
-            assert _post(port, "/v1/chat/completions", {"model": "hwsync", "messages": [{"role": "user",
-                                                                                        "content": "1+1"}]})[0] == 409
+            assert (
+                _post(
+                    port, "/v1/chat/completions", {"model": "hwsync", "messages": [{"role": "user", "content": "1+1"}]}
+                )[0]
+                == 409
+            )
         else:  # an adapter-only sync writes nothing until its last bucket: the previous adapter still serves
             assert not engine.state()["stale"] and status == 200, (status, body)
         # a complete sync: serving again, exactly the trainer's current policy

@@ -6,6 +6,7 @@ the engine samples from the trained policy (on vLLM's CPU build in fp32: equal t
 Several ranks (each with its colocated engine, or rank 0 feeding a vLLM server) run the same code path with a
 collective schedule: tests/test_gather.py and tests/test_server_sharded.py run it on 2 gloo ranks.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,10 +27,15 @@ pytestmark = [pytest.mark.trl, pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 2
 # every parameter partitioned (so every sync really gathers); precision follows the run ("auto")
-ZERO3 = {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
-         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
-         "train_micro_batch_size_per_gpu": "auto"}
+ZERO3 = {
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
 
 
 def test_zero3_trainer_syncs_bucket_by_bucket_and_is_checked(tmp_path, monkeypatch):
@@ -40,8 +46,13 @@ def test_zero3_trainer_syncs_bucket_by_bucket_and_is_checked(tmp_path, monkeypat
         for key, value in {**job.CPU_ENV, "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}.items():
             monkeypatch.setenv(key, os.environ.get(key, value))
     # one rank, as torchrun would describe it (DeepSpeed initializes torch.distributed from these)
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(job.free_port()), "RANK": "0",
-                       "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(job.free_port()),
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
         monkeypatch.setenv(key, os.environ.get(key, value))
     metrics = tmp_path / "m.jsonl"
     monkeypatch.setenv("HWSYNC_METRICS", str(metrics))

@@ -6,6 +6,7 @@ with the stated guarantee (every tensor within :data:`hwsync.verify.BASE_ROUNDS`
 hwsync's back is caught within that many checks, one written by a sync at the next; the model's numerics spread
 grows with the rounding unit; and the logprob verdict is decisive only beyond both the gate and the spread.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -16,10 +17,10 @@ import pytest
 import torch
 
 import hwsync
-from hwsync.trainer import verify as V
 from hwsync.testing import patched_llm
 from hwsync.testing.faults import FaultInjector
 from hwsync.testing.trainer import lora_trainer
+from hwsync.trainer import verify as V
 
 pytestmark = pytest.mark.vllm
 
@@ -37,8 +38,9 @@ def _base_read(report: Any) -> str:
     return next(c.detail for c in report.checks if c.name == "base content")
 
 
-def test_base_read_whole_after_a_write_and_in_turns_otherwise(llm: Any, tiny_qwen3_moe_dir: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_base_read_whole_after_a_write_and_in_turns_otherwise(
+    llm: Any, tiny_qwen3_moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(V, "BASE_SAMPLE_BYTES", 1)  # the tiny base would fit the byte floor: force the turns
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, None)
     hwsync.sync(llm, model, strategy="adapter")
@@ -95,13 +97,20 @@ def test_numerics_spread_grows_with_the_rounding_unit(llm: Any, tiny_qwen3_moe_d
 
 
 def _agreement(mean: float, p90: float, prob: float = 0.0) -> V.Agreement:
-    return V.Agreement(max_abs_diff=p90, where="", tokens=10, greedy_mismatches=(), mean_abs_diff=mean,
-                       p90_abs_diff=p90, mean_prob_diff=prob)
+    return V.Agreement(
+        max_abs_diff=p90,
+        where="",
+        tokens=10,
+        greedy_mismatches=(),
+        mean_abs_diff=mean,
+        p90_abs_diff=p90,
+        mean_prob_diff=prob,
+    )
 
 
 def test_logprob_verdict_is_decisive_only_beyond_gate_and_spread() -> None:
     gate = V.Gate(mean_abs=0.5, p90_abs=2.0, mean_prob=0.05)
-    spread = V.Spread(mean_abs=5.0, p90_abs=10.0, mean_prob=0.01, max_abs=20.0, unit=2 ** -7)
+    spread = V.Spread(mean_abs=5.0, p90_abs=10.0, mean_prob=0.01, max_abs=20.0, unit=2**-7)
     within_gate, weak, _ = V._logprob_check(_agreement(0.3, 1.0), gate, spread, "")
     assert within_gate.ok and not weak
     # 48 layers of a random model: far beyond the gate, within 4x the spread -> weak evidence, logged, not failing
@@ -136,8 +145,9 @@ def test_traced_layout_is_proven_once_and_slots_are_still_checked(llm: Any, tiny
     hwsync.sync(llm, model, strategy="adapter")
     first = V.check(llm, model, PROMPTS, logprobs=False)
     assert first.ok, first.message()
-    found = re.search(r"layout of (\d+) of (\d+) modules proven by vLLM's own set_lora \((\d+) in this check\)",
-                      _slots(first))
+    found = re.search(
+        r"layout of (\d+) of (\d+) modules proven by vLLM's own set_lora \((\d+) in this check\)", _slots(first)
+    )
     assert found, _slots(first)
     proven, modules, _ = map(int, found.groups())
     assert proven == modules > 0, _slots(first)
@@ -151,8 +161,9 @@ def test_traced_layout_is_proven_once_and_slots_are_still_checked(llm: Any, tiny
     assert V.check(llm, model, PROMPTS, logprobs=False).ok
 
 
-def test_adapter_compared_in_batches_holds_one_batch_and_still_catches(llm: Any, tiny_qwen3_moe_dir: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adapter_compared_in_batches_holds_one_batch_and_still_catches(
+    llm: Any, tiny_qwen3_moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The trainer's folded LoRA tensors (copies made for the check) go to the engine in batches of
     LORA_BATCH_BYTES, not all at once: with one tensor per batch the verdicts are the same -- a healthy sync
     passes with every tensor compared, a doubled scaling and a zeroed slot are caught."""

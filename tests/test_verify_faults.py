@@ -6,6 +6,7 @@ each checked -- zero false alarms -- then every fault of :mod:`hwsync.testing.fa
 state (vLLM's reload with wrong tensors, the worker's LoRA manager changed, a real sync of older weights), each of
 which must be caught by the check that names it, and the engine must pass again once repaired.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -72,8 +73,9 @@ def assert_campaign(llm: Any, tiny_qwen3_moe_dir: Path, strategy: str) -> None:
     expected = [f for f in FAULTS if applicable(f, strategy)]
     not_here = result.get("not_applicable", {})
     if on_cpu() and info.dtype == "float32":  # the CPU prepack is real there; fp32 LoRA folds alike in both orders
-        assert set(not_here) <= {"scaling folded in another order"}, f"every other fault changes a CPU fp32 engine: " \
-                                                                     f"{not_here}"
+        assert set(not_here) <= {"scaling folded in another order"}, (
+            f"every other fault changes a CPU fp32 engine: {not_here}"
+        )
     if strategy != "full" and info.lora_dtype in ("bfloat16", "float16"):
         assert "scaling folded in another order" in result["faults"], "a 16-bit LoRA dtype must see the other order"
     assert sorted(result["faults"]) == sorted(f for f in expected if f not in not_here)

@@ -5,6 +5,7 @@ post-load step leaves their bf16 storage unchanged). "scaling folded in another 
 LoRA, o_proj's scaling 1.5): the adapter content check is bit-exact against vLLM's own construction of the adapter.
 One engine for the module.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

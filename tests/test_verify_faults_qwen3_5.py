@@ -5,6 +5,7 @@ the GDN ``A_log`` in fp32 beside bf16 weights: the content fingerprints must hol
 its Qwen3.5 module without torchvision (the CPU CI has none): there the module is skipped with that reason; the GPU
 job runs it (``bash ci/gpu.sh qwen35``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

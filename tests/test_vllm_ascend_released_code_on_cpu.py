@@ -40,6 +40,7 @@ provided here fails the test):
 Upstream code NOT run here: the MoE forward (``npu_grouped_matmul``), ``npu_format_cast`` (FRACTAL_NZ), the fused-MC2
 dynamic-EPLB per-expert lists, CaMem's memory moves, ``NPUWorker.sleep``.
 """
+
 from __future__ import annotations
 
 import ast
@@ -52,7 +53,7 @@ import os
 import sys
 import tarfile
 from collections.abc import Callable, Iterator
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -68,12 +69,17 @@ from hwsync.testing import make_llm, make_tiny_moe, on_cpu, require_vllm
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(not on_cpu(), reason="this module drives vLLM's CPU build (fp32, exact layouts compared bit for "
-                       "bit); a CUDA vLLM's engine keeps its layers on the GPU in its own kernels' layout, and the "
-                       "layout math itself is platform-independent (covered here in CPU CI)"),
-    pytest.mark.skipif(importlib.util.find_spec("vllm_ascend") is not None,
-                       reason="vllm-ascend is installed: this module drives vLLM's CPU build with vllm-ascend's code "
-                              "lifted from its sdist; the npu job tests the installed stack instead"),
+    pytest.mark.skipif(
+        not on_cpu(),
+        reason="this module drives vLLM's CPU build (fp32, exact layouts compared bit for "
+        "bit); a CUDA vLLM's engine keeps its layers on the GPU in its own kernels' layout, and the "
+        "layout math itself is platform-independent (covered here in CPU CI)",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm_ascend") is not None,
+        reason="vllm-ascend is installed: this module drives vLLM's CPU build with vllm-ascend's code "
+        "lifted from its sdist; the npu job tests the installed stack instead",
+    ),
 ]
 
 VERSION = "0.23.0.post1"
@@ -87,8 +93,10 @@ PROC, PRE = ExpertLayout.PROCESSED, ExpertLayout.PREPROCESSED
 
 # ------------------------------------------------------------------------------------------------ the released code
 def _sdist() -> Path:
-    path = Path(os.environ.get("HWSYNC_VLLM_ASCEND_SDIST")
-                or Path(sys.prefix) / "hwsync-cache" / "vllm-ascend" / f"vllm_ascend-{VERSION}.tar.gz")
+    path = Path(
+        os.environ.get("HWSYNC_VLLM_ASCEND_SDIST")
+        or Path(sys.prefix) / "hwsync-cache" / "vllm-ascend" / f"vllm_ascend-{VERSION}.tar.gz"
+    )
     if not path.is_file():
         reason = f"vllm-ascend {VERSION} sdist not at {path}: run `bash ci/fetch-vllm-ascend.sh` (ci/install.sh does)"
         if os.environ.get("CI", "").lower() == "true":
@@ -99,7 +107,7 @@ def _sdist() -> Path:
     return path
 
 
-@lru_cache(maxsize=None)
+@cache
 def _member(path: Path, member: str) -> str:
     with tarfile.open(path) as tf:
         f = tf.extractfile(f"{ROOT}/{member}")
@@ -175,16 +183,31 @@ def released_code() -> SimpleNamespace:
     utils = "vllm_ascend/utils.py"
     nz_env = {"torch": torch, **{k: STAND_INS[k] for k in ("get_ascend_config", "is_310p")}}
     should_trans_nz = released(utils, "_should_trans_nz", nz_env)
-    maybe_trans_nz = released(utils, "maybe_trans_nz", {
-        "torch": torch, "_should_trans_nz": should_trans_nz, "torch_npu": STAND_INS["torch_npu"],
-        "ACL_FORMAT_FRACTAL_NZ": STAND_INS["ACL_FORMAT_FRACTAL_NZ"]})
-    process = released("vllm_ascend/ops/fused_moe/fused_moe.py",
-                       "AscendUnquantizedFusedMoEMethod.process_weights_after_loading", {
-                           "torch": torch, "UnquantizedFusedMoEMethod": UnquantizedFusedMoEMethod,
-                           "maybe_trans_nz": maybe_trans_nz,
-                           **{k: STAND_INS[k] for k in ("torch_npu", "get_ascend_config", "ACL_FORMAT_FRACTAL_NZ")}})
-    wake_up = released("vllm_ascend/worker/worker.py", "NPUWorker.wake_up", {
-        "torch": torch, **{k: STAND_INS[k] for k in ("get_ascend_config", "CaMemAllocator")}})
+    maybe_trans_nz = released(
+        utils,
+        "maybe_trans_nz",
+        {
+            "torch": torch,
+            "_should_trans_nz": should_trans_nz,
+            "torch_npu": STAND_INS["torch_npu"],
+            "ACL_FORMAT_FRACTAL_NZ": STAND_INS["ACL_FORMAT_FRACTAL_NZ"],
+        },
+    )
+    process = released(
+        "vllm_ascend/ops/fused_moe/fused_moe.py",
+        "AscendUnquantizedFusedMoEMethod.process_weights_after_loading",
+        {
+            "torch": torch,
+            "UnquantizedFusedMoEMethod": UnquantizedFusedMoEMethod,
+            "maybe_trans_nz": maybe_trans_nz,
+            **{k: STAND_INS[k] for k in ("torch_npu", "get_ascend_config", "ACL_FORMAT_FRACTAL_NZ")},
+        },
+    )
+    wake_up = released(
+        "vllm_ascend/worker/worker.py",
+        "NPUWorker.wake_up",
+        {"torch": torch, **{k: STAND_INS[k] for k in ("get_ascend_config", "CaMemAllocator")}},
+    )
     return SimpleNamespace(process=process, wake_up=wake_up, base=UnquantizedFusedMoEMethod)
 
 
@@ -207,8 +230,9 @@ def _released_source(member: str, qualname: str) -> str:
 
 def test_released_steps_are_the_ones_hwsync_handles():
     """Guards the premise: the released code transposes into new Parameters and guesses wake_up from shapes."""
-    process = _released_source("vllm_ascend/ops/fused_moe/fused_moe.py",
-                               "AscendUnquantizedFusedMoEMethod.process_weights_after_loading")
+    process = _released_source(
+        "vllm_ascend/ops/fused_moe/fused_moe.py", "AscendUnquantizedFusedMoEMethod.process_weights_after_loading"
+    )
     assert "layer.w13_weight = torch.nn.Parameter(w13_data" in process and ".transpose(1, 2).contiguous()" in process
     wake = _released_source("vllm_ascend/worker/worker.py", "NPUWorker.wake_up")
     assert "param.shape[2] == hidden_size" in wake and "param.shape[1] == hidden_size" in wake
@@ -250,8 +274,9 @@ def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     layers = {n: m for n, m in model.named_modules() if type(m).__name__ == "RoutedExperts"}
     assert layers and all(m.w13_weight.shape[1] == 2 * inter for m in layers.values())
     created = {n: (m.w13_weight, m.w2_weight, m.quant_method.__class__) for n, m in layers.items()}
-    yield SimpleNamespace(llm=llm, worker=worker, model=model, layers=layers, created=created, path=path,
-                          inter=inter, hidden=64)
+    yield SimpleNamespace(
+        llm=llm, worker=worker, model=model, layers=layers, created=created, path=path, inter=inter, hidden=64
+    )
     torch.set_num_threads(threads)
     del llm
 
@@ -291,9 +316,11 @@ def _expert_checkpoint(trainer: Any) -> list[tuple[str, torch.Tensor]]:
         inter = gate_up.shape[1] // 2
         for e in range(gate_up.shape[0]):
             prefix = f"model.layers.{idx}.mlp.experts.{e}"
-            weights += [(f"{prefix}.gate_proj.weight", gate_up[e, :inter]),
-                        (f"{prefix}.up_proj.weight", gate_up[e, inter:]),
-                        (f"{prefix}.down_proj.weight", down[e])]
+            weights += [
+                (f"{prefix}.gate_proj.weight", gate_up[e, :inter]),
+                (f"{prefix}.up_proj.weight", gate_up[e, inter:]),
+                (f"{prefix}.down_proj.weight", down[e]),
+            ]
     return weights
 
 
@@ -324,8 +351,9 @@ def _assert_processed_equal(eng: SimpleNamespace, trainer: Any) -> None:
 
 
 def _worker_standin(eng: SimpleNamespace) -> SimpleNamespace:
-    return SimpleNamespace(vllm_config=eng.worker.vllm_config, model_runner=eng.worker.model_runner,
-                           _sleep_saved_buffers={})
+    return SimpleNamespace(
+        vllm_config=eng.worker.vllm_config, model_runner=eng.worker.model_runner, _sleep_saved_buffers={}
+    )
 
 
 def _sync(eng: SimpleNamespace, trainer: Any, via: str) -> None:
@@ -375,8 +403,11 @@ def test_released_code_alone_loses_the_loader_and_transposes_on_wake_up(engine):
 
     processed = layer.w13_weight
     wake_up(_worker_standin(engine), None, patched=False)
-    assert layer.w13_weight is not processed and layer.w13_weight.shape == (processed.shape[0], 2 * engine.inter,
-                                                                            engine.hidden)
+    assert layer.w13_weight is not processed and layer.w13_weight.shape == (
+        processed.shape[0],
+        2 * engine.inter,
+        engine.hidden,
+    )
     assert not hasattr(layer.w13_weight, "weight_loader")
     # a second wake_up (sleep/wake without a sync in between) guesses from shapes again: in a square case it
     # transposes experts that are already in checkpoint layout
@@ -410,19 +441,27 @@ SHARDS = {
 }
 
 
-def _shard_view(live: Any, eng: SimpleNamespace, method_cls: type, *, tp: int, tp_rank: int, ep: int, ep_rank: int,
-                placement: str) -> Any:
+def _shard_view(
+    live: Any, eng: SimpleNamespace, method_cls: type, *, tp: int, tp_rank: int, ep: int, ep_rank: int, placement: str
+) -> Any:
     """A live RoutedExperts as rank (tp_rank, ep_rank) of a TP x EP engine would hold it: vLLM's own parallel config
     and ExpertMapManager, fresh w13/w2 of the shard's shape carrying vLLM's real weight_loader (stand-in: see top)."""
     from vllm.model_executor.layers.fused_moe.expert_map_manager import ExpertMapManager
 
-    par = dataclasses.replace(live.moe_config.moe_parallel_config, tp_size=tp, tp_rank=tp_rank, ep_size=ep,
-                              ep_rank=ep_rank, use_ep=ep > 1)
+    par = dataclasses.replace(
+        live.moe_config.moe_parallel_config, tp_size=tp, tp_rank=tp_rank, ep_size=ep, ep_rank=ep_rank, use_ep=ep > 1
+    )
     old = live.expert_map_manager
     manager = ExpertMapManager(
-        max_num_batched_tokens=old.max_num_batched_tokens, top_k=old.top_k, global_num_experts=old.global_num_experts,
-        num_redundant_experts=0, num_expert_group=2 if placement == "round_robin" else None,
-        moe_parallel_config=par, placement_strategy=placement, enable_eplb=False)
+        max_num_batched_tokens=old.max_num_batched_tokens,
+        top_k=old.top_k,
+        global_num_experts=old.global_num_experts,
+        num_redundant_experts=0,
+        num_expert_group=2 if placement == "round_robin" else None,
+        moe_parallel_config=par,
+        placement_strategy=placement,
+        enable_eplb=False,
+    )
     assert manager.placement_strategy == placement
     shard = copy.copy(live)
     shard.__dict__.update(_parameters={}, _buffers=dict(live._buffers), _modules=dict(live._modules))
@@ -441,8 +480,11 @@ def _shard_view(live: Any, eng: SimpleNamespace, method_cls: type, *, tp: int, t
 
 def _random_experts(num: int, inter: int, hidden: int, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(num, inter, hidden, generator=gen), torch.randn(num, inter, hidden, generator=gen),
-            torch.randn(num, hidden, inter, generator=gen))
+    return (
+        torch.randn(num, inter, hidden, generator=gen),
+        torch.randn(num, inter, hidden, generator=gen),
+        torch.randn(num, hidden, inter, generator=gen),
+    )
 
 
 _CALLS = (("w1", "w13_weight", 0), ("w3", "w13_weight", 1), ("w2", "w2_weight", 2))
@@ -454,8 +496,9 @@ def _load_through_params(shard: Any, experts: tuple[torch.Tensor, ...]) -> list[
     for e in range(experts[0].shape[0]):
         for shard_id, pname, k in _CALLS:
             param = getattr(shard, pname)
-            written.append(bool(param.weight_loader(param, experts[k][e], f"experts.{pname}", shard_id, e,
-                                                    return_success=True)))
+            written.append(
+                bool(param.weight_loader(param, experts[k][e], f"experts.{pname}", shard_id, e, return_success=True))
+            )
     return written
 
 
@@ -463,13 +506,20 @@ def _vllm_reference(shard: Any, experts: tuple[torch.Tensor, ...]) -> tuple[torc
     """The shard in checkpoint layout as vLLM's own RoutedExperts.weight_loader writes it (the oracle)."""
     n, hidden = shard.w13_weight.shape[0], shard.moe_config.hidden_dim
     i_tp = shard.w2_weight.numel() // (n * hidden)
-    pre = {"w13_weight": torch.full((n, 2 * i_tp, hidden), float("nan")),
-           "w2_weight": torch.full((n, hidden, i_tp), float("nan"))}
+    pre = {
+        "w13_weight": torch.full((n, 2 * i_tp, hidden), float("nan")),
+        "w2_weight": torch.full((n, hidden, i_tp), float("nan")),
+    }
     written = []
     for e in range(experts[0].shape[0]):
         for shard_id, pname, k in _CALLS:
-            written.append(bool(type(shard).weight_loader(shard, pre[pname], experts[k][e], f"experts.{pname}",
-                                                           shard_id, e, return_success=True)))
+            written.append(
+                bool(
+                    type(shard).weight_loader(
+                        shard, pre[pname], experts[k][e], f"experts.{pname}", shard_id, e, return_success=True
+                    )
+                )
+            )
     return pre["w13_weight"], pre["w2_weight"], written
 
 
@@ -484,7 +534,8 @@ def test_tp_ep_shards_sync_wake_up_sync_through_released_code(engine, case):
     num = live.moe_config.num_experts
     sharding = ExpertSharding.from_vllm(shard)
     assert (sharding.tp_size, sharding.tp_rank, sharding.ep_size, sharding.ep_rank) == tuple(
-        SHARDS[case][k] for k in ("tp", "tp_rank", "ep", "ep_rank"))
+        SHARDS[case][k] for k in ("tp", "tp_rank", "ep", "ep_rank")
+    )
 
     v0 = _random_experts(num, engine.inter, engine.hidden, seed=10)
     _load_through_params(shard, v0)  # engine start: vLLM's loader, checkpoint layout
@@ -501,9 +552,15 @@ def test_tp_ep_shards_sync_wake_up_sync_through_released_code(engine, case):
         assert written == vllm_written and any(written) and (not all(written)) == (SHARDS[case]["ep"] > 1)
         if between == "wake_up":
             held = (shard.w13_weight, shard.w2_weight)
-            wake_up(SimpleNamespace(vllm_config=engine.worker.vllm_config,
-                                    model_runner=SimpleNamespace(model=model), _sleep_saved_buffers={}),
-                    None, patched=True)
+            wake_up(
+                SimpleNamespace(
+                    vllm_config=engine.worker.vllm_config,
+                    model_runner=SimpleNamespace(model=model),
+                    _sleep_saved_buffers={},
+                ),
+                None,
+                patched=True,
+            )
             assert (shard.w13_weight, shard.w2_weight) == held
         else:  # a framework re-running the post-load step after its load: nothing to do on processed experts
             shard.quant_method.process_weights_after_loading(shard)

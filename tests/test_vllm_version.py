@@ -2,6 +2,7 @@
 ``hwsync doctor``, and enforced with one clear error where hwsync attaches to an engine -- before anything touches
 vLLM internals that older releases lack (vLLM 0.25 otherwise fails deep inside a sync with ``AttributeError:
 'WeightsMapper' object has no attribute 'get_rename_mapper'``)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,11 +19,24 @@ from hwsync.testing import close_llm, make_llm, require_vllm
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize(("version", "ok"), [
-    ("0.30.0", True), ("0.30.0+cpu", True), ("0.31.0", True), ("0.32.0", True), ("0.32.1", True), ("0.33.0", True),
-    ("0.33.0rc1", True), ("0.33.1.dev12+g1234abc", True),
-    ("0.29.9", False), ("0.25.0", False), ("0.34.0", False), ("0.34.0.dev3+gabc", False), ("1.0.0", False),
-])
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("0.30.0", True),
+        ("0.30.0+cpu", True),
+        ("0.31.0", True),
+        ("0.32.0", True),
+        ("0.32.1", True),
+        ("0.33.0", True),
+        ("0.33.0rc1", True),
+        ("0.33.1.dev12+g1234abc", True),
+        ("0.29.9", False),
+        ("0.25.0", False),
+        ("0.34.0", False),
+        ("0.34.0.dev3+gabc", False),
+        ("1.0.0", False),
+    ],
+)
 def test_supported_range(version: str, ok: bool) -> None:
     support = vllm_support(version)
     assert (support["supported"], support["range"], support["version"]) == (ok, SUPPORTED_VLLM, version)
@@ -52,14 +66,20 @@ def test_doctor_prints_the_range_and_the_verdict(capsys: pytest.CaptureFixture[s
     assert cli.main(["doctor", "--no-vllm"]) == 0
     out = capsys.readouterr().out
     support = vllm_support()
-    verdict = ("supported" if support["supported"] else "not installed" if support["version"] is None
-               else f"NOT SUPPORTED: pip install 'vllm{SUPPORTED_VLLM}'")
+    verdict = (
+        "supported"
+        if support["supported"]
+        else "not installed"
+        if support["version"] is None
+        else f"NOT SUPPORTED: pip install 'vllm{SUPPORTED_VLLM}'"
+    )
     assert f"  vllm range    {SUPPORTED_VLLM} ({verdict})\n" in out
 
 
 @pytest.mark.vllm
-def test_unsupported_vllm_is_refused_at_engine_attach(tiny_qwen3_moe_dir: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsupported_vllm_is_refused_at_engine_attach(
+    tiny_qwen3_moe_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A real engine, a vLLM that says it is 0.25: hwsync.sync refuses before touching the engine."""
     require_vllm()
     import vllm
@@ -71,8 +91,11 @@ def test_unsupported_vllm_is_refused_at_engine_attach(tiny_qwen3_moe_dir: Path,
         real = vllm.__version__
         assert vllm_support()["supported"], f"the installed vLLM {real} is outside {SUPPORTED_VLLM}"
         monkeypatch.setattr(vllm, "__version__", "0.25.0")
-        with pytest.raises(UnsupportedVersionError, match=rf"vLLM 0\.25\.0 is not supported: hwsync needs "
-                                                          rf"vllm{SUPPORTED_VLLM.replace('.', '[.]')}"):
+        with pytest.raises(
+            UnsupportedVersionError,
+            match=rf"vLLM 0\.25\.0 is not supported: hwsync needs "
+            rf"vllm{SUPPORTED_VLLM.replace('.', '[.]')}",
+        ):
             hwsync.sync(llm, model)
         assert "_hwsync_engine" not in llm.__dict__  # nothing attached, nothing sent
         monkeypatch.setattr(vllm, "__version__", real)

@@ -1,11 +1,12 @@
-"""hwsync as vLLM's weight-transfer backend: a real in-process ``LLM(..., weight_transfer_config={"backend": "hwsync"})``
-(tiny Qwen3-MoE, vLLM's CPU build) synced through vLLM's own ``start_weight_update`` / ``update_weights`` /
+"""hwsync as vLLM's weight-transfer backend: a real in-process ``LLM(..., weight_transfer_config={"backend":
+"hwsync"})`` (tiny Qwen3-MoE, vLLM's CPU build) synced through vLLM's own ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update`` for every strategy, checked against the trainer (``assert_serves``: as the colocated path's
 tests); an adapter sync against vLLM's own loading of the same adapter (a fresh engine fed it as a ``LoRARequest``);
 the faults: a bad manifest is refused before any write (nothing half-applied, the adapter still served), an older
 version is refused, an interrupted update leaves the engine stale, an engine hwsync never attached to refuses; the
 ledgered ``vllm_weight_transfer_lora_reset`` held only while the backend is in use; the API's absence is one error.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ PATCH = "vllm_weight_transfer_lora_reset"
 
 def _adapters(llm: Any) -> list[int]:
     """The adapter ids vLLM's LoRA manager holds (what vLLM's reset after finish_weight_update would have cleared)."""
+
     def ids(w: Any) -> list[int]:
         w = w.__dict__.get("worker", w)
         return sorted(w.model_runner.lora_manager.list_adapters())
@@ -77,8 +79,9 @@ def _spy(llm: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.mark.parametrize("strategy", ["full", "hybrid", "adapter"])
-def test_every_strategy_through_vllms_protocol(llm: Any, engine: Any, tiny_qwen3_moe_dir: Path, strategy: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_strategy_through_vllms_protocol(
+    llm: Any, engine: Any, tiny_qwen3_moe_dir: Path, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS if strategy != "adapter" else None)
     calls = _spy(llm, monkeypatch)
     gen = torch.Generator().manual_seed(11)
@@ -97,8 +100,7 @@ def test_every_strategy_through_vllms_protocol(llm: Any, engine: Any, tiny_qwen3
     assert llm.get_weight_version() == str(versions[1])
 
 
-def test_adapter_sync_equals_vllms_own_loading(llm: Any, engine: Any, tiny_qwen3_moe_dir: Path,
-                                               tmp_path: Path) -> None:
+def test_adapter_sync_equals_vllms_own_loading(llm: Any, engine: Any, tiny_qwen3_moe_dir: Path, tmp_path: Path) -> None:
     """After adapter syncs through vLLM's protocol the engine serves exactly what a fresh engine serves when vLLM
     loads the same base and the same adapter (saved by PEFT) itself."""
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN)
@@ -111,8 +113,10 @@ def test_adapter_sync_equals_vllms_own_loading(llm: Any, engine: Any, tiny_qwen3
             got = engine.logprobs(PROMPTS, 4)
             want = reference.logprobs(model, "adapter", PROMPTS, 4, engine=llm)
             diff = compare_logprobs(got, want, "hwsync backend vs vLLM's own loading")
-            print(f"adapter sync v{report.version} through vLLM's protocol vs vLLM's own loading: max |Δ logprob| "
-                  f"= {diff:.3g}")
+            print(
+                f"adapter sync v{report.version} through vLLM's protocol vs vLLM's own loading: max |Δ logprob| "
+                f"= {diff:.3g}"
+            )
             assert diff == 0.0 if on_cpu() else diff <= EXACT_ATOL  # CPU: bit-equal logprobs
 
 
@@ -127,8 +131,7 @@ def test_bad_manifest_refused_before_any_write(llm: Any, engine: Any, tiny_qwen3
     with pytest.raises(ResolutionError, match="bogus"):
         hwsync.sync(engine, bad, strategy="full")
     after = engine.state()
-    assert (after["version"], after["stale"], after["base_writes"]) == (before["version"], False,
-                                                                         before["base_writes"])
+    assert (after["version"], after["stale"], after["base_writes"]) == (before["version"], False, before["base_writes"])
     assert llm.get_weight_version() == str(before["version"])
     assert _adapters(llm) == adapters  # vLLM's finish (and its LoRA reset) never ran: the update raised
     now = _weights(llm)
@@ -145,8 +148,7 @@ def test_older_version_refused_before_any_write(llm: Any, engine: Any, tiny_qwen
     with pytest.raises(VersionError, match="not newer"):
         hwsync.sync(engine, model, strategy="adapter", version=before["version"])
     after = engine.state()
-    assert (after["version"], after["stale"], after["base_writes"]) == (before["version"], False,
-                                                                         before["base_writes"])
+    assert (after["version"], after["stale"], after["base_writes"]) == (before["version"], False, before["base_writes"])
 
 
 def test_interrupted_update_leaves_the_engine_stale(llm: Any, engine: Any, tiny_qwen3_moe_dir: Path) -> None:
@@ -181,7 +183,9 @@ def test_engine_without_hwsync_receiver_refuses(llm: Any) -> None:
     from hwsync.engine.vllm.weight_transfer import HwsyncInitInfo, HwsyncWeightTransferEngine
 
     config = llm.llm_engine.vllm_config
-    stray = HwsyncWeightTransferEngine(config.weight_transfer_config, config, torch.device("cpu"), torch.nn.Linear(2, 2))
+    stray = HwsyncWeightTransferEngine(
+        config.weight_transfer_config, config, torch.device("cpu"), torch.nn.Linear(2, 2)
+    )
     with pytest.raises(SyncError, match="no hwsync receiver serves this engine's model"):
         stray.init_transfer_engine(HwsyncInitInfo())
 
@@ -227,7 +231,10 @@ def test_absent_api_is_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from hwsync.trainer import transfer_backend
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "vllm.distributed.weight_transfer" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "vllm.distributed.weight_transfer" else real(name, *a),
+    )
     with pytest.raises(UnsupportedSetupError, match="has no weight-transfer API"):
         transfer_backend.check_weight_transfer_api()

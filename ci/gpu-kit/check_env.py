@@ -6,6 +6,7 @@ on the GPU, vLLM's compiled ops loaded and run on the image's torch (vLLM declar
 and every requirement of a carried distribution that the combined environment does not satisfy (a warning: the
 image's versions were not known when the kit was resolved). Exits 1 when a key import or vLLM's ops fail.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -43,8 +44,10 @@ def vllm_ops_work(torch: Any) -> bool:
     """Import vLLM's compiled op libraries as its CUDA platform does and run two ops against torch."""
     pin = os.environ.get("HWSYNC_KIT_TORCH_PIN") or "?"
     have = torch.__version__
-    print(f"  vllm ops      vLLM {os.environ.get('HWSYNC_KIT_VLLM') or '?'} declares torch=={pin}; "
-          f"running on the image's torch {have} (no-deps install)")
+    print(
+        f"  vllm ops      vLLM {os.environ.get('HWSYNC_KIT_VLLM') or '?'} declares torch=={pin}; "
+        f"running on the image's torch {have} (no-deps install)"
+    )
     try:
         for lib in ("vllm._C_stable_libtorch", "vllm._moe_C_stable_libtorch"):
             if importlib.util.find_spec(lib) is not None:
@@ -64,8 +67,10 @@ def vllm_ops_work(torch: Any) -> bool:
         ref2 = torch.nn.functional.silu(g[:, :256].float()) * g[:, 256:].float()
         err2 = (act.float() - ref2).abs().max().item()
         ok = err < 5e-2 and err2 < 5e-2
-        print(f"  vllm ops      rms_norm max |err| {err:.2e}, silu_and_mul max |err| {err2:.2e} (bf16): "
-              f"{'ok' if ok else 'WRONG'}")
+        print(
+            f"  vllm ops      rms_norm max |err| {err:.2e}, silu_and_mul max |err| {err2:.2e} (bf16): "
+            f"{'ok' if ok else 'WRONG'}"
+        )
         return ok
     except Exception as e:  # noqa: BLE001 - the verdict on this torch, printed in full
         print(f"  vllm ops      FAILED on torch {have}: {type(e).__name__}: {e} (carry torch=={pin}: README)")
@@ -84,7 +89,10 @@ def main() -> int:
             print(f"  {name:<13} IMPORT FAILED: {type(e).__name__}: {e}")
     import torch
 
-    print(f"  gpus          {torch.cuda.device_count()} x {torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'}")
+    print(
+        f"  gpus          {torch.cuda.device_count()} x "
+        f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'}"
+    )
     if "--quick" not in sys.argv and torch.cuda.is_available():
         try:
             import bitsandbytes.functional as bnbf

@@ -6,6 +6,7 @@ so no module outside ``hwsync/<backend>/`` needs to know whether it runs on CUDA
 a CPU. Backends are found through the ``hwsync.backends`` entry-point group, so a third party can
 add one (say XPU) without editing hwsync; :func:`register_backend` does the same in-process.
 """
+
 from __future__ import annotations
 
 import abc
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from hwsync.common.errors import BackendUnavailableError
 from hwsync.common.config import raw
+from hwsync.common.errors import BackendUnavailableError
 
 if TYPE_CHECKING:
     from hwsync.common.transport.base import Link, LinkSpec
@@ -243,7 +244,7 @@ _BUILTIN = {
 }
 
 _lock = threading.RLock()
-_registered: dict[str, type[Backend]] = {}   # register_backend(): wins over entry points
+_registered: dict[str, type[Backend]] = {}  # register_backend(): wins over entry points
 _discovered: dict[str, type[Backend]] | None = None
 _load_errors: dict[str, str] = {}
 _instances: dict[str, Backend] = {}
@@ -385,8 +386,8 @@ def backend_for_device(device: DeviceLike) -> Backend:
 
 
 def open_link(store: Any, spec: LinkSpec, rank: int, device: torch.device, secret: bytes = b"") -> Link:
-    """The link (:class:`hwsync.common.transport.Link`) of ``device``'s backend (gloo / NCCL / HCCL) for rank ``rank`` of
-    ``spec``."""
+    """The link (:class:`hwsync.common.transport.Link`) of ``device``'s backend (gloo / NCCL / HCCL) for rank ``rank``
+    of ``spec``."""
     return backend_for_device(device).open_link(store, spec, rank, device, secret)
 
 

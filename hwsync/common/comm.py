@@ -22,6 +22,7 @@ Semantics (identical for groups and communicators):
 * Invalid calls raise :class:`~hwsync.common.errors.BroadcastError` on *every* rank before any collective
   starts (checks depend only on arguments all ranks share), so a bad call never hangs a peer.
 """
+
 from __future__ import annotations
 
 import abc
@@ -286,11 +287,13 @@ class _GroupTransport(_Transport):
         facts = self._facts.get(world)
         if facts is None:
             if dist.get_rank(world) < 0:
-                raise BroadcastError(
-                    f"this process (global rank {dist.get_rank()}) is not a member of the group"
-                )
-            facts = (dist.get_process_group_ranks(world), dist.get_rank(), str(dist.get_backend(world)),
-                     getattr(world, "bound_device_id", None))
+                raise BroadcastError(f"this process (global rank {dist.get_rank()}) is not a member of the group")
+            facts = (
+                dist.get_process_group_ranks(world),
+                dist.get_rank(),
+                str(dist.get_backend(world)),
+                getattr(world, "bound_device_id", None),
+            )
             self._facts[world] = facts
         self.ranks, self.rank, self.dist_backend, self.bound = facts
         self.device_types = _device_types(self.dist_backend)

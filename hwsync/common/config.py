@@ -8,6 +8,7 @@ without a home (``tests/test_config.py`` also finds every ``HWSYNC_*`` spelled i
 integrations' options (``HWSYNC_STRATEGY`` .. ``HWSYNC_TOKEN``) are validated together, with their bounds, by
 :meth:`hwsync.integrations.options.SyncOptions.from_env`. The table of docs/configuration.md lists them all.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,34 +43,86 @@ def _text(value: str) -> str:
     return value.strip()
 
 
-VARIABLES: dict[str, Variable] = {v.name: v for v in (
-    Variable("HWSYNC_BACKEND", "", _text, "device backend (cpu, cuda, npu, or a registered one) instead of the "
-             "best available", "both"),
-    Variable("HWSYNC_BUCKET_MB", "", _text, "transfer bucket size in MB (unset: the device's measured default)",
-             "trainer"),
-    Variable("HWSYNC_TIMEOUT_S", "600", float, "longest a data-plane transfer may stall, and a trainer waits for an "
-             "answer, in seconds (read at import)", "both"),
-    Variable("HWSYNC_GRAPHS", "1", _unless_zero, "0: never record a sync's device work as a graph (replayed launches)",
-             "both"),
-    Variable("HWSYNC_DIRECT", "1", _unless_zero, "0: every write through vLLM's reload path (A/B checks, baselines)",
-             "engine"),
-    Variable("HWSYNC_DISABLE_PATCHES", "", _names, "comma-separated patch names (or all) never applied",
-             "engine"),
-    Variable("HWSYNC_STRATEGY", "auto", _text, "auto, full, adapter or hybrid", "integrations"),
-    Variable("HWSYNC_VERIFY_EVERY", "1", _text, "check the engine after every N-th sync (0: never)", "integrations"),
-    Variable("HWSYNC_VERIFY_ATOL", "", _text, "a strict bound on max abs Δ logprob instead of the platform's gate",
-             "integrations"),
-    Variable("HWSYNC_VERIFY_PROMPTS", "2", _text, "prompts of the first rollout batch the check uses",
-             "integrations"),
-    Variable("HWSYNC_VERIFY_GATE", "", _text, "an explicit logprob gate (mean,p90,mean_prob,max), applied alone",
-             "trainer"),
-    Variable("HWSYNC_VERIFY_LOGPROBS_EVERY", "", _text, "the check prompts' logprobs at every N-th check (the "
-             "rollouts carry the evidence in between)", "integrations"),
-    Variable("HWSYNC_METRICS", "", _text, "JSONL file for per-sync / per-step records", "integrations"),
-    Variable("HWSYNC_SERVER", "", _text, "server mode: host:port of hwsync's sync server (comma-separated for "
-             "data-parallel engines)", "integrations"),
-    Variable("HWSYNC_TOKEN", "", _text, "server mode: the shared secret (`hwsync token` makes one)", "integrations"),
-)}
+VARIABLES: dict[str, Variable] = {
+    v.name: v
+    for v in (
+        Variable(
+            "HWSYNC_BACKEND",
+            "",
+            _text,
+            "device backend (cpu, cuda, npu, or a registered one) instead of the best available",
+            "both",
+        ),
+        Variable(
+            "HWSYNC_BUCKET_MB",
+            "",
+            _text,
+            "transfer bucket size in MB (unset: the device's measured default)",
+            "trainer",
+        ),
+        Variable(
+            "HWSYNC_TIMEOUT_S",
+            "600",
+            float,
+            "longest a data-plane transfer may stall, and a trainer waits for an answer, in seconds (read at import)",
+            "both",
+        ),
+        Variable(
+            "HWSYNC_GRAPHS",
+            "1",
+            _unless_zero,
+            "0: never record a sync's device work as a graph (replayed launches)",
+            "both",
+        ),
+        Variable(
+            "HWSYNC_DIRECT",
+            "1",
+            _unless_zero,
+            "0: every write through vLLM's reload path (A/B checks, baselines)",
+            "engine",
+        ),
+        Variable("HWSYNC_DISABLE_PATCHES", "", _names, "comma-separated patch names (or all) never applied", "engine"),
+        Variable("HWSYNC_STRATEGY", "auto", _text, "auto, full, adapter or hybrid", "integrations"),
+        Variable(
+            "HWSYNC_VERIFY_EVERY", "1", _text, "check the engine after every N-th sync (0: never)", "integrations"
+        ),
+        Variable(
+            "HWSYNC_VERIFY_ATOL",
+            "",
+            _text,
+            "a strict bound on max abs Δ logprob instead of the platform's gate",
+            "integrations",
+        ),
+        Variable(
+            "HWSYNC_VERIFY_PROMPTS", "2", _text, "prompts of the first rollout batch the check uses", "integrations"
+        ),
+        Variable(
+            "HWSYNC_VERIFY_GATE",
+            "",
+            _text,
+            "an explicit logprob gate (mean,p90,mean_prob,max), applied alone",
+            "trainer",
+        ),
+        Variable(
+            "HWSYNC_VERIFY_LOGPROBS_EVERY",
+            "",
+            _text,
+            "the check prompts' logprobs at every N-th check (the rollouts carry the evidence in between)",
+            "integrations",
+        ),
+        Variable("HWSYNC_METRICS", "", _text, "JSONL file for per-sync / per-step records", "integrations"),
+        Variable(
+            "HWSYNC_SERVER",
+            "",
+            _text,
+            "server mode: host:port of hwsync's sync server (comma-separated for data-parallel engines)",
+            "integrations",
+        ),
+        Variable(
+            "HWSYNC_TOKEN", "", _text, "server mode: the shared secret (`hwsync token` makes one)", "integrations"
+        ),
+    )
+}
 
 
 def _variable(name: str) -> Variable:

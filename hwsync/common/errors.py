@@ -4,6 +4,7 @@ Every error says what is wrong *and* how to fix it; nothing is half-applied when
 one registry of hwsync's errors: an error raised in the engine process reaches the trainer as the same class
 (:func:`encode_error` / :func:`decode_error`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -121,5 +122,7 @@ def decode_error(data: Mapping[str, Any]) -> HwsyncError:
     if isinstance(cls, type) and issubclass(cls, HwsyncError):
         return cls(message)
     return SyncError(f"{data.get('type', 'Error')}: {message}")
+
+
 class UnsupportedVersionError(HwsyncError):
     """An installed library (vLLM) is outside the version range hwsync supports."""

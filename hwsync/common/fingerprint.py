@@ -21,6 +21,7 @@ what its kernels read with the trainer's own tensors element by element (:func:`
 read of each side, one host round trip for the whole check), and only a tensor that differs is measured against the
 same allowance (:func:`deviation`). Fingerprints remain the path across processes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,8 +43,13 @@ _P = 2147483647  # 2^31 - 1: every product below stays under 2^62 (exact int64 o
 _A, _B = 1103515245, 48271
 
 
-def probe(name: str, shape: Sequence[int], seed: int = 0, device: torch.device | str = "cpu",
-          dtype: torch.dtype = torch.float32) -> Tensor:
+def probe(
+    name: str,
+    shape: Sequence[int],
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """The probe ``R_name`` of ``shape``: integers in [-127, 127] from an integer hash of the element index, salted
     with ``(seed, name)``. Pure int64 arithmetic, so it is generated on the tensor's own device (no copy of a
     model-sized random tensor from the CPU) and is bit-identical on every device; the values are exact in every
@@ -70,7 +76,7 @@ def dot(a: Tensor, b: Tensor) -> tuple[float, float, float]:
     fa, fb = a.reshape(-1), b.reshape(-1).to(a.device)
     total = magnitude = peak = 0.0
     for s in range(0, fa.numel(), _CHUNK):
-        p = fa[s: s + _CHUNK].to(torch.float64) * fb[s: s + _CHUNK].to(torch.float64)
+        p = fa[s : s + _CHUNK].to(torch.float64) * fb[s : s + _CHUNK].to(torch.float64)
         total += float(p.sum())
         q = p.abs()
         magnitude += float(q.sum())
@@ -99,7 +105,7 @@ def _chunks(a: Tensor, b: Tensor) -> list[tuple[Tensor, Tensor]]:
     if a.numel() <= _CMP_CHUNK or a.dim() == 0:
         return [(a, b)]
     rows = max(1, _CMP_CHUNK // max(1, a[0].numel()))
-    return [(a[i: i + rows], b[i: i + rows]) for i in range(0, a.shape[0], rows)]
+    return [(a[i : i + rows], b[i : i + rows]) for i in range(0, a.shape[0], rows)]
 
 
 def differing(pairs: Sequence[tuple[Tensor, Tensor]]) -> Tensor:

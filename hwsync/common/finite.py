@@ -17,6 +17,7 @@ synchronization. The receiver reads all flags once, after the last bucket and be
 the sync counts as complete; a non-finite sync leaves the engine stale (it refuses to generate) and names the first
 offending tensors. An adapter-only sync is thereby refused before anything is written.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -8,8 +8,8 @@ bucket of *gathered* bytes (:func:`plan_groups`): all ranks gather a group toget
 the next one is gathered. A LoRA-only (adapter) sync gathers only the LoRA factors. The whole model is never
 gathered on one rank.
 
-Reading code (:mod:`hwsync.trainer.merged`, :func:`hwsync.common.lora_formats.extract_peft_lora`) calls :func:`full` on every
-parameter it reads: outside a sharded model that is the parameter itself; for a sharded parameter it is the
+Reading code (:mod:`hwsync.trainer.merged`, :func:`hwsync.common.lora_formats.extract_peft_lora`) calls :func:`full` on
+every parameter it reads: outside a sharded model that is the parameter itself; for a sharded parameter it is the
 gathered tensor of the current group, a ``meta`` placeholder of the global shape while only structure is read
 (:func:`placeholders`: planning, extraction), and otherwise an error -- a read that was not gathered must never
 silently compute on a shard.
@@ -21,6 +21,7 @@ stream it to their engine, the others only take part in the gathers), and the ou
 raises if any failed. A rank whose engine refused mid-stream keeps gathering to the end of the schedule, so no
 rank is left waiting in a collective.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,41 +36,56 @@ from torch import Tensor, nn
 
 from hwsync.common.errors import SyncError, UnsupportedSetupError
 
-__all__ = ["Sharding", "sharding", "is_sharded", "full", "read", "global_shape", "placeholders", "gathered", "plan_groups",
-           "GatherStats", "stats", "run_groups", "collective", "rank0_value", "SUPPORTED_PARALLELISM"]
+__all__ = [
+    "Sharding",
+    "sharding",
+    "is_sharded",
+    "full",
+    "read",
+    "global_shape",
+    "placeholders",
+    "gathered",
+    "plan_groups",
+    "GatherStats",
+    "stats",
+    "run_groups",
+    "collective",
+    "rank0_value",
+    "SUPPORTED_PARALLELISM",
+]
 
 SUPPORTED_PARALLELISM = {
     "trainer": {
         "single / DDP / ZeRO-1/2": "full parameters on every rank; each rank with an engine streams them",
         "FSDP2 (fully_shard, DTensor)": "gathered per bucket with DTensor.full_tensor(); all ranks call hwsync.sync "
-                                        "(ranks without an engine pass None); run on 2 gloo ranks (CI) and 2 GPUs",
+        "(ranks without an engine pass None); run on 2 gloo ranks (CI) and 2 GPUs",
         "DeepSpeed ZeRO-3": "gathered per bucket with deepspeed.zero.GatheredParameters; run on 2 gloo ranks (CI, "
-                            "DeepSpeed's CPU accelerator) and on 2 GPUs into a TP=2 engine",
+        "DeepSpeed's CPU accelerator) and on 2 GPUs into a TP=2 engine",
         "FSDP1 (FullyShardedDataParallel)": "refused: flat parameters; use FSDP2 (fully_shard) or ZeRO-3",
         "DTensor tensor parallel / HSDP (Shard, Replicate placements)": "gathered like FSDP2 (full_tensor covers any "
-                                                                        "Shard/Replicate placement); not tested",
+        "Shard/Replicate placement); not tested",
         "Megatron-style TP/EP (plain tensors holding shards)": "not readable: the shard shapes do not match the "
-                                                               "engine's checkpoint shapes and the manifest check "
-                                                               "refuses them before anything is written",
+        "engine's checkpoint shapes and the manifest check "
+        "refuses them before anything is written",
         "hwsync.verify from a sharded trainer": "every rank calls it with the same prompts (its trainer forward and "
-                                                "content gathers are collective); colocate: each rank passes its "
-                                                "engine; server mode: rank 0 passes it, the others None (rank 0 "
-                                                "alone queries it, the answers are shared); ms-swift wires both "
-                                                "(run: FSDP2 / ZeRO-3 on 2 gloo ranks against a served engine)",
+        "content gathers are collective); colocate: each rank passes its "
+        "engine; server mode: rank 0 passes it, the others None (rank 0 "
+        "alone queries it, the answers are shared); ms-swift wires both "
+        "(run: FSDP2 / ZeRO-3 on 2 gloo ranks against a served engine)",
     },
     "engine": {
         "colocate, TP=1": "one in-process worker per trainer rank (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
         "colocate, TP>1 (external_launcher)": "each trainer rank feeds its own in-process worker the full tensors; "
-                                              "vLLM's loaders / hwsync.common.layouts slice its TP shard (run: TP=2 on CPU "
-                                              "and on 2 GPUs); verify: logprob gate only (workers hold shards)",
+        "vLLM's loaders / hwsync.common.layouts slice its TP shard (run: TP=2 on CPU "
+        "and on 2 GPUs); verify: logprob gate only (workers hold shards)",
         "server, TP>=1": "hwsync.serve in the engine process, every worker joins the data plane (run: TP=2 on CPU "
-                         "and on 2 GPUs); verify: content checks on single-worker engines, the gate on TP ones; "
-                         "swift rollout --vllm_tensor_parallel_size > 1: not run (vLLM's CPU build: ms-swift's "
-                         "device count refuses it)",
+        "and on 2 GPUs); verify: content checks on single-worker engines, the gate on TP ones; "
+        "swift rollout --vllm_tensor_parallel_size > 1: not run (vLLM's CPU build: ms-swift's "
+        "device count refuses it)",
         "server, several engines (data parallel)": "hwsync.connect([a, b, ...]): one broadcast feeds every engine, "
-                                                   "committed only once each validated (run: 2 CPU engines); swift "
-                                                   "rollout --vllm_data_parallel_size N: HWSYNC_SERVER lists N "
-                                                   "addresses (run: N=2 on CPU); not with --vllm_use_async_engine",
+        "committed only once each validated (run: 2 CPU engines); swift "
+        "rollout --vllm_data_parallel_size N: HWSYNC_SERVER lists N "
+        "addresses (run: N=2 on CPU); not with --vllm_use_async_engine",
     },
 }
 
@@ -131,7 +147,8 @@ def sharding(model: nn.Module) -> str:
         raise UnsupportedSetupError(
             "the model is wrapped in FSDP1 (FullyShardedDataParallel, flat parameters): hwsync gathers FSDP2 "
             "(torch.distributed.fsdp.fully_shard) and DeepSpeed ZeRO-3 parameters. Use fully_shard "
-            "(accelerate: fsdp_version 2; ms-swift: --fsdp with fsdp_version 2) or ZeRO-3")
+            "(accelerate: fsdp_version 2; ms-swift: --fsdp with fsdp_version 2) or ZeRO-3"
+        )
     kinds = {param_kind(p) for p in model.parameters()}
     if Sharding.FSDP2 in kinds:
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -140,7 +157,8 @@ def sharding(model: nn.Module) -> str:
             if isinstance(p, DTensor) and not all(isinstance(pl, (Shard, Replicate)) for pl in p.placements):
                 raise UnsupportedSetupError(
                     f"{name} is a DTensor with placements {p.placements}: hwsync gathers Shard/Replicate "
-                    "placements (FSDP2 / HSDP) only")
+                    "placements (FSDP2 / HSDP) only"
+                )
     if len(kinds - {Sharding.PLAIN}) > 1:
         raise UnsupportedSetupError("the model mixes FSDP2 DTensors and ZeRO-3 parameters: pick one sharding")
     if Sharding.ZERO3 in kinds:
@@ -193,8 +211,9 @@ def full(t: Tensor) -> Tensor:
         return got
     if _state.placeholders:
         return torch.empty(global_shape(t), dtype=t.dtype, device="meta")
-    raise SyncError(f"internal: a sharded ({kind}) parameter of shape {global_shape(t)} was read without being "
-                    "gathered")
+    raise SyncError(
+        f"internal: a sharded ({kind}) parameter of shape {global_shape(t)} was read without being gathered"
+    )
 
 
 def read(t: Tensor) -> Tensor:
@@ -286,8 +305,9 @@ def gathered(params: Sequence[Tensor]) -> Iterator[dict[int, Tensor]]:
             _state.gathered.update(before)
 
 
-def plan_groups(items: Sequence[tuple[Any, Sequence[str]]], sizes: dict[str, int], limit: int
-                ) -> list[list[tuple[Any, list[str]]]]:
+def plan_groups(
+    items: Sequence[tuple[Any, Sequence[str]]], sizes: dict[str, int], limit: int
+) -> list[list[tuple[Any, list[str]]]]:
     """Split ``items`` (in order: a key and the parameter names it reads) into groups whose gathered parameters
     (each counted once, first group that needs it) stay within ``limit`` bytes; an item larger than ``limit``
     forms a group of its own. A parameter read by items of two groups is gathered again (never kept across)."""

@@ -23,6 +23,7 @@ keeps its identity, its ``weight_loader`` and every other attribute) with one ``
 the experts form a contiguous block, or one gather plus one ``index_copy_`` otherwise; per-expert tensors are
 written with a single ``torch._foreach_copy_``. No Python loop over experts runs on the hot path.
 """
+
 from __future__ import annotations
 
 import enum
@@ -114,8 +115,7 @@ class ExpertSharding:
         local = sorted(x for x in emap if x != -1)
         if local != list(range(len(local))) or any(x < -1 for x in emap):
             raise LayoutError(
-                "expert_map must map each local slot 0..n-1 exactly once and use -1 for remote experts; "
-                f"got {emap}"
+                f"expert_map must map each local slot 0..n-1 exactly once and use -1 for remote experts; got {emap}"
             )
 
     # -- construction helpers -------------------------------------------------------------------------------------
@@ -130,7 +130,8 @@ class ExpertSharding:
         tp_size: int = 1,
         tp_rank: int = 0,
     ) -> ExpertSharding:
-        """Build the ``expert_map`` vLLM's ``determine_expert_map`` computes for ``placement`` ("linear"/"round_robin")."""
+        """Build the ``expert_map`` vLLM's ``determine_expert_map`` computes for ``placement``
+        ("linear"/"round_robin")."""
         if ep_size <= 0 or not 0 <= ep_rank < ep_size:
             raise LayoutError(f"ep_rank must be in [0, ep_size): got ep_rank={ep_rank}, ep_size={ep_size}")
         base, rem = divmod(num_experts, ep_size)
@@ -271,11 +272,11 @@ def fused_from_hf_expert_weights(
         if len(parts) == 3 and parts[0].isdigit() and parts[2] == "weight" and parts[1] in _HF_PROJ.values():
             found.setdefault(int(parts[0]), {})[parts[1]] = t
     n = num_experts if num_experts is not None else (max(found) + 1 if found else 0)
-    missing = [
-        f"{p}{e}.{proj}.weight" for e in range(n) for proj in _HF_PROJ.values() if proj not in found.get(e, {})
-    ]
+    missing = [f"{p}{e}.{proj}.weight" for e in range(n) for proj in _HF_PROJ.values() if proj not in found.get(e, {})]
     if n == 0 or missing:
-        raise LayoutError(f"per-expert weights incomplete under {p!r}: missing {missing[:6]}{'...' if len(missing) > 6 else ''}")
+        raise LayoutError(
+            f"per-expert weights incomplete under {p!r}: missing {missing[:6]}{'...' if len(missing) > 6 else ''}"
+        )
     return fuse_experts(
         [found[e]["gate_proj"] for e in range(n)],
         [found[e]["up_proj"] for e in range(n)],
@@ -293,14 +294,18 @@ def _fused_dims(gate_up: Tensor) -> tuple[int, int, int]:
     return e, i2 // 2, h
 
 
-def w13_shape(sharding: ExpertSharding, intermediate: int, hidden: int, layout: ExpertLayout | str) -> tuple[int, int, int]:
+def w13_shape(
+    sharding: ExpertSharding, intermediate: int, hidden: int, layout: ExpertLayout | str
+) -> tuple[int, int, int]:
     """Receiver w13 shape for the full (un-split) ``intermediate`` size."""
     _, per = sharding.tp_slice(intermediate)
     n = sharding.num_local_experts
     return (n, 2 * per, hidden) if _layout(layout) is ExpertLayout.PREPROCESSED else (n, hidden, 2 * per)
 
 
-def w2_shape(sharding: ExpertSharding, intermediate: int, hidden: int, layout: ExpertLayout | str) -> tuple[int, int, int]:
+def w2_shape(
+    sharding: ExpertSharding, intermediate: int, hidden: int, layout: ExpertLayout | str
+) -> tuple[int, int, int]:
     """Receiver w2 shape for the full (un-split) ``intermediate`` size."""
     _, per = sharding.tp_slice(intermediate)
     n = sharding.num_local_experts
@@ -409,7 +414,9 @@ def _experts_key(experts: Sequence[int] | Tensor | None) -> tuple[int, ...] | No
     return tuple(int(x) for x in experts)
 
 
-def _check_shape(what: str, got: torch.Size, expected: tuple[int, ...], layout: ExpertLayout, sharding: ExpertSharding) -> None:
+def _check_shape(
+    what: str, got: torch.Size, expected: tuple[int, ...], layout: ExpertLayout, sharding: ExpertSharding
+) -> None:
     if tuple(got) != tuple(expected):
         raise LayoutError(
             f"{what}: receiver tensor has shape {tuple(got)} but layout={layout.value}, tp={sharding.tp_size}, "

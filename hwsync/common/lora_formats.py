@@ -4,8 +4,9 @@ One in-memory form, :class:`LoraAdapter`, sits between the formats. Each :class:
 trainer parameter (named like :func:`hwsync.engine.names.strip_peft_name` names it) with the scaling PEFT applies::
 
     linear            A [r, in]      B [out, r]      ΔW = scaling · B @ A               (param ``<module>.weight``)
-    experts_gate_up   A [E, r, H]    B [E, 2I, r]    ΔW[e] = scaling · B[e] @ A[e]      (param ``<experts>.gate_up_proj``)
-    experts_down      A [E, r, I]    B [E, H, r]     ΔW[e] = scaling · B[e] @ A[e]      (param ``<experts>.down_proj``)
+    experts_gate_up   A [E, r, H]    B [E, 2I, r]    ΔW[e] = scaling · B[e] @ A[e]      (param
+    ``<experts>.gate_up_proj``) experts_down      A [E, r, I]    B [E, H, r]     ΔW[e] = scaling · B[e] @ A[e]
+    (param ``<experts>.down_proj``)
 
 PEFT's ``ParamWrapper`` (``target_parameters``) keeps experts as ``lora_A`` [r·E, in] (expert-major rows) and
 ``lora_B`` [out, r·E] (rank-major columns: column k·E + e), i.e. ``einsum("o r e, e r i -> e o i")``; the stacked
@@ -31,6 +32,7 @@ loading of the trainer's saved adapter holds. (Folding in fp32 and rounding once
 that is not a power of two -- rsLoRA, ``alpha_pattern`` -- and a 16-bit LoRA dtype about a quarter of B's elements
 differ in the last bit, which moved served logprobs by up to 0.5 on bf16 GPU engines; issue 29.)
 """
+
 from __future__ import annotations
 
 import enum
@@ -88,8 +90,10 @@ class LoraKind(str, enum.Enum):
     Nemotron-H): it can be merged into the base weights (``hybrid``, ``full``), never served as LoRA."""
 
 
-NON_GATED_EXPERTS = ("vLLM's MoE LoRA only knows gate_up_proj/down_proj (gated experts): LoRA on non-gated experts "
-                     "(up_proj) has no vLLM layout")
+NON_GATED_EXPERTS = (
+    "vLLM's MoE LoRA only knows gate_up_proj/down_proj (gated experts): LoRA on non-gated experts "
+    "(up_proj) has no vLLM layout"
+)
 """Why LoRA on a stacked expert parameter other than gate_up/down (:attr:`LoraKind.EXPERTS_OTHER`) is not served as
 LoRA: the one wording of the refusal (``adapter``) and of the reason ``hybrid`` merges such experts."""
 
@@ -152,8 +156,9 @@ class LoraModule:
         ``fold``: what :mod:`hwsync.verify` computes its expectation with)."""
         dt = dtype or self.lora_B.dtype
         b = (fold or fold_scaling)(self.lora_B, self.scaling, dt)
-        return LoraModule(self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed,
-                          self.interleaved)
+        return LoraModule(
+            self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed, self.interleaved
+        )
 
 
 FoldFn = Callable[[Tensor, float, torch.dtype], Tensor]
@@ -254,8 +259,11 @@ def trained_biases(model: nn.Module, cfg: Any) -> list[str]:
     if mode == "all":
         names = [n for n, _ in model.named_parameters() if "bias" in n and ".lora_" not in n]
     else:
-        names = [f"{path}.bias" for path, layer in model.named_modules()
-                 if isinstance(layer, LoraLayer) and isinstance(getattr(layer.get_base_layer(), "bias", None), Tensor)]
+        names = [
+            f"{path}.bias"
+            for path, layer in model.named_modules()
+            if isinstance(layer, LoraLayer) and isinstance(getattr(layer.get_base_layer(), "bias", None), Tensor)
+        ]
     return list(dict.fromkeys(strip_peft_name(n) for n in names))
 
 
@@ -272,12 +280,16 @@ def peft_type(cfg: Any) -> str:
 def not_lora_reason(adapter: str, ptype: str) -> str:
     """The one refusal of a PEFT adapter that is not LoRA, naming what the user can do instead."""
     if ptype in PROMPT_LEARNING:
-        return (f"adapter {adapter!r} is peft_type={ptype}: it prepends learned virtual tokens to every input, which "
-                "no weight sync can express and vLLM's LoRA does not serve, so hwsync cannot sync it with any "
-                "strategy (train LoRA instead)")
-    return (f"adapter {adapter!r} is peft_type={ptype}, not LoRA: vLLM serves only LoRA adapters and hwsync's merged "
-            f"view adds LoRA deltas only. Merge it on a copy with PEFT (copy.merge_and_unload()) and sync that model "
-            f'with strategy="full", or train LoRA')
+        return (
+            f"adapter {adapter!r} is peft_type={ptype}: it prepends learned virtual tokens to every input, which "
+            "no weight sync can express and vLLM's LoRA does not serve, so hwsync cannot sync it with any "
+            "strategy (train LoRA instead)"
+        )
+    return (
+        f"adapter {adapter!r} is peft_type={ptype}, not LoRA: vLLM serves only LoRA adapters and hwsync's merged "
+        f"view adds LoRA deltas only. Merge it on a copy with PEFT (copy.merge_and_unload()) and sync that model "
+        f'with strategy="full", or train LoRA'
+    )
 
 
 def _check_config(cfg: Any, adapter: str, model: nn.Module | None = None) -> None:
@@ -301,8 +313,10 @@ def _check_config(cfg: Any, adapter: str, model: nn.Module | None = None) -> Non
     if _cfg_get(cfg, "fan_in_fan_out", False):
         problems.append("fan_in_fan_out=True")
     if _cfg_get(cfg, "modules_to_save", None):
-        problems.append(f"modules_to_save={list(_cfg_get(cfg, 'modules_to_save'))} trains full copies of those "
-                        "modules (vLLM serves LoRA factors only)")
+        problems.append(
+            f"modules_to_save={list(_cfg_get(cfg, 'modules_to_save'))} trains full copies of those "
+            "modules (vLLM serves LoRA factors only)"
+        )
     if _cfg_get(cfg, "trainable_token_indices", None):
         problems.append("trainable_token_indices trains token embeddings")
     if _cfg_get(cfg, "layer_replication", None):
@@ -311,8 +325,9 @@ def _check_config(cfg: Any, adapter: str, model: nn.Module | None = None) -> Non
     if init is not None and model is None:
         problems.append(f"init_lora_weights={init!r} rewrote the base weights (a saved adapter carries no base)")
     if problems:
-        raise AdapterFormatError(f"adapter {adapter!r} cannot be served as a vLLM LoRA: {'; '.join(problems)}; "
-                                 f"{_FULL_HINT}")
+        raise AdapterFormatError(
+            f"adapter {adapter!r} cannot be served as a vLLM LoRA: {'; '.join(problems)}; {_FULL_HINT}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -381,16 +396,16 @@ def _peft_layers(model: nn.Module, adapter_name: str) -> list[tuple[str, Any]]:
         if layer.lora_bias.get(adapter_name, False) or getattr(layer, "fan_in_fan_out", False):
             raise AdapterFormatError(f"{path}: lora_bias / fan_in_fan_out adapters are not plain LoRA; {_FULL_HINT}")
         if not isinstance(layer.lora_A[adapter_name], nn.Linear):
-            raise AdapterFormatError(f"{path}: {type(layer.lora_A[adapter_name]).__name__} LoRA (e.g. conv) is not "
-                                     f"supported; {_FULL_HINT}")
+            raise AdapterFormatError(
+                f"{path}: {type(layer.lora_A[adapter_name]).__name__} LoRA (e.g. conv) is not supported; {_FULL_HINT}"
+            )
         layers.append((path, layer))
     if not layers:
         raise AdapterFormatError(f"model has no LoRA layers for adapter {adapter_name!r}")
     return layers
 
 
-def _layer_module(path: str, layer: Any, adapter_name: str,
-                  sources: tuple[str, str] = ("", "")) -> LoraModule:
+def _layer_module(path: str, layer: Any, adapter_name: str, sources: tuple[str, str] = ("", "")) -> LoraModule:
     """The :class:`LoraModule` of one PEFT LoRA layer, its tensors read now (views of the weights)."""
     from peft.tuners.lora.layer import ParamWrapper
 
@@ -416,8 +431,15 @@ def _layer_module(path: str, layer: Any, adapter_name: str,
                 # the outputs. In linear terms ΔW = (B A)ᵀ = Aᵀ Bᵀ: A' = Bᵀ, B' = Aᵀ.
                 sa, sb = sb.transpose(-1, -2).contiguous(), sa.transpose(-1, -2).contiguous()
                 transposed = stored
-            return LoraModule(name, _experts_kind(name, pname), sa, sb, transposed=transposed,
-                              interleaved=getattr(experts, "is_concatenated", True) is False, **common)
+            return LoraModule(
+                name,
+                _experts_kind(name, pname),
+                sa,
+                sb,
+                transposed=transposed,
+                interleaved=getattr(experts, "is_concatenated", True) is False,
+                **common,
+            )
         return LoraModule(name, LoraKind.LINEAR, a, b, **common)
     return LoraModule(f"{owner}.weight", LoraKind.LINEAR, a, b, **common)
 
@@ -493,8 +515,11 @@ class PeftLoraReader:
         mods = [_layer_module(path, layer, self.adapter_name) for _, path, layer in self._layers]
         from hwsync.common.gather import Sharding, param_kind
 
-        if all(param_kind(layer.lora_A[self.adapter_name].weight) == Sharding.PLAIN
-               and param_kind(layer.lora_B[self.adapter_name].weight) == Sharding.PLAIN for _, _, layer in self._layers):
+        if all(
+            param_kind(layer.lora_A[self.adapter_name].weight) == Sharding.PLAIN
+            and param_kind(layer.lora_B[self.adapter_name].weight) == Sharding.PLAIN
+            for _, _, layer in self._layers
+        ):
             self._views = mods
         return mods
 
@@ -578,7 +603,13 @@ def _split_lora_keys(state_dict: Mapping[str, Tensor], what: str) -> dict[str, d
         k = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
         m = _LORA_KEY.match(k)
         if m is None:
-            hint = "DoRA magnitude" if "lora_magnitude_vector" in k else "embedding LoRA" if "lora_embedding" in k else "non-LoRA"
+            hint = (
+                "DoRA magnitude"
+                if "lora_magnitude_vector" in k
+                else "embedding LoRA"
+                if "lora_embedding" in k
+                else "non-LoRA"
+            )
             raise AdapterFormatError(f"{what} key {key!r} is a {hint} tensor; {_FULL_HINT}")
         pairs.setdefault(m["m"], {})[m["ab"]] = t
     for mod, ab in pairs.items():
@@ -604,6 +635,7 @@ def _assign_gate_up_down(levels: dict[int, dict[str, Tensor]], owner: str) -> di
 
     def fits(gu: dict[str, Tensor], dn: dict[str, Tensor]) -> bool:
         return gu["lora_A"].shape[1] == dn["lora_B"].shape[0] and gu["lora_B"].shape[0] == 2 * dn["lora_A"].shape[1]
+
     a, b = fits(y, x), fits(x, y)
     if a == b:
         raise AdapterFormatError(f"{owner}: cannot tell gate_up_proj from down_proj LoRA by shape")
@@ -657,7 +689,9 @@ def from_peft_state_dict(
             continue
         r, alpha = rank_alpha(owner)
         name = f"{owner}.weight"
-        modules[name] = LoraModule(name, LoraKind.LINEAR, ab["lora_A"], ab["lora_B"], alpha, _scaling(r, alpha, rslora), rslora)
+        modules[name] = LoraModule(
+            name, LoraKind.LINEAR, ab["lora_A"], ab["lora_B"], alpha, _scaling(r, alpha, rslora), rslora
+        )
 
     for owner, levels in wrapped.items():
         leafs = sorted(wrapped_leafs(owner))
@@ -676,7 +710,9 @@ def from_peft_state_dict(
             if ab["lora_A"].shape[0] % r:
                 raise AdapterFormatError(f"{name}: lora_A rows {ab['lora_A'].shape[0]} are not a multiple of r={r}")
             sa, sb = _stack_param_wrapper(ab["lora_A"], ab["lora_B"], ab["lora_A"].shape[0] // r)
-            modules[name] = LoraModule(name, _experts_kind(name, pname), sa, sb, alpha, _scaling(r, alpha, rslora), rslora)
+            modules[name] = LoraModule(
+                name, _experts_kind(name, pname), sa, sb, alpha, _scaling(r, alpha, rslora), rslora
+            )
     return LoraAdapter(modules, r=r0, lora_alpha=alpha0, use_rslora=rslora, name=adapter_name)
 
 
@@ -809,8 +845,10 @@ def to_vllm_lora(
 
     for name, mod in mods.items():
         if mod.kind is LoraKind.EXPERTS_OTHER:
-            raise AdapterFormatError(f"{experts_unservable_reason(name, name.rsplit('.', 1)[-1])}. {_FULL_HINT} "
-                                     '(or strategy="hybrid": those experts travel merged)')
+            raise AdapterFormatError(
+                f"{experts_unservable_reason(name, name.rsplit('.', 1)[-1])}. {_FULL_HINT} "
+                '(or strategy="hybrid": those experts travel merged)'
+            )
         f = mod.folded(dtype)
         if f.kind is LoraKind.LINEAR:
             if not name.endswith(".weight"):
@@ -932,8 +970,9 @@ def wire_name(module: str, factor: str) -> str:
     return f"{module}#{factor}"
 
 
-def to_wire(adapter: LoraAdapter, dtype: torch.dtype | None = None,
-            values: bool = True) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def to_wire(
+    adapter: LoraAdapter, dtype: torch.dtype | None = None, values: bool = True
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The adapter as one A and one B tensor per trainer module (experts stay stacked: a few tensors per layer,
     not thousands), scaling folded into B; plus the metadata :func:`from_wire` needs. The receiver converts to the
     format its engine serves (:func:`to_vllm_lora`), so the trainer does not depend on the engine's MoE format.

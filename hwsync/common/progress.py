@@ -1,5 +1,6 @@
 """Progress of long sync phases: a phase that runs past a couple of seconds says so in the log, instead of going
 silent (a first adapter install, a re-plan, 60 GB of base weights through vLLM's reload)."""
+
 from __future__ import annotations
 
 import collections
@@ -48,5 +49,4 @@ def counted(what: str, items: Iterator[tuple[str, Tensor]], total: int | None = 
             of = f" of {total}" if total is not None else ""
             logger.info("hwsync: %s: %d%s tensors, %.2f GB, %.1f s", what, n, of, nbytes / 1e9, now - t0)
     if time.perf_counter() - t0 > SLOW_S:
-        logger.info("hwsync: %s: done, %d tensors, %.2f GB in %.1f s", what, n, nbytes / 1e9,
-                    time.perf_counter() - t0)
+        logger.info("hwsync: %s: done, %d tensors, %.2f GB in %.1f s", what, n, nbytes / 1e9, time.perf_counter() - t0)

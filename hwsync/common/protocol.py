@@ -19,6 +19,7 @@ not encrypted: run it on the network your collectives use anyway.)
 * Secrets for one sync (the data-plane group id and the bucket-sealing key) travel encrypted under the session key,
   so reading the traffic does not tell where to join.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,13 +35,28 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from hwsync.common.config import read
 from hwsync.common.errors import EngineBusyError, SyncError
 from hwsync.common.tokens import MIN_TOKEN_CHARS, check_token, new_token
-from hwsync.common.config import read
 
-__all__ = ["Channel", "DEFAULT_TIMEOUT_S", "FRAME_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S",
-           "IDLE_TIMEOUT_S", "IdleTimeout", "MAX_FRAME", "MIN_TOKEN_CHARS", "check_token", "client_handshake",
-           "group_prefix", "new_token", "refuse_busy", "server_handshake", "split_address", "stretch"]
+__all__ = [
+    "Channel",
+    "DEFAULT_TIMEOUT_S",
+    "FRAME_TIMEOUT_S",
+    "HANDSHAKE_TIMEOUT_S",
+    "IDLE_TIMEOUT_S",
+    "IdleTimeout",
+    "MAX_FRAME",
+    "MIN_TOKEN_CHARS",
+    "check_token",
+    "client_handshake",
+    "group_prefix",
+    "new_token",
+    "refuse_busy",
+    "server_handshake",
+    "split_address",
+    "stretch",
+]
 
 DEFAULT_TIMEOUT_S = float(read("HWSYNC_TIMEOUT_S"))
 """Longest a data-plane transfer may stall, and a trainer waits for any answer, before giving up (the server caps what
@@ -140,8 +156,10 @@ class _FrameBudget:
     def reserve(self, n: int) -> Iterator[None]:
         with self._lock:
             if self.used + n > self.limit:
-                raise SyncError(f"refused a control frame of {n} bytes: {self.used} bytes of other frames are being "
-                                f"read and at most {self.limit} may be at once")
+                raise SyncError(
+                    f"refused a control frame of {n} bytes: {self.used} bytes of other frames are being "
+                    f"read and at most {self.limit} may be at once"
+                )
             self.used += n
         try:
             yield
@@ -241,14 +259,11 @@ class Channel:
         return bytes(a ^ b for a, b in zip(raw, pad))
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
-def server_handshake(sock: socket.socket, key: bytes, salt: bytes,
-                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
+def server_handshake(sock: socket.socket, key: bytes, salt: bytes, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
     """Authenticate a new connection within ``timeout_s`` (one deadline for the whole exchange); raise (and the
     caller drops it) on anything but a client that proves ``key`` (:func:`stretch` of the token and ``salt``)."""
     deadline = time.monotonic() + timeout_s
@@ -275,31 +290,37 @@ def refuse_busy(sock: socket.socket) -> None:
     sock.close()
 
 
-def client_handshake(sock: socket.socket, token: str, address: str,
-                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
+def client_handshake(sock: socket.socket, token: str, address: str, timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
     """Authenticate to the server on ``sock``: it proves the token first, then this side; its first frame says
     ``welcome`` (or ``busy``: :class:`EngineBusyError`)."""
     deadline = time.monotonic() + timeout_s
     try:
         tag = _recv_exact(sock, 4, deadline)
         if tag == _BUSY:
-            raise EngineBusyError(f"the engine at {address} is busy authenticating other connections (every "
-                                  "handshake slot is taken: a connection flood?); retry shortly")
+            raise EngineBusyError(
+                f"the engine at {address} is busy authenticating other connections (every "
+                "handshake slot is taken: a connection flood?); retry shortly"
+            )
         if tag != _HELLO:
-            raise SyncError(f"{address} is not an hwsync sync server of this version (both sides must run the same "
-                            "hwsync)")
+            raise SyncError(
+                f"{address} is not an hwsync sync server of this version (both sides must run the same hwsync)"
+            )
         hello = _recv_exact(sock, _SALT_BYTES + _NONCE_BYTES, deadline)
         salt, server_nonce = hello[:_SALT_BYTES], hello[_SALT_BYTES:]
         client_nonce = secrets.token_bytes(_NONCE_BYTES)
         _send_by(sock, _CLIENT + client_nonce, deadline)
         proof = _recv_exact(sock, _MAC_BYTES, deadline)
     except (ConnectionError, TimeoutError, OSError) as e:
-        raise SyncError(f"the engine at {address} closed the connection during authentication ({e}): is it an "
-                        "hwsync engine of this version?") from None
+        raise SyncError(
+            f"the engine at {address} closed the connection during authentication ({e}): is it an "
+            "hwsync engine of this version?"
+        ) from None
     key = stretch(token, salt)
     if not hmac.compare_digest(proof, _mac(key, "server-auth", server_nonce, client_nonce)):
-        raise SyncError(f"the engine at {address} does not know this token (its serve() was started with another "
-                        "one, or another service answers there): pass the token the engine was served with")
+        raise SyncError(
+            f"the engine at {address} does not know this token (its serve() was started with another "
+            "one, or another service answers there): pass the token the engine was served with"
+        )
     channel = Channel(sock, _mac(key, "session", server_nonce, client_nonce), "client")
     try:
         _send_by(sock, _mac(key, "client-auth", server_nonce, client_nonce), deadline)

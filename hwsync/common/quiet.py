@@ -13,6 +13,7 @@ thing ``hwsync doctor`` and the main job showed. :func:`quiet_imports` drops exa
 
 Each entry says why its line does not apply. Nothing here changes what any library does; it changes what it prints.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,32 +50,53 @@ class WarningNoise:
 
 
 LOG_NOISE: tuple[LogNoise, ...] = (
-    LogNoise("bitsandbytes.backends.cpu.ops", logging.ERROR,
-             "bitsandbytes' optional CPU gemm_4bit kernel from the `kernels` package; without it bitsandbytes uses "
-             "its own CPU kernel. hwsync reaches bitsandbytes only through `import peft` (4-bit bases are the "
-             "trainer's choice, made in the trainer's own import)"),
-    LogNoise("torch._library.triton", logging.ERROR,
-             "vLLM registers its Triton ops at import; on a machine without Triton (vLLM's CPU build) torch says it "
-             "cannot look inside them. The CPU build never runs them", unless_env="TORCH_LOGS"),
-    LogNoise("vllm.model_executor.layers.indexer_topk", logging.ERROR,
-             "DeepSelect is the CUDA top-k of DeepSeek-V3.2's sparse-attention indexer, absent from vLLM's CPU wheel; "
-             "a probe imports vLLM's layers, no DeepSeek-V3.2 model", unless_env="VLLM_LOGGING_LEVEL"),
-    LogNoise("swift", logging.WARNING,
-             "ms-swift logs at INFO on import (its built-in dataset registry); its warnings still show",
-             unless_env="LOG_LEVEL"),
-    LogNoise("DeepSpeed", logging.ERROR,
-             "transformers' save_pretrained imports DeepSpeed (through accelerate) where it is installed, and "
-             "DeepSpeed says it found no GPU; the tiny-MoE fixture writing a checkpoint runs no DeepSpeed",
-             message="Setting accelerator to CPU"),
+    LogNoise(
+        "bitsandbytes.backends.cpu.ops",
+        logging.ERROR,
+        "bitsandbytes' optional CPU gemm_4bit kernel from the `kernels` package; without it bitsandbytes uses "
+        "its own CPU kernel. hwsync reaches bitsandbytes only through `import peft` (4-bit bases are the "
+        "trainer's choice, made in the trainer's own import)",
+    ),
+    LogNoise(
+        "torch._library.triton",
+        logging.ERROR,
+        "vLLM registers its Triton ops at import; on a machine without Triton (vLLM's CPU build) torch says it "
+        "cannot look inside them. The CPU build never runs them",
+        unless_env="TORCH_LOGS",
+    ),
+    LogNoise(
+        "vllm.model_executor.layers.indexer_topk",
+        logging.ERROR,
+        "DeepSelect is the CUDA top-k of DeepSeek-V3.2's sparse-attention indexer, absent from vLLM's CPU wheel; "
+        "a probe imports vLLM's layers, no DeepSeek-V3.2 model",
+        unless_env="VLLM_LOGGING_LEVEL",
+    ),
+    LogNoise(
+        "swift",
+        logging.WARNING,
+        "ms-swift logs at INFO on import (its built-in dataset registry); its warnings still show",
+        unless_env="LOG_LEVEL",
+    ),
+    LogNoise(
+        "DeepSpeed",
+        logging.ERROR,
+        "transformers' save_pretrained imports DeepSpeed (through accelerate) where it is installed, and "
+        "DeepSpeed says it found no GPU; the tiny-MoE fixture writing a checkpoint runs no DeepSpeed",
+        message="Setting accelerator to CPU",
+    ),
 )
 """Loggers whose import-time lines :func:`quiet_imports` drops."""
 
 WARNING_NOISE: tuple[WarningNoise, ...] = (
-    WarningNoise(r"TRL currently supports vLLM versions", UserWarning, r"trl(\.|$)",
-                 "TRL checks the installed vLLM against the range of its own vLLM integration each time a module "
-                 "of it imports (three times for one import). A patch probe imports TRL only to look up its target; "
-                 "hwsync checks vLLM against its own range (`hwsync doctor`: 'vllm range'), and hwsync.trl "
-                 "needs TRL 1.16, whose range the installed vLLM meets"),
+    WarningNoise(
+        r"TRL currently supports vLLM versions",
+        UserWarning,
+        r"trl(\.|$)",
+        "TRL checks the installed vLLM against the range of its own vLLM integration each time a module "
+        "of it imports (three times for one import). A patch probe imports TRL only to look up its target; "
+        "hwsync checks vLLM against its own range (`hwsync doctor`: 'vllm range'), and hwsync.trl "
+        "needs TRL 1.16, whose range the installed vLLM meets",
+    ),
 )
 """Warnings :func:`quiet_imports` drops."""
 

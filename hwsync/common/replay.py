@@ -8,6 +8,7 @@ launches that graph, for as long as every tensor it reads or writes is still at 
 ``key``). Anywhere else (CPU, a backend without graphs, ``HWSYNC_GRAPHS=0``, tensors that moved) the work runs as it
 is, so the values are the same either way: a graph replays the recorded kernels on the current addresses.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
 from hwsync.common.config import read
 
 __all__ = ["Replay", "addresses", "common_device", "copy_all", "GRAPHS_ENV"]
@@ -120,7 +122,12 @@ class Replay:
         try:
             return backend_for_device(device).capture(work, device)
         except Exception as e:  # noqa: BLE001 - a graph is an optimisation: the eager path is always right
-            logger.warning("hwsync: %s could not be recorded as one graph on %s (%s: %s); launching it op by op",
-                           self.what, device, type(e).__name__, e)
+            logger.warning(
+                "hwsync: %s could not be recorded as one graph on %s (%s: %s); launching it op by op",
+                self.what,
+                device,
+                type(e).__name__,
+                e,
+            )
             self._failed = True
             return None

@@ -5,8 +5,10 @@
 * :class:`hwsync.trainer.client.RemoteEngine` (from :func:`hwsync.connect`) talks to an engine in other processes.
 
 Both expose the same small surface, so ``sync`` / ``verify`` do not care where the engine lives. One handle exists
-per engine (:func:`hwsync.trainer.api.as_engine` caches it on the ``LLM``), and its lock serializes syncs with generation.
+per engine (:func:`hwsync.trainer.api.as_engine` caches it on the ``LLM``), and its lock serializes syncs with
+generation.
 """
+
 from __future__ import annotations
 
 import abc
@@ -51,8 +53,9 @@ class Engine(abc.ABC):
         """The receiver's state (:class:`hwsync.common.wire.ReceiverState` as a dict)."""
 
     @abc.abstractmethod
-    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
-             progress: ProgressFn | None) -> dict[str, Any]:
+    def send(
+        self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
+    ) -> dict[str, Any]:
         """Send ``manifest``, have it validated, then stream the tensors; returns the receiver's summary."""
 
     @abc.abstractmethod

@@ -4,6 +4,7 @@ The token is the only secret of server mode: whoever holds it may sync any weigh
 and each side proves knowledge of a scrypt-stretched key (:mod:`hwsync.common.protocol`), but a short or guessable
 token would still fall to a patient offline guesser; :func:`check_token` refuses those at ``serve()`` / ``connect()``.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -16,7 +17,7 @@ __all__ = ["MAKE_TOKEN", "MIN_TOKEN_CHARS", "check_token", "new_token"]
 MIN_TOKEN_CHARS = 32
 """``secrets.token_urlsafe(32)`` gives 43 characters (256 bits); ``token_hex(16)`` 32 (128 bits)."""
 _MIN_SYMBOLS = 8  # refuses "aaaa..."-like tokens; a random 32-character hex token has fewer than 8 in < 1e-6 cases
-MAKE_TOKEN = "`hwsync token` or `python -c \"import secrets; print(secrets.token_urlsafe(32))\"`"
+MAKE_TOKEN = '`hwsync token` or `python -c "import secrets; print(secrets.token_urlsafe(32))"`'
 
 
 def new_token() -> str:
@@ -46,7 +47,8 @@ def check_token(token: Any) -> str:
     else:
         return token
     # Limitation L7 (docs/limitations.md): strength is judged by length and variety only
-    raise SyncError(f"the server-mode token is too weak ({weakness}): use a random secret of at least "
-                    f"{MIN_TOKEN_CHARS} characters, e.g. from {MAKE_TOKEN}, the same one for serve() and connect() "
-                    "(HWSYNC_TOKEN with ms-swift), passed through the environment or a file, not a command line")
-
+    raise SyncError(
+        f"the server-mode token is too weak ({weakness}): use a random secret of at least "
+        f"{MIN_TOKEN_CHARS} characters, e.g. from {MAKE_TOKEN}, the same one for serve() and connect() "
+        "(HWSYNC_TOKEN with ms-swift), passed through the environment or a file, not a command line"
+    )

@@ -2,6 +2,7 @@
 
 The one normaliser every trainer-side and receiver-side module uses, so a name means the same thing everywhere.
 """
+
 from __future__ import annotations
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -11,9 +12,7 @@ _PEFT_ROOT = "base_model.model."
 # Module wrappers that add a path segment without changing the weight: activation checkpointing, torch.compile,
 # FSDP1, PEFT/vLLM-LoRA base layers.
 _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module", "base_layer"})
-_ADAPTER_SEGMENTS = frozenset(
-    {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"}
-)
+_ADAPTER_SEGMENTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"})
 ADAPTER = "adapter"
 PEFT_ORIGINAL = "peft_original"
 

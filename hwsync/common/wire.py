@@ -3,11 +3,12 @@
 The sync manifest (:class:`Manifest`, made of :class:`TensorSpec` and :class:`Bucket`), what an engine says about
 itself (:class:`EngineInfo`) and its sync state (:class:`ReceiverState`). In server mode they travel as JSON (never
 pickle) in the control channel's authenticated frames (:mod:`hwsync.common.protocol`); the tensors follow on the
-data plane, one flat buffer per :class:`Bucket` plus a sealed trailer (:mod:`hwsync.common.transport.buckets`). A colocated
-engine gets the same objects in-process. Whatever arrives as JSON is validated completely here, in ``from_json``,
-before any other code looks at it: a malformed manifest is refused with one :class:`~hwsync.common.errors.SyncError` and
-nothing else runs.
+data plane, one flat buffer per :class:`Bucket` plus a sealed trailer (:mod:`hwsync.common.transport.buckets`). A
+colocated engine gets the same objects in-process. Whatever arrives as JSON is validated completely here, in
+``from_json``, before any other code looks at it: a malformed manifest is refused with one
+:class:`~hwsync.common.errors.SyncError` and nothing else runs.
 """
+
 from __future__ import annotations
 
 import enum
@@ -45,10 +46,31 @@ _LAYOUTS = ("checkpoint",)
 # dtypes a tensor may travel as: every real torch dtype a checkpoint or adapter can hold
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
-    for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-               torch.int8, torch.uint8, torch.bool,
-               *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-                                             "uint16", "uint32", "uint64") if hasattr(torch, n)))
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        *(
+            getattr(torch, n)
+            for n in (
+                "float8_e4m3fn",
+                "float8_e5m2",
+                "float8_e4m3fnuz",
+                "float8_e5m2fnuz",
+                "uint16",
+                "uint32",
+                "uint64",
+            )
+            if hasattr(torch, n)
+        ),
+    )
 }
 
 
@@ -109,8 +131,8 @@ def _int(value: Any, what: str, minimum: int = 0, maximum: int = _INT_MAX) -> in
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor of a sync: a base weight in trainer naming (``kind="base"``), or one factor of a trainer LoRA module
-    (``kind="lora"``, named ``<module>#A`` / ``<module>#B`` by :func:`hwsync.common.lora_formats.wire_name`: experts stacked,
-    scaling folded into B)."""
+    (``kind="lora"``, named ``<module>#A`` / ``<module>#B`` by :func:`hwsync.common.lora_formats.wire_name`: experts
+    stacked, scaling folded into B)."""
 
     name: str
     shape: tuple[int, ...]
@@ -247,12 +269,15 @@ def _check_buckets(specs: Sequence[TensorSpec], buckets: Sequence[Bucket]) -> No
         if bucket.offsets != _packed_offsets([specs[i] for i in bucket.entries]):
             # plan_buckets' layout exactly: back to back, padded only to align a new dtype run (no gap to smuggle
             # bytes in, nothing a receiver would have to skip)
-            raise _fail(f"bucket {b}: offsets {list(bucket.offsets)[:8]} leave a gap between tensors; expected "
-                        f"{list(_packed_offsets([specs[i] for i in bucket.entries]))[:8]}")
+            raise _fail(
+                f"bucket {b}: offsets {list(bucket.offsets)[:8]} leave a gap between tensors; expected "
+                f"{list(_packed_offsets([specs[i] for i in bucket.entries]))[:8]}"
+            )
         if bucket.nbytes != max(end for _, end in spans):
             # the receiver allocates nbytes: a bucket is exactly as large as its tensors (plan_buckets' layout)
-            raise _fail(f"bucket {b}: says {bucket.nbytes} bytes, its tensors end at byte "
-                        f"{max(end for _, end in spans)}")
+            raise _fail(
+                f"bucket {b}: says {bucket.nbytes} bytes, its tensors end at byte {max(end for _, end in spans)}"
+            )
     total = sum(s.nbytes for s in specs)
     if total > _INT_MAX:
         raise _fail(f"{total} bytes of tensors")
@@ -335,9 +360,11 @@ class Manifest:
 
     def with_version(self, version: int, expect_version: int | None) -> Manifest:
         """The same sync plan under a new version number (the digest is kept, not recomputed)."""
-        m = Manifest(**{f.name: getattr(self, f.name) for f in fields(self)
-                        if f.name not in ("version", "expect_version")}, version=version,
-                     expect_version=expect_version)
+        m = Manifest(
+            **{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("version", "expect_version")},
+            version=version,
+            expect_version=expect_version,
+        )
         object.__setattr__(m, "_digest", self.digest)
         return m
 
@@ -368,11 +395,23 @@ class Manifest:
             raise _fail("a tensor name appears twice")
         bucket_objs = []
         for b in buckets:
-            if not isinstance(b, list) or len(b) != 5 or not isinstance(b[1], list) or not isinstance(b[2], list) \
-                    or not isinstance(b[4], bool):
+            if (
+                not isinstance(b, list)
+                or len(b) != 5
+                or not isinstance(b[1], list)
+                or not isinstance(b[2], list)
+                or not isinstance(b[4], bool)
+            ):
                 raise _fail(f"a bucket must be [index, entries, offsets, nbytes, is_last], got {str(b)[:80]}")
-            bucket_objs.append(Bucket(_int(b[0], "bucket index"), tuple(_int(i, "bucket entry") for i in b[1]),
-                                      tuple(_int(o, "bucket offset") for o in b[2]), _int(b[3], "bucket size"), b[4]))
+            bucket_objs.append(
+                Bucket(
+                    _int(b[0], "bucket index"),
+                    tuple(_int(i, "bucket entry") for i in b[1]),
+                    tuple(_int(o, "bucket offset") for o in b[2]),
+                    _int(b[3], "bucket size"),
+                    b[4],
+                )
+            )
         _check_buckets(spec_objs, bucket_objs)
         lora_meta = d.get("lora_meta")
         if lora_meta is not None and not isinstance(lora_meta, dict):
@@ -399,8 +438,9 @@ class Manifest:
             specs=spec_objs,
             buckets=tuple(bucket_objs),
             lora_meta=lora_meta,
-            lora_base_names={str(k): tuple(_int(x, f"{k}: dimension", 0, 1 << 40) for x in v)
-                             for k, v in base_names.items()},
+            lora_base_names={
+                str(k): tuple(_int(x, f"{k}: dimension", 0, 1 << 40) for x in v) for k, v in base_names.items()
+            },
             base_key=d.get("base_key"),
             layout=layout,
             lora_name=d.get("lora_name"),

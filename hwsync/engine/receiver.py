@@ -17,14 +17,16 @@ Consistency rules
 * Base weights stream into the engine as they arrive (memory stays bounded by a bucket, not the model). From the
   first base write until the sync completes the receiver is **stale**: generation through hwsync refuses with
   :class:`~hwsync.common.errors.StaleEngineError` until a complete sync lands.
-* A sync carrying NaN or infinite values never completes (:mod:`hwsync.common.finite`: checked in the copy that writes it, or one
-  device reduction per bucket; read once after the last): base weights leave the engine stale, an adapter is refused before it is installed.
+* A sync carrying NaN or infinite values never completes (:mod:`hwsync.common.finite`: checked in the copy that writes
+  it, or one device reduction per bucket; read once after the last): base weights leave the engine stale, an adapter is
+  refused before it is installed.
 
 The contract with an :class:`Applier` is explicit: a load returns :class:`Loaded` (how it wrote, and the adapter
 identity it installed), or raises. An error wrapped in :class:`NothingWritten` says the engine is exactly as before
 the call (an adapter built and validated aside); any other error counts as *partly written*. Whether a failed sync
 leaves the engine stale is :func:`leaves_stale` of what the receiver saw and that one answer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -81,8 +83,8 @@ class Applier(Protocol):
     """How one engine worker takes weights. Every method may raise an :class:`HwsyncError` naming the fix."""
 
     def describe(self, lora_paths: Sequence[str], base: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
-        """Static facts for :class:`hwsync.common.wire.EngineInfo` (dtype, LoRA support, unservable paths, kept dtypes of
-        the trainer's ``base`` tensors)."""
+        """Static facts for :class:`hwsync.common.wire.EngineInfo` (dtype, LoRA support, unservable paths, kept dtypes
+        of the trainer's ``base`` tensors)."""
 
     def validate(self, manifest: Manifest) -> Any:
         """Resolve and check the whole manifest against the live engine; return a plan. Must not write."""
@@ -91,8 +93,15 @@ class Applier(Protocol):
         """Write base tensors (checkpoint layout); return how. On error leave the engine structurally usable (values
         may be partial: once a tensor was taken, the receiver marks the engine stale)."""
 
-    def load_lora(self, plan: Any, tensors: Mapping[str, Tensor], config: Mapping[str, Any], name: str | None,
-                  lora_int_id: int | None, replaces: int | None) -> Loaded:
+    def load_lora(
+        self,
+        plan: Any,
+        tensors: Mapping[str, Tensor],
+        config: Mapping[str, Any],
+        name: str | None,
+        lora_int_id: int | None,
+        replaces: int | None,
+    ) -> Loaded:
         """Install the adapter (or update the installed one in place) under ``name``/``lora_int_id`` (``None``: the
         engine's default identity), then drop ``replaces`` if it is another id; return how, with the identity used.
         Either the new adapter serves afterwards or the call raises (:class:`NothingWritten` when the previous
@@ -126,13 +135,20 @@ class Receiver:
                 self.state.base_writes += 1  # someone reloaded the weights: the base is not known to be ours
             return self.state
 
-    def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
-                 ) -> dict[str, Any]:
+    def describe(
+        self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
+    ) -> dict[str, Any]:
         with self.lock:
             self.refresh()
             info = dict(self.applier.describe(lora_paths, base))
-            info.update(version=self.state.version, stale=self.state.stale, base_key=self.state.base_key,
-                        lora_int_id=self.state.lora_int_id, lora_name=self.state.lora_name, refill=self.state.refill)
+            info.update(
+                version=self.state.version,
+                stale=self.state.stale,
+                base_key=self.state.base_key,
+                lora_int_id=self.state.lora_int_id,
+                lora_name=self.state.lora_name,
+                refill=self.state.refill,
+            )
             return info
 
     def mark_stale(self, reason: str) -> None:
@@ -165,11 +181,13 @@ class Receiver:
         """Validate ``manifest`` completely (nothing is written); the plan for :meth:`receive`, cached by digest."""
         with self.lock:
             self.refresh()
-            if manifest.expect_version is not None and (manifest.expect_version != self.state.version
-                                                        or self.state.stale):
+            if manifest.expect_version is not None and (
+                manifest.expect_version != self.state.version or self.state.stale
+            ):
                 raise PlanChangedError(
                     f"the engine is at v{self.state.version}{' (stale)' if self.state.stale else ''}, the sync was "
-                    f"planned against v{manifest.expect_version}: re-plan (hwsync.sync does this by itself)")
+                    f"planned against v{manifest.expect_version}: re-plan (hwsync.sync does this by itself)"
+                )
             if manifest.version <= self.state.version:
                 raise VersionError(
                     f"sync version {manifest.version} is not newer than the engine's v{self.state.version}: versions "
@@ -179,12 +197,18 @@ class Receiver:
                 raise VersionError(
                     f"sync version {manifest.version} jumps more than 2^32 past the engine's v{self.state.version}: "
                     "one sync may not use up the version range (later syncs could never be newer); pass a version at "
-                    f"most {self.state.version + MAX_VERSION_STEP}, e.g. the training step, or let hwsync number them")
-            if (manifest.strategy is not Strategy.FULL and not manifest.base_specs
-                    and manifest.base_key is not None and self.state.base_key != manifest.base_key):
+                    f"most {self.state.version + MAX_VERSION_STEP}, e.g. the training step, or let hwsync number them"
+                )
+            if (
+                manifest.strategy is not Strategy.FULL
+                and not manifest.base_specs
+                and manifest.base_key is not None
+                and self.state.base_key != manifest.base_key
+            ):
                 raise PlanChangedError(
                     "the engine does not hold the base weights this LoRA-only sync was planned on (another sync or "
-                    "a reload replaced them): re-plan with the base included (hwsync.sync does this by itself)")
+                    "a reload replaced them): re-plan with the base included (hwsync.sync does this by itself)"
+                )
             plan = self._plans.get(manifest.digest)
             if plan is None:
                 plan = self.applier.validate(manifest)
@@ -220,16 +244,20 @@ class Receiver:
                     try:
                         tensors = next(it)
                     except StopIteration:
-                        raise SyncError(f"sender stopped after bucket {bucket.index} of {len(manifest.buckets)}") from None
+                        raise SyncError(
+                            f"sender stopped after bucket {bucket.index} of {len(manifest.buckets)}"
+                        ) from None
                     if len(tensors) != len(bucket.entries):
-                        raise SyncError(f"bucket {bucket.index} carries {len(tensors)} tensors, manifest says "
-                                        f"{len(bucket.entries)}")
+                        raise SyncError(
+                            f"bucket {bucket.index} carries {len(tensors)} tensors, manifest says {len(bucket.entries)}"
+                        )
                     finite.open(bucket.index, tensors, [specs[i].name for i in bucket.entries])
                     for i, t in zip(bucket.entries, tensors):
                         spec = specs[i]
                         if tuple(t.shape) != spec.shape:
-                            raise SyncError(f"{spec.name}: sent shape {tuple(t.shape)} differs from its manifest "
-                                            f"entry {spec.shape}")
+                            raise SyncError(
+                                f"{spec.name}: sent shape {tuple(t.shape)} differs from its manifest entry {spec.shape}"
+                            )
                         if spec.kind == "lora":
                             lora[spec.name] = t
                             continue
@@ -257,14 +285,17 @@ class Receiver:
                         raise SyncError("internal: base tensor in a LoRA-only sync")
                 bad = finite.non_finite()  # one host read per sync: before the adapter, before "complete"
                 if bad:
-                    raise SyncError(f"sync v{manifest.version} carries NaN or infinite values in {finite.describe(bad)}"
-                                    " (a diverged training step?): they are never served; sync finite weights")
+                    raise SyncError(
+                        f"sync v{manifest.version} carries NaN or infinite values in {finite.describe(bad)}"
+                        " (a diverged training step?): they are never served; sync finite weights"
+                    )
                 stage = "adapter"
                 old = self.state.lora_int_id
                 if lora:
                     with phase("adapter applied"):
-                        loaded = self.applier.load_lora(plan, lora, manifest.lora_meta or {}, manifest.lora_name,
-                                                        manifest.lora_int_id, old)
+                        loaded = self.applier.load_lora(
+                            plan, lora, manifest.lora_meta or {}, manifest.lora_name, manifest.lora_int_id, old
+                        )
                     self.state.lora_name, self.state.lora_int_id = loaded.lora_name, loaded.lora_int_id
                     paths.append(loaded.how)
                 elif has_base and old is not None:
@@ -272,9 +303,15 @@ class Receiver:
                     self.state.lora_name = self.state.lora_int_id = None
             except BaseException as raised:
                 e = raised.cause if isinstance(raised, NothingWritten) else raised
-                error = self._aborted(manifest, e, e is not raised,
-                                      f"after bucket {received[0]} of {len(manifest.buckets)}", stage, wrote[0],
-                                      (was_stale, last_error))
+                error = self._aborted(
+                    manifest,
+                    e,
+                    e is not raised,
+                    f"after bucket {received[0]} of {len(manifest.buckets)}",
+                    stage,
+                    wrote[0],
+                    (was_stale, last_error),
+                )
                 if error is None:
                     if e is raised:
                         raise
@@ -287,29 +324,55 @@ class Receiver:
                 self.state.refill = None
             self.state.stale = False
             self.state.last_error = None
-            return {"version": manifest.version, "seconds": time.perf_counter() - t0, "lora": len(lora),
-                    "base": len(manifest.base_specs), "path": "; ".join(p for p in paths if p)}
+            return {
+                "version": manifest.version,
+                "seconds": time.perf_counter() - t0,
+                "lora": len(lora),
+                "base": len(manifest.base_specs),
+                "path": "; ".join(p for p in paths if p),
+            }
 
-    def _aborted(self, manifest: Manifest, e: BaseException, nothing_written: bool, where: str, stage: str,
-                 base_reached: bool, before: tuple[bool, str | None]) -> SyncError | None:
+    def _aborted(
+        self,
+        manifest: Manifest,
+        e: BaseException,
+        nothing_written: bool,
+        where: str,
+        stage: str,
+        base_reached: bool,
+        before: tuple[bool, str | None],
+    ) -> SyncError | None:
         """After a failed receive (``e``: the error, unwrapped from :class:`NothingWritten`): stale or not
         (:func:`leaves_stale`), logged; the :class:`SyncError` to raise, or ``None`` to re-raise ``e`` itself (an
         interrupt, or an :class:`HwsyncError` that names its own fix)."""
         lid = self.state.lora_int_id
-        if leaves_stale(base_reached=base_reached, adapter_stage=stage == "adapter",
-                        adapter_lost=lid is not None and not self.applier.has_lora(lid),
-                        nothing_written=nothing_written):
+        if leaves_stale(
+            base_reached=base_reached,
+            adapter_stage=stage == "adapter",
+            adapter_lost=lid is not None and not self.applier.has_lora(lid),
+            nothing_written=nothing_written,
+        ):
             self.state.stale = True
             self.state.last_error = f"sync v{manifest.version} failed {where} ({stage}): {type(e).__name__}: {e}"
-            consequence = (f"engine is stale ({stage} partly written) and refuses to generate through hwsync "
-                           "until a complete sync lands")
+            consequence = (
+                f"engine is stale ({stage} partly written) and refuses to generate through hwsync "
+                "until a complete sync lands"
+            )
         else:
             self.state.stale, self.state.last_error = before
-            consequence = (f"nothing was applied; the engine still serves v{self.state.version}"
-                           + (" (and stays stale from before)" if before[0] else ""))
+            consequence = f"nothing was applied; the engine still serves v{self.state.version}" + (
+                " (and stays stale from before)" if before[0] else ""
+            )
         origin = "" if isinstance(e, HwsyncError) else _origin(e)  # a bare `assert` in vLLM says nothing
-        logger.warning("hwsync: sync v%d aborted %s: %s: %s%s; %s", manifest.version, where,
-                       type(e).__name__, e, origin, consequence)
+        logger.warning(
+            "hwsync: sync v%d aborted %s: %s: %s%s; %s",
+            manifest.version,
+            where,
+            type(e).__name__,
+            e,
+            origin,
+            consequence,
+        )
         logger.debug("hwsync: sync v%d: the error's traceback", manifest.version, exc_info=e)
         if not isinstance(e, Exception) or (isinstance(e, HwsyncError) and not isinstance(e, SyncError)):
             return None

@@ -23,9 +23,11 @@ After a sync that installed an adapter, the API server serves it under hwsync's 
 load from disk (the adapter lives in the workers' memory). While a sync runs, generation requests get 503 (TRL's
 client retries); after a sync failed half-way (the engine stale), 409 with the reason until a complete sync lands.
 """
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -33,8 +35,8 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from hwsync.common.target import Engine
 from hwsync.common.errors import SyncError, UnsupportedSetupError, decode_error
+from hwsync.common.target import Engine
 from hwsync.common.transport.base import LinkSpec
 from hwsync.common.wire import EngineInfo, Manifest
 
@@ -46,7 +48,6 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
 """Path prefixes of vLLM's generation routes: the ones held while a sync runs or the engine is stale."""
 
 _ids = itertools.count()
-
 
 
 class ServedEngine(Engine):
@@ -70,10 +71,13 @@ class ServedEngine(Engine):
             raise UnsupportedSetupError(
                 f"hwsync's sync server in `vllm serve` drives one engine; this server runs "
                 f"{parallel.data_parallel_size} data-parallel engines: run one `vllm serve` per engine, each with its "
-                "own HWSYNC_SERVER address, and hwsync.connect([...]) to all of them")
+                "own HWSYNC_SERVER address, and hwsync.connect([...]) to all of them"
+            )
         if engine_client.vllm_config.lora_config is None:
-            logger.warning("hwsync: this vLLM server serves no LoRA (no --enable-lora): syncs will send merged "
-                           "weights (strategy full)")
+            logger.warning(
+                "hwsync: this vLLM server serves no LoRA (no --enable-lora): syncs will send merged "
+                "weights (strategy full)"
+            )
 
     # -- plumbing -------------------------------------------------------------------------------------------------
     def _run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
@@ -99,14 +103,16 @@ class ServedEngine(Engine):
     def prepare(self, manifest: Manifest) -> None:
         self._rpc_all("prepare", manifest.to_json())
 
-    def receive_remote(self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes,
-                       abort_key: str) -> dict[str, Any]:
+    def receive_remote(
+        self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes, abort_key: str
+    ) -> dict[str, Any]:
         """Every worker joins the data plane and receives its buckets (inside the engine core's loop, between
         scheduling steps); then the API server learns which adapter to serve, or that the engine is stale."""
         with self._syncing():
             try:
-                results = self._rpc_all("receive_remote", manifest.to_json(), dict(spec.__dict__), first_rank,
-                                        secret, abort_key)
+                results = self._rpc_all(
+                    "receive_remote", manifest.to_json(), dict(spec.__dict__), first_rank, secret, abort_key
+                )
             except BaseException as e:
                 try:
                     state = self.state()
@@ -126,12 +132,12 @@ class ServedEngine(Engine):
         try:
             self.reset_cache()
         except BaseException as e:
-            reason = (f"sync v{manifest.version} wrote the weights but vLLM's prefix-cache reset failed "
-                      f"({type(e).__name__}: {e}), so cached KV of the old weights could mix in")
-            try:
+            reason = (
+                f"sync v{manifest.version} wrote the weights but vLLM's prefix-cache reset failed "
+                f"({type(e).__name__}: {e}), so cached KV of the old weights could mix in"
+            )
+            with contextlib.suppress(Exception):  # the API server refuses generation through stale_reason anyway
                 self._rpc_all("mark_stale", reason)
-            except Exception:  # noqa: BLE001 - the API server refuses generation through stale_reason anyway
-                pass
             self.stale_reason = reason
             raise
 
@@ -141,10 +147,13 @@ class ServedEngine(Engine):
         return results[0] if len(results) == 1 else None
 
     def reset_cache(self) -> None:
-        if not self._run(self.client.reset_prefix_cache()):
-            if not self._run(self.client.reset_prefix_cache(reset_running_requests=True)):
-                raise SyncError("the weights were written but vLLM could not reset its prefix cache even after "
-                                "preempting its running requests: do not serve from this engine")
+        if not self._run(self.client.reset_prefix_cache()) and not self._run(
+            self.client.reset_prefix_cache(reset_running_requests=True)
+        ):
+            raise SyncError(
+                "the weights were written but vLLM could not reset its prefix cache even after "
+                "preempting its running requests: do not serve from this engine"
+            )
 
     def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
         from hwsync.engine.vllm.outputs import engine_logprobs
@@ -157,17 +166,18 @@ class ServedEngine(Engine):
     async def _final(self, ids: list[int], max_tokens: int, lora: Any) -> Any:
         from vllm import SamplingParams
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, prompt_logprobs=0,
-                                detokenize=False)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
         last = None
-        async for out in self.client.generate({"prompt_token_ids": ids}, params, f"hwsync-check-{next(_ids)}",
-                                              lora_request=lora):
+        async for out in self.client.generate(
+            {"prompt_token_ids": ids}, params, f"hwsync-check-{next(_ids)}", lora_request=lora
+        ):
             last = out
         return last
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
-        raise UnsupportedSetupError("generate through vLLM's HTTP routes (this server's clients); hwsync's handle on "
-                                    "it only syncs and checks")
+        raise UnsupportedSetupError(
+            "generate through vLLM's HTTP routes (this server's clients); hwsync's handle on it only syncs and checks"
+        )
 
     def send(self, manifest: Manifest, produce: Callable[[], Iterator[Any]], progress: Any) -> dict[str, Any]:
         raise UnsupportedSetupError("internal: the engine side of server mode receives; it does not send")
@@ -201,7 +211,8 @@ class ServedEngine(Engine):
         if self.syncing.is_set():
             return 503, "hwsync: a weight sync is in progress; retry"
         if self.stale_reason is not None:
-            return 409, (f"hwsync: the engine is stale ({self.stale_reason}): an interrupted sync left part of the "
-                         "weights written; run a complete hwsync.sync before generating")
+            return 409, (
+                f"hwsync: the engine is stale ({self.stale_reason}): an interrupted sync left part of the "
+                "weights written; run a complete hwsync.sync before generating"
+            )
         return None
-

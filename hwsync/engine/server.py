@@ -8,8 +8,10 @@ itself); with every slot held, a new one is told the engine is busy. Requests ar
 (:attr:`SyncServer.OPS`). A sync holds the engine's lock (the same lock generation through hwsync takes) from
 validation to the last bucket; its transfer timeout is the smaller of the client's and the server's.
 """
+
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import secrets
@@ -20,17 +22,29 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from hwsync.common.target import Engine
 from hwsync.common.errors import SyncError, encode_error
-from hwsync.common.protocol import (DEFAULT_TIMEOUT_S, HANDSHAKE_TIMEOUT_S, IDLE_TIMEOUT_S, Channel, IdleTimeout,
-                                    check_token, group_prefix, refuse_busy, server_handshake, split_address, stretch)
+from hwsync.common.protocol import (
+    DEFAULT_TIMEOUT_S,
+    HANDSHAKE_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    Channel,
+    IdleTimeout,
+    check_token,
+    group_prefix,
+    refuse_busy,
+    server_handshake,
+    split_address,
+    stretch,
+)
+from hwsync.common.target import Engine
 from hwsync.common.transport.base import LinkSpec
-from hwsync.engine.vllm.local import local_engine
 from hwsync.common.wire import Manifest
+from hwsync.engine.vllm.local import local_engine
 
 __all__ = ["SyncServer", "serve"]
 
 logger = logging.getLogger("hwsync.server")
+
 
 def is_loopback(host: str) -> bool:
     """Whether every address ``host`` resolves to (IPv4 or IPv6) is loopback."""
@@ -59,15 +73,20 @@ def _base_shapes(base: Any) -> dict[str, list[int]] | None:
     if not isinstance(base, dict) or len(base) > 1 << 20:
         raise SyncError("describe: 'base' must map at most 2^20 tensor names to shapes")
     for name, shape in base.items():
-        if not (isinstance(name, str) and 0 < len(name) <= 1024 and isinstance(shape, list) and len(shape) <= 8
-                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
+        if not (
+            isinstance(name, str)
+            and 0 < len(name) <= 1024
+            and isinstance(shape, list)
+            and len(shape) <= 8
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
+        ):
             raise SyncError(f"describe: 'base' entry {str(name)[:80]!r} is not a name with a shape of <= 8 sizes")
     return base
 
 
 class ServedTarget(Protocol):
-    """What :class:`SyncServer` drives: an engine handle of this process (``hwsync.engine.vllm.local.LocalEngine`` for an
-    in-process ``vllm.LLM``, ``hwsync.engine.served.ServedEngine`` inside ``vllm serve``) and the lock it shares
+    """What :class:`SyncServer` drives: an engine handle of this process (``hwsync.engine.vllm.local.LocalEngine`` for
+    an in-process ``vllm.LLM``, ``hwsync.engine.served.ServedEngine`` inside ``vllm serve``) and the lock it shares
     with generation."""
 
     lock: Any
@@ -75,8 +94,9 @@ class ServedTarget(Protocol):
     def describe(self, lora_paths: Any = (), base: Any = None) -> Any: ...
     def state(self) -> dict[str, Any]: ...
     def prepare(self, manifest: Manifest) -> None: ...
-    def receive_remote(self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes,
-                       abort_key: str) -> dict[str, Any]: ...
+    def receive_remote(
+        self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes, abort_key: str
+    ) -> dict[str, Any]: ...
     def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None: ...
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any: ...
     def logprobs(self, prompts: Any, max_tokens: int) -> Any: ...
@@ -85,9 +105,17 @@ class ServedTarget(Protocol):
 class SyncServer:
     """Serves syncs into an in-process ``vllm.LLM`` for trainers that :func:`hwsync.connect` with the token."""
 
-    def __init__(self, llm: Any, address: str = "127.0.0.1:0", token: str = "", *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, max_clients: int = 8, idle_s: float = IDLE_TIMEOUT_S,
-                 handshake_s: float = HANDSHAKE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        address: str = "127.0.0.1:0",
+        token: str = "",
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_clients: int = 8,
+        idle_s: float = IDLE_TIMEOUT_S,
+        handshake_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
         salt = secrets.token_bytes(16)  # fresh per server: no guess computed for another one applies here
         self._key = stretch(check_token(token), salt)
         self._salt = salt
@@ -102,8 +130,11 @@ class SyncServer:
         self._sock = socket.create_server((host, port), family=family, backlog=16)
         self.host, self.port = host, self._sock.getsockname()[1]
         if not is_loopback(host):
-            logger.warning("hwsync sync server listens on %s (not loopback): anyone who reaches it may connect; "
-                           "only holders of the token can sync", self.address)
+            logger.warning(
+                "hwsync sync server listens on %s (not loopback): anyone who reaches it may connect; "
+                "only holders of the token can sync",
+                self.address,
+            )
         self.max_clients = max_clients
         self._slots = threading.BoundedSemaphore(max_clients)  # authenticated trainers
         self._pending = threading.BoundedSemaphore(4 * max_clients)  # handshakes in progress (handshake_s each)
@@ -133,10 +164,8 @@ class SyncServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         self._thread.join(timeout=30)
 
@@ -161,16 +190,18 @@ class SyncServer:
                 time.sleep(min(1.0, 0.05 * failing))
                 continue
             if failing:
-                logger.warning("hwsync sync server on %s: accepting again after %d failed accepts", self.address,
-                               failing)
+                logger.warning(
+                    "hwsync sync server on %s: accepting again after %d failed accepts", self.address, failing
+                )
                 failing = 0
             if not self._pending.acquire(blocking=False):
                 logger.warning("hwsync sync server: refused %s (too many unauthenticated connections)", peer)
                 refuse_busy(conn)
                 continue
             try:
-                threading.Thread(target=self._serve_client, args=(conn, peer), daemon=True,
-                                 name=f"hwsync-client-{peer}").start()
+                threading.Thread(
+                    target=self._serve_client, args=(conn, peer), daemon=True, name=f"hwsync-client-{peer}"
+                ).start()
             except RuntimeError as e:  # no thread to be had: drop this connection, keep accepting
                 self._pending.release()
                 conn.close()
@@ -187,12 +218,14 @@ class SyncServer:
             self._pending.release()
         if not self._slots.acquire(blocking=False):
             logger.warning("hwsync sync server: %s is busy (%d trainers connected)", peer, self.max_clients)
-            try:
-                channel.send({"busy": f"all {self.max_clients} trainer slots are held by other connections (a "
-                                      f"trainer idle for {self.idle_s:g} s loses its slot); retry later or close "
-                                      "handles you no longer use"})
-            except (OSError, SyncError):
-                pass
+            with contextlib.suppress(OSError, SyncError):
+                channel.send(
+                    {
+                        "busy": f"all {self.max_clients} trainer slots are held by other connections (a "
+                        f"trainer idle for {self.idle_s:g} s loses its slot); retry later or close "
+                        "handles you no longer use"
+                    }
+                )
             channel.close()
             return
         try:
@@ -264,8 +297,10 @@ class SyncServer:
         timeout = _capped_timeout(args.get("timeout", self.timeout_s), self.timeout_s)
         first_rank, world = int(group["first_rank"]), int(group["world_size"])
         if not 1 <= first_rank < world <= 1 << 16:
-            raise SyncError(f"data-plane group of {world} ranks with this engine at rank {first_rank}: the trainer "
-                            "is rank 0 and engines follow it")
+            raise SyncError(
+                f"data-plane group of {world} ranks with this engine at rank {first_rank}: the trainer "
+                "is rank 0 and engines follow it"
+            )
         with self.engine.lock:
             t0 = time.perf_counter()
             self.engine.prepare(manifest)  # raises -> error reply; nothing written, no transfer started
@@ -275,16 +310,24 @@ class SyncServer:
             if args.get("confirm"):  # one of several engines: nothing moves until every engine said go
                 reuse = self._await_commit(channel, manifest, timeout) and reuse
             gid = held if reuse else fresh
-            spec = LinkSpec(host=str(group["host"]), port=int(group["port"]), prefix=group_prefix(gid),
-                            world_size=world, timeout_s=timeout)
+            spec = LinkSpec(
+                host=str(group["host"]),
+                port=int(group["port"]),
+                prefix=group_prefix(gid),
+                world_size=world,
+                timeout_s=timeout,
+            )
             self._held = None
             t2 = time.perf_counter()
             result = self.engine.receive_remote(manifest, spec, first_rank, data_key, spec.prefix + "abort")
             self._held = gid if result.pop("link_kept", False) else None
             # where the engine side's time went (the trainer's report shows it beside its own phases)
-            result["engine_ms"] = {"validate": (t1 - t0) * 1e3, "receive": (time.perf_counter() - t2) * 1e3,
-                                   "of which reset": result.pop("reset_ms", float("nan")),
-                                   **result.pop("worker_ms", {})}
+            result["engine_ms"] = {
+                "validate": (t1 - t0) * 1e3,
+                "receive": (time.perf_counter() - t2) * 1e3,
+                "of which reset": result.pop("reset_ms", float("nan")),
+                **result.pop("worker_ms", {}),
+            }
             return result
 
     @staticmethod
@@ -301,18 +344,23 @@ class SyncServer:
             msg = channel.recv()
         except (ConnectionError, OSError, SyncError) as e:
             channel.close()  # the trainer is gone or out of step: this connection is done
-            raise SyncError(f"sync v{manifest.version}: the trainer's commit did not arrive ({e}); nothing was "
-                            "applied") from None
+            raise SyncError(
+                f"sync v{manifest.version}: the trainer's commit did not arrive ({e}); nothing was applied"
+            ) from None
         raw = msg.get("args")
         args = raw if isinstance(raw, dict) else {}
         if msg.get("op") == "commit":
             return args.get("reuse") is True
         if msg.get("op") == "cancel":
-            raise SyncError(f"sync v{manifest.version} cancelled by the trainer before any byte was sent "
-                            f"({str(args.get('reason', ''))[:500]}); nothing was applied")
+            raise SyncError(
+                f"sync v{manifest.version} cancelled by the trainer before any byte was sent "
+                f"({str(args.get('reason', ''))[:500]}); nothing was applied"
+            )
         channel.close()
-        raise SyncError(f"sync v{manifest.version}: expected the trainer's commit, got {str(msg.get('op'))[:40]!r}; "
-                        "nothing was applied")
+        raise SyncError(
+            f"sync v{manifest.version}: expected the trainer's commit, got {str(msg.get('op'))[:40]!r}; "
+            "nothing was applied"
+        )
 
 
 SyncServer.OPS = {
@@ -326,8 +374,14 @@ SyncServer.OPS = {
 }
 
 
-def serve(llm: Any, address: str = "127.0.0.1:0", token: str = "", *,
-          timeout_s: float = DEFAULT_TIMEOUT_S, idle_s: float = IDLE_TIMEOUT_S) -> SyncServer:
+def serve(
+    llm: Any,
+    address: str = "127.0.0.1:0",
+    token: str = "",
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    idle_s: float = IDLE_TIMEOUT_S,
+) -> SyncServer:
     """Accept syncs into ``llm`` (in this process) from trainers holding ``token``; returns at once.
 
     ``address`` is ``host:port`` to listen on, exactly (``port`` 0 picks a free one: read ``server.address``);

@@ -4,12 +4,13 @@ It installs, process-wide, the hwsync patches whose probes find their upstream b
 place before an engine is built (e.g. ``vllm_cpu_moe_lora``: MoE + ``enable_lora`` on the CPU build). Patches the
 sync receiver holds only around its own reloads (``vllm_cpu_moe_prepack``, ``vllm_cpu_mamba_conv``,
 ``vllm_reload_partial_loader``) are left to it, so
-``HWSYNC_DISABLE_PATCHES`` keeps working per sync. It also registers hwsync's weight-transfer backend (``weight_transfer_config={"backend": "hwsync"}``,
-:mod:`hwsync.engine.vllm.weight_transfer`) where vLLM has the API (0.30+). Nothing else happens at import: the worker extension is opt-in
-(``worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension"``), and ``hwsync.sync`` works without it in-process.
-Select plugins with ``VLLM_PLUGINS`` (e.g. ``VLLM_PLUGINS=hwsync``); set ``HWSYNC_DISABLE_PATCHES=name,...`` to skip
-some.
+``HWSYNC_DISABLE_PATCHES`` keeps working per sync. It also registers hwsync's weight-transfer backend
+(``weight_transfer_config={"backend": "hwsync"}``, :mod:`hwsync.engine.vllm.weight_transfer`) where vLLM has the API
+(0.30+). Nothing else happens at import: the worker extension is opt-in
+(``worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension"``), and ``hwsync.sync`` works without it in-process. Select
+plugins with ``VLLM_PLUGINS`` (e.g. ``VLLM_PLUGINS=hwsync``); set ``HWSYNC_DISABLE_PATCHES=name,...`` to skip some.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,6 +21,7 @@ logger = logging.getLogger("hwsync")
 
 RECEIVER_SCOPED = frozenset({"vllm_cpu_moe_prepack", "vllm_cpu_mamba_conv", "vllm_reload_partial_loader"})
 """Patches :mod:`hwsync.engine.vllm.applier` holds for the duration of each reload instead of process-wide."""
+
 
 def engine_patches() -> list[str]:
     """Names of the patches the plugin installs: what ``hwsync.patches.apply()`` selects by default (opt-in
@@ -41,7 +43,8 @@ def register() -> list[str]:
 
 
 def register_weight_transfer() -> bool:
-    """Register the ``"hwsync"`` weight-transfer backend in vLLM's factory (:mod:`hwsync.engine.vllm.transfer_registry`)."""
+    """Register the ``"hwsync"`` weight-transfer backend in vLLM's factory
+    (:mod:`hwsync.engine.vllm.transfer_registry`)."""
     from hwsync.engine.vllm.transfer_registry import register as register_backend
 
     return register_backend()

@@ -5,8 +5,8 @@ Records (one JSON object per line, ``event`` tells which):
 * ``sync``  -- after every weight sync: ``step`` (optimizer steps done when the sync ran, so it serves the
   rollouts of step ``step + 1``), ``strategy``, ``reason``, ``mode``, ``version``, ``tensors``,
   ``base_tensors``, ``lora_tensors``, ``bytes``, ``mb``, ``seconds``, ``buckets``, ``verify_max_abs_dlogp``
-  (``null`` when the check did not run), ``verify_tokens``, ``verify_seconds`` and ``policy_shift`` (max |Δ logprob| of the trainer
-  on the check prompts since the first sync: evidence that the policy the engine now matches has moved).
+  (``null`` when the check did not run), ``verify_tokens``, ``verify_seconds`` and ``policy_shift`` (max |Δ logprob| of
+  the trainer on the check prompts since the first sync: evidence that the policy the engine now matches has moved).
 * ``step``  -- after every logged optimizer step: ``step``, ``reward``, ``reward_std``, ``loss``,
   ``rollout_max_abs_dlogp`` (engine vs trainer on the tokens the engine actually sampled this step, from the
   trainer's rollout logprobs), ``rollout_tokens``.
@@ -14,6 +14,7 @@ Records (one JSON object per line, ``event`` tells which):
 
 The file is appended to, so a run resumed into the same file keeps its history.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,23 +52,24 @@ def format_summary(records: Iterable[Mapping[str, Any]]) -> str:
     records = list(records)
     syncs = {r["step"]: r for r in records if r.get("event") == "sync"}
     steps = [r for r in records if r.get("event") == "step"]
-    header = ("step", "reward", "strategy", "MB", "sync ms", "max|Δlogp| verify", "max|Δlogp| rollout",
-              "policy shift")
+    header = ("step", "reward", "strategy", "MB", "sync ms", "max|Δlogp| verify", "max|Δlogp| rollout", "policy shift")
     rows = []
     for rec in steps:
         # rollouts of step s were generated right after the sync made at step s - 1; a step without one trains on a
         # rollout batch generated earlier (--steps_per_generation / --num_iterations > 1)
         sync = syncs.get(rec["step"] - 1, {})
-        rows.append((
-            str(rec["step"]),
-            _fmt(rec.get("reward"), ".3f"),
-            str(sync.get("strategy", "(no sync)")),
-            _fmt(sync.get("mb"), ".3f"),
-            _fmt(None if sync.get("seconds") is None else 1000 * sync["seconds"], ".0f"),
-            _fmt(sync.get("verify_max_abs_dlogp"), ".1e"),
-            _fmt(rec.get("rollout_max_abs_dlogp"), ".1e"),
-            _fmt(sync.get("policy_shift"), ".1e"),
-        ))
+        rows.append(
+            (
+                str(rec["step"]),
+                _fmt(rec.get("reward"), ".3f"),
+                str(sync.get("strategy", "(no sync)")),
+                _fmt(sync.get("mb"), ".3f"),
+                _fmt(None if sync.get("seconds") is None else 1000 * sync["seconds"], ".0f"),
+                _fmt(sync.get("verify_max_abs_dlogp"), ".1e"),
+                _fmt(rec.get("rollout_max_abs_dlogp"), ".1e"),
+                _fmt(sync.get("policy_shift"), ".1e"),
+            )
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines.append("  ".join("-" * w for w in widths))

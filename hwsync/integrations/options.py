@@ -6,6 +6,7 @@ ranks, rollout servers) and are validated once, when the trainer is built, so a 
 rather than at the first sync. Python callers may pass a :class:`SyncOptions` instead (TRL:
 ``hwsync.trl.GRPOTrainer(..., hwsync_options=...)``).
 """
+
 from __future__ import annotations
 
 import math
@@ -13,12 +14,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hwsync.trainer.api import parse_bucket_mb
 from hwsync.common.errors import HwsyncError, OptionError, SyncError
 from hwsync.common.protocol import split_address
 from hwsync.common.tokens import check_token
-from hwsync.trainer.verify import Gate, parse_gate
 from hwsync.common.wire import Strategy
+from hwsync.trainer.api import parse_bucket_mb
+from hwsync.trainer.verify import Gate, parse_gate
 
 __all__ = ["ENV", "OptionError", "SyncOptions"]
 
@@ -87,14 +88,16 @@ class SyncOptions:
             bucket_mb=parse_bucket_mb(raw("bucket_mb")),
             verify_every=int(_number(raw("verify_every"), ENV["verify_every"], int, minimum=0, default=1) or 0),
             verify_atol=_number(raw("verify_atol"), ENV["verify_atol"], float, minimum=0.0, default=None),
-            verify_prompts=int(_number(raw("verify_prompts"), ENV["verify_prompts"], int, minimum=1, default=2,
-                                       exclusive=False) or 2),
+            verify_prompts=int(
+                _number(raw("verify_prompts"), ENV["verify_prompts"], int, minimum=1, default=2, exclusive=False) or 2
+            ),
             metrics_path=raw("metrics_path"),
             server=_address(raw("server")),
             token=raw("token"),
             verify_gate=parse_gate(g, ENV["verify_gate"]) if (g := raw("verify_gate")) else None,
-            verify_logprobs_every=int(_number(raw("verify_logprobs_every"), ENV["verify_logprobs_every"], int,
-                                              minimum=0, default=50) or 0),
+            verify_logprobs_every=int(
+                _number(raw("verify_logprobs_every"), ENV["verify_logprobs_every"], int, minimum=0, default=50) or 0
+            ),
         )
 
     @property
@@ -111,7 +114,8 @@ class SyncOptions:
             raise OptionError(
                 f"{setup} with hwsync needs {' and '.join(missing)} in the environment of both {processes}: "
                 f"{ENV['server']}=host:port (a free port for hwsync's sync server, not {not_port}) and "
-                f"{ENV['token']}=<shared secret>, e.g. {ENV['token']}=$(hwsync token)")
+                f"{ENV['token']}=<shared secret>, e.g. {ENV['token']}=$(hwsync token)"
+            )
         try:
             return self.server, check_token(self.token)
         except SyncError as e:
@@ -129,15 +133,18 @@ def _address(text: str | None) -> str | None:
         except HwsyncError:
             port = 0
         if not 0 < port < 65536:
-            raise OptionError(f"{ENV['server']}={text!r}: write it as host:port, e.g. 127.0.0.1:29555, or one "
-                              "host:port per data-parallel rollout engine, comma-separated")
+            raise OptionError(
+                f"{ENV['server']}={text!r}: write it as host:port, e.g. 127.0.0.1:29555, or one "
+                "host:port per data-parallel rollout engine, comma-separated"
+            )
     if len(set(addresses)) != len(addresses):
         raise OptionError(f"{ENV['server']}={text!r} names an address twice: one host:port per engine")
     return ",".join(addresses)
 
 
-def _number(text: str | None, var: str, kind: type, *, minimum: float, default: float | None = None,
-            exclusive: bool = False) -> float | int | None:
+def _number(
+    text: str | None, var: str, kind: type, *, minimum: float, default: float | None = None, exclusive: bool = False
+) -> float | int | None:
     if text is None:
         return default
     try:

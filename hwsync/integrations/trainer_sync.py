@@ -3,11 +3,12 @@
 :class:`TrainerSync` holds one training run's side of the contract: :func:`hwsync.sync` (strategy, bucket size and
 adapter identity from :class:`~hwsync.integrations.options.SyncOptions`), :func:`hwsync.verify`'s checks every
 ``verify_every`` syncs on the run's own prompts (the first rollout batch's), the rollout check (the logprobs the
-engine sampled with against the trainer's, on the sampled tokens), and the JSONL records of :mod:`hwsync.integrations.metrics`.
-A failed check raises :class:`~hwsync.common.errors.VerifyError`: training stops rather than learn from rollouts of
-another policy. The trainer integration decides only *when* to call it and where its numbers go in the trainer's
-own logs.
+engine sampled with against the trainer's, on the sampled tokens), and the JSONL records of
+:mod:`hwsync.integrations.metrics`. A failed check raises :class:`~hwsync.common.errors.VerifyError`: training stops
+rather than learn from rollouts of another policy. The trainer integration decides only *when* to call it and where its
+numbers go in the trainer's own logs.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,15 @@ logger = logging.getLogger("hwsync")
 class TrainerSync:
     """One run's syncs, checks and records (rank 0 writes the records; every rank syncs and checks)."""
 
-    def __init__(self, options: SyncOptions, *, metrics_path: str | None = None, lora_name: str | None = None,
-                 lora_int_id: int | None = None, log: Callable[[str], None] = logger.info) -> None:
+    def __init__(
+        self,
+        options: SyncOptions,
+        *,
+        metrics_path: str | None = None,
+        lora_name: str | None = None,
+        lora_int_id: int | None = None,
+        log: Callable[[str], None] = logger.info,
+    ) -> None:
         self.options = options
         self.lora_name, self.lora_int_id = lora_name, lora_int_id
         self.log = log
@@ -53,16 +61,22 @@ class TrainerSync:
     # ---------------------------------------------------------------------------------------------------- sync
     def sync(self, target: Any, model: nn.Module, step: int) -> tuple[Any, dict[str, Any]]:
         """Sync ``model`` into ``target`` (``None``: a rank of a sharded trainer whose rank 0 holds the engine), then
-        check it when due. Returns the :class:`~hwsync.trainer.report.SyncReport` (``None`` on such ranks) and the numbers
-        for the trainer's logs (``hwsync/sync_ms``, ``hwsync/sync_mb``, ``hwsync/verify_*_abs_dlogp``)."""
+        check it when due. Returns the :class:`~hwsync.trainer.report.SyncReport` (``None`` on such ranks) and the
+        numbers for the trainer's logs (``hwsync/sync_ms``, ``hwsync/sync_mb``, ``hwsync/verify_*_abs_dlogp``)."""
         from hwsync.trainer.api import sync as hwsync_sync
         from hwsync.trainer.verify import check, trainer_gate
 
         opts = self.options
         grad_mode = torch.is_grad_enabled()
         try:
-            report = hwsync_sync(target, model, strategy=opts.strategy, bucket_mb=opts.bucket_mb,
-                                 lora_name=self.lora_name, lora_int_id=self.lora_int_id)
+            report = hwsync_sync(
+                target,
+                model,
+                strategy=opts.strategy,
+                bucket_mb=opts.bucket_mb,
+                lora_name=self.lora_name,
+                lora_int_id=self.lora_int_id,
+            )
         finally:
             torch.set_grad_enabled(grad_mode)  # the next backward needs autograd exactly as the trainer left it
         self.syncs += 1
@@ -80,8 +94,17 @@ class TrainerSync:
             # check and every N-th, the base whole and the check prompts' logprobs (+ the model's numerics spread):
             # the step's rollouts carry the logprob evidence in between. One prompt per engine call (vLLM 0.32's
             # LoRA prompt logprobs). Ranks without the engine run the same check on rank 0's answers.
-            verdict = check(target, model, self.probe, gate=opts.verify_gate, atol=opts.verify_atol, batch=False,
-                            logprobs=with_logprobs, whole_base=with_logprobs, spread=with_logprobs or None)
+            verdict = check(
+                target,
+                model,
+                self.probe,
+                gate=opts.verify_gate,
+                atol=opts.verify_atol,
+                batch=False,
+                logprobs=with_logprobs,
+                whole_base=with_logprobs,
+                spread=with_logprobs or None,
+            )
             if with_logprobs:
                 self.spread = verdict.spread
                 shift = self.policy_shift(model)
@@ -90,30 +113,44 @@ class TrainerSync:
             for why in verdict.weak:
                 self.weak += 1
                 self.log(f"hwsync: weak evidence after sync v{report.version if report else '?'}: {why}")
-            self.log(f"hwsync: verify after sync v{report.version if report else '?'}: "
-                     f"{'passed' if verdict.ok else 'FAILED'} "
-                     f"({'; '.join(f'{c.name} ok' if c.ok else f'{c.name} FAILED' for c in verdict.checks)})"
-                     + "".join(f"; logprobs: {c.detail}" for c in verdict.checks if c.name == "logprobs")
-                     + f" ({verify_s:.3f}s)")
+            self.log(
+                f"hwsync: verify after sync v{report.version if report else '?'}: "
+                f"{'passed' if verdict.ok else 'FAILED'} "
+                f"({'; '.join(f'{c.name} ok' if c.ok else f'{c.name} FAILED' for c in verdict.checks)})"
+                + "".join(f"; logprobs: {c.detail}" for c in verdict.checks if c.name == "logprobs")
+                + f" ({verify_s:.3f}s)"
+            )
         if report is None:  # a rank without the engine: rank 0 records; the same verdict stops this rank too
             if verdict is not None and not verdict.ok:
                 raise VerifyError(f"after the sync (step {step}; checked by rank 0's engine): {verdict.message()}")
             return None, {}
         a = verdict.agreement if verdict is not None and verdict.agreement.tokens else None
-        record = dict(step=step, strategy=report.strategy, reason=report.reason, mode=report.mode,
-                      version=report.version, tensors=report.tensors, base_tensors=report.base_tensors,
-                      lora_tensors=report.lora_tensors, bytes=report.bytes, mb=report.bytes / 1e6,
-                      seconds=report.seconds, buckets=report.buckets, path=report.path,
-                      verify_max_abs_dlogp=a.max_abs_diff if a else None,
-                      verify_mean_abs_dlogp=a.mean_abs_diff if a else None,
-                      verify_ok=verdict.ok if verdict else None,
-                      verify_failed=[c.name for c in verdict.failed] if verdict else None,
-                      verify_skipped=list(verdict.skipped) if verdict else None,
-                      verify_tokens=a.tokens if a else 0,
-                      greedy_mismatches=len(a.greedy_mismatches) if a else 0, policy_shift=shift,
-                      verify_seconds=verify_s if verdict is not None else None,
-                      verify_weak=list(verdict.weak) if verdict else None,
-                      numerics_spread=self.spread.mean_abs if self.spread is not None else None)
+        record = dict(
+            step=step,
+            strategy=report.strategy,
+            reason=report.reason,
+            mode=report.mode,
+            version=report.version,
+            tensors=report.tensors,
+            base_tensors=report.base_tensors,
+            lora_tensors=report.lora_tensors,
+            bytes=report.bytes,
+            mb=report.bytes / 1e6,
+            seconds=report.seconds,
+            buckets=report.buckets,
+            path=report.path,
+            verify_max_abs_dlogp=a.max_abs_diff if a else None,
+            verify_mean_abs_dlogp=a.mean_abs_diff if a else None,
+            verify_ok=verdict.ok if verdict else None,
+            verify_failed=[c.name for c in verdict.failed] if verdict else None,
+            verify_skipped=list(verdict.skipped) if verdict else None,
+            verify_tokens=a.tokens if a else 0,
+            greedy_mismatches=len(a.greedy_mismatches) if a else 0,
+            policy_shift=shift,
+            verify_seconds=verify_s if verdict is not None else None,
+            verify_weak=list(verdict.weak) if verdict else None,
+            numerics_spread=self.spread.mean_abs if self.spread is not None else None,
+        )
         if self.records is not None:
             self.records.write("sync", **record)
         self.log(report.line())
@@ -121,13 +158,16 @@ class TrainerSync:
         if verdict is not None:
             numbers["hwsync/verify_ms"] = 1000 * verify_s
         if a is not None:
-            numbers.update({"hwsync/verify_max_abs_dlogp": a.max_abs_diff,
-                            "hwsync/verify_mean_abs_dlogp": a.mean_abs_diff})
+            numbers.update(
+                {"hwsync/verify_max_abs_dlogp": a.max_abs_diff, "hwsync/verify_mean_abs_dlogp": a.mean_abs_diff}
+            )
         if verdict is not None and not verdict.ok:
             where = f"after sync v{report.version} (step {step}, strategy {report.strategy})"
-            raise VerifyError(f"{where}: rollouts would not come from the policy being trained. {verdict.message()}"
-                              f"\nAlso: `hwsync doctor` (patches, capabilities); {ENV['strategy']}=full does not "
-                              "depend on adapter routing")
+            raise VerifyError(
+                f"{where}: rollouts would not come from the policy being trained. {verdict.message()}"
+                f"\nAlso: `hwsync doctor` (patches, capabilities); {ENV['strategy']}=full does not "
+                "depend on adapter routing"
+            )
         return report, numbers
 
     def policy_shift(self, model: nn.Module) -> float:
@@ -140,8 +180,15 @@ class TrainerSync:
         return max((float((a - b).abs().max()) for a, b in zip(now, self._probe_ref) if a.numel()), default=0.0)
 
     # ---------------------------------------------------------------------------------------------------- rollouts
-    def rollout_check(self, trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor, *,
-                      step: int, exact_sampling: bool) -> float | None:
+    def rollout_check(
+        self,
+        trainer_logps: torch.Tensor,
+        engine_logps: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        step: int,
+        exact_sampling: bool,
+    ) -> float | None:
         """Compare the logprobs the engine sampled with (``engine_logps``) with the trainer's on the same tokens
         (``mask``: the completion tokens); returns max |Δ| (``None`` without tokens). When the check is on and the
         sampling is the plain distribution (``exact_sampling``: no top-k / top-p / min-p / penalties, which
@@ -156,10 +203,12 @@ class TrainerSync:
         self._rollout = (max(prev, worst) if worst == worst else worst, count + int(mask.sum()))
         gap = self._rollout_gap(d, worst)
         if self.options.verify_every and gap and exact_sampling:
-            message = (f"step {step}: the engine sampled this step's rollouts with logprobs away from the trainer's "
-                       f"({gap}) although hwsync.verify passed after the sync: the trainer did not generate with the "
-                       f"weights/adapter hwsync delivered. Run `hwsync doctor`; {ENV['strategy']}=full does not "
-                       "depend on adapter routing")
+            message = (
+                f"step {step}: the engine sampled this step's rollouts with logprobs away from the trainer's "
+                f"({gap}) although hwsync.verify passed after the sync: the trainer did not generate with the "
+                f"weights/adapter hwsync delivered. Run `hwsync doctor`; {ENV['strategy']}=full does not "
+                "depend on adapter routing"
+            )
             if self.records is not None:
                 self.records.write("error", step=step, message=message)
             raise VerifyError(message)
@@ -187,9 +236,11 @@ class TrainerSync:
             k = NUMERICS_FACTOR
             if spread_ratio(mean, p90, spread) <= 1.0:  # NaN: beyond it
                 self.weak += 1
-                self.log(f"hwsync: weak evidence in this step's rollouts: {gap}, within {k:g}x the model's own "
-                         f"numerics spread (mean {spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g}): not evidence of "
-                         "another policy at this depth")
+                self.log(
+                    f"hwsync: weak evidence in this step's rollouts: {gap}, within {k:g}x the model's own "
+                    f"numerics spread (mean {spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g}): not evidence of "
+                    "another policy at this depth"
+                )
                 return ""
             gap += f", beyond {k:g}x the model's numerics spread (mean {spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g})"
         return gap

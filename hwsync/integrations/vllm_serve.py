@@ -3,6 +3,7 @@
 generation while a sync runs). The engine host it starts is :class:`hwsync.engine.served.ServedEngine`; users
 name both through the public face :mod:`hwsync.server.vllm_api`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,17 @@ def serve_args(max_lora_rank: int = 8) -> list[str]:
     """The ``vllm serve`` flags that put hwsync's sync server in the server (``trl vllm-serve ... <these>``):
     LoRA serving up to ``max_lora_rank``, hwsync's worker functions, the middleware. Both processes also need
     ``HWSYNC_SERVER`` / ``HWSYNC_TOKEN`` in their environment."""
-    return ["--enable-lora", "--max-lora-rank", str(int(max_lora_rank)), "--max-loras", "1",
-            "--worker-extension-cls", EXTENSION, "--middleware", MIDDLEWARE]
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(int(max_lora_rank)),
+        "--max-loras",
+        "1",
+        "--worker-extension-cls",
+        EXTENSION,
+        "--middleware",
+        MIDDLEWARE,
+    ]
 
 
 class SyncMiddleware:
@@ -45,8 +55,11 @@ class SyncMiddleware:
     async def __call__(self, scope: Mapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] in ("lifespan", "http") and self.server is None:
             self._start(scope["app"])  # at startup (or the first request where the server runs no lifespan)
-        if scope["type"] == "http" and self.engine is not None and str(scope.get("path", "")).startswith(
-                GENERATION_ROUTES):
+        if (
+            scope["type"] == "http"
+            and self.engine is not None
+            and str(scope.get("path", "")).startswith(GENERATION_ROUTES)
+        ):
             refused = self.engine.refusal()
             if refused is not None:
                 await _reply(send, *refused)
@@ -54,8 +67,8 @@ class SyncMiddleware:
         await self.app(scope, receive, send)
 
     def _start(self, app: Any) -> None:
-        from hwsync.integrations.options import SyncOptions
         from hwsync.engine.server import serve
+        from hwsync.integrations.options import SyncOptions
 
         with self._lock:
             if self.server is not None:
@@ -63,19 +76,27 @@ class SyncMiddleware:
             state = app.state
             opts = SyncOptions.from_env()
             address, token = opts.server_credentials(
-                "hwsync's middleware in `vllm serve`", "the vLLM server and the trainer", "vLLM's --port")
+                "hwsync's middleware in `vllm serve`", "the vLLM server and the trainer", "vLLM's --port"
+            )
             if len(opts.servers) != 1:
-                raise OptionError(f"{opts.server!r}: one vLLM server serves one engine, so HWSYNC_SERVER names one "
-                                  "host:port here (the trainer lists one per server)")
-            self.engine = ServedEngine(state.engine_client, asyncio.get_running_loop(),
-                                       getattr(state, "openai_serving_models", None))
+                raise OptionError(
+                    f"{opts.server!r}: one vLLM server serves one engine, so HWSYNC_SERVER names one "
+                    "host:port here (the trainer lists one per server)"
+                )
+            self.engine = ServedEngine(
+                state.engine_client, asyncio.get_running_loop(), getattr(state, "openai_serving_models", None)
+            )
             self.server = serve(self.engine, address, token)
             logger.info("hwsync: serving weight syncs into this vLLM server's engine on %s", self.server.address)
 
 
 async def _reply(send: Any, status: int, message: str) -> None:
     body = json.dumps({"error": {"message": message, "type": "HwsyncSync", "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
-

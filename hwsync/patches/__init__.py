@@ -12,10 +12,12 @@ neither transformers, PEFT nor vLLM. Typical use::
 
 Set ``HWSYNC_DISABLE_PATCHES=name,name`` (or ``all``) to keep :func:`apply` from installing some or any.
 """
+
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from hwsync.common.config import read
 
@@ -95,7 +97,9 @@ def disabled() -> set[str]:
     return set(names()) if "all" in raw else raw
 
 
-def hold(name: str, owner: object, then: Callable[[], None] | None = None) -> tuple[weakref.finalize | None, str]:
+def hold(
+    name: str, owner: object, then: Callable[[], None] | None = None
+) -> tuple[weakref.finalize[Any, Any] | None, str]:
     """Hold opt-in patch ``name`` for as long as ``owner`` lives (one scope reference, released when ``owner`` is
     collected, or early by calling the returned finalizer; ``then`` runs first). Returns that finalizer, or ``None``
     and why not where the patch is not in force (switched off by ``HWSYNC_DISABLE_PATCHES``, or its probe does not

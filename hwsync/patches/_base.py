@@ -12,8 +12,10 @@ the attribute alone and emit a :class:`PatchWarning` (recorded in :attr:`Patch.s
 
 Nothing here imports a patch's target until the patch is probed or applied.
 """
+
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import threading
@@ -146,10 +148,8 @@ def _mark(obj: Any, name: str) -> None:
     for target in (obj, getattr(obj, "__func__", None)):
         if target is None:
             continue
-        try:
+        with contextlib.suppress(AttributeError, TypeError):
             setattr(target, WRAPPER_MARK, name)
-        except (AttributeError, TypeError):
-            pass
 
 
 def _marked(obj: Any) -> str | None:
@@ -196,9 +196,9 @@ class Patch:
     upstream: ClassVar[str] = ""
     seen_in: ClassVar[tuple[str, ...]] = ()
     remove_when: ClassVar[str] = ""
-    # opt_in patches are left out of ``apply()`` with no names, hence out of what ``hwsync.engine.vllm_plugin`` (every vLLM
-    # process) and ``hwsync.swift`` install process-wide: the hwsync code that needs one holds it (scoped, e.g. per
-    # worker), or the integration named by ``integration`` applies it.
+    # opt_in patches are left out of ``apply()`` with no names, hence out of what ``hwsync.engine.vllm_plugin``
+    # (every vLLM process) and ``hwsync.swift`` install process-wide: the hwsync code that needs one holds it (scoped,
+    # e.g. per worker), or the integration named by ``integration`` applies it.
     opt_in: ClassVar[bool] = False
     # the integration that applies an opt-in patch by this property (e.g. "swift": hwsync.swift installs those in
     # server mode); "" for patches held by hwsync's own code (the receiver, the backend, a trainer) or not opt-in
@@ -375,8 +375,9 @@ class Patch:
                 if wrapper is not None:
                     self._put_back(target, wrapper)
             if isinstance(e, Exception) and not isinstance(e, PatchError):
-                raise PatchError(f"applying patch {self.name!r} failed ({type(e).__name__}: {e}); nothing was "
-                                 "left patched") from e
+                raise PatchError(
+                    f"applying patch {self.name!r} failed ({type(e).__name__}: {e}); nothing was left patched"
+                ) from e
             raise
         self._applied = done
 
@@ -389,7 +390,9 @@ class Patch:
     def _put_back(self, target: ResolvedTarget, wrapper: Any) -> None:
         current = _current(target.owner, target.attr)
         if current is not wrapper:
-            now = "deleted" if current is _MISSING else f"now {getattr(current, '__qualname__', type(current).__name__)}"
+            now = (
+                "deleted" if current is _MISSING else f"now {getattr(current, '__qualname__', type(current).__name__)}"
+            )
             self.shadowed.append(target.spec)
             warnings.warn(
                 f"hwsync patch {self.name!r}: {target.spec} was replaced after hwsync patched it ({now}); "

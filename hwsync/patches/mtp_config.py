@@ -9,6 +9,7 @@ used and the prefill look-ahead is 1 instead of ``num_speculative_tokens``). The
 :func:`mtp_layers`; hwsync itself uses :func:`mtp_layers` / :func:`mtp_disable_overrides` when it decides
 whether an engine carries MTP weights that a trainer sync does not cover.
 """
+
 from __future__ import annotations
 
 import functools
@@ -100,12 +101,16 @@ class MtpConfigPatch(Patch):
         hf_config = PretrainedConfig()
         hf_config.text_config = PretrainedConfig()
         hf_config.text_config.mtp_num_hidden_layers = 2  # a Qwen3.5-style draft config with two MTP modules
-        spec = SimpleNamespace(method="mtp", num_speculative_tokens=2,
-                               draft_model_config=SimpleNamespace(hf_config=hf_config))
+        spec = SimpleNamespace(
+            method="mtp", num_speculative_tokens=2, draft_model_config=SimpleNamespace(hf_config=hf_config)
+        )
         if self.original()(spec):
             return ProbeResult(NOT_NEEDED, "use_multi_module_mtp already sees a nested mtp_num_hidden_layers=2")
-        return ProbeResult(APPLIES, "use_multi_module_mtp returns False for text_config.mtp_num_hidden_layers=2 "
-                                    "(it reads only the top-level num_nextn_predict_layers)")
+        return ProbeResult(
+            APPLIES,
+            "use_multi_module_mtp returns False for text_config.mtp_num_hidden_layers=2 "
+            "(it reads only the top-level num_nextn_predict_layers)",
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         @functools.wraps(original)

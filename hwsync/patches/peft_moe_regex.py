@@ -24,6 +24,7 @@ every fused target and its (doubled) rank / alpha is recorded on the config unde
 :func:`fused_moe_targets` -- so the sync engine never has to guess that a gate_up LoRA of rank 2r is two rank-r
 branches.
 """
+
 from __future__ import annotations
 
 import functools
@@ -207,8 +208,10 @@ def _convert(peft_config: Any, model: Any, tables: _Tables, hit: Callable[[str],
             rank, alpha = values.pop()  # every layer alike: the compact form PEFT itself writes
             targets.append(FusedMoeTarget(rf".*\.{re.escape(new)}", new, origins[new], rank, alpha))
         else:
-            targets += [FusedMoeTarget(re.escape(path), path, origins[new], rank, alpha)
-                        for path, (rank, alpha) in paths.items()]
+            targets += [
+                FusedMoeTarget(re.escape(path), path, origins[new], rank, alpha)
+                for path, (rank, alpha) in paths.items()
+            ]
     if not targets:
         return  # nothing fused is named: on v5 the targets apply to real modules exactly as written
 
@@ -216,9 +219,14 @@ def _convert(peft_config: Any, model: Any, tables: _Tables, hit: Callable[[str],
     ours_r = {t.pattern: t.rank for t in targets if t.rank != peft_config.r or t.factor > 1}
     ours_a = {t.pattern: t.alpha for t in targets if t.alpha != peft_config.lora_alpha or t.factor > 1}
     # ours first: PEFT takes the first matching key, and a user key such as ".*" must not undo the fusion
-    peft_config.rank_pattern = {**ours_r, **{k: v for k, v in (peft_config.rank_pattern or {}).items() if k not in ours_r}}
-    peft_config.alpha_pattern = {**ours_a,
-                                 **{k: v for k, v in (peft_config.alpha_pattern or {}).items() if k not in ours_a}}
+    peft_config.rank_pattern = {
+        **ours_r,
+        **{k: v for k, v in (peft_config.rank_pattern or {}).items() if k not in ours_r},
+    }
+    peft_config.alpha_pattern = {
+        **ours_a,
+        **{k: v for k, v in (peft_config.alpha_pattern or {}).items() if k not in ours_a},
+    }
     if routers:
         # the targets still name the router modules, which PEFT cannot wrap on v5: exclude exactly those
         ex = peft_config.exclude_modules
@@ -251,16 +259,27 @@ class PeftMoeRegexPatch(Patch):
     targets = ("peft.utils.transformers_weight_conversion:convert_peft_config_for_transformers",)
     upstream = "https://github.com/huggingface/peft/blob/v0.20.0/src/peft/utils/transformers_weight_conversion.py"
     seen_in = ("peft 0.20.0 + transformers 5.19",)
-    remove_when = ("PEFT keeps a regex target_modules as written and matches it against per-expert v4 names, "
-                   "and records fused rank doubling")
+    remove_when = (
+        "PEFT keeps a regex target_modules as written and matches it against per-expert v4 names, "
+        "and records fused rank doubling"
+    )
 
     def check(self) -> ProbeResult:
         import torch
         from peft import LoraConfig
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        small: dict[str, Any] = dict(vocab_size=32, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=2,
-                     num_attention_heads=1, num_key_value_heads=1, head_dim=32, num_experts=2, num_experts_per_tok=1)
+        small: dict[str, Any] = dict(
+            vocab_size=32,
+            hidden_size=32,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=32,
+            num_experts=2,
+            num_experts_per_tok=1,
+        )
         with torch.device("meta"):
             model: Any = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=32, **small))
         config = LoraConfig(r=2, lora_alpha=4, target_modules=_PROBE_REGEX)
@@ -276,13 +295,16 @@ class PeftMoeRegexPatch(Patch):
             if not {"gate_up_proj", "down_proj"} <= {p.rsplit(".", 1)[-1] for p in config.target_parameters or ()}:
                 problems.append("drops the experts a regex names")
         try:
-            from transformers import Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM
+            from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
         except ImportError:  # transformers < 5.2: no Qwen3.5
             pass
         else:
             with torch.device("meta"):
-                model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(
-                    shared_expert_intermediate_size=32, layer_types=["full_attention"] * 2, **small))
+                model = Qwen3_5MoeForCausalLM(
+                    Qwen3_5MoeTextConfig(
+                        shared_expert_intermediate_size=32, layer_types=["full_attention"] * 2, **small
+                    )
+                )
             config = LoraConfig(r=2, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"])
             self.original()(config, model=model, conversions=None)
             if "gate_up_proj" not in (config.target_parameters or ()):

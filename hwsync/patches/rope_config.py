@@ -5,6 +5,7 @@ vLLM 0.18's Qwen3.5 configs (and vllm-ascend stacks built on them) pass a list, 
 ``TypeError: unsupported operand type(s) for |``. vLLM >= 0.19 passes a set literal (vLLM PR 37338) and later
 transformers releases accept any iterable. Older transformers (4.x) have no such method: nothing to patch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,8 +21,14 @@ _KEY = "ignore_keys_at_rope_validation"
 def _tiny_config() -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=1, num_key_value_heads=1)
+    return LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
 
 
 class RopeConfigPatch(Patch):

@@ -15,17 +15,19 @@ reference to the engine: ``--external_plugins`` are imported before the engine e
 with PyNccl, which vLLM's CPU build disables silently (no NCCL library): the trainer "syncs" and the engine keeps
 serving the old weights.
 
-The wrapper keeps vLLM's engine core in the worker process (:func:`hwsync.integrations.swift._server.keep_engine_in_process`:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM's GPU default would otherwise not be), calls the original, then
-:func:`hwsync.integrations.swift._server.serve_rollout_engine` on the engine it returns,
-which starts :func:`hwsync.serve` when ``HWSYNC_SERVER`` is set (and does nothing otherwise) and closes ms-swift's own
-weight-writing routes on that engine (:func:`hwsync.integrations.swift._server.close_weight_routes`:
-``/update_flattened_params/``, ... reach it without a key, past hwsync's lock and stale flag). ``/init_communicator/``
-stays open: ms-swift's GRPO trainer calls it while parsing its arguments, before its plugins are imported, and waits
-for the engine to join (the group carries nothing while hwsync serves). Installed by the hwsync ms-swift plugin
-(``hwsync.swift.install``) in the processes that import it, which hands the wrapper its two steps (:func:`serve_with`:
-a patch calls into no hwsync module); the probes say *not needed* unless ``HWSYNC_SERVER`` asks for hwsync's server.
+The wrapper keeps vLLM's engine core in the worker process
+(:func:`hwsync.integrations.swift._server.keep_engine_in_process`: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which vLLM's
+GPU default would otherwise not be), calls the original, then
+:func:`hwsync.integrations.swift._server.serve_rollout_engine` on the engine it returns, which starts
+:func:`hwsync.serve` when ``HWSYNC_SERVER`` is set (and does nothing otherwise) and closes ms-swift's own weight-writing
+routes on that engine (:func:`hwsync.integrations.swift._server.close_weight_routes`: ``/update_flattened_params/``, ...
+reach it without a key, past hwsync's lock and stale flag). ``/init_communicator/`` stays open: ms-swift's GRPO trainer
+calls it while parsing its arguments, before its plugins are imported, and waits for the engine to join (the group
+carries nothing while hwsync serves). Installed by the hwsync ms-swift plugin (``hwsync.swift.install``) in the
+processes that import it, which hands the wrapper its two steps (:func:`serve_with`: a patch calls into no hwsync
+module); the probes say *not needed* unless ``HWSYNC_SERVER`` asks for hwsync's server.
 """
+
 from __future__ import annotations
 
 import functools
@@ -75,8 +77,9 @@ class SwiftRolloutCpuPatch(Patch):
 
         if get_device_count() > 0:
             return ProbeResult(NOT_NEEDED, "ms-swift counts devices on this CPU platform")
-        return ProbeResult(APPLIES, "vLLM's CPU platform, and ms-swift counts 0 devices: swift rollout refuses "
-                                    "to start")
+        return ProbeResult(
+            APPLIES, "vLLM's CPU platform, and ms-swift counts 0 devices: swift rollout refuses to start"
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         if not callable(original):
@@ -96,8 +99,10 @@ class SwiftRolloutServePatch(Patch):
     targets = ("swift.pipelines.infer.rollout:SwiftRolloutDeploy.get_infer_engine",)
     upstream = "https://github.com/modelscope/ms-swift/blob/v4.6.0/swift/pipelines/infer/rollout.py"
     seen_in = ("ms-swift 4.6.0",)
-    remove_when = ("ms-swift lets a plugin reach (or extend) the rollout engine it builds, e.g. a configurable "
-                   "worker_extension_cls or an engine-built hook")
+    remove_when = (
+        "ms-swift lets a plugin reach (or extend) the rollout engine it builds, e.g. a configurable "
+        "worker_extension_cls or an engine-built hook"
+    )
     opt_in = True
     integration = "swift"  # applied by hwsync.swift in server mode
 
@@ -105,8 +110,11 @@ class SwiftRolloutServePatch(Patch):
         if not os.environ.get(_SERVER_ENV):
             return ProbeResult(NOT_NEEDED, f"server mode not requested ({_SERVER_ENV} unset)")
         if "WeightSyncWorkerExtension" not in (self.original_source() or ""):
-            return ProbeResult(NOT_NEEDED, "get_infer_engine no longer hard-codes ms-swift's worker extension; "
-                                           "check whether ms-swift now offers a hook and retire this patch")
+            return ProbeResult(
+                NOT_NEEDED,
+                "get_infer_engine no longer hard-codes ms-swift's worker extension; "
+                "check whether ms-swift now offers a hook and retire this patch",
+            )
         return ProbeResult(APPLIES, f"{_SERVER_ENV} is set and ms-swift gives plugins no handle on the engine")
 
     def replacement(self, original: Any, target: str) -> Any:
@@ -117,8 +125,10 @@ class SwiftRolloutServePatch(Patch):
         @functools.wraps(build)
         def get_infer_engine(*args: Any, **kwargs: Any) -> Any:
             if not _steps:
-                raise PatchError("swift_rollout_serve is installed without its serve steps: install it through "
-                                 "hwsync's ms-swift plugin (hwsync.swift.install), which passes them")
+                raise PatchError(
+                    "swift_rollout_serve is installed without its serve steps: install it through "
+                    "hwsync's ms-swift plugin (hwsync.swift.install), which passes them"
+                )
             before, serve = _steps[0]
             before()
             engine = build(*args, **kwargs)

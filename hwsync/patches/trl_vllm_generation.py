@@ -14,6 +14,7 @@ it), ``LLM`` receives hwsync's engine settings on top of TRL's arguments (``enab
 ``quantization=None`` for a 4-bit trainer, the user's ``engine_kwargs``), and ``init_communicator`` does nothing.
 Outside that block both behave exactly as TRL's own, and the patch is removed again when the block ends.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,10 @@ class TrlVllmGenerationPatch(Patch):
     targets = (_LLM, _COMMUNICATOR)
     upstream = "https://github.com/huggingface/trl/blob/v1.16.0/trl/generation/vllm_generation.py"
     seen_in = ("trl 1.16.0",)
-    remove_when = ("TRL lets a trainer pass vLLM engine arguments (enable_lora, max_lora_rank, ...) to "
-                   "VLLMGeneration and skip its weight-transfer group, e.g. with adapter sync (trl#5188)")
+    remove_when = (
+        "TRL lets a trainer pass vLLM engine arguments (enable_lora, max_lora_rank, ...) to "
+        "VLLMGeneration and skip its weight-transfer group, e.g. with adapter sync (trl#5188)"
+    )
     opt_in = True  # held by hwsync.trl.GRPOTrainer around its construction only
 
     def check(self) -> ProbeResult:
@@ -61,14 +64,23 @@ class TrlVllmGenerationPatch(Patch):
         except (OSError, TypeError):
             source = ""
         if "LLM(" not in source:
-            return ProbeResult(NOT_NEEDED, "VLLMGeneration._init_vllm no longer builds vllm.LLM itself: check how "
-                                           "TRL builds its engine now and retire this patch")
+            return ProbeResult(
+                NOT_NEEDED,
+                "VLLMGeneration._init_vllm no longer builds vllm.LLM itself: check how "
+                "TRL builds its engine now and retire this patch",
+            )
         if "enable_lora" in source:
-            return ProbeResult(NOT_NEEDED, "TRL builds its colocated engine with enable_lora: pass hwsync's settings "
-                                           "through TRL and retire this patch")
-        return ProbeResult(APPLIES, "TRL builds its colocated vLLM engine without LoRA serving (its sync merges the "
-                                    "adapter into every weight) and its server client joins vLLM's NCCL "
-                                    "weight-transfer group (CUDA only)")
+            return ProbeResult(
+                NOT_NEEDED,
+                "TRL builds its colocated engine with enable_lora: pass hwsync's settings "
+                "through TRL and retire this patch",
+            )
+        return ProbeResult(
+            APPLIES,
+            "TRL builds its colocated vLLM engine without LoRA serving (its sync merges the "
+            "adapter into every weight) and its server client joins vLLM's NCCL "
+            "weight-transfer group (CUDA only)",
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         if target == _LLM:

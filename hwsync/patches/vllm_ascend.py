@@ -12,6 +12,7 @@ The layout knowledge lives in :mod:`hwsync.common.npu.ascend_layouts`; this modu
 Tested against the released functions of vllm-ascend 0.23.0.post1 on a vLLM CPU engine
 (``tests/test_vllm_ascend_released_code_on_cpu.py``); never run on an Ascend NPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,17 +33,24 @@ class VllmAscendPatch(Patch):
     name = "vllm_ascend"
     targets = (_PROCESS, _WAKE_UP)
     upstream = "https://github.com/vllm-project/vllm-ascend/blob/v0.23.0/vllm_ascend/ops/fused_moe/fused_moe.py"
-    seen_in = ("vllm-ascend 0.13.0 .. 0.25.1rc1 (new Parameter without weight_loader)",
-               "vllm-ascend main 2026-11 (loader kept, but writes checkpoint orientation into processed storage)")
-    remove_when = "vllm-ascend's processed experts carry a layout-aware weight_loader and wake_up no longer "\
-                  "guesses layouts from shapes"
+    seen_in = (
+        "vllm-ascend 0.13.0 .. 0.25.1rc1 (new Parameter without weight_loader)",
+        "vllm-ascend main 2026-11 (loader kept, but writes checkpoint orientation into processed storage)",
+    )
+    remove_when = (
+        "vllm-ascend's processed experts carry a layout-aware weight_loader and wake_up no longer "
+        "guesses layouts from shapes"
+    )
 
     def check(self) -> ProbeResult:
         import vllm_ascend
 
         version = getattr(vllm_ascend, "__version__", "unknown")
-        return ProbeResult(APPLIES, f"vllm-ascend {version}: processed experts have no layout-aware weight_loader "
-                                    "in any known release (version range; no NPU-free behavioural probe)")
+        return ProbeResult(
+            APPLIES,
+            f"vllm-ascend {version}: processed experts have no layout-aware weight_loader "
+            "in any known release (version range; no NPU-free behavioural probe)",
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         if target == _WAKE_UP:

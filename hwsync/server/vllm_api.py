@@ -3,6 +3,7 @@
 The code lives in :mod:`hwsync.integrations.vllm_serve` (the middleware, :func:`serve_args`) and
 :mod:`hwsync.engine.served` (:class:`ServedEngine`, the engine host inside vLLM's API server).
 """
+
 from hwsync.engine.served import GENERATION_ROUTES, ServedEngine
 from hwsync.integrations.vllm_serve import SyncMiddleware, serve_args
 

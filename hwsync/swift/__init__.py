@@ -2,6 +2,7 @@
 
 The code lives in :mod:`hwsync.integrations.swift` (importing it installs the plugin).
 """
+
 from hwsync.integrations.swift import (
     ENV,
     OptionError,
@@ -15,5 +16,15 @@ from hwsync.integrations.swift import (
     uninstall,
 )
 
-__all__ = ["ENV", "OptionError", "PluginError", "SwiftOptions", "UnsupportedSetupError", "format_summary", "install",
-           "installed", "read_metrics", "uninstall"]
+__all__ = [
+    "ENV",
+    "OptionError",
+    "PluginError",
+    "SwiftOptions",
+    "UnsupportedSetupError",
+    "format_summary",
+    "install",
+    "installed",
+    "read_metrics",
+    "uninstall",
+]

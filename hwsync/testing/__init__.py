@@ -3,6 +3,7 @@ engine-own references (what vLLM serves when it loads the same weights itself).
 
 Nothing here downloads anything; heavy imports (torch, transformers, vllm) happen inside the functions.
 """
+
 from __future__ import annotations
 
 from .engine import (
@@ -11,8 +12,8 @@ from .engine import (
     engine_args,
     engine_patches,
     make_llm,
-    patched_llm,
     on_cpu,
+    patched_llm,
     portable_kernel_args,
     require_vllm,
     vllm_cpu_env,

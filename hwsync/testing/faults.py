@@ -23,6 +23,7 @@ order                       before issue 29) instead of vLLM's order (cast to th
 previous step synced        a complete, valid sync of the previous step's weights (the trainer moved on)
 =========================== ================================================================================
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,13 @@ from torch import Tensor
 
 __all__ = ["ADAPTER_FAULTS", "BASE_FAULTS", "FAULTS", "FaultInjector", "applicable"]
 
-ADAPTER_FAULTS = ("adapter not installed", "stale adapter id", "LoRA scaling 2x", "LoRA slot not written",
-                  "scaling folded in another order")
+ADAPTER_FAULTS = (
+    "adapter not installed",
+    "stale adapter id",
+    "LoRA scaling 2x",
+    "LoRA slot not written",
+    "scaling folded in another order",
+)
 BASE_FAULTS = ("post-load skipped", "layer experts not written", "experts transposed", "gate/up swapped")
 FAULTS = ADAPTER_FAULTS + BASE_FAULTS + ("previous step synced",)
 
@@ -113,9 +119,9 @@ def _reload(worker: Any, items: Sequence[tuple[str, Tensor]], skip_post_load: bo
     """Write trainer tensors into the engine through vLLM's own ``reload_weights`` (the sync's reload path),
     optionally with every MoE kernel's post-load step made a no-op for this reload; whether the parameters the
     tensors land in changed."""
+    from hwsync.common.wire import TensorSpec
     from hwsync.engine.vllm.applier import lora_manager_of, model_of, vllm_reload, vllm_spellings
     from hwsync.engine.vllm.worker import receiver_of, unwrap_worker
-    from hwsync.common.wire import TensorSpec
 
     w = unwrap_worker(worker)
     rec = receiver_of(w)
@@ -263,8 +269,8 @@ class FaultInjector:
         """Whether folding the trainer's LoRA scalings in fp32 (one rounding) gives other bits than vLLM's order in
         the engine's LoRA dtype, for any module (no: every scaling a power of two, or an fp32 LoRA dtype)."""
         from hwsync.common.lora_formats import extract_peft_lora, fold_scaling
-        from hwsync.trainer.payload import active_adapter_name
         from hwsync.common.wire import dtype_from_name
+        from hwsync.trainer.payload import active_adapter_name
 
         lora_dtype = self.engine.describe().lora_dtype
         if not lora_dtype:
@@ -272,8 +278,10 @@ class FaultInjector:
         dtype = dtype_from_name(lora_dtype)
         adapter = extract_peft_lora(self.model, active_adapter_name(self.model))
         with torch.no_grad():
-            return any(not torch.equal(fold_scaling(m.lora_B, m.scaling, dtype), _fold_fp32(m.lora_B, m.scaling, dtype))
-                       for m in adapter.modules.values())
+            return any(
+                not torch.equal(fold_scaling(m.lora_B, m.scaling, dtype), _fold_fp32(m.lora_B, m.scaling, dtype))
+                for m in adapter.modules.values()
+            )
 
     def _strategy(self) -> str:
         from hwsync.trainer.api import last_plan
@@ -360,7 +368,8 @@ def _perturb(model: torch.nn.Module, gen: torch.Generator, names: set[str]) -> N
             g = gens.get(p.device)
             if g is None:
                 g = gens[p.device] = torch.Generator(device=p.device).manual_seed(
-                    int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+                    int(torch.randint(0, 2**31 - 1, (), generator=gen))
+                )
             noise = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
             if "lora_" in name:
                 p.add_((noise * 0.05).to(p.dtype))
@@ -378,13 +387,28 @@ def metrics(report: Any) -> dict[str, float]:
     out = {c.name: float(c.value) for c in report.checks}
     a = report.agreement
     if a is not None:
-        out.update({"mean |Δlogp|": a.mean_abs_diff, "p90 |Δlogp|": a.p90_abs_diff, "mean |Δp|": a.mean_prob_diff,
-                    "max |Δlogp|": a.max_abs_diff})
+        out.update(
+            {
+                "mean |Δlogp|": a.mean_abs_diff,
+                "p90 |Δlogp|": a.p90_abs_diff,
+                "mean |Δp|": a.mean_prob_diff,
+                "max |Δlogp|": a.max_abs_diff,
+            }
+        )
     return out
 
 
-def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[Sequence[int]], *, steps: int = 20,
-             faults: Sequence[str] = FAULTS, seed: int = 1234, log: Any = None) -> dict[str, Any]:
+def campaign(
+    llm: Any,
+    model: torch.nn.Module,
+    strategy: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    steps: int = 20,
+    faults: Sequence[str] = FAULTS,
+    seed: int = 1234,
+    log: Any = None,
+) -> dict[str, Any]:
     """``steps`` healthy syncs of ``model`` (changing weights; step 8 repeats unchanged weights, step 13 switches back
     to step 4's), each checked by :func:`hwsync.verify.check`; then every applicable fault injected, checked and
     repaired (a healthy check after each repair). Returns ``healthy`` (list of metrics), ``faults`` (fault -> metrics
@@ -408,8 +432,9 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
         report = hwsync.sync(llm, model, strategy=strategy)
         assert report is not None  # an engine was passed
         r = check(llm, model, prompts)
-        healthy.append({**metrics(r), "failed": [c.name for c in r.failed], "message": r.message(),
-                        "version": report.version})
+        healthy.append(
+            {**metrics(r), "failed": [c.name for c in r.failed], "message": r.message(), "version": report.version}
+        )
         if log:
             log(f"{strategy} healthy sync {step}: {'ok' if r.ok else 'FALSE ALARM: ' + r.message()}")
         if step == 4:
@@ -435,6 +460,8 @@ def campaign(llm: Any, model: torch.nn.Module, strategy: str, prompts: Sequence[
         again = check(llm, model, prompts)
         out["repaired"][fault] = again.ok
         if log:
-            log(f"{strategy} {fault}: {'caught by ' + ', '.join(c.name for c in r.failed) if not r.ok else 'MISSED'}"
-                f"; repaired: {again.ok}")
+            log(
+                f"{strategy} {fault}: {'caught by ' + ', '.join(c.name for c in r.failed) if not r.ok else 'MISSED'}"
+                f"; repaired: {again.ok}"
+            )
     return out

@@ -25,6 +25,7 @@ What a cell is checked against (:func:`run_cell`):
 * a refusal: the error names the option (its pattern is part of the cell) and the engine's state (version, stale
   flag, adapter id) is what it was before the call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CELLS", "REFERENCE_ENV", "STRATEGIES", "Cell", "SplitReference", "expected_refusal", "make_trainer", "peft_merge_diff",
-           "reference_policy", "render", "run_cell", "selected_cells", "syncs_per_strategy", "write_results"]
+__all__ = [
+    "CELLS",
+    "REFERENCE_ENV",
+    "STRATEGIES",
+    "Cell",
+    "SplitReference",
+    "expected_refusal",
+    "make_trainer",
+    "peft_merge_diff",
+    "reference_policy",
+    "render",
+    "run_cell",
+    "selected_cells",
+    "syncs_per_strategy",
+    "write_results",
+]
 
 STRATEGIES = ("full", "adapter", "hybrid")
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -80,49 +95,109 @@ def _lora(**kw: Any) -> dict[str, Any]:
 
 _NOT_PLAIN = 'cannot be served as a vLLM LoRA: {}.*strategy="full"'
 CELLS: tuple[Cell, ...] = (
-    Cell("alpha = 2r", "r 4, α 8: scaling 2, a power of two (the one shape the exactness tests used before)",
-         _lora(lora_alpha=8)),
-    Cell("alpha/r not a power of two", "r 4, α 6: scaling 1.5; fp32 adapter weights (PEFT's default autocast)",
-         _lora()),
+    Cell(
+        "alpha = 2r",
+        "r 4, α 8: scaling 2, a power of two (the one shape the exactness tests used before)",
+        _lora(lora_alpha=8),
+    ),
+    Cell(
+        "alpha/r not a power of two", "r 4, α 6: scaling 1.5; fp32 adapter weights (PEFT's default autocast)", _lora()
+    ),
     Cell("rsLoRA", "use_rslora=True, r 8, α 6: scaling 6/√8", _lora(r=8, use_rslora=True)),
-    Cell("rank/alpha_pattern by name", "rank_pattern {k_proj: 2, v_proj: 8}, alpha_pattern {o_proj: 5, q_proj: 3}",
-         _lora(rank_pattern={"k_proj": 2, "v_proj": 8}, alpha_pattern={"o_proj": 5, "q_proj": 3})),
-    Cell("rank/alpha_pattern by regex", "rank_pattern {layers\\.0\\.self_attn\\.q_proj: 8}, alpha_pattern "
-         "{layers\\.1\\.self_attn\\.[kv]_proj: 7, o_proj: 3}",
-         _lora(rank_pattern={r"layers\.0\.self_attn\.q_proj": 8},
-               alpha_pattern={r"layers\.1\.self_attn\.[kv]_proj": 7, "o_proj": 3})),
-    Cell("all-linear", "target_modules='all-linear', r 4, α 6: attention, and (PEFT on transformers 5) the fused "
-         "experts -- gate_up at rank 2r, α 2α -- and the router mlp.gate", _lora(target_modules="all-linear"),
-         experts=True),
-    Cell("experts, rank ≠ attention", "attention r 4 α 6; fused experts (target_parameters) gate_up r 8 α 12, "
-         "down r 8 α 10 via rank/alpha_pattern",
-         _lora(target_parameters=EXPERTS, rank_pattern={"gate_up_proj": 8, "down_proj": 8},
-               alpha_pattern={"gate_up_proj": 12, "down_proj": 10}), experts=True),
-    Cell("bias='lora_only'", "bias='lora_only' on layers without biases (Qwen3-MoE attention): trains no bias",
-         _lora(bias="lora_only")),
-    Cell("bias='all'", "bias='all' on a model without biases: trains no bias (a model with biases is refused: "
-         "tests/test_lora_configs.py)", _lora(bias="all")),
-    Cell("modules_to_save lm_head", "modules_to_save=['lm_head']: a fully trained copy of the output head",
-         _lora(modules_to_save=["lm_head"]),
-         refused={"adapter": _NOT_PLAIN.format("modules_to_save"), "hybrid": _NOT_PLAIN.format("modules_to_save")}),
-    Cell("modules_to_save embed_tokens", "modules_to_save=['embed_tokens']: a fully trained copy of the embeddings",
-         _lora(modules_to_save=["embed_tokens"]),
-         refused={"adapter": _NOT_PLAIN.format("modules_to_save"), "hybrid": _NOT_PLAIN.format("modules_to_save")}),
-    Cell("bf16 adapter", "bf16 trainer, autocast_adapter_dtype=False: LoRA weights kept in bf16; r 4, α 6", _lora(),
-         dtype="bfloat16", autocast=False),
-    Cell("two adapters, set_adapter", "adapters 'default' (r 4, α 6, attention) and 'other' (rsLoRA r 8, α 6, q/v) on "
-         "one model; set_adapter switches between them before every sync",
-         _lora(), second=dict(r=8, lora_alpha=6, use_rslora=True, target_modules=["q_proj", "v_proj"])),
-    Cell("PiSSA init", "init_lora_weights='pissa_niter_4': the base becomes the residual W - BA, which must reach "
-         "the engine", _lora(init_lora_weights="pissa_niter_4")),
+    Cell(
+        "rank/alpha_pattern by name",
+        "rank_pattern {k_proj: 2, v_proj: 8}, alpha_pattern {o_proj: 5, q_proj: 3}",
+        _lora(rank_pattern={"k_proj": 2, "v_proj": 8}, alpha_pattern={"o_proj": 5, "q_proj": 3}),
+    ),
+    Cell(
+        "rank/alpha_pattern by regex",
+        "rank_pattern {layers\\.0\\.self_attn\\.q_proj: 8}, alpha_pattern "
+        "{layers\\.1\\.self_attn\\.[kv]_proj: 7, o_proj: 3}",
+        _lora(
+            rank_pattern={r"layers\.0\.self_attn\.q_proj": 8},
+            alpha_pattern={r"layers\.1\.self_attn\.[kv]_proj": 7, "o_proj": 3},
+        ),
+    ),
+    Cell(
+        "all-linear",
+        "target_modules='all-linear', r 4, α 6: attention, and (PEFT on transformers 5) the fused "
+        "experts -- gate_up at rank 2r, α 2α -- and the router mlp.gate",
+        _lora(target_modules="all-linear"),
+        experts=True,
+    ),
+    Cell(
+        "experts, rank ≠ attention",
+        "attention r 4 α 6; fused experts (target_parameters) gate_up r 8 α 12, down r 8 α 10 via rank/alpha_pattern",
+        _lora(
+            target_parameters=EXPERTS,
+            rank_pattern={"gate_up_proj": 8, "down_proj": 8},
+            alpha_pattern={"gate_up_proj": 12, "down_proj": 10},
+        ),
+        experts=True,
+    ),
+    Cell(
+        "bias='lora_only'",
+        "bias='lora_only' on layers without biases (Qwen3-MoE attention): trains no bias",
+        _lora(bias="lora_only"),
+    ),
+    Cell(
+        "bias='all'",
+        "bias='all' on a model without biases: trains no bias (a model with biases is refused: "
+        "tests/test_lora_configs.py)",
+        _lora(bias="all"),
+    ),
+    Cell(
+        "modules_to_save lm_head",
+        "modules_to_save=['lm_head']: a fully trained copy of the output head",
+        _lora(modules_to_save=["lm_head"]),
+        refused={"adapter": _NOT_PLAIN.format("modules_to_save"), "hybrid": _NOT_PLAIN.format("modules_to_save")},
+    ),
+    Cell(
+        "modules_to_save embed_tokens",
+        "modules_to_save=['embed_tokens']: a fully trained copy of the embeddings",
+        _lora(modules_to_save=["embed_tokens"]),
+        refused={"adapter": _NOT_PLAIN.format("modules_to_save"), "hybrid": _NOT_PLAIN.format("modules_to_save")},
+    ),
+    Cell(
+        "bf16 adapter",
+        "bf16 trainer, autocast_adapter_dtype=False: LoRA weights kept in bf16; r 4, α 6",
+        _lora(),
+        dtype="bfloat16",
+        autocast=False,
+    ),
+    Cell(
+        "two adapters, set_adapter",
+        "adapters 'default' (r 4, α 6, attention) and 'other' (rsLoRA r 8, α 6, q/v) on "
+        "one model; set_adapter switches between them before every sync",
+        _lora(),
+        second=dict(r=8, lora_alpha=6, use_rslora=True, target_modules=["q_proj", "v_proj"]),
+    ),
+    Cell(
+        "PiSSA init",
+        "init_lora_weights='pissa_niter_4': the base becomes the residual W - BA, which must reach the engine",
+        _lora(init_lora_weights="pissa_niter_4"),
+    ),
     Cell("OLoRA init", "init_lora_weights='olora': the base becomes the residual", _lora(init_lora_weights="olora")),
-    Cell("DoRA", "use_dora=True (magnitude vector trained too)", _lora(use_dora=True),
-         refused={"adapter": _NOT_PLAIN.format("use_dora=True"), "hybrid": _NOT_PLAIN.format("use_dora=True")}),
-    Cell("IA3", "IA3 on k/v/o (o as feed-forward): not LoRA", {"target_modules": ["k_proj", "v_proj", "o_proj"],
-                                                             "feedforward_modules": ["o_proj"]}, kind="ia3",
-         refused={s: r"peft_type=IA3, not LoRA.*merge_and_unload" for s in STRATEGIES}),
-    Cell("prompt tuning", "8 virtual tokens: not a weight change", {"num_virtual_tokens": 8},
-         kind="prompt_tuning", refused={s: "peft_type=PROMPT_TUNING.*cannot sync it" for s in STRATEGIES}),
+    Cell(
+        "DoRA",
+        "use_dora=True (magnitude vector trained too)",
+        _lora(use_dora=True),
+        refused={"adapter": _NOT_PLAIN.format("use_dora=True"), "hybrid": _NOT_PLAIN.format("use_dora=True")},
+    ),
+    Cell(
+        "IA3",
+        "IA3 on k/v/o (o as feed-forward): not LoRA",
+        {"target_modules": ["k_proj", "v_proj", "o_proj"], "feedforward_modules": ["o_proj"]},
+        kind="ia3",
+        refused={s: r"peft_type=IA3, not LoRA.*merge_and_unload" for s in STRATEGIES},
+    ),
+    Cell(
+        "prompt tuning",
+        "8 virtual tokens: not a weight change",
+        {"num_virtual_tokens": 8},
+        kind="prompt_tuning",
+        refused={s: "peft_type=PROMPT_TUNING.*cannot sync it" for s in STRATEGIES},
+    ),
 )
 
 
@@ -160,6 +235,7 @@ def syncs_per_strategy(on_gpu: bool) -> tuple[int, int]:
     10 on a GPU, 10 and 3 on CPU (every checked full sync starts a reference engine, which keeps CI short only with
     fewer of them; what a configuration changes about ``full`` -- the merged weights -- is also compared with PEFT's
     own merge, once per cell)."""
+
     def read(var: str, default: int) -> int:
         value = os.environ.get(var, "").strip()
         n = int(value) if value else default
@@ -186,8 +262,7 @@ def make_trainer(cell: Cell, path: str | os.PathLike[str]) -> Any:
         return get_peft_model(model, PromptTuningConfig(task_type="CAUSAL_LM", **cell.config)).eval()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        pm = get_peft_model(model, LoraConfig(lora_dropout=0.0, **cell.config),
-                            autocast_adapter_dtype=cell.autocast)
+        pm = get_peft_model(model, LoraConfig(lora_dropout=0.0, **cell.config), autocast_adapter_dtype=cell.autocast)
         if cell.second is not None:
             pm.add_adapter("other", LoraConfig(lora_dropout=0.0, **cell.second))
     return pm.eval()
@@ -234,8 +309,18 @@ def peft_merge_diff(model: Any) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 # one cell
 # ---------------------------------------------------------------------------------------------------------------
-def run_cell(cell: Cell, llm: Any, reference: Any, checkpoint: str | os.PathLike[str], *, serves_expert_lora: bool,
-             syncs: int, full_syncs: int, strategies: Sequence[str] = STRATEGIES, log: Any = None) -> dict[str, Any]:
+def run_cell(
+    cell: Cell,
+    llm: Any,
+    reference: Any,
+    checkpoint: str | os.PathLike[str],
+    *,
+    serves_expert_lora: bool,
+    syncs: int,
+    full_syncs: int,
+    strategies: Sequence[str] = STRATEGIES,
+    log: Any = None,
+) -> dict[str, Any]:
     """Every strategy of ``cell`` on ``llm`` (one trainer for the cell); strategy -> result (``status`` ``exact`` /
     ``refused`` / ``fail``, ``detail``, ``max_diff``, ``syncs``...). Never raises for a cell's outcome."""
     import torch
@@ -250,8 +335,15 @@ def run_cell(cell: Cell, llm: Any, reference: Any, checkpoint: str | os.PathLike
                 out[strategy] = _refusal(llm, model, strategy, want)
             else:
                 n = full_syncs if strategy == "full" else syncs
-                out[strategy] = _exact(cell, llm, reference, model, strategy, n,
-                                       torch.Generator().manual_seed(1000 + STRATEGIES.index(strategy)))
+                out[strategy] = _exact(
+                    cell,
+                    llm,
+                    reference,
+                    model,
+                    strategy,
+                    n,
+                    torch.Generator().manual_seed(1000 + STRATEGIES.index(strategy)),
+                )
         except Exception as e:  # noqa: BLE001 - recorded as the cell's outcome; the test fails on it
             out[strategy] = {"status": "fail", "detail": f"{type(e).__name__}: {e}"[:600]}
         out[strategy]["seconds"] = round(time.monotonic() - t0, 1)
@@ -275,8 +367,11 @@ def _refusal(llm: Any, model: Any, strategy: str, pattern: str) -> dict[str, Any
     after = engine.state()
     keys = ("version", "stale", "lora_int_id")
     if any(before.get(k) != after.get(k) for k in keys):
-        return {"status": "fail", "detail": f"refused, but the engine changed: {[before.get(k) for k in keys]} -> "
-                                            f"{[after.get(k) for k in keys]} ({message})"}
+        return {
+            "status": "fail",
+            "detail": f"refused, but the engine changed: {[before.get(k) for k in keys]} -> "
+            f"{[after.get(k) for k in keys]} ({message})",
+        }
     if not re.search(pattern, message, flags=re.S):
         return {"status": "fail", "detail": f"refused with an error that does not match {pattern!r}: {message}"}
     return {"status": "refused", "detail": message}
@@ -362,8 +457,11 @@ def _exact(cell: Cell, llm: Any, reference: Any, model: Any, strategy: str, n: i
             want = reference.logprobs(model, strategy, PROMPTS, 4, engine=llm)
             diff = compare_logprobs(got, want, f"{cell.name}/{strategy} sync {i + 1}")
             if not diff <= EXACT_ATOL:
-                return {"status": "fail", "detail": f"sync {i + 1}: max |Δ logprob| {diff:.3g} vs vLLM's own loading "
-                                                    f"(> {EXACT_ATOL:g})", "max_diff": diff}
+                return {
+                    "status": "fail",
+                    "detail": f"sync {i + 1}: max |Δ logprob| {diff:.3g} vs vLLM's own loading (> {EXACT_ATOL:g})",
+                    "max_diff": diff,
+                }
             worst = max(worst, diff)
             referenced.append(i + 1)
         last_path = report.path
@@ -371,39 +469,76 @@ def _exact(cell: Cell, llm: Any, reference: Any, model: Any, strategy: str, n: i
             moved = max(moved, max(abs(a - b) for (_, x), (_, y) in zip(got, previous) for a, b in zip(x, y)))
         previous = got
     if n > 1 and not moved > 1e-3:
-        return {"status": "fail", "detail": f"the weights changed every sync but the served logprobs moved only "
-                                            f"{moved:.2g}: the check proves nothing"}
+        return {
+            "status": "fail",
+            "detail": f"the weights changed every sync but the served logprobs moved only "
+            f"{moved:.2g}: the check proves nothing",
+        }
     verdict = check(llm, model, PROMPTS)
     if not verdict.ok:
         return {"status": "fail", "detail": f"exact vs vLLM, but hwsync.verify fails: {verdict.message()}"}
-    detail = f"{n} sync{'s' * (n > 1)} == vLLM's own loading" if len(referenced) == n else \
-        f"{n} syncs: {referenced} == vLLM's own loading, the others hwsync.verify-exact"
+    detail = (
+        f"{n} sync{'s' * (n > 1)} == vLLM's own loading"
+        if len(referenced) == n
+        else f"{n} syncs: {referenced} == vLLM's own loading, the others hwsync.verify-exact"
+    )
     if strategy == "full":
         merge = peft_merge_diff(model)
-        limit = 2.0 ** -7 if cell.dtype == "bfloat16" else 1e-6
+        limit = 2.0**-7 if cell.dtype == "bfloat16" else 1e-6
         if not merge <= limit:
-            return {"status": "fail", "detail": f"merged weights differ from PEFT's merge_and_unload by {merge:.3g} "
-                                                f"(relative; > {limit:g})", "merge_diff": merge}
-        detail += f"; merged weights = PEFT's merge_and_unload ({merge:.0e})" if merge else \
-            "; merged weights = PEFT's merge_and_unload (same bits)"
-    return {"status": "exact", "detail": detail, "max_diff": worst, "syncs": n, "merge_diff": merge,
-            "moved": moved, "path": report.path if report is not None else "", "referenced": referenced}
+            return {
+                "status": "fail",
+                "detail": f"merged weights differ from PEFT's merge_and_unload by {merge:.3g} (relative; > {limit:g})",
+                "merge_diff": merge,
+            }
+        detail += (
+            f"; merged weights = PEFT's merge_and_unload ({merge:.0e})"
+            if merge
+            else "; merged weights = PEFT's merge_and_unload (same bits)"
+        )
+    return {
+        "status": "exact",
+        "detail": detail,
+        "max_diff": worst,
+        "syncs": n,
+        "merge_diff": merge,
+        "moved": moved,
+        "path": report.path if report is not None else "",
+        "referenced": referenced,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # results and the table
 # ---------------------------------------------------------------------------------------------------------------
-def write_results(results: Mapping[str, Mapping[str, Any]], file: str | os.PathLike[str], *, platform: str,
-                  engine: Mapping[str, Any], syncs: tuple[int, int]) -> None:
+def write_results(
+    results: Mapping[str, Mapping[str, Any]],
+    file: str | os.PathLike[str],
+    *,
+    platform: str,
+    engine: Mapping[str, Any],
+    syncs: tuple[int, int],
+) -> None:
     """``results`` (cell name -> strategy -> result) as the results file the table is rendered from."""
     from .families import run_versions
 
-    rows = [{"cell": c.name, "about": c.about, "strategies": dict(results[c.name])} for c in CELLS
-            if c.name in results]
-    Path(file).write_text(json.dumps({"versions": run_versions(), "platform": platform, "engine": dict(engine),
-                                      "syncs": syncs[0], "full_syncs": syncs[1], "reference": reference_policy(),
-                                      "results": rows}, indent=1,
-                                     default=str) + "\n")
+    rows = [{"cell": c.name, "about": c.about, "strategies": dict(results[c.name])} for c in CELLS if c.name in results]
+    Path(file).write_text(
+        json.dumps(
+            {
+                "versions": run_versions(),
+                "platform": platform,
+                "engine": dict(engine),
+                "syncs": syncs[0],
+                "full_syncs": syncs[1],
+                "reference": reference_policy(),
+                "results": rows,
+            },
+            indent=1,
+            default=str,
+        )
+        + "\n"
+    )
 
 
 def load(files: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
@@ -447,27 +582,35 @@ def _why(strategies: Mapping[str, Mapping[str, Any]]) -> str:
 def render(cpu: Mapping[str, Any] | None, gpu: Mapping[str, Any] | None = None) -> str:
     """The Markdown table (configuration x strategy x platform) of the results files."""
     runs = [(label, data) for label, data in (("CPU", cpu), ("GPU", gpu)) if data]
-    lines = ["Every cell: a fresh PEFT trainer on the tiny Qwen3-MoE, synced into one engine (see the header of each "
-             "column's run), checked against vLLM's own loading of the same weights -- a fresh engine on a checkpoint "
-             "of the base (or of the merged weights for `full`) plus PEFT's `save_pretrained` adapter as a "
-             "`LoRARequest` -- with greedy tokens equal and max \\|Δ logprob\\| <= 1e-6, after every sync or (a run "
-             "marked *paths*) at the first, the second, the last and every sync whose path differs from the sync "
-             "before (every sync of a cell that switches adapters), each other sync checked by `hwsync.verify`'s exact "
-             "content comparison; `hwsync.verify` passes "
-             "after the last sync; `full`'s merged weights equal PEFT's own `merge_and_unload`. ✅ N× Δ x = N syncs "
-             "exact (max \\|Δ\\| x); ⛔ = refused by `hwsync.sync` before anything was written (the engine's state "
-             "unchanged), the error in the last column; ❌ = failed (reason given).", ""]
+    lines = [
+        "Every cell: a fresh PEFT trainer on the tiny Qwen3-MoE, synced into one engine (see the header of each "
+        "column's run), checked against vLLM's own loading of the same weights -- a fresh engine on a checkpoint "
+        "of the base (or of the merged weights for `full`) plus PEFT's `save_pretrained` adapter as a "
+        "`LoRARequest` -- with greedy tokens equal and max \\|Δ logprob\\| <= 1e-6, after every sync or (a run "
+        "marked *paths*) at the first, the second, the last and every sync whose path differs from the sync "
+        "before (every sync of a cell that switches adapters), each other sync checked by `hwsync.verify`'s exact "
+        "content comparison; `hwsync.verify` passes "
+        "after the last sync; `full`'s merged weights equal PEFT's own `merge_and_unload`. ✅ N× Δ x = N syncs "
+        "exact (max \\|Δ\\| x); ⛔ = refused by `hwsync.sync` before anything was written (the engine's state "
+        "unchanged), the error in the last column; ❌ = failed (reason given).",
+        "",
+    ]
     for label, data in runs:
         versions = ", ".join(f"{k} {v}" for k, v in (data.get("versions") or {}).items())
         eng = data.get("engine") or {}
-        lines.append(f"* **{label}** ({data.get('platform')}): engine {json.dumps(eng, sort_keys=True)}; "
-                     f"{data.get('syncs')} syncs per cell for adapter/hybrid, {data.get('full_syncs')} for full"
-                     + (f" (reference: *{data['reference']}*)" if data.get("reference") else " (reference: every sync)")
-                     + ". "
-                     f"Versions: {versions}.")
+        lines.append(
+            f"* **{label}** ({data.get('platform')}): engine {json.dumps(eng, sort_keys=True)}; "
+            f"{data.get('syncs')} syncs per cell for adapter/hybrid, {data.get('full_syncs')} for full"
+            + (f" (reference: *{data['reference']}*)" if data.get("reference") else " (reference: every sync)")
+            + ". "
+            f"Versions: {versions}."
+        )
     lines.append("")
-    head = "| configuration | " + " | ".join(f"{s} ({label})" for label, _ in runs for s in STRATEGIES) + \
-        " | refusal (hwsync.sync's error) |"
+    head = (
+        "| configuration | "
+        + " | ".join(f"{s} ({label})" for label, _ in runs for s in STRATEGIES)
+        + " | refusal (hwsync.sync's error) |"
+    )
     lines += [head, "|" + "---|" * (2 + 3 * len(runs))]
     by_run = [{r["cell"]: r for r in data["results"]} for _, data in runs]
     for c in CELLS:
@@ -489,8 +632,11 @@ def write_between_markers(file: Path, table: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hwsync.testing.lora_configs", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m hwsync.testing.lora_configs",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--from", dest="source", metavar="RESULTS", help="the CPU results file")
     ap.add_argument("--gpu", nargs="+", metavar="GPU_RESULTS", help="the GPU job's results file(s) (shards)")
     ap.add_argument("--save-gpu", metavar="FILE", help="write the --gpu files merged into one")

@@ -23,10 +23,12 @@ earlier answer without an engine (:meth:`EngineReference._answer_key`).
 :func:`assert_serves` is what converted tests call: on vLLM's CPU build it is exactly ``hwsync.verify`` (engine vs
 trainer, ``atol``); elsewhere it compares the engine with its reference (``EXACT_ATOL``). Adapters compare
 bit-exactly whatever their scalings (rsLoRA, rank/alpha patterns): hwsync folds each scaling into B in vLLM's own
-rounding order (:func:`hwsync.common.lora_formats.fold_scaling`; the matrix of configurations: ``tests/test_lora_configs.py``).
-:func:`write_adapter` writes what ``save_pretrained`` wrote, with the two config fields vLLM refuses although they
-change nothing on the served base rewritten (an init that rewrote the base, a ``bias`` that trained none).
+rounding order (:func:`hwsync.common.lora_formats.fold_scaling`; the matrix of configurations:
+``tests/test_lora_configs.py``). :func:`write_adapter` writes what ``save_pretrained`` wrote, with the two config fields
+vLLM refuses although they change nothing on the served base rewritten (an init that rewrote the base, a ``bias`` that
+trained none).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -152,16 +154,16 @@ def _plain_model(config: Any) -> Any:
         return AutoModelForCausalLM.from_config(config)
 
 
-def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | bool = True,
-                     dtype: Any = None) -> Path:
+def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | bool = True, dtype: Any = None) -> Path:
     """Save the weights a sync delivers as a transformers checkpoint under ``root``; return its directory.
 
-    ``merged`` selects the tensors taken from the merged view ``W0 + ΔW`` (:func:`hwsync.trainer.merged.merged_named_weights`,
-    the values ``full``/``hybrid`` send; dequantized for QLoRA bases); the others are the base ``W0``. ``dtype`` casts
-    floating tensors (e.g. bf16, as the engine will hold them). The directory is named after a digest of the config
-    and the tensors, so an unchanged model maps to the same directory (and the same reference engine). The config is
-    part of the key: two families can hold the very same tensors (the family matrix's tiny DeepSeek-V3 and
-    GLM-4-MoE-lite do, bit for bit), and a directory keyed by tensors alone served the other family's architecture.
+    ``merged`` selects the tensors taken from the merged view ``W0 + ΔW``
+    (:func:`hwsync.trainer.merged.merged_named_weights`, the values ``full``/``hybrid`` send; dequantized for QLoRA
+    bases); the others are the base ``W0``. ``dtype`` casts floating tensors (e.g. bf16, as the engine will hold them).
+    The directory is named after a digest of the config and the tensors, so an unchanged model maps to the same
+    directory (and the same reference engine). The config is part of the key: two families can hold the very same
+    tensors (the family matrix's tiny DeepSeek-V3 and GLM-4-MoE-lite do, bit for bit), and a directory keyed by tensors
+    alone served the other family's architecture.
     """
     import torch
 
@@ -188,7 +190,8 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
     if not (out / "config.json").exists():
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".ckpt-"))
         _plain_model(config).save_pretrained(
-            tmp, state_dict={n: t.detach().to("cpu").contiguous() for n, t in weights.items()})
+            tmp, state_dict={n: t.detach().to("cpu").contiguous() for n, t in weights.items()}
+        )
         if generation is not None:
             with contextlib.suppress(ValueError):  # one transformers refuses to save as invalid: config.json's eos
                 generation.save_pretrained(tmp)
@@ -196,8 +199,9 @@ def write_checkpoint(model: Any, root: Path, merged: Callable[[str], bool] | boo
     return out
 
 
-def peft_moe_lora_to_2d(tensors: Mapping[str, Any], num_experts: int, gate_up_interleaved: bool = False,
-                        in_out: Collection[str] = ()) -> dict[str, Any]:
+def peft_moe_lora_to_2d(
+    tensors: Mapping[str, Any], num_experts: int, gate_up_interleaved: bool = False, in_out: Collection[str] = ()
+) -> dict[str, Any]:
     """PEFT's fused 3-D expert LoRA (``experts.base_layer.lora_{A,B}`` = gate_up, ``experts.lora_{A,B}`` = down) as
     vLLM's 2-D per-expert keys (``experts.{e}.{gate,up,down}_proj.lora_{A,B}.weight``), split exactly as vLLM's
     ``LoRAModelManager._convert_3d_to_2d_moe_lora`` does: A rows expert-major ``(E, r, in)``, B columns rank-major
@@ -210,10 +214,10 @@ def peft_moe_lora_to_2d(tensors: Mapping[str, Any], num_experts: int, gate_up_in
     for key, t in tensors.items():
         if ".experts.base_layer.lora_" in key:
             owner, rest = key.split(".experts.base_layer.", 1)
-            pairs.setdefault(owner, {})["gu_" + rest[len("lora_"):][0]] = t
+            pairs.setdefault(owner, {})["gu_" + rest[len("lora_") :][0]] = t
         elif ".experts.lora_" in key:
             owner, rest = key.split(".experts.", 1)
-            pairs.setdefault(owner, {})["d_" + rest[len("lora_"):][0]] = t
+            pairs.setdefault(owner, {})["d_" + rest[len("lora_") :][0]] = t
         else:
             out[key] = t
     for owner, p in pairs.items():
@@ -250,14 +254,25 @@ def _peft_in_out_owners(model: Any) -> set[str]:
 
     owners = set()
     for path, layer in model.named_modules():
-        if isinstance(layer, ParamWrapper) and layer._did_swap_in_out_features \
-                and experts_stored_in_out(layer.get_base_layer()) is True and ".experts" in path:
+        if (
+            isinstance(layer, ParamWrapper)
+            and layer._did_swap_in_out_features
+            and experts_stored_in_out(layer.get_base_layer()) is True
+            and ".experts" in path
+        ):
             owners.add(path[: path.index(".experts")])
     return owners
 
 
-def write_adapter(model: Any, out: Path, *, drop: Callable[[str], bool] | None = None, moe_format: str = "3d",
-                  num_experts: int | None = None, rows: Mapping[str, Any] | None = None) -> Path:
+def write_adapter(
+    model: Any,
+    out: Path,
+    *,
+    drop: Callable[[str], bool] | None = None,
+    moe_format: str = "3d",
+    num_experts: int | None = None,
+    rows: Mapping[str, Any] | None = None,
+) -> Path:
     """The trainer's active adapter as PEFT's ``save_pretrained`` writes it, into ``out``.
 
     ``drop(key)`` removes tensors (the modules a hybrid sync merges instead). ``moe_format="2d"`` rewrites fused
@@ -308,8 +323,10 @@ def _per_expert_patterns(config: dict[str, Any], tensors: Mapping[str, Any], num
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
     for key in tensors:
-        for marker, pname, parts in ((".experts.base_layer.lora_A", "gate_up_proj", ("gate_proj", "up_proj")),
-                                     (".experts.lora_A", "down_proj", ("down_proj",))):
+        for marker, pname, parts in (
+            (".experts.base_layer.lora_A", "gate_up_proj", ("gate_proj", "up_proj")),
+            (".experts.lora_A", "down_proj", ("down_proj",)),
+        ):
             if marker not in key:
                 continue
             owner = key.split(marker)[0].removeprefix("base_model.model.") + ".experts"
@@ -384,12 +401,18 @@ def _serve(conn: Any, threads: int) -> None:
 
             request = None
             if msg.get("adapter"):
-                request = LoRARequest(f"reference-{msg['lora_id']}", msg["lora_id"], msg["adapter"],
-                                      is_3d_lora_weight=bool(msg.get("is_3d")))
-            params = SamplingParams(max_tokens=msg["max_tokens"], temperature=0.0, logprobs=0, prompt_logprobs=0,
-                                    detokenize=False)
-            outs = llm.generate([{"prompt_token_ids": list(p)} for p in msg["prompts"]], params,
-                                lora_request=request, use_tqdm=False)
+                request = LoRARequest(
+                    f"reference-{msg['lora_id']}",
+                    msg["lora_id"],
+                    msg["adapter"],
+                    is_3d_lora_weight=bool(msg.get("is_3d")),
+                )
+            params = SamplingParams(
+                max_tokens=msg["max_tokens"], temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False
+            )
+            outs = llm.generate(
+                [{"prompt_token_ids": list(p)} for p in msg["prompts"]], params, lora_request=request, use_tqdm=False
+            )
             result = []
             for o in outs:
                 comp = o.outputs[0]
@@ -419,9 +442,17 @@ class EngineReference:
     at another engine's arguments (one reference process for many models, e.g. the family matrix).
     """
 
-    def __init__(self, workdir: str | os.PathLike[str], *, hybrid_merged: Callable[[str], bool] | None = None,
-                 checkpoint_dtype: Any = None, base_checkpoint: str | os.PathLike[str] | None = None,
-                 timeout_s: float = 600.0, daemon: bool = True, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        *,
+        hybrid_merged: Callable[[str], bool] | None = None,
+        checkpoint_dtype: Any = None,
+        base_checkpoint: str | os.PathLike[str] | None = None,
+        timeout_s: float = 600.0,
+        daemon: bool = True,
+        **engine_kwargs: Any,
+    ) -> None:
         self.checkpoint_dtype = checkpoint_dtype
         self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
         self.workdir = Path(workdir)
@@ -440,8 +471,13 @@ class EngineReference:
         self.answers_reused = 0
         """Checks answered from an earlier identical request (see :meth:`_answer_key`) without an engine."""
 
-    def configure(self, *, hybrid_merged: Callable[[str], bool] | None = None,
-                  adapter_rows: Mapping[str, Any] | None = None, **engine_kwargs: Any) -> EngineReference:
+    def configure(
+        self,
+        *,
+        hybrid_merged: Callable[[str], bool] | None = None,
+        adapter_rows: Mapping[str, Any] | None = None,
+        **engine_kwargs: Any,
+    ) -> EngineReference:
         """Compare with an engine of these arguments from now on (same process; its engine is rebuilt on the next
         check). ``adapter_rows``: see :func:`write_adapter` ``rows``."""
         self.engine = {k: v for k, v in engine_kwargs.items() if k not in ("worker_extension_cls", "model")}
@@ -466,8 +502,9 @@ class EngineReference:
         targets = self.engine.get("lora_target_modules")
         return bool(vllm_capabilities()["moe_lora"]["supported"]) and (not targets or "experts" in targets)
 
-    def logprobs(self, model: Any, strategy: str, prompts: Sequence[Sequence[int]], max_tokens: int = 4, *,
-                 engine: Any = None) -> Logprobs:
+    def logprobs(
+        self, model: Any, strategy: str, prompts: Sequence[Sequence[int]], max_tokens: int = 4, *, engine: Any = None
+    ) -> Logprobs:
         """Greedy logprobs of a fresh engine fed, by vLLM's own loaders, the weights ``strategy`` syncs of ``model``
         (into ``engine``: for ``hybrid``, what it merges is hwsync's decision for that engine, :func:`hybrid_merged_by`,
         unless ``hybrid_merged`` was given)."""
@@ -480,21 +517,32 @@ class EngineReference:
         merged = self.hybrid_merged
         if strategy == "hybrid" and merged is None:
             if engine is None:  # no guess from the platform: it kept MiniMax-M2's expert LoRA, which hwsync merges
-                raise ValueError("a hybrid reference needs the synced engine (engine=...: what hwsync merged there) "
-                                 "or hybrid_merged=...")
+                raise ValueError(
+                    "a hybrid reference needs the synced engine (engine=...: what hwsync merged there) "
+                    "or hybrid_merged=..."
+                )
             merged = hybrid_merged_by(engine, model)
         pick: Callable[[str], bool] = merged if strategy == "hybrid" and merged is not None else (lambda _n: False)
         if strategy == "adapter" and self.base_checkpoint is not None:
             ckpt = self.base_checkpoint
         else:
             ckpt = write_checkpoint(model, self.workdir, pick, dtype)
-        written = write_adapter(model, self.workdir / "adapter", drop=pick, moe_format=self.moe_format,
-                                 rows=self.adapter_rows)
+        written = write_adapter(
+            model, self.workdir / "adapter", drop=pick, moe_format=self.moe_format, rows=self.adapter_rows
+        )
         # hybrid merged every adapted module: the engine serves no adapter
         return self._ask(ckpt, written if _has_tensors(written) else None, prompts, max_tokens)
 
-    def check(self, target: Any, model: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 4,
-              atol: float = EXACT_ATOL, strategy: str | None = None) -> float:
+    def check(
+        self,
+        target: Any,
+        model: Any,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int = 4,
+        atol: float = EXACT_ATOL,
+        strategy: str | None = None,
+    ) -> float:
         """Max |Δ logprob| between the synced engine ``target`` and its reference for ``strategy`` (default: the one
         it last synced); raises :class:`ReferenceMismatch` above ``atol`` or when greedy tokens differ."""
         from hwsync.trainer.api import as_engine
@@ -505,12 +553,21 @@ class EngineReference:
         want = self.logprobs(model, strategy, prompts, max_tokens, engine=engine)
         worst = compare_logprobs(got, want, f"{strategy} sync")
         if not worst <= atol:
-            raise ReferenceMismatch(f"{strategy} sync: the engine serves max |Δ logprob| = {worst:.3g} away from "
-                                    f"vLLM's own loading of the same weights (atol {atol:g})")
+            raise ReferenceMismatch(
+                f"{strategy} sync: the engine serves max |Δ logprob| = {worst:.3g} away from "
+                f"vLLM's own loading of the same weights (atol {atol:g})"
+            )
         return worst
 
-    def diff(self, target: Any, model: Any, prompts: Sequence[Sequence[int]], *, max_tokens: int = 4,
-             strategy: str | None = None) -> float:
+    def diff(
+        self,
+        target: Any,
+        model: Any,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int = 4,
+        strategy: str | None = None,
+    ) -> float:
         """Like :meth:`check` but only measures: ``inf`` when the greedy tokens differ (benchmarks report it)."""
         try:
             return self.check(target, model, prompts, max_tokens=max_tokens, atol=float("inf"), strategy=strategy)
@@ -518,8 +575,9 @@ class EngineReference:
             return float("inf")
 
     # -- the process -----------------------------------------------------------------------------------------------
-    def _ask(self, checkpoint: Path, adapter: Path | None, prompts: Sequence[Sequence[int]],
-             max_tokens: int) -> Logprobs:
+    def _ask(
+        self, checkpoint: Path, adapter: Path | None, prompts: Sequence[Sequence[int]], max_tokens: int
+    ) -> Logprobs:
         key = self._answer_key(checkpoint, adapter, prompts, max_tokens)
         if key is not None and key in self._answers:
             self.answers_reused += 1
@@ -527,9 +585,15 @@ class EngineReference:
         if self._proc is None or not self._proc.is_alive():
             self._start()
         self._lora_id += 1
-        msg = {"checkpoint": str(checkpoint), "engine": self.engine, "prompts": [list(p) for p in prompts],
-               "max_tokens": max_tokens, "adapter": str(adapter) if adapter else None, "lora_id": self._lora_id,
-               "is_3d": self.moe_format == "3d"}
+        msg = {
+            "checkpoint": str(checkpoint),
+            "engine": self.engine,
+            "prompts": [list(p) for p in prompts],
+            "max_tokens": max_tokens,
+            "adapter": str(adapter) if adapter else None,
+            "lora_id": self._lora_id,
+            "is_3d": self.moe_format == "3d",
+        }
         if self._last_checkpoint != str(checkpoint):
             self.engines_started += 1
             self._last_checkpoint = str(checkpoint)
@@ -547,8 +611,9 @@ class EngineReference:
             self._answers[key] = [(list(ids), list(vals)) for ids, vals in payload]
         return payload
 
-    def _answer_key(self, checkpoint: Path, adapter: Path | None, prompts: Sequence[Sequence[int]],
-                    max_tokens: int) -> str | None:
+    def _answer_key(
+        self, checkpoint: Path, adapter: Path | None, prompts: Sequence[Sequence[int]], max_tokens: int
+    ) -> str | None:
         """What determines a fresh engine's answer, as a key (``None``: not memoized): the checkpoint -- only one
         :func:`write_checkpoint` wrote, whose directory name is the digest of its config and tensors --, the bytes of
         every adapter file, the engine arguments, the prompts. The same key is the same weights loaded by vLLM's own
@@ -561,8 +626,11 @@ class EngineReference:
             for f in sorted(Path(adapter).rglob("*")):
                 if f.is_file():
                     digest.update(str(f.relative_to(adapter)).encode() + b"\0" + f.read_bytes())
-        digest.update(json.dumps([self.engine, self.moe_format, [list(p) for p in prompts], max_tokens],
-                                 sort_keys=True, default=str).encode())
+        digest.update(
+            json.dumps(
+                [self.engine, self.moe_format, [list(p) for p in prompts], max_tokens], sort_keys=True, default=str
+            ).encode()
+        )
         return digest.hexdigest()
 
     _last_checkpoint: str | None = None
@@ -572,8 +640,9 @@ class EngineReference:
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, torch.get_num_threads()), daemon=self.daemon,
-                                 name="hwsync-reference-engine")
+        self._proc = ctx.Process(
+            target=_serve, args=(child, torch.get_num_threads()), daemon=self.daemon, name="hwsync-reference-engine"
+        )
         self._proc.start()
         child.close()
         self._last_checkpoint = None
@@ -626,11 +695,19 @@ def bit_exact(target: Any, model: Any, prompts: Sequence[Sequence[int]], strateg
     content = [c for c in verdict.checks if c.name in ("base content", "adapter content")]
     need = "base content" if strategy == "full" else "adapter content"
     return any(c.name == need for c in content) and all(
-        c.ok and c.value == 0 and "not readable" not in c.detail for c in content)
+        c.ok and c.value == 0 and "not readable" not in c.detail for c in content
+    )
 
 
-def assert_serves(target: Any, model: Any, prompts: Sequence[Sequence[int]], *, atol: float = 1e-4,
-                  max_tokens: int = 4, reference: EngineReference | None = None) -> float:
+def assert_serves(
+    target: Any,
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    atol: float = 1e-4,
+    max_tokens: int = 4,
+    reference: EngineReference | None = None,
+) -> float:
     """The check converted tests make after a sync; returns the max |Δ logprob| it measured.
 
     On vLLM's CPU build: ``hwsync.verify(target, model, prompts, atol=atol, max_tokens=max_tokens)``, unchanged (the
@@ -642,6 +719,8 @@ def assert_serves(target: Any, model: Any, prompts: Sequence[Sequence[int]], *, 
 
         return hwsync.verify(target, model, prompts, atol=atol, max_tokens=max_tokens)
     if reference is None:
-        raise ValueError("off vLLM's CPU build an engine cannot match transformers within atol: pass "
-                         "reference=EngineReference(...) (the engine's own loading of the same weights)")
+        raise ValueError(
+            "off vLLM's CPU build an engine cannot match transformers within atol: pass "
+            "reference=EngineReference(...) (the engine's own loading of the same weights)"
+        )
     return reference.check(target, model, prompts, max_tokens=max_tokens)

@@ -1,6 +1,7 @@
 """A server-mode engine for tests: ``vllm.LLM`` + :func:`hwsync.serve` in a process of its own, as a ``vllm serve``
 deployment (or ``swift rollout``) runs it, with hwsync loaded through vLLM's plugin entry point (``VLLM_PLUGINS``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,14 @@ local user could read it (``ps``)."""
 
 
 @contextlib.contextmanager
-def served_engine(model_dir: str | os.PathLike[str], token: str, engine_kwargs: Mapping[str, Any], *,
-                  env: Mapping[str, str] | None = None, serve_s: float = 600) -> Iterator[tuple[str, Any]]:
+def served_engine(
+    model_dir: str | os.PathLike[str],
+    token: str,
+    engine_kwargs: Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    serve_s: float = 600,
+) -> Iterator[tuple[str, Any]]:
     """Start the engine process and yield ``(address, process)`` once it serves; on exit ask it to shut down (kill
     it if it does not). ``env`` is added to this process's environment plus :func:`~hwsync.testing.vllm_env` with
     the hwsync plugin (so every vLLM worker process, e.g. a TP engine's, loads it too)."""
@@ -41,24 +48,40 @@ def served_engine(model_dir: str | os.PathLike[str], token: str, engine_kwargs: 
 
 
 @contextlib.contextmanager
-def served_engines(model_dir: str | os.PathLike[str], token: str, engine_kwargs: Sequence[Mapping[str, Any]], *,
-                   env: Mapping[str, str] | None = None, serve_s: float = 600,
-                   envs: Sequence[Mapping[str, str]] = ()) -> Iterator[list[tuple[str, Any]]]:
+def served_engines(
+    model_dir: str | os.PathLike[str],
+    token: str,
+    engine_kwargs: Sequence[Mapping[str, Any]],
+    *,
+    env: Mapping[str, str] | None = None,
+    serve_s: float = 600,
+    envs: Sequence[Mapping[str, str]] = (),
+) -> Iterator[list[tuple[str, Any]]]:
     """:func:`served_engine` for several engines (one process each, one per ``engine_kwargs``), started side by
     side: data-parallel engines for one ``hwsync.connect([...])``. ``envs``: one more environment per engine (e.g.
     its ``CUDA_VISIBLE_DEVICES``). Yields ``[(address, process), ...]``."""
     from hwsync.testing.engine import vllm_env
 
-    full_env = {**os.environ, **vllm_env(plugins=("hwsync",)), "OMP_NUM_THREADS": "1", **(env or {}),
-                "HWSYNC_TOKEN": token}
+    full_env = {
+        **os.environ,
+        **vllm_env(plugins=("hwsync",)),
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+        "HWSYNC_TOKEN": token,
+    }
     procs: list[subprocess.Popen[str]] = []
     served: list[tuple[str, Any]] = []
     try:
         for i, kwargs in enumerate(engine_kwargs):
             own = {**full_env, **(envs[i] if i < len(envs) else {})}
-            procs.append(subprocess.Popen([sys.executable, "-c", ENGINE_SCRIPT, str(Path(model_dir)), str(serve_s),
-                                           json.dumps(dict(kwargs))], env=own,
-                                          stdout=subprocess.PIPE, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", ENGINE_SCRIPT, str(Path(model_dir)), str(serve_s), json.dumps(dict(kwargs))],
+                    env=own,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for proc in procs:
             served.append((_address_of(proc), proc))
         yield served

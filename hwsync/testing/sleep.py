@@ -14,6 +14,7 @@ do to the engine what the CUDA build's sleep does to its weights pool, so hwsync
 Level 1 changes nothing (vLLM copies the weights back exactly). Not simulated: vLLM's punica metadata (rewritten by
 vLLM at every step), the KV cache (vLLM resets the prefix cache on sleep).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -56,8 +57,11 @@ class StandInSleep:
 
         model = self._model()
         patterns = list(self.worker.model_runner.vllm_config.model_config.sleep_preserve_parameter_names or [])
-        self._saved = {n: p.detach().clone() for n, p in model.named_parameters()
-                       if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)}
+        self._saved = {
+            n: p.detach().clone()
+            for n, p in model.named_parameters()
+            if any(fnmatch.fnmatchcase(n, pat) for pat in patterns)
+        }
         self._saved.update({f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()})
         for _kind, _name, t in device_tensors(model):
             _garbage(t.data if isinstance(t, torch.nn.Parameter) else t)
@@ -72,8 +76,9 @@ class StandInSleep:
         if self.remap:
             for p in model.parameters():
                 if p.numel():
-                    p.data = torch.full_like(p.data, float("nan")) if p.is_floating_point() else \
-                        torch.zeros_like(p.data)
+                    p.data = (
+                        torch.full_like(p.data, float("nan")) if p.is_floating_point() else torch.zeros_like(p.data)
+                    )
                     self.remapped += 1
         params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
         for name, value in self._saved.items():
@@ -91,8 +96,10 @@ def stand_in_sleep(llm: Any, *, remap: bool = False) -> StandInSleep:
     if observer_of(worker) is not None:
         from hwsync.common.errors import FixtureConfigError
 
-        raise FixtureConfigError("stand_in_sleep(llm) must be installed before hwsync first touches the engine "
-                                 "(hwsync's sleep watch observes the worker's methods from its first call)")
+        raise FixtureConfigError(
+            "stand_in_sleep(llm) must be installed before hwsync first touches the engine "
+            "(hwsync's sleep watch observes the worker's methods from its first call)"
+        )
     stand_in = StandInSleep(worker, remap)
     sleep, wake_up, discard = worker.sleep, worker.wake_up, worker.discard
 

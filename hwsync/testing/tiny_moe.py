@@ -7,6 +7,7 @@ vLLM load it through their ordinary paths. Sizes respect vLLM's CPU kernels (hea
 divisible by 32), and weights are scaled so next-token distributions are far from uniform: a wrong weight
 shows up as a visible logprob difference, not as noise.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 from hwsync.common.errors import FixtureConfigError
 from hwsync.common.quiet import quiet_imports, quiet_progress_bars
+
 from .tokenizer import VOCAB_SIZE, token_id, write_tokenizer
 
 __all__ = ["FAMILIES", "Family", "FixtureConfigError", "make_tiny_moe", "tiny_moe_config"]
@@ -94,8 +96,9 @@ def tiny_moe_config(family: Family = "qwen3_moe", **overrides: Any) -> Any:
     kwargs.update(overrides)
     if family == "qwen3_5_moe" and "num_hidden_layers" in overrides and "layer_types" not in overrides:
         n = kwargs["num_hidden_layers"]  # Qwen3.5 pattern: three GDN layers, then one attention layer
-        kwargs["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 or i == n - 1 else "linear_attention"
-                                 for i in range(n)]
+        kwargs["layer_types"] = [
+            "full_attention" if (i + 1) % 4 == 0 or i == n - 1 else "linear_attention" for i in range(n)
+        ]
     _check_sizes(kwargs)
     return cfg_cls(**kwargs)
 
@@ -215,7 +218,7 @@ def _shape_init(model: Any, config: Any, extra: dict[str, Any]) -> None:
     import torch
 
     with torch.no_grad():
-        model.get_output_embeddings().weight.normal_(0.0, _LOGIT_STD * config.hidden_size ** -0.5)
+        model.get_output_embeddings().weight.normal_(0.0, _LOGIT_STD * config.hidden_size**-0.5)
         named = list(model.named_parameters()) + list(extra.items())
         for name, p in named:
             if p.dim() == 1 and name.endswith("norm.weight"):

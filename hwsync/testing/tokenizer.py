@@ -5,6 +5,7 @@ token), ChatML special tokens and a Jinja chat template. The fixture reproduces 
 of a few hundred entries, so vLLM, transformers and ms-swift treat it exactly like the real tokenizer while
 the embedding stays tiny. Nothing is downloaded: the BPE merges are learnt from a built-in corpus.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,10 +24,10 @@ __all__ = [
 #: pipeline of Qwen2Tokenizer / Qwen3_5Tokenizer from these, so tokenizer.json must carry the same one.
 PRETOKENIZE_REGEX: dict[str, str] = {
     "qwen3_moe": (
-        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 - the tokenizer's regex, verbatim
     ),
     "qwen3_5_moe": (
-        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 - the tokenizer's regex, verbatim
     ),
 }
 
@@ -71,7 +72,7 @@ CHAT_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0].role == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
@@ -99,7 +100,7 @@ CHAT_TEMPLATE = (
     "{%- for tc in message.tool_calls or [] %}"
     "{%- set fn = tc.function if tc.function is defined else tc %}"
     "{{- ('\\n' if (loop.first and content) or not loop.first else '') + '<tool_call>\\n{\"name\": \"' "
-    "+ fn.name + '\", \"arguments\": ' + (fn.arguments if fn.arguments is string else fn.arguments | tojson) "
+    '+ fn.name + \'", "arguments": \' + (fn.arguments if fn.arguments is string else fn.arguments | tojson) '
     "+ '}\\n</tool_call>' }}"
     "{%- endfor %}"
     "{{- '<|im_end|>\\n' }}"
@@ -154,10 +155,14 @@ def build_tokenizer(family: str = "qwen3_moe") -> Any:
     tok.train_from_iterator(_CORPUS, trainer=trainer)
     base = tok.get_vocab_size()
     if base != VOCAB_SIZE - len(SPECIAL_TOKENS):  # the corpus must be rich enough to fill the BPE vocabulary
-        raise RuntimeError(f"tiny tokenizer: BPE vocabulary has {base} entries, expected {VOCAB_SIZE - len(SPECIAL_TOKENS)}")
+        raise RuntimeError(
+            f"tiny tokenizer: BPE vocabulary has {base} entries, expected {VOCAB_SIZE - len(SPECIAL_TOKENS)}"
+        )
     tok.add_tokens(
-        [AddedToken(t, special=s, normalized=False, single_word=False, lstrip=False, rstrip=False)
-         for t, s in SPECIAL_TOKENS]
+        [
+            AddedToken(t, special=s, normalized=False, single_word=False, lstrip=False, rstrip=False)
+            for t, s in SPECIAL_TOKENS
+        ]
     )
     return tok
 
@@ -177,8 +182,12 @@ def write_tokenizer(path: Path, family: str, *, model_max_length: int) -> None:
         "add_prefix_space": False,
         "added_tokens_decoder": {
             str(token_id(t)): {
-                "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                "single_word": False, "special": s,
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": s,
             }
             for t, s in SPECIAL_TOKENS
         },
@@ -194,5 +203,6 @@ def write_tokenizer(path: Path, family: str, *, model_max_length: int) -> None:
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )

@@ -4,16 +4,17 @@
 Layout (ms-swift's colocate mode with ``--vllm_tensor_parallel_size 2``): two processes, each a trainer rank
 (``fully_shard`` of a PEFT MoE model) and one worker of one TP=2 engine (``distributed_executor_backend=
 "external_launcher"``, engine core in-process). Every rank calls ``hwsync.sync(llm, model)``: parameters are gathered
-bucket by bucket (:mod:`hwsync.common.gather`), each rank hands the full tensors to its own worker, and the worker keeps its
-TP shard (vLLM's loaders; hwsync's in-place writers slice through :mod:`hwsync.engine.names` / :mod:`hwsync.common.layouts`). Each
-rank feeds its own worker rather than rank 0 feeding all: after the gather every rank holds the full tensors anyway,
-so this costs no extra traffic and no cross-process copy.
+bucket by bucket (:mod:`hwsync.common.gather`), each rank hands the full tensors to its own worker, and the worker keeps
+its TP shard (vLLM's loaders; hwsync's in-place writers slice through :mod:`hwsync.engine.names` /
+:mod:`hwsync.common.layouts`). Each rank feeds its own worker rather than rank 0 feeding all: after the gather every
+rank holds the full tensors anyway, so this costs no extra traffic and no cross-process copy.
 
 :func:`run` spawns the ranks; after each sync they record the engine's greedy logprobs and rank 0 writes the weights
 the sync delivered (merged checkpoint for ``full``, ``W0`` + PEFT's adapter for ``adapter``) from an unsharded copy
 stepped identically. Once the ranks are gone, :func:`check` starts fresh TP engines (``distributed_executor_backend=
 "mp"``, same arguments) on those weights, one at a time, and compares.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +28,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CPU_STRATEGIES", "PROMPTS", "STRATEGIES", "TRAINERS", "check", "free_port", "init_rank", "peft_trainer", "run",
-           "run_and_check", "shard", "step"]
+__all__ = [
+    "CPU_STRATEGIES",
+    "PROMPTS",
+    "STRATEGIES",
+    "TRAINERS",
+    "check",
+    "free_port",
+    "init_rank",
+    "peft_trainer",
+    "run",
+    "run_and_check",
+    "shard",
+    "step",
+]
 
 WORLD = 2
 PROMPTS = [[1, 5, 9, 33, 70, 100, 7, 8], [3, 4, 200, 17, 18, 99], [11, 400, 23]]
@@ -64,8 +77,9 @@ def peft_trainer(path: str, device: Any, cuda: bool) -> Any:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
     modules, params = _targets(cuda)
     # alpha/r = 2: a power of two, so LoRA scaling rounds alike on both loading paths in bf16
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=modules, target_parameters=params, lora_dropout=0.0,
-                     init_lora_weights=False)
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=modules, target_parameters=params, lora_dropout=0.0, init_lora_weights=False
+    )
     # the same LoRA initialisation on every rank (as a trainer's synced init would give): fully_shard keeps each
     # rank's shard of its own copy, so different copies would gather into a mixture the reference never sees
     with torch.random.fork_rng(devices=[]):
@@ -82,8 +96,11 @@ def shard(model: Any, device_type: str, trainer: str = "fsdp2") -> Any:
     if trainer == "zero3":
         import deepspeed
 
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
         engine, *_ = deepspeed.initialize(model=model, config=config)
         return engine.module
     from torch.distributed.device_mesh import init_device_mesh
@@ -116,13 +133,20 @@ def init_rank(rank: int, port: int, *, cuda: bool, trainer: str = "fsdp2") -> An
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     if cuda:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=device,
-                                timeout=datetime.timedelta(seconds=900))
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=WORLD, device_id=device, timeout=datetime.timedelta(seconds=900)
+        )
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
@@ -136,8 +160,7 @@ def init_rank(rank: int, port: int, *, cuda: bool, trainer: str = "fsdp2") -> An
     return device
 
 
-def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer: str,
-           strategies: list[str]) -> None:
+def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer: str, strategies: list[str]) -> None:
     import torch.distributed as dist
 
     from hwsync.testing.engine import vllm_env
@@ -152,16 +175,20 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
         import hwsync
         from hwsync.common import gather
         from hwsync.engine import vllm_plugin
-        from hwsync.trainer.api import as_engine
-        from hwsync.trainer.verify import check as verify_check
         from hwsync.testing.engine import make_llm
         from hwsync.testing.reference import write_adapter, write_checkpoint
+        from hwsync.trainer.api import as_engine
+        from hwsync.trainer.verify import check as verify_check
 
         vllm_plugin.register()
         ref = peft_trainer(model_dir, device, cuda)  # unsharded copy: the weights the reference engine loads
         sharded = shard(copy.deepcopy(ref), device.type, trainer)
-        llm = make_llm(model_dir, worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension",
-                       distributed_executor_backend="external_launcher", **engine_kwargs(cuda))
+        llm = make_llm(
+            model_dir,
+            worker_extension_cls="hwsync.vllm.HwsyncWorkerExtension",
+            distributed_executor_backend="external_launcher",
+            **engine_kwargs(cuda),
+        )
         largest = max(gather.global_nbytes(p) for p in sharded.parameters())
         for k, strategy in enumerate(strategies):
             base = strategy == "full"  # full syncs also move W0; adapter syncs keep it (steady state: LoRA only)
@@ -174,15 +201,22 @@ def _child(rank: int, port: int, model_dir: str, work: str, cuda: bool, trainer:
             # hwsync.verify from the sharded trainer: both ranks at once (the sharded forward is collective; the
             # ranks of the one engine generate the same prompts); content checks skip a TP engine, the gate runs
             verdict = verify_check(llm, sharded, PROMPTS)
-            entry: dict[str, Any] = {"strategy": report.strategy, "reason": report.reason,
-                                     "base_tensors": report.base_tensors, "lora_tensors": report.lora_tensors,
-                                     "mb": report.bytes / 1e6, "buckets": report.buckets,
-                                     "seconds": round(report.seconds, 3),
-                                     "peak_gathered_mb": gather.stats.peak / 1e6,
-                                     "bound_mb": 2 * max(BUCKET_MB * (1 << 20), largest) / 1e6, "got": got,
-                                     "verify_ok": verdict.ok, "verify": verdict.message() if not verdict.ok else
-                                     f"passed (mean |Δ| {verdict.agreement.mean_abs_diff:.2g}); "
-                                     f"{'; '.join(verdict.skipped)}"}
+            entry: dict[str, Any] = {
+                "strategy": report.strategy,
+                "reason": report.reason,
+                "base_tensors": report.base_tensors,
+                "lora_tensors": report.lora_tensors,
+                "mb": report.bytes / 1e6,
+                "buckets": report.buckets,
+                "seconds": round(report.seconds, 3),
+                "peak_gathered_mb": gather.stats.peak / 1e6,
+                "bound_mb": 2 * max(BUCKET_MB * (1 << 20), largest) / 1e6,
+                "got": got,
+                "verify_ok": verdict.ok,
+                "verify": verdict.message()
+                if not verdict.ok
+                else f"passed (mean |Δ| {verdict.agreement.mean_abs_diff:.2g}); {'; '.join(verdict.skipped)}",
+            }
             if rank == 0:
                 root = Path(work) / "weights"
                 root.mkdir(exist_ok=True)
@@ -212,7 +246,7 @@ def free_port() -> int:
 def _remove_cpu_shm(since: float) -> None:
     """Remove vLLM CPU all-reduce segments created since ``since`` (vLLM 0.32 leaves them behind at exit)."""
     shm = Path("/dev/shm")
-    for leftover in (shm.glob("*cpushm*") if shm.is_dir() else []):
+    for leftover in shm.glob("*cpushm*") if shm.is_dir() else []:
         try:
             if leftover.stat().st_mtime >= since - 1:
                 leftover.unlink()
@@ -220,23 +254,28 @@ def _remove_cpu_shm(since: float) -> None:
             pass
 
 
-def run(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2",
-        strategies: Sequence[str] | None = None) -> list[dict[str, Any]]:
+def run(
+    work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2", strategies: Sequence[str] | None = None
+) -> list[dict[str, Any]]:
     """Spawn the 2 ranks (``trainer``: ``fsdp2`` or ``zero3``) for the syncs ``strategies``; their results (per rank:
     ``ok``, ``syncs`` or ``error``)."""
     if trainer not in TRAINERS:
         raise ValueError(f"trainer={trainer!r}: one of {TRAINERS}")
-    import torch.multiprocessing as mp
-
     import time
+
+    import torch.multiprocessing as mp
 
     error = None
     port = free_port()
     start = time.time()
     try:
-        mp.start_processes(_child, args=(port, str(model_dir), str(work), cuda, trainer, list(strategies or STRATEGIES)),
-                           nprocs=WORLD, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            _child,
+            args=(port, str(model_dir), str(work), cuda, trainer, list(strategies or STRATEGIES)),
+            nprocs=WORLD,
+            join=True,
+            start_method="spawn",
+        )
     except Exception as e:  # noqa: BLE001 - the per-rank results carry the traceback
         error = e
     finally:
@@ -286,8 +325,11 @@ def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]
     start = time.time()
     with _ReferenceEnv(cuda), contextlib.ExitStack() as cleanup:
         cleanup.callback(_remove_cpu_shm, start)  # after the reference engine is closed (callbacks run last-in first)
-        reference = cleanup.enter_context(EngineReference(Path(work) / "reference", distributed_executor_backend="mp",
-                                                          daemon=False, **engine_kwargs(cuda)))
+        reference = cleanup.enter_context(
+            EngineReference(
+                Path(work) / "reference", distributed_executor_backend="mp", daemon=False, **engine_kwargs(cuda)
+            )
+        )
         for k, entry in enumerate(syncs):
             adapter = Path(entry["adapter"]) if entry.get("adapter") else None
             want = reference._ask(Path(entry["checkpoint"]), adapter, PROMPTS, 4)
@@ -296,8 +338,9 @@ def check(work: Path, syncs: list[dict[str, Any]], *, cuda: bool) -> list[float]
     return diffs
 
 
-def run_and_check(work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2",
-                  strategies: Sequence[str] | None = None) -> list[float]:
+def run_and_check(
+    work: Path, model_dir: Path, *, cuda: bool, trainer: str = "fsdp2", strategies: Sequence[str] | None = None
+) -> list[float]:
     """The whole scenario with its assertions (the CPU and the 2-GPU test share it): every rank ran every sync, both
     workers of the one engine answered alike, gathered bytes stayed within 2 buckets, the adapter steady state sent
     LoRA only, and each sync equals a fresh TP=2 engine within ``EXACT_ATOL``. Returns the per-sync |Δ logprob|."""

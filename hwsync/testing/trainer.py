@@ -2,6 +2,7 @@
 
 One home for what every sync test needs, so each test says only what it varies (targets, strategy, seeds).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +13,14 @@ import torch
 __all__ = ["fail_at", "lora_trainer", "perturb"]
 
 
-def lora_trainer(path: str | Path, targets: list[str] | None = None, parameters: list[str] | None = None, *,
-                 dtype: torch.dtype = torch.float32, **lora: Any) -> Any:
+def lora_trainer(
+    path: str | Path,
+    targets: list[str] | None = None,
+    parameters: list[str] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    **lora: Any,
+) -> Any:
     """``path``'s transformers model in eval mode, PEFT-wrapped with rank 4, alpha 8 LoRA on ``targets`` (modules)
     and ``parameters`` (fused expert parameters); plain when both are None. ``lora``: more ``LoraConfig`` fields
     (every other configuration people train with: :mod:`hwsync.testing.lora_configs`)."""
@@ -39,8 +46,9 @@ def fail_at(bucket: int, message: str = "optimizer blew up") -> Any:
     return progress
 
 
-def perturb(model: Any, gen: torch.Generator | int, *, base: bool = False, lora_scale: float = 0.05,
-            base_scale: float = 0.02) -> None:
+def perturb(
+    model: Any, gen: torch.Generator | int, *, base: bool = False, lora_scale: float = 0.05, base_scale: float = 0.02
+) -> None:
     """One 'optimizer step', in place as an optimizer does: every LoRA factor moves (``+ N(0, lora_scale)``) and,
     with ``base``, every other weight too (``* (1 + N(0, base_scale))``). ``gen``: a generator or a seed."""
     if isinstance(gen, int):

@@ -2,14 +2,15 @@
 
 A sync is planned once per (engine, model, :class:`SyncOptions`) into a :class:`SyncPlan`, from one description
 of the engine (:func:`describe_for`): the strategy chosen (:mod:`hwsync.trainer.strategy`), the payload described
-(:mod:`hwsync.trainer.payload`) and the manifest built (:mod:`hwsync.common.wire`). After a successful sync the engine's state is
-known (:meth:`SyncPlan.after_sync`: a first adapter/hybrid sync leaves the base, so the steady plan sends only what
-changes). Later syncs whose plan still holds -- same parameters, the engine at the version this trainer left it,
+(:mod:`hwsync.trainer.payload`) and the manifest built (:mod:`hwsync.common.wire`). After a successful sync the engine's
+state is known (:meth:`SyncPlan.after_sync`: a first adapter/hybrid sync leaves the base, so the steady plan sends only
+what changes). Later syncs whose plan still holds -- same parameters, the engine at the version this trainer left it,
 the base weights unchanged -- reuse all of that and only stream tensors; the engine in turn reuses its validated
-plan for the same manifest digest (:mod:`hwsync.engine.receiver`). Anything that no longer holds re-plans: a changed model,
-another writer on the engine (it answers :class:`~hwsync.common.errors.PlanChangedError` before writing), an error.
-:func:`last_plan` is how :mod:`hwsync.verify` finds what the trainer last synced.
+plan for the same manifest digest (:mod:`hwsync.engine.receiver`). Anything that no longer holds re-plans: a changed
+model, another writer on the engine (it answers :class:`~hwsync.common.errors.PlanChangedError` before writing), an
+error. :func:`last_plan` is how :mod:`hwsync.verify` finds what the trainer last synced.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,20 +22,31 @@ from typing import Any
 
 from torch import nn
 
-from hwsync.common.target import Engine, ProgressFn
+from hwsync.common.config import raw
 from hwsync.common.errors import AdapterFormatError, HwsyncError, OptionError, PlanChangedError, SyncError
 from hwsync.common.lora_formats import FoldFn
-from hwsync.trainer.payload import Payload, TrainerLora, base_shapes, build_payload, has_adapter, model_uuid, read_lora
 from hwsync.common.progress import phase
+from hwsync.common.target import Engine, ProgressFn
+from hwsync.common.wire import EngineInfo, Manifest, Strategy, plan_buckets
+from hwsync.trainer.payload import Payload, TrainerLora, base_shapes, build_payload, has_adapter, model_uuid, read_lora
 from hwsync.trainer.report import SyncReport
 from hwsync.trainer.strategy import choose
-from hwsync.common.wire import EngineInfo, Manifest, Strategy, plan_buckets
-from hwsync.common.config import raw
 
 logger = logging.getLogger("hwsync")
 
-__all__ = ["sync", "generate", "as_engine", "default_bucket_mb", "parse_bucket_mb", "BUCKET_ENV", "SyncOptions",
-           "SyncPlan", "SyncedPlan", "describe_for", "last_plan"]
+__all__ = [
+    "sync",
+    "generate",
+    "as_engine",
+    "default_bucket_mb",
+    "parse_bucket_mb",
+    "BUCKET_ENV",
+    "SyncOptions",
+    "SyncPlan",
+    "SyncedPlan",
+    "describe_for",
+    "last_plan",
+]
 
 BUCKET_ENV = "HWSYNC_BUCKET_MB"
 # Measured with benchmarks/bench_sync.py (vLLM CPU build, 105 MB fp32 MoE, server mode over gloo/loopback, 2 shared
@@ -76,8 +88,13 @@ class SyncOptions:
     lora_int_id: int | None = None
 
     @classmethod
-    def parse(cls, strategy: str | Strategy = "auto", bucket_mb: float | None = None, lora_name: str | None = None,
-              lora_int_id: int | None = None) -> SyncOptions:
+    def parse(
+        cls,
+        strategy: str | Strategy = "auto",
+        bucket_mb: float | None = None,
+        lora_name: str | None = None,
+        lora_int_id: int | None = None,
+    ) -> SyncOptions:
         return cls(Strategy.parse(strategy), parse_bucket_mb(bucket_mb, "bucket_mb"), lora_name, lora_int_id)
 
     def bucket_bytes(self, device_type: str) -> int:
@@ -101,8 +118,9 @@ class SyncPlan:
     """The engine version the last sync of this plan left (the next one expects the engine there)."""
 
     @classmethod
-    def make(cls, engine: Engine, model: nn.Module, options: SyncOptions,
-             signature: tuple[Any, ...] | None = None) -> SyncPlan:
+    def make(
+        cls, engine: Engine, model: nn.Module, options: SyncOptions, signature: tuple[Any, ...] | None = None
+    ) -> SyncPlan:
         """Describe the engine once and plan from that."""
         from hwsync.trainer.merged import refuse_non_lora
 
@@ -111,9 +129,15 @@ class SyncPlan:
         return cls.from_description(model, options, info, lora, _signature(model) if signature is None else signature)
 
     @classmethod
-    def from_description(cls, model: nn.Module, options: SyncOptions, info: EngineInfo,
-                         lora: TrainerLora | AdapterFormatError | None, signature: tuple[Any, ...],
-                         readers: dict[Any, Any] | None = None) -> SyncPlan:
+    def from_description(
+        cls,
+        model: nn.Module,
+        options: SyncOptions,
+        info: EngineInfo,
+        lora: TrainerLora | AdapterFormatError | None,
+        signature: tuple[Any, ...],
+        readers: dict[Any, Any] | None = None,
+    ) -> SyncPlan:
         choice = choose(options.strategy, lora, info)
         size = options.bucket_bytes(info.device_type)
         trainer_lora = lora if choice.strategy is not Strategy.FULL and isinstance(lora, TrainerLora) else None
@@ -152,8 +176,9 @@ class SyncPlan:
             self.synced_version = version
             return self
         held = dataclasses.replace(self.info, version=version, stale=False, base_key=self.manifest.base_key)
-        steady = SyncPlan.from_description(model, self.options, held, self.lora, self.signature,
-                                           readers=self.payload.lora_readers)  # the same fold buffers from here on
+        steady = SyncPlan.from_description(
+            model, self.options, held, self.lora, self.signature, readers=self.payload.lora_readers
+        )  # the same fold buffers from here on
         steady.synced_version = version
         return steady
 
@@ -172,8 +197,9 @@ class SyncedPlan:
     lora_int_id: int | None
     info: EngineInfo
 
-    def reference_payload(self, model: nn.Module, fold: FoldFn | None = None,
-                          cache: dict[Any, Any] | None = None) -> Payload:
+    def reference_payload(
+        self, model: nn.Module, fold: FoldFn | None = None, cache: dict[Any, Any] | None = None
+    ) -> Payload:
         """Every tensor a from-scratch sync of this strategy would send now (merged view for merged names, W0 for
         frozen ones, folded LoRA A/B), read lazily: what the engine should hold. With ``cache`` (a dict kept by the
         caller), the payload is planned once per model, strategy, engine description and fold, and read anew at
@@ -252,8 +278,8 @@ _SHARDINGS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], str]] = 
 
 
 def _sharding(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
-    """The model's :func:`hwsync.common.gather.sharding` and :func:`_signature`: one walk of the model per sync (the sharding
-    is looked at again only when the signature changes, e.g. after ``fully_shard``)."""
+    """The model's :func:`hwsync.common.gather.sharding` and :func:`_signature`: one walk of the model per sync (the
+    sharding is looked at again only when the signature changes, e.g. after ``fully_shard``)."""
     from hwsync.common.gather import sharding
 
     signature = _signature(model)
@@ -266,8 +292,8 @@ def _sharding(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
 
 def describe_for(engine: Engine, model: nn.Module) -> tuple[EngineInfo, TrainerLora | AdapterFormatError | None]:
     """One description of the engine for syncing ``model``, and the trainer's LoRA as it would travel
-    (:func:`hwsync.trainer.payload.read_lora`): what the engine serves, whether it serves LoRA on the trainer's modules, and
-    which of the trainer's base tensors it keeps in a wider dtype (those travel in it). Two round trips for a PEFT
+    (:func:`hwsync.trainer.payload.read_lora`): what the engine serves, whether it serves LoRA on the trainer's modules,
+    and which of the trainer's base tensors it keeps in a wider dtype (those travel in it). Two round trips for a PEFT
     model (where its modules land in vLLM's LoRA format depends on the engine), one otherwise."""
     lora: TrainerLora | AdapterFormatError | None = None
     paths: list[str] = []
@@ -314,7 +340,8 @@ def sync(
         raise OptionError(
             "hwsync.sync(None, model) is for the ranks without an engine of a sharded (FSDP2 / ZeRO-3) trainer, "
             "which take part in the gathers; this model is not sharded, so this rank has nothing to do: call "
-            "hwsync.sync only where an engine is")
+            "hwsync.sync only where an engine is"
+        )
     engine = as_engine(target)
     t0 = time.perf_counter()
     for attempt in range(2):
@@ -333,8 +360,15 @@ def sync(
     raise SyncError("internal: sync retry loop ended without a result")  # pragma: no cover
 
 
-def _prepare(engine: Engine, model: nn.Module, options: SyncOptions, version: int | None,
-             signature: tuple[Any, ...], *, retry: bool) -> tuple[SyncPlan, Manifest]:
+def _prepare(
+    engine: Engine,
+    model: nn.Module,
+    options: SyncOptions,
+    version: int | None,
+    signature: tuple[Any, ...],
+    *,
+    retry: bool,
+) -> tuple[SyncPlan, Manifest]:
     """The plan to sync with (the cached one while it holds; a new one on a retry) and its next manifest."""
     plans = _plans(engine, model)
     plan = None if retry else plans.get(options)
@@ -347,12 +381,12 @@ def _prepare(engine: Engine, model: nn.Module, options: SyncOptions, version: in
     return plan, plan.manifest_for(version, fresh=fresh)
 
 
-def _finish(engine: Engine, model: nn.Module, plan: SyncPlan, manifest: Manifest, result: Any, t0: float,
-            extra: str = "") -> SyncReport:
+def _finish(
+    engine: Engine, model: nn.Module, plan: SyncPlan, manifest: Manifest, result: Any, t0: float, extra: str = ""
+) -> SyncReport:
     reused = manifest.expect_version is not None
     if plan.info.refill and manifest.base_specs:  # the engine asked for its base again: say why it travelled
-        extra = (f"; full refill ({'base + adapter' if manifest.lora_specs else 'base'}): {plan.info.refill}"
-                 + extra)
+        extra = f"; full refill ({'base + adapter' if manifest.lora_specs else 'base'}): {plan.info.refill}" + extra
     report = SyncReport(
         strategy=manifest.strategy.value,
         tensors=len(manifest.specs),
@@ -377,8 +411,14 @@ def _finish(engine: Engine, model: nn.Module, plan: SyncPlan, manifest: Manifest
     return report
 
 
-def _sync_sharded(target: Any, model: nn.Module, options: SyncOptions, version: int | None,
-                  progress: ProgressFn | None, signature: tuple[Any, ...]) -> SyncReport | None:
+def _sync_sharded(
+    target: Any,
+    model: nn.Module,
+    options: SyncOptions,
+    version: int | None,
+    progress: ProgressFn | None,
+    signature: tuple[Any, ...],
+) -> SyncReport | None:
     """One sync of a sharded model, run by every rank together (protocol: :mod:`hwsync.common.gather`)."""
     from hwsync.common import gather
 
@@ -399,14 +439,21 @@ def _sync_sharded(target: Any, model: nn.Module, options: SyncOptions, version: 
                     raise SyncError("internal: a sharded model's payload has no gather schedule")
             except BaseException as e:  # every rank must hear of it before anyone enters a gather
                 failure, state = e, None
-        plans = exchange(("error", f"{type(failure).__name__}: {failure}") if failure is not None else
-                         ("plan", mine) if mine is not None else None)
+        plans = exchange(
+            ("error", f"{type(failure).__name__}: {failure}")
+            if failure is not None
+            else ("plan", mine)
+            if mine is not None
+            else None
+        )
         bad = [(r, m[1]) for r, m in enumerate(plans) if m is not None and m[0] == "error"]
         if bad:
             if failure is not None:
                 raise failure
-            raise SyncError(f"hwsync.sync on rank {bad[0][0]} failed before gathering ({bad[0][1]}); every rank "
-                            "stops so none waits in a collective")
+            raise SyncError(
+                f"hwsync.sync on rank {bad[0][0]} failed before gathering ({bad[0][1]}); every rank "
+                "stops so none waits in a collective"
+            )
         schedules: list[list[list[str]]] = []
         for m in plans:
             if m is not None and m[1] not in schedules:
@@ -419,8 +466,11 @@ def _sync_sharded(target: Any, model: nn.Module, options: SyncOptions, version: 
                     outcome = _send_sharded(engine, model, options, state, steps, progress)
             finally:
                 gather.drain(steps)  # the rest of the schedule: every rank gathers every group
-        tag = None if outcome is None else (outcome[0], f"{type(outcome[1]).__name__}: {outcome[1]}"
-                                            if outcome[0] != "ok" else "")
+        tag = (
+            None
+            if outcome is None
+            else (outcome[0], f"{type(outcome[1]).__name__}: {outcome[1]}" if outcome[0] != "ok" else "")
+        )
         results = exchange(tag)
         if outcome is not None and outcome[0] == "error":
             raise outcome[1]
@@ -429,8 +479,10 @@ def _sync_sharded(target: Any, model: nn.Module, options: SyncOptions, version: 
             extra = f"; sharded trainer: {len(mine or [])} gather groups"
             done = _finish(engine, model, state[0], state[1], outcome[1], t0, extra)
         if failed:
-            raise SyncError(f"hwsync.sync failed on rank {failed[0][0]} ({failed[0][1]})"
-                            + (f"; this rank's engine is at version {done.version}" if done else ""))
+            raise SyncError(
+                f"hwsync.sync failed on rank {failed[0][0]} ({failed[0][1]})"
+                + (f"; this rank's engine is at version {done.version}" if done else "")
+            )
         retry = [r for r, t in enumerate(results) if t is not None and t[0] == "retry"]
         if not retry:
             return done
@@ -441,8 +493,14 @@ def _sync_sharded(target: Any, model: nn.Module, options: SyncOptions, version: 
     raise SyncError("internal: sharded sync retry loop ended without a result")  # pragma: no cover
 
 
-def _send_sharded(engine: Engine, model: nn.Module, options: SyncOptions, state: tuple[SyncPlan, Manifest],
-                  steps: Any, progress: ProgressFn | None) -> tuple[str, Any]:
+def _send_sharded(
+    engine: Engine,
+    model: nn.Module,
+    options: SyncOptions,
+    state: tuple[SyncPlan, Manifest],
+    steps: Any,
+    progress: ProgressFn | None,
+) -> tuple[str, Any]:
     """This rank's send inside its schedule's gathers: ``("ok", result)``, ``("retry", PlanChangedError)`` or
     ``("error", exception)`` (every rank hears of it after the gathers)."""
     plan, manifest = state

@@ -5,10 +5,11 @@ validates a sync's manifest and says go while holding its lock, and only once al
 commit (one refusal: the others are cancelled, nothing is applied anywhere); then the buckets travel once, by
 broadcast, to every worker of every engine (one data-plane group: the trainer at rank 0, each engine's workers after
 it; tensor-parallel workers take their shards on arrival). An abort reaches every worker of every engine.
-:func:`hwsync.verify` checks each engine (:meth:`RemoteEngine.parts`). The trainer hosts the group's rendezvous store, bound to the interface it reaches the engines from;
-where the group meets is secret (a random id sent encrypted to each engine), and every bucket is sealed with a fresh
-per-sync key (:mod:`hwsync.common.transport.seal`).
+:func:`hwsync.verify` checks each engine (:meth:`RemoteEngine.parts`). The trainer hosts the group's rendezvous store,
+bound to the interface it reaches the engines from; where the group meets is secret (a random id sent encrypted to each
+engine), and every bucket is sealed with a fresh per-sync key (:mod:`hwsync.common.transport.seal`).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -25,10 +26,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hwsync.common.backend import open_link
-from hwsync.common.target import Engine, ProgressFn
 from hwsync.common.errors import EngineBusyError, SyncError, UnsupportedSetupError, decode_error
-from hwsync.common.protocol import (DEFAULT_TIMEOUT_S, Channel, IdleTimeout, check_token, client_handshake,
-                                    group_prefix, split_address)
+from hwsync.common.protocol import (
+    DEFAULT_TIMEOUT_S,
+    Channel,
+    IdleTimeout,
+    check_token,
+    client_handshake,
+    group_prefix,
+    split_address,
+)
+from hwsync.common.target import Engine, ProgressFn
 from hwsync.common.transport.base import Link, LinkSpec
 from hwsync.common.transport.buckets import bucket_lists, pool_of, send_buckets
 from hwsync.common.transport.seal import Sealer
@@ -59,8 +67,9 @@ class _Conn:
             try:
                 sock = socket.create_connection((host, port), timeout=min(self.timeout_s, 30.0))
             except OSError as e:
-                raise SyncError(f"cannot reach an hwsync engine at {self.address} ({e}); is serve() running "
-                                "there?") from None
+                raise SyncError(
+                    f"cannot reach an hwsync engine at {self.address} ({e}); is serve() running there?"
+                ) from None
             try:
                 self.channel = client_handshake(sock, self._token, self.address, min(self.timeout_s, 30.0))
                 break
@@ -89,8 +98,11 @@ class _Conn:
                 bye = ch.recv(wait=1.0)
             except (OSError, SyncError):
                 bye = {}
-            logger.info("hwsync: the engine at %s closed the connection (%s); reconnecting", self.address,
-                        str(bye.get("bye", "connection closed"))[:200])
+            logger.info(
+                "hwsync: the engine at %s closed the connection (%s); reconnecting",
+                self.address,
+                str(bye.get("bye", "connection closed"))[:200],
+            )
             self._drop()
         if self.channel is None:
             self._open()
@@ -121,16 +133,20 @@ class _Conn:
             rep = ch.recv(wait=wait)
         except IdleTimeout:
             self._drop()
-            raise SyncError(f"{self.label}the engine at {self.address} did not answer within {self.timeout_s:g} s "
-                            "(stopped, overloaded or unreachable); the connection was closed, the next call opens a "
-                            "new one") from None
+            raise SyncError(
+                f"{self.label}the engine at {self.address} did not answer within {self.timeout_s:g} s "
+                "(stopped, overloaded or unreachable); the connection was closed, the next call opens a "
+                "new one"
+            ) from None
         except (ConnectionError, OSError, SyncError) as e:
             self._drop()
             raise SyncError(f"{self.label}lost the engine at {self.address} ({e})") from None
         if "bye" in rep:  # closed as idle just as the request left: the server never read it
             self._drop()
-            raise _Closed(f"{self.label}the engine at {self.address} closed the connection ({str(rep['bye'])[:100]}) "
-                          "before reading the request: nothing was done")
+            raise _Closed(
+                f"{self.label}the engine at {self.address} closed the connection ({str(rep['bye'])[:100]}) "
+                "before reading the request: nothing was done"
+            )
         if not rep.get("ok"):
             error = dict(rep.get("error") or {})
             raise decode_error({**error, "message": self.label + str(error.get("message", "remote error"))})
@@ -154,8 +170,14 @@ class RemoteEngine(Engine):
 
     mode = "server"
 
-    def __init__(self, addresses: str | Sequence[str], token: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 data_host: str | None = None) -> None:
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        token: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        data_host: str | None = None,
+    ) -> None:
         super().__init__()
         addrs = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addrs:
@@ -192,12 +214,18 @@ class RemoteEngine(Engine):
         first = infos[0]
         self._device_type = first.device_type
         if any(i.engine != first.engine or i.dtype != first.dtype for i in infos[1:]):
-            raise UnsupportedSetupError(f"the engines at {self.address} serve different builds or dtypes: "
-                                        "one sync feeds engines of one model")
-        return EngineInfo.from_dict({**first.to_dict(), "version": max(i.version for i in infos),
-                                     "stale": any(i.stale for i in infos),
-                                     "base_key": first.base_key if len({i.base_key for i in infos}) == 1 else None,
-                                     "workers": sum(i.workers for i in infos)})
+            raise UnsupportedSetupError(
+                f"the engines at {self.address} serve different builds or dtypes: one sync feeds engines of one model"
+            )
+        return EngineInfo.from_dict(
+            {
+                **first.to_dict(),
+                "version": max(i.version for i in infos),
+                "stale": any(i.stale for i in infos),
+                "base_key": first.base_key if len({i.base_key for i in infos}) == 1 else None,
+                "workers": sum(i.workers for i in infos),
+            }
+        )
 
     def state(self) -> dict[str, Any]:
         states = [c.call("state", {}) for c in self.conns]
@@ -208,13 +236,15 @@ class RemoteEngine(Engine):
 
     def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
         """Greedy logprobs from the first engine (:func:`hwsync.verify` asks each engine through :meth:`parts`)."""
-        out = self.conns[0].call("logprobs", {"prompts": [list(map(int, p)) for p in prompts],
-                                              "max_tokens": max_tokens})
+        out = self.conns[0].call(
+            "logprobs", {"prompts": [list(map(int, p)) for p in prompts], "max_tokens": max_tokens}
+        )
         return [(list(ids), list(vals)) for ids, vals in out]
 
     def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """Content fingerprints of what the engine's kernels read (:mod:`hwsync.engine.vllm.fingerprint`), for
-        :func:`hwsync.verify`; ``None`` from an engine with several workers. One engine per handle: see :meth:`parts`."""
+        :func:`hwsync.verify`; ``None`` from an engine with several workers. One engine per handle: see
+        :meth:`parts`."""
         if len(self.conns) > 1:
             raise UnsupportedSetupError("fingerprints come from one engine: ask each of RemoteEngine.parts()")
         got: dict[str, Any] | None = self.conns[0].call("fingerprints", request)
@@ -228,7 +258,8 @@ class RemoteEngine(Engine):
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
         raise UnsupportedSetupError(
             "a remote engine generates in its own process: call server.generate(...) there, or use the serving "
-            "framework's API (ms-swift: swift rollout's routes); this handle syncs and verifies")
+            "framework's API (ms-swift: swift rollout's routes); this handle syncs and verifies"
+        )
 
     def shutdown(self) -> None:
         """Ask every serving process to stop waiting (``SyncServer.wait()`` returns)."""
@@ -246,9 +277,15 @@ class RemoteEngine(Engine):
             family = socket.AF_INET6 if ":" in self.data_host else socket.AF_INET
             sock = socket.create_server((self.data_host, 0), family=family, backlog=128)
             self._store_sock = sock  # keep the listening socket (and its fd) alive with the store
-            self._store = dist.TCPStore(self.data_host, sock.getsockname()[1], is_master=True,
-                                        wait_for_workers=False, master_listen_fd=sock.fileno(), use_libuv=True,
-                                        timeout=datetime.timedelta(seconds=self.timeout_s))
+            self._store = dist.TCPStore(
+                self.data_host,
+                sock.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=sock.fileno(),
+                use_libuv=True,
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+            )
         return self._store
 
     def _drop_link(self) -> None:
@@ -264,8 +301,9 @@ class RemoteEngine(Engine):
         backend = get_backend(info_device_type)
         return backend.current_device()
 
-    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
-             progress: ProgressFn | None) -> dict[str, Any]:
+    def send(
+        self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
+    ) -> dict[str, Any]:
         with self.lock:
             if self._workers is None:
                 self.describe()
@@ -281,22 +319,30 @@ class RemoteEngine(Engine):
             several = len(self.conns) > 1
             for conn, first in zip(self.conns, firsts):
                 ch = conn.live()  # the secrets are sealed for this connection's next frame
-                conn.request("sync", {
-                    "manifest": manifest.to_json(),
-                    "group": {"host": self.data_host, "port": store.port, "world_size": world, "first_rank": first},
-                    "group_id": ch.seal_secret("group", held),
-                    "new_group_id": ch.seal_secret("new_group", fresh),
-                    "data_key": ch.seal_secret("data", data_key),
-                    "timeout": self.timeout_s,
-                    "confirm": several,  # several engines: each waits for the commit below before the data plane
-                }, reopen=False)
+                conn.request(
+                    "sync",
+                    {
+                        "manifest": manifest.to_json(),
+                        "group": {"host": self.data_host, "port": store.port, "world_size": world, "first_rank": first},
+                        "group_id": ch.seal_secret("group", held),
+                        "new_group_id": ch.seal_secret("new_group", fresh),
+                        "data_key": ch.seal_secret("data", data_key),
+                        "timeout": self.timeout_s,
+                        "confirm": several,  # several engines: each waits for the commit below before the data plane
+                    },
+                    reopen=False,
+                )
             answers = self._answers(deadline=deadline)
             t_go = time.perf_counter()
             refusal = next((v for ok, v in answers if not ok), None)
             if refusal is not None:
                 # nothing was written anywhere: the engines that said go are cancelled (and answer that)
-                self._verdict([c for c, (ok, _) in zip(self.conns, answers) if ok], "cancel",
-                              {"reason": str(refusal)[:500]}, deadline=deadline)
+                self._verdict(
+                    [c for c, (ok, _) in zip(self.conns, answers) if ok],
+                    "cancel",
+                    {"reason": str(refusal)[:500]},
+                    deadline=deadline,
+                )
                 self._drop_link()
                 raise refusal
             reuse = all(go.get("reuse") for _, go in answers)  # every engine still holds this trainer's group
@@ -305,17 +351,25 @@ class RemoteEngine(Engine):
             if not reuse:
                 self._drop_link()
             group_id = held if reuse else fresh
-            spec = LinkSpec(self.data_host, store.port, group_prefix(group_id), world,
-                            max(deadline - time.monotonic(), 0.01))
+            spec = LinkSpec(
+                self.data_host, store.port, group_prefix(group_id), world, max(deadline - time.monotonic(), 0.01)
+            )
             try:
-                link = self._link[1] if self._link is not None else open_link(store, spec, 0,
-                                                                             self._device(self._device_type),
-                                                                             data_key)
+                link = (
+                    self._link[1]
+                    if self._link is not None
+                    else open_link(store, spec, 0, self._device(self._device_type), data_key)
+                )
                 self._link = (group_id, link)
                 # the reason is in the store before the ABORT reaches any engine worker: every worker reports it
-                send_buckets(manifest, bucket_lists(manifest, produce, progress), link,
-                             pool_of(self._owner, link.device), Sealer(data_key),
-                             on_abort=lambda e: publish_abort(store, spec, e))
+                send_buckets(
+                    manifest,
+                    bucket_lists(manifest, produce, progress),
+                    link,
+                    pool_of(self._owner, link.device),
+                    Sealer(data_key),
+                    on_abort=lambda e: publish_abort(store, spec, e),
+                )
             except BaseException as e:
                 publish_abort(store, spec, e)  # a failure before the stream (e.g. joining the link) too
                 results = self._collect(deadline)
@@ -331,13 +385,17 @@ class RemoteEngine(Engine):
             if isinstance(results, BaseException):
                 raise results
             summary: dict[str, Any] = results[0]
-            self.last_timings = {"go": (t_go - t0) * 1e3, "stream": (t_sent - t_go) * 1e3,
-                                 "reply": (t_end - t_sent) * 1e3, **{f"engine {k}": v for k, v in
-                                                                     (summary.get("engine_ms") or {}).items()}}
+            self.last_timings = {
+                "go": (t_go - t0) * 1e3,
+                "stream": (t_sent - t_go) * 1e3,
+                "reply": (t_end - t_sent) * 1e3,
+                **{f"engine {k}": v for k, v in (summary.get("engine_ms") or {}).items()},
+            }
             return summary
 
-    def _verdict(self, conns: Sequence[_Conn], op: str, args: dict[str, Any], wait: bool = True,
-                 deadline: float | None = None) -> None:
+    def _verdict(
+        self, conns: Sequence[_Conn], op: str, args: dict[str, Any], wait: bool = True, deadline: float | None = None
+    ) -> None:
         """Send ``commit`` / ``cancel`` to engines waiting after their go; ``wait``: read the (cancelled) sync's
         reply so each channel stays in step."""
         for conn in conns:
@@ -369,22 +427,26 @@ class _EngineView(RemoteEngine):
         self.conns, self.timeout_s, self.data_host = [conn], parent.timeout_s, parent.data_host
         self._store, self._link, self._workers, self._device_type, self._owner = None, None, None, "cpu", {}
 
-    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
-             progress: ProgressFn | None) -> dict[str, Any]:
-        raise UnsupportedSetupError("sync through the handle hwsync.connect returned (it feeds every engine at once), "
-                                    "not through one of its parts()")
+    def send(
+        self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
+    ) -> dict[str, Any]:
+        raise UnsupportedSetupError(
+            "sync through the handle hwsync.connect returned (it feeds every engine at once), "
+            "not through one of its parts()"
+        )
 
     def close(self) -> None:
         """The connection belongs to the handle that spans every engine."""
 
 
-def connect(address: str | Sequence[str], token: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-            data_host: str | None = None) -> RemoteEngine:
+def connect(
+    address: str | Sequence[str], token: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, data_host: str | None = None
+) -> RemoteEngine:
     """A handle on the engine(s) :func:`hwsync.serve`-d at ``address`` (several: data-parallel engines fed by one
-    broadcast); a wrong ``token`` raises :class:`~hwsync.common.errors.SyncError` here (the engine proves the token first).
-    Every answer is awaited at most ``timeout_s``; a connection the engine closed as idle is opened again by the next
-    call. ``data_host`` is the interface the engines reach this trainer on for the data plane (default: the one this
-    process reaches the first engine from).
+    broadcast); a wrong ``token`` raises :class:`~hwsync.common.errors.SyncError` here (the engine proves the token
+    first). Every answer is awaited at most ``timeout_s``; a connection the engine closed as idle is opened again by the
+    next call. ``data_host`` is the interface the engines reach this trainer on for the data plane (default: the one
+    this process reaches the first engine from).
     """
     return RemoteEngine(address, token, timeout_s=timeout_s, data_host=data_host)
 

@@ -13,6 +13,7 @@ Names are the trainer's runtime names without PEFT's wrappers (``base_model.mode
 train them). Sharded parameters (FSDP2 / ZeRO-3) are read through :func:`hwsync.common.gather.full`: the caller gathers
 them (:func:`hwsync.common.gather.gathered`, :func:`read_sets` says which parameters each merged tensor reads).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -26,8 +27,15 @@ from hwsync.common.errors import AdapterFormatError, UnsupportedSetupError
 from hwsync.common.gather import full, global_shape, param_kind, read
 from hwsync.common.trainer_names import strip_peft_name
 
-__all__ = ["merged_named_weights", "delta_weight", "plain_weight", "logical_shape", "is_quantized", "read_sets",
-           "refuse_non_lora"]
+__all__ = [
+    "merged_named_weights",
+    "delta_weight",
+    "plain_weight",
+    "logical_shape",
+    "is_quantized",
+    "read_sets",
+    "refuse_non_lora",
+]
 
 # Chunk the fp32 temporaries of stacked experts to about this many bytes.
 _CHUNK_BYTES = 256 << 20
@@ -116,10 +124,7 @@ def _collect(model: nn.Module) -> tuple[dict[int, list[_Contribution]], set[int]
         add, sub = _active_lora_adapters(module)
         if not add and not sub:
             continue
-        if isinstance(module, ParamWrapper):
-            target = module.get_param()
-        else:
-            target = module.get_base_layer().weight
+        target = module.get_param() if isinstance(module, ParamWrapper) else module.get_base_layer().weight
         for adapter, sign in [(a, 1.0) for a in add] + [(a, -1.0) for a in sub]:
             contrib.setdefault(id(target), []).append(_Contribution(module, adapter, sign, "weight"))
             if getattr(module, "lora_bias", {}).get(adapter, False):
@@ -228,14 +233,16 @@ def _refuse_repacked(name: str, param: Tensor) -> None:
             f"bitsandbytes repacked the 4-bit weight {name} for its AVX512-BF16 CPU kernel (an eval-mode forward "
             "without grad does this on such a CPU) and can no longer dequantize it, so its value cannot be sent. "
             "Keep the trainer's bitsandbytes layers in train mode for forwards outside training (hwsync.verify does), "
-            'or sync with strategy="adapter" once the engine holds the base')
+            'or sync with strategy="adapter" once the engine holds the base'
+        )
 
 
 def _refuse_sharded(layer: PeftLayer, what: str) -> None:
     if any(param_kind(p) != "plain" for p in layer.parameters()):
         raise UnsupportedSetupError(
             f"{type(layer).__name__}: the merged view of {what} runs PEFT's own code on the layer's parameters, "
-            "which are sharded (FSDP2 / ZeRO-3) here; sync plain LoRA, or merge on an unsharded copy")
+            "which are sharded (FSDP2 / ZeRO-3) here; sync plain LoRA, or merge on an unsharded copy"
+        )
 
 
 def read_sets(model: nn.Module) -> dict[str, list[str]]:
@@ -250,13 +257,15 @@ def read_sets(model: nn.Module) -> dict[str, list[str]]:
             continue
         reads = [name]
         for c in contrib.get(pid, []):
-            holders = [getattr(c.layer, attr, {}) for attr in ("lora_A", "lora_B", "lora_embedding_A",
-                                                               "lora_embedding_B", "lora_magnitude_vector")]
+            holders = [
+                getattr(c.layer, attr, {})
+                for attr in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
+            ]
             for h in holders:
                 if c.adapter not in h:
                     continue
                 v = h[c.adapter]
-                for p in (v.parameters() if isinstance(v, nn.Module) else [v]):
+                for p in v.parameters() if isinstance(v, nn.Module) else [v]:
                     if id(p) in names:
                         reads.append(names[id(p)])
         out.setdefault(strip_peft_name(name), list(dict.fromkeys(reads)))

@@ -1,7 +1,7 @@
 """Trainer side: which tensors a sync sends, per strategy (:class:`hwsync.common.wire.Strategy`).
 
-* ``full``    -- the merged view ``W0 + ΔW`` (:func:`hwsync.trainer.merged.merged_named_weights`) of every parameter, every
-  sync. The trainer's weights are never merged/unmerged in place.
+* ``full``    -- the merged view ``W0 + ΔW`` (:func:`hwsync.trainer.merged.merged_named_weights`) of every parameter,
+  every sync. The trainer's weights are never merged/unmerged in place.
 * ``adapter`` -- LoRA tensors only (:mod:`hwsync.common.lora_formats`, scaling folded into B); the base ``W0`` once, on
   the first sync (and again whenever the engine lost it: a failed sync, a ``full`` sync in between, a base
   parameter changed in place).
@@ -12,6 +12,7 @@
 * ``auto``    -- asks the engine what it serves (:class:`~hwsync.common.wire.EngineInfo`) and picks
   (:func:`hwsync.trainer.strategy.choose`); the reason is in the report.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,9 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from hwsync.common.errors import AdapterFormatError, SyncError, UnsupportedSetupError
-from hwsync.trainer.strategy import Choice
 from hwsync.common.lora_formats import NON_GATED_EXPERTS, FoldFn, lora_paths, wire_name
 from hwsync.common.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
+from hwsync.trainer.strategy import Choice
 
 __all__ = ["Payload", "TrainerLora", "base_shapes", "build_payload", "has_adapter", "read_lora"]
 
@@ -49,15 +50,16 @@ class Payload:
     current_base_key: Callable[[], str | None] = lambda: None
     """The base key as the trainer's weights are *now* (a steady-state sync resends the base when it changed)."""
     schedule: list[list[str]] | None = None
-    """Sharded trainers (:mod:`hwsync.common.gather`): the parameter names gathered per group, in order; ``None`` when the
-    model is not sharded."""
+    """Sharded trainers (:mod:`hwsync.common.gather`): the parameter names gathered per group, in order; ``None`` when
+    the model is not sharded."""
     produce_sharded: Callable[[Iterator[None]], Iterator[Tensor]] | None = None
-    """Sharded trainers: like ``produce``, advancing ``groups`` (:func:`hwsync.common.gather.run_groups` of ``schedule``)
-    once per group and reading the gathered tensors inside it."""
+    """Sharded trainers: like ``produce``, advancing ``groups`` (:func:`hwsync.common.gather.run_groups` of
+    ``schedule``) once per group and reading the gathered tensors inside it."""
     lora_readers: dict[Any, Any] = field(default_factory=dict)
-    """The LoRA readers (:class:`~hwsync.common.lora_formats.PeftLoraReader`) by (adapter, modules), handed to the payload
-    of the plan that follows (:meth:`hwsync.trainer.api.SyncPlan.after_sync`): the steady syncs read through the first sync's
-    fold buffers, so the copies recorded at the first sync (:mod:`hwsync.common.replay`) replay from the second on."""
+    """The LoRA readers (:class:`~hwsync.common.lora_formats.PeftLoraReader`) by (adapter, modules), handed to the
+    payload of the plan that follows (:meth:`hwsync.trainer.api.SyncPlan.after_sync`): the steady syncs read through
+    the first sync's fold buffers, so the copies recorded at the first sync (:mod:`hwsync.common.replay`) replay from
+    the second on."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ def _owner_of(path: str, owners: Mapping[str, list[str]]) -> str | None:
         if names:
             if len(names) == 1:
                 return names[0]
-            rest = path.removeprefix("base_model.model.")[len(p):].strip(".")
+            rest = path.removeprefix("base_model.model.")[len(p) :].strip(".")
             down = rest.rpartition(".")[2] in _DOWN if rest else True  # 3-D: "experts" is down, "base_layer" not
             picked = [n for n in names if n.rpartition(".")[2].startswith(_DOWN) == down]
             return picked[0] if picked else names[0]
@@ -221,12 +223,21 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
     # where each module lands in vLLM's format, worked out on meta tensors (shapes only: folding the scaling into
     # real tensors would hold a copy of the adapter for a moment, 2.6 GB at 48 layers r32, which a check planned
     # beside a full GPU does not have): what the engine is asked whether it serves
-    served = {n: dataclasses.replace(m, lora_A=m.lora_A.to("meta"), lora_B=m.lora_B.to("meta"))
-              for n, m in adapter.modules.items() if n not in not_lora}
-    vllm_tensors = to_vllm_lora(dataclasses.replace(adapter, modules=served),
-                                moe_format="3d" if info.moe_format == "3d" else "2d",
-                                packed_modules_mapping=info.packed_modules_mapping or None, copy=False)[0] \
-        if served else {}
+    served = {
+        n: dataclasses.replace(m, lora_A=m.lora_A.to("meta"), lora_B=m.lora_B.to("meta"))
+        for n, m in adapter.modules.items()
+        if n not in not_lora
+    }
+    vllm_tensors = (
+        to_vllm_lora(
+            dataclasses.replace(adapter, modules=served),
+            moe_format="3d" if info.moe_format == "3d" else "2d",
+            packed_modules_mapping=info.packed_modules_mapping or None,
+            copy=False,
+        )[0]
+        if served
+        else {}
+    )
     by_module: dict[str, list[str]] = {n: [] for n in adapter.modules}
     owners = _owners(list(adapter.modules))
     for path in lora_paths(vllm_tensors):
@@ -284,8 +295,11 @@ def companions(unservable: Sequence[str], names: Sequence[str], packed: Mapping[
         for parts in packed.values():
             if leaf in parts:
                 siblings.update(parts)
-        out.update(n for n in names if n.rpartition(".")[0].rpartition(".")[0] == parent
-                   and n.rpartition(".")[0].rpartition(".")[2] in siblings)
+        out.update(
+            n
+            for n in names
+            if n.rpartition(".")[0].rpartition(".")[0] == parent and n.rpartition(".")[0].rpartition(".")[2] in siblings
+        )
         out.add(m)
     return out
 
@@ -323,9 +337,15 @@ def _versions_digest(params: Mapping[str, Tensor], names: Sequence[str], reparam
     return f"{acc:x}"
 
 
-def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, info: EngineInfo,
-                  gather_bytes: int = 512 << 20, fold: FoldFn | None = None,
-                  readers: dict[Any, Any] | None = None) -> Payload:
+def build_payload(
+    model: nn.Module,
+    choice: Choice,
+    lora: TrainerLora | None,
+    info: EngineInfo,
+    gather_bytes: int = 512 << 20,
+    fold: FoldFn | None = None,
+    readers: dict[Any, Any] | None = None,
+) -> Payload:
     """Describe this sync's tensors and how to produce them (lazily, values read at produce time, so a payload
     can be produced again at every sync while the model's structure stays the same). ``fold``: how LoRA scalings are
     folded into B (default :func:`hwsync.common.lora_formats.fold_scaling`, vLLM's rounding order; :mod:`hwsync.verify`
@@ -359,7 +379,8 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
                 raise UnsupportedSetupError(
                     f"the engine serves a {info.quantization}-quantized checkpoint: merged weights cannot be written "
                     'into it. With a QLoRA base use strategy="adapter" (the engine keeps serving its quantized base) '
-                    'or an unquantized engine with strategy="full"')
+                    'or an unquantized engine with strategy="full"'
+                )
             # the engine was started from the trainer's quantized checkpoint: its base is W0, and a packed 4-bit
             # W0 cannot go through a weight reload anyway
             from hwsync.common.lora_formats import base_init
@@ -370,16 +391,27 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
                     f"init_lora_weights={init!r} rewrote the trainer's base weights into a residual, but the engine "
                     f"serves its own {info.quantization}-quantized checkpoint, which cannot be rewritten: the adapter "
                     "would act on the wrong base. Convert the adapter to plain LoRA (PEFT's "
-                    "path_initial_model_for_weight_conversion) or start the engine from the residual base")
+                    "path_initial_model_for_weight_conversion) or start the engine from the residual base"
+                )
             includes_base, base_key = False, None
-            reason = f"{reason}; base weights not sent (the engine serves the {info.quantization} checkpoint the " \
-                     "trainer's quantized base was loaded from)"
+            reason = (
+                f"{reason}; base weights not sent (the engine serves the {info.quantization} checkpoint the "
+                "trainer's quantized base was loaded from)"
+            )
         send = list(names) if includes_base else [n for n in names if n in merged]
         if includes_base:
             assert base_key is not None  # None only for an engine serving its own quantized base: never sent
-            why = "engine is stale" if info.stale else "first sync" if info.base_key is None else (
-                "trainer base changed" if info.base_key.rsplit(":", 1)[0] == base_key.rsplit(":", 1)[0]
-                else "engine holds other base weights")
+            why = (
+                "engine is stale"
+                if info.stale
+                else "first sync"
+                if info.base_key is None
+                else (
+                    "trainer base changed"
+                    if info.base_key.rsplit(":", 1)[0] == base_key.rsplit(":", 1)[0]
+                    else "engine holds other base weights"
+                )
+            )
             reason = f"{reason}; base weights sent ({why})"
         elif strategy is Strategy.ADAPTER:
             reason = f"{reason}; LoRA only"
@@ -407,8 +439,18 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
             return None
         return f"{model_uuid(model)}:{strategy.value}:{_versions_digest(base, frozen, reparametrized)}"
 
-    payload = Payload(strategy, reason, specs, lambda: stream.read([items]), lora_meta, lora_base_names, base_key,
-                      includes_base, current_base_key, lora_readers=stream.readers)
+    payload = Payload(
+        strategy,
+        reason,
+        specs,
+        lambda: stream.read([items]),
+        lora_meta,
+        lora_base_names,
+        base_key,
+        includes_base,
+        current_base_key,
+        lora_readers=stream.readers,
+    )
     from hwsync.common.gather import sharding
 
     if sharding(model) != "plain":
@@ -418,23 +460,34 @@ def build_payload(model: nn.Module, choice: Choice, lora: TrainerLora | None, in
 
 class _Stream:
     """Reads a payload's tensors in manifest order, group by group: one group for a plain model; for a sharded one
-    (:mod:`hwsync.common.gather`) the groups of its gather schedule, each read while gathered. Merged tensors are computed
-    on demand, base tensors read as they are, LoRA factors through one :class:`~hwsync.common.lora_formats.PeftLoraReader`
-    per module list, resolved at the first read and reused (values are read at every sync; ``readers`` may come from
-    an earlier payload of the same plan: :attr:`Payload.lora_readers`)."""
+    (:mod:`hwsync.common.gather`) the groups of its gather schedule, each read while gathered. Merged tensors are
+    computed on demand, base tensors read as they are, LoRA factors through one
+    :class:`~hwsync.common.lora_formats.PeftLoraReader` per module list, resolved at the first read and reused (values
+    are read at every sync; ``readers`` may come from an earlier payload of the same plan:
+    :attr:`Payload.lora_readers`)."""
 
-    def __init__(self, model: nn.Module, merged: set[str], raw_base: Mapping[str, tuple[str, Tensor]],
-                 lora_dtype: torch.dtype | None, fold: FoldFn | None = None,
-                 readers: dict[Any, Any] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        merged: set[str],
+        raw_base: Mapping[str, tuple[str, Tensor]],
+        lora_dtype: torch.dtype | None,
+        fold: FoldFn | None = None,
+        readers: dict[Any, Any] | None = None,
+    ) -> None:
         self.model, self.merged, self.raw_base, self.lora_dtype = model, merged, raw_base, lora_dtype
         self.fold = fold
         self.readers: dict[Any, Any] = {} if readers is None else readers
 
-    def read(self, groups: Sequence[Sequence[tuple[str, str]]], steps: Iterator[None] | None = None,
-             wire: Mapping[str, torch.dtype] | None = None) -> Iterator[Tensor]:
+    def read(
+        self,
+        groups: Sequence[Sequence[tuple[str, str]]],
+        steps: Iterator[None] | None = None,
+        wire: Mapping[str, torch.dtype] | None = None,
+    ) -> Iterator[Tensor]:
         """The tensors of ``groups`` (``("base" | "lora", name)`` items, LoRA last in each group). With ``steps``
-        (:func:`hwsync.common.gather.run_groups`), advanced once per group, every tensor is checked to come from a gathered
-        parameter and cast to its ``wire`` dtype while the group is gathered: the bucket then holds wire-sized
+        (:func:`hwsync.common.gather.run_groups`), advanced once per group, every tensor is checked to come from a
+        gathered parameter and cast to its ``wire`` dtype while the group is gathered: the bucket then holds wire-sized
         copies and the gathered tensor is released with its group (an fp32 trainer feeding a bf16 engine would
         otherwise keep twice a bucket of gathered fp32 tensors pending in the transport)."""
         from hwsync.trainer.merged import merged_named_weights, plain_weight
@@ -482,8 +535,15 @@ def _gathered(name: str, t: Tensor, wire: Mapping[str, torch.dtype] | None) -> T
     return t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
 
 
-def _add_sharded(payload: Payload, model: nn.Module, stream: _Stream, items: Sequence[tuple[str, str]],
-                 merged: set[str], raw_base: Mapping[str, tuple[str, Tensor]], gather_bytes: int) -> None:
+def _add_sharded(
+    payload: Payload,
+    model: nn.Module,
+    stream: _Stream,
+    items: Sequence[tuple[str, str]],
+    merged: set[str],
+    raw_base: Mapping[str, tuple[str, Tensor]],
+    gather_bytes: int,
+) -> None:
     """The gather schedule of a sharded model: the payload's tensors in order, grouped so the parameters gathered
     for one group stay within ``gather_bytes`` (one bucket); each group is read while gathered, then dropped."""
     from hwsync.common import gather

@@ -1,4 +1,5 @@
 """What one sync did: one object for callers, one log line for humans."""
+
 from __future__ import annotations
 
 import logging

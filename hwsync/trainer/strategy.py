@@ -1,10 +1,11 @@
 """Which strategy a sync uses: ordered rules, first match wins.
 
-Each rule looks at the requested :class:`~hwsync.common.wire.Strategy`, the trainer's LoRA (as the engine would serve it)
-and the engine's :class:`~hwsync.common.wire.EngineInfo`, and either decides (a :class:`Choice` with the reason the report
-prints), refuses an explicit request that cannot work (an error naming the fix), or passes. ``auto`` never
+Each rule looks at the requested :class:`~hwsync.common.wire.Strategy`, the trainer's LoRA (as the engine would serve
+it) and the engine's :class:`~hwsync.common.wire.EngineInfo`, and either decides (a :class:`Choice` with the reason the
+report prints), refuses an explicit request that cannot work (an error naming the fix), or passes. ``auto`` never
 refuses: it falls back to ``full``, which every engine serves.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -51,13 +52,15 @@ def _no_adapter(req: Strategy, lora: LoraFacts | AdapterFormatError | None, info
     if lora is not None:
         return None
     if req is not Strategy.AUTO:
-        raise AdapterFormatError(f'strategy="{req.value}" needs a PEFT LoRA model; this model has no adapter. '
-                                 'Use strategy="full"')
+        raise AdapterFormatError(
+            f'strategy="{req.value}" needs a PEFT LoRA model; this model has no adapter. Use strategy="full"'
+        )
     return Choice(Strategy.FULL, "model has no LoRA adapter")
 
 
-def _not_servable_as_lora(req: Strategy, lora: LoraFacts | AdapterFormatError | None,
-                          info: EngineInfo) -> Choice | None:
+def _not_servable_as_lora(
+    req: Strategy, lora: LoraFacts | AdapterFormatError | None, info: EngineInfo
+) -> Choice | None:
     if not isinstance(lora, AdapterFormatError):
         return None
     if req is not Strategy.AUTO:
@@ -65,15 +68,16 @@ def _not_servable_as_lora(req: Strategy, lora: LoraFacts | AdapterFormatError | 
     return Choice(Strategy.FULL, f"adapter cannot be served as LoRA ({lora})")
 
 
-def _engine_without_lora(req: Strategy, lora: LoraFacts | AdapterFormatError | None,
-                         info: EngineInfo) -> Choice | None:
+def _engine_without_lora(req: Strategy, lora: LoraFacts | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
     if info.lora_enabled:
         return None
     why = info.lora_reason or "the engine was started without enable_lora"
     if req is not Strategy.AUTO:
         rank = getattr(lora, "max_rank", "r")
-        raise AdapterFormatError(f'strategy="{req.value}": {why}. Start vLLM with enable_lora=True '
-                                 f'(max_lora_rank>={rank}) or use strategy="full"')
+        raise AdapterFormatError(
+            f'strategy="{req.value}": {why}. Start vLLM with enable_lora=True '
+            f'(max_lora_rank>={rank}) or use strategy="full"'
+        )
     return Choice(Strategy.FULL, why)
 
 
@@ -91,8 +95,7 @@ def _unservable(lora: LoraFacts, info: EngineInfo) -> tuple[list[str], str]:
     """Trainer LoRA modules not served as LoRA (the engine says so for their vLLM paths, or no vLLM serves them:
     :attr:`LoraFacts.not_lora`) and why."""
     not_lora = lora.not_lora
-    modules = [m for m, paths in lora.by_module.items()
-               if m in not_lora or any(p in info.unservable for p in paths)]
+    modules = [m for m, paths in lora.by_module.items() if m in not_lora or any(p in info.unservable for p in paths)]
     reasons = {info.unservable[p] for m in modules for p in lora.by_module[m] if p in info.unservable}
     reasons.update(not_lora[m] for m in modules if m in not_lora)
     return modules, "; ".join(sorted(reasons))
@@ -103,24 +106,25 @@ def _all_servable(req: Strategy, lora: LoraFacts | AdapterFormatError | None, in
     if _unservable(lora, info)[0]:
         return None
     if req is Strategy.HYBRID:
-        return Choice(Strategy.HYBRID, "requested (the engine serves LoRA on every adapted module: same bytes as "
-                                       "adapter)")
-    return Choice(Strategy.ADAPTER, "engine serves LoRA on every adapted module" if req is Strategy.AUTO
-                  else "requested")
+        return Choice(
+            Strategy.HYBRID, "requested (the engine serves LoRA on every adapted module: same bytes as adapter)"
+        )
+    return Choice(
+        Strategy.ADAPTER, "engine serves LoRA on every adapted module" if req is Strategy.AUTO else "requested"
+    )
 
 
-def _some_unservable(req: Strategy, lora: LoraFacts | AdapterFormatError | None,
-                     info: EngineInfo) -> Choice | None:
+def _some_unservable(req: Strategy, lora: LoraFacts | AdapterFormatError | None, info: EngineInfo) -> Choice | None:
     assert lora is not None and not isinstance(lora, AdapterFormatError)
     modules, why_not = _unservable(lora, info)
     if req is Strategy.ADAPTER:
         raise AdapterFormatError(
             f"the engine serves no LoRA on {len(modules)} adapted module(s), e.g. {modules[0]} ({why_not}); "
-            'use strategy="hybrid" (LoRA where served, merged weights for the rest) or "full"')
+            'use strategy="hybrid" (LoRA where served, merged weights for the rest) or "full"'
+        )
     if len(modules) == len(lora.by_module):
         if req is Strategy.HYBRID:
-            return Choice(Strategy.HYBRID, f"requested; no adapted module is LoRA-servable ({why_not})",
-                          tuple(modules))
+            return Choice(Strategy.HYBRID, f"requested; no adapted module is LoRA-servable ({why_not})", tuple(modules))
         return Choice(Strategy.FULL, f"engine serves LoRA on none of the adapted modules ({why_not})")
     kinds = sorted({"experts" if ".experts" in m else m.rsplit(".", 2)[-2] for m in modules})
     why = f"engine serves no LoRA on {', '.join(kinds)} ({why_not}): those travel merged"

@@ -10,10 +10,11 @@ hwsync's own::
     hwsync.sync(engine, model, strategy="hybrid")   # after each optimizer step
 
 One ``update_weights`` carries one whole hwsync sync: its manifest (JSON) and its buckets (this process's tensors,
-by reference) in the backend's ``update_info`` (see :mod:`hwsync.engine.vllm.weight_transfer` for what rides where and why).
-Engine facts (``strategy="auto"``), the receiver's state, generation and vLLM's prefix-cache reset after a sync go
+by reference) in the backend's ``update_info`` (see :mod:`hwsync.engine.vllm.weight_transfer` for what rides where and
+why). Engine facts (``strategy="auto"``), the receiver's state, generation and vLLM's prefix-cache reset after a sync go
 through the colocated handle (:func:`hwsync.as_engine`), as they do for ``hwsync.sync(llm, ...)``.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +23,8 @@ from typing import Any
 
 from torch import Tensor
 
-from hwsync.common.target import Engine, ProgressFn
 from hwsync.common.errors import SyncError, UnsupportedSetupError
+from hwsync.common.target import Engine, ProgressFn
 from hwsync.common.transport.buckets import bucket_lists
 from hwsync.common.wire import EngineInfo, Manifest
 
@@ -48,12 +49,13 @@ def check_weight_transfer_api() -> None:
             f"vLLM {vllm_support()['version'] or '(not installed)'} has no weight-transfer API "
             "(vllm.distributed.weight_transfer, in vLLM 0.30-0.32), so weight_transfer_config={'backend': 'hwsync'} "
             "cannot work here: install a vLLM that has it, or sync without it (hwsync.sync(llm, model) colocated, "
-            "hwsync.serve / hwsync.connect for an engine in another process)")
+            "hwsync.serve / hwsync.connect for an engine in another process)"
+        )
 
 
 class TransferBackendEngine(Engine):
-    """hwsync's :class:`~hwsync.common.target.Engine` over vLLM's weight-transfer protocol, for an in-process ``vllm.LLM``
-    built with ``weight_transfer_config={"backend": "hwsync"}``."""
+    """hwsync's :class:`~hwsync.common.target.Engine` over vLLM's weight-transfer protocol, for an in-process
+    ``vllm.LLM`` built with ``weight_transfer_config={"backend": "hwsync"}``."""
 
     mode = "colocate"
 
@@ -65,14 +67,14 @@ class TransferBackendEngine(Engine):
         self.llm = llm
         self.inner = as_engine(llm)
         self.lock = self.inner.lock  # one lock per engine: syncs and generation through either handle serialize
-        config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "weight_transfer_config",
-                         None)
+        config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "weight_transfer_config", None)
         backend = getattr(config, "backend", None)
         if backend != BACKEND:
             raise UnsupportedSetupError(
                 f"this engine's weight transfer backend is {backend!r}, not 'hwsync': build it with "
                 "LLM(..., weight_transfer_config={'backend': 'hwsync'}) (the hwsync vLLM plugin registers it), or "
-                "sync it with hwsync.sync(llm, model) directly")
+                "sync it with hwsync.sync(llm, model) directly"
+            )
         # hwsync's receiver on every worker, registered under the model vLLM handed the backend
         # (hwsync.engine.vllm.worker.worker_of_model): what the backend reaches it by, from init_transfer_engine on
         self.inner.state()
@@ -87,23 +89,27 @@ class TransferBackendEngine(Engine):
     def warm(self, manifest: Manifest) -> None:
         self.inner.warm(manifest)
 
-    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
-             progress: ProgressFn | None) -> dict[str, Any]:
+    def send(
+        self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
+    ) -> dict[str, Any]:
         committed = getattr(self.inner, "committed", None)
         if committed is None or not getattr(self.inner, "in_process", False):
             raise SyncError(
                 "hwsync's weight-transfer backend hands tensors over by reference and needs the engine's worker in "
                 "this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); for an engine in another process use hwsync.serve "
-                "/ hwsync.connect")
+                "/ hwsync.connect"
+            )
         with self.lock:
             result: dict[str, Any] = committed(manifest, lambda: self._through_vllm(manifest, produce, progress))
             return result
 
-    def _through_vllm(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
-                      progress: ProgressFn | None) -> dict[str, Any]:
+    def _through_vllm(
+        self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
+    ) -> dict[str, Any]:
         self.llm.start_weight_update()
-        self.llm.update_weights({"update_info": {"manifest": manifest.to_json(),
-                                                 "buckets": bucket_lists(manifest, produce, progress)}})
+        self.llm.update_weights(
+            {"update_info": {"manifest": manifest.to_json(), "buckets": bucket_lists(manifest, produce, progress)}}
+        )
         try:
             self.llm.finish_weight_update(weight_version=str(manifest.version))
         except BaseException as e:
@@ -111,8 +117,10 @@ class TransferBackendEngine(Engine):
             # must not serve them until a sync completes (no prefix-cache reset follows a raising receive)
             from hwsync.engine.vllm import worker
 
-            reason = (f"sync v{manifest.version} wrote the weights but vLLM's finish_weight_update raised "
-                      f"{type(e).__name__}: {e}")
+            reason = (
+                f"sync v{manifest.version} wrote the weights but vLLM's finish_weight_update raised "
+                f"{type(e).__name__}: {e}"
+            )
             self.inner.rpc_all(worker.mark_stale, reason)  # type: ignore[attr-defined]
             raise
         return {"version": manifest.version, "path": "vLLM weight-transfer API (backend hwsync)"}

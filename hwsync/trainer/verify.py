@@ -4,14 +4,15 @@ A fixed logprob tolerance cannot tell a broken sync from GPU numerics (a correct
 to ~0.5 in fp32 with TF32 fused MoE and ~2 in bf16), so :func:`check` gathers two kinds of evidence (docs/verify.md):
 
 * **content** (exact, no numerics): the engine's receiver state against the trainer's last sync, and fingerprints
-  (:mod:`hwsync.common.fingerprint`) of what the engine's kernels read -- base weights, LoRA slots, the installed adapter --
-  read back through the sync plan and compared with the trainer's tensors;
+  (:mod:`hwsync.common.fingerprint`) of what the engine's kernels read -- base weights, LoRA slots, the installed
+  adapter -- read back through the sync plan and compared with the trainer's tensors;
 * **logprobs**: engine vs trainer over prompt + greedy tokens (one helper computes the trainer's,
   :func:`token_logprobs`, one reads the engine's, :func:`engine_logprobs`), summarized by mean, 90th percentile and
   mean |Δ probability| against the gate of the engine's device/dtype (:data:`GATES`).
 
 :func:`verify` raises :class:`~hwsync.common.errors.VerifyError` naming each failed check and its fix.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,19 +26,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from hwsync.trainer.api import SyncedPlan, SyncPlan, as_engine, last_plan
-from hwsync.common.target import Engine
 from hwsync.common.errors import OptionError, SyncError, UnsupportedSetupError, VerifyError
-from hwsync.trainer.payload import Payload
-from hwsync.engine.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
+from hwsync.common.target import Engine
 from hwsync.common.wire import TensorSpec, dtype_name
+from hwsync.engine.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
+from hwsync.trainer.api import SyncedPlan, SyncPlan, as_engine, last_plan
+from hwsync.trainer.payload import Payload
 
 logger = logging.getLogger("hwsync")
 
-__all__ = ["GATES", "NUMERICS_FACTOR", "RECURRENT_16BIT", "Agreement", "Check", "Gate", "Spread", "VerifyReport",
-           "agreement", "as_vllm_loads", "check", "decoder_layers", "engine_logprobs", "gate_for",
-           "has_linear_attention", "numerics_spread", "parse_gate", "rounding_unit", "spread_ratio", "token_logprobs",
-           "trainer_gate", "verify"]
+__all__ = [
+    "GATES",
+    "NUMERICS_FACTOR",
+    "RECURRENT_16BIT",
+    "Agreement",
+    "Check",
+    "Gate",
+    "Spread",
+    "VerifyReport",
+    "agreement",
+    "as_vllm_loads",
+    "check",
+    "decoder_layers",
+    "engine_logprobs",
+    "gate_for",
+    "has_linear_attention",
+    "numerics_spread",
+    "parse_gate",
+    "rounding_unit",
+    "spread_ratio",
+    "token_logprobs",
+    "trainer_gate",
+    "verify",
+]
 
 
 def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -49,8 +70,8 @@ def _scores(model: nn.Module, ids: Sequence[int]) -> tuple[torch.Tensor, torch.T
     model.eval()
     for m in model.modules():
         # bitsandbytes (0.50) repacks a 4-bit layer's weight in place for a bf16 CPU kernel at its first eval-mode,
-        # no-grad forward on a CPU with AVX512-BF16 (hwsync.trainer.merged.repacked_for_cpu): checking the trainer must not
-        # change how it computes. The flag only decides that repack (dropout lives in other modules)
+        # no-grad forward on a CPU with AVX512-BF16 (hwsync.trainer.merged.repacked_for_cpu): checking the trainer must
+        # not change how it computes. The flag only decides that repack (dropout lives in other modules)
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.training = True
     try:
@@ -91,8 +112,15 @@ class Agreement:
     :func:`numerics_spread` perturbs."""
 
 
-def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence[int]], *, max_tokens: int = 4,
-              tie: float = 2e-4, batch: bool = True) -> Agreement:
+def agreement(
+    target: Any,
+    model: nn.Module,
+    prompt_token_ids: Sequence[Sequence[int]],
+    *,
+    max_tokens: int = 4,
+    tie: float = 2e-4,
+    batch: bool = True,
+) -> Agreement:
     """Run ``prompt_token_ids`` through the engine (greedy, ``max_tokens`` new tokens) and through ``model`` on the
     engine's own ids; compare logprobs everywhere and the greedy choice at each generated position (a trainer
     argmax that beats the engine's token by at most ``tie`` counts as a tie, not a mismatch)."""
@@ -105,8 +133,11 @@ def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence
     pdiffs: list[torch.Tensor] = []
     # batch=False: one prompt per engine call (vLLM 0.32 with enable_lora computes prompt logprobs through the LoRA
     # logits processor with one LoRA index per request, which only broadcasts over a single request's tokens)
-    outputs = (engine.logprobs(prompt_token_ids, max_tokens) if batch else
-               [engine.logprobs([p], max_tokens)[0] for p in prompt_token_ids])
+    outputs = (
+        engine.logprobs(prompt_token_ids, max_tokens)
+        if batch
+        else [engine.logprobs([p], max_tokens)[0] for p in prompt_token_ids]
+    )
     sequences = []
     for prompt, (ids, values) in zip(prompt_token_ids, outputs):
         ref, arg, best = _scores(model, ids)
@@ -124,14 +155,23 @@ def agreement(target: Any, model: nn.Module, prompt_token_ids: Sequence[Sequence
         for t in range(len(prompt) - 1, len(ids) - 1):
             token = ids[t + 1]
             if int(arg[t]) != token and float(best[t] - ref[t]) > tie:
-                mismatches.append(f"after {ids[:t + 1]}: engine chose {token}, trainer {int(arg[t])} "
-                                  f"(logprob {float(best[t]):.4f} vs {float(ref[t]):.4f})")
+                mismatches.append(
+                    f"after {ids[: t + 1]}: engine chose {token}, trainer {int(arg[t])} "
+                    f"(logprob {float(best[t]):.4f} vs {float(ref[t]):.4f})"
+                )
     every = torch.cat(diffs) if diffs else torch.zeros(0)
     if not every.numel():
         return Agreement(worst, where, count, tuple(mismatches), sequences=tuple(sequences))
-    return Agreement(worst, where, count, tuple(mismatches), float(every.mean()),
-                     float(torch.quantile(every.double(), 0.9)), float(torch.cat(pdiffs).mean()),
-                     tuple(sequences))
+    return Agreement(
+        worst,
+        where,
+        count,
+        tuple(mismatches),
+        float(every.mean()),
+        float(torch.quantile(every.double(), 0.9)),
+        float(torch.cat(pdiffs).mean()),
+        tuple(sequences),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,7 +202,7 @@ def rounding_unit(device_type: str, dtype: str) -> float:
     """One unit of the engine's precision: its dtype's epsilon, TF32's (2^-10) for fp32 off the CPU, where vLLM's
     fused-MoE Triton matmuls run in TF32."""
     if dtype in ("float32", "fp32"):
-        return 2.0 ** -10 if device_type != "cpu" else float(torch.finfo(torch.float32).eps)
+        return 2.0**-10 if device_type != "cpu" else float(torch.finfo(torch.float32).eps)
     if dtype == "float16":
         return float(torch.finfo(torch.float16).eps)
     return float(torch.finfo(torch.bfloat16).eps)
@@ -178,8 +218,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def numerics_spread(model: nn.Module, sequences: Sequence[tuple[Sequence[int], torch.Tensor]], unit: float,
-                    seeds: Sequence[int] = (1, 2)) -> Spread | None:
+def numerics_spread(
+    model: nn.Module,
+    sequences: Sequence[tuple[Sequence[int], torch.Tensor]],
+    unit: float,
+    seeds: Sequence[int] = (1, 2),
+) -> Spread | None:
     """The trainer's own sensitivity to rounding, on the check's tokens: its forward with each decoder layer's output
     multiplied by ``1 + unit * N(0, 1)`` (fixed seeds), against its plain logprobs ``sequences`` holds. A healthy
     engine differs from the trainer by other kernels' rounding, compounded through the same layers, so its gap is
@@ -213,8 +257,9 @@ def numerics_spread(model: nn.Module, sequences: Sequence[tuple[Sequence[int], t
             d = torch.cat(diffs).double()
             if not d.numel():
                 return None
-            stats.append((float(d.mean()), float(torch.quantile(d, 0.9)), float(torch.cat(pdiffs).mean()),
-                          float(d.max())))
+            stats.append(
+                (float(d.mean()), float(torch.quantile(d, 0.9)), float(torch.cat(pdiffs).mean()), float(d.max()))
+            )
     finally:
         for h in handles:
             h.remove()
@@ -267,9 +312,11 @@ def parse_gate(text: str, var: str = "HWSYNC_VERIFY_GATE") -> Gate:
         if len(parts) not in (3, 4) or not all(math.isfinite(p) and p > 0 for p in parts):
             raise ValueError
     except ValueError:
-        raise OptionError(f"{var}={text!r}: expected 'mean,p90,prob' or 'mean,p90,prob,max' (positive numbers: "
-                          "mean |Δ logprob|, its 90th percentile, mean |Δ probability|, max |Δ logprob|; e.g. "
-                          "0.5,0.8,0.05)") from None
+        raise OptionError(
+            f"{var}={text!r}: expected 'mean,p90,prob' or 'mean,p90,prob,max' (positive numbers: "
+            "mean |Δ logprob|, its 90th percentile, mean |Δ probability|, max |Δ logprob|; e.g. "
+            "0.5,0.8,0.05)"
+        ) from None
     return Gate(parts[0], parts[1], parts[2], max_abs=parts[3] if len(parts) == 4 else None)
 
 
@@ -278,7 +325,8 @@ RECURRENT_16BIT = Gate(mean_abs=0.8, p90_abs=2.0, mean_prob=0.05)
 engine's chunked recurrences round their state at different points, and one near-tie expert-routing flip moves the
 mean of a short sample further than in attention-only models. CUDA bf16, tiny Qwen3.5-MoE, H200 (vLLM 0.32, 60
 healthy syncs over full/adapter/hybrid): healthy max mean 0.543 (once; the others <= 0.35), p90 <= 1.56, mean |Δp|
-<= 0.025, with every fingerprint exact. The mean limit is 1.5x that maximum; p90 and mean |Δp| keep the 16-bit limits."""
+<= 0.025, with every fingerprint exact. The mean limit is 1.5x that maximum; p90 and mean |Δp| keep the 16-bit
+limits."""
 
 
 def gate_for(device_type: str, dtype: str, recurrent: bool = False) -> Gate:
@@ -288,8 +336,10 @@ def gate_for(device_type: str, dtype: str, recurrent: bool = False) -> Gate:
     if env:
         return parse_gate(env)
     dev = "cpu" if device_type == "cpu" else "cuda" if device_type in ("cuda", "rocm", "hip") else device_type
-    key = (dev, "float32" if dtype in ("float32", "fp32") else "bfloat16" if dtype in ("bfloat16", "float16")
-           else dtype)
+    key = (
+        dev,
+        "float32" if dtype in ("float32", "fp32") else "bfloat16" if dtype in ("bfloat16", "float16") else dtype,
+    )
     gate = GATES.get(key, _LOOSEST)
     if recurrent and key[1] == "bfloat16" and gate.mean_abs < RECURRENT_16BIT.mean_abs:
         return RECURRENT_16BIT
@@ -298,8 +348,8 @@ def gate_for(device_type: str, dtype: str, recurrent: bool = False) -> Gate:
 
 def trainer_gate(device_type: str, dtype: str, model: nn.Module) -> Gate:
     """:func:`gate_for` the engine's platform and dtype, for this trainer: one whose forward runs in bf16 against an
-    fp32 engine (a 4-bit trainer on bitsandbytes' bf16 CPU kernel: :func:`hwsync.trainer.merged.four_bit_matmul_dtype`) is
-    judged by the bf16 gate."""
+    fp32 engine (a 4-bit trainer on bitsandbytes' bf16 CPU kernel: :func:`hwsync.trainer.merged.four_bit_matmul_dtype`)
+    is judged by the bf16 gate."""
     from hwsync.trainer.merged import four_bit_matmul_dtype
 
     if dtype in ("float32", "fp32") and four_bit_matmul_dtype(model) == "bfloat16":
@@ -354,18 +404,23 @@ class VerifyReport:
 
     def message(self) -> str:
         if self.ok:
-            return ("verify passed: " + "; ".join(f"{c.name} {c.detail}" for c in self.checks)
-                    + "".join(f"; not run: {why}" for why in self.skipped)
-                    + "".join(f"; weak evidence: {why}" for why in self.weak))
+            return (
+                "verify passed: "
+                + "; ".join(f"{c.name} {c.detail}" for c in self.checks)
+                + "".join(f"; not run: {why}" for why in self.skipped)
+                + "".join(f"; weak evidence: {why}" for why in self.weak)
+            )
         lines = [f"verify failed {len(self.failed)} check(s):"]
         lines += [f"  - {c.name}: {c.detail}. Fix: {c.fix}" for c in self.failed]
         return "\n".join(lines)
 
 
 _SYNC_AGAIN = "run hwsync.sync(engine, model) again before generating"
-_HINT = ("the engine does not compute what the trainer computes: check the sync strategy, the hwsync patches "
-         "(`hwsync doctor`) and dtypes; if the content checks pass, the engine's kernels diverge from the trainer "
-         "(raise the gate for this platform with gate= / HWSYNC_VERIFY_GATE only after checking the numbers)")
+_HINT = (
+    "the engine does not compute what the trainer computes: check the sync strategy, the hwsync patches "
+    "(`hwsync doctor`) and dtypes; if the content checks pass, the engine's kernels diverge from the trainer "
+    "(raise the gate for this platform with gate= / HWSYNC_VERIFY_GATE only after checking the numbers)"
+)
 
 
 def _last_synced(engine: Any, model: nn.Module) -> SyncedPlan | None:
@@ -381,14 +436,21 @@ def as_vllm_loads(b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.
     """LoRA B with its scaling folded in as vLLM's own loading of the trainer's saved adapter holds it: vLLM's
     ``LoRALayerWeights.optimize`` (``lora_b *= scaling``) on B cast to the LoRA dtype (``from_lora_tensors``). Where
     vLLM is not importable (a server-mode trainer) the same two steps, written out. Independent of the fold a sync
-    uses (:func:`hwsync.common.lora_formats.fold_scaling`), so a sync that folds in another order fails the content check."""
+    uses (:func:`hwsync.common.lora_formats.fold_scaling`), so a sync that folds in another order fails the content
+    check."""
     t = b.to(dtype=dtype, copy=True)
     try:
         from vllm.lora.lora_weights import LoRALayerWeights
     except Exception:  # noqa: BLE001 - no (working) vLLM in this process
         return t if scaling == 1 else t.mul_(scaling)
-    weights: Any = LoRALayerWeights("hwsync.trainer.verify", int(t.shape[-1]), 1, None, t,  # type: ignore[arg-type]
-                                    scaling=scaling)
+    weights: Any = LoRALayerWeights(
+        "hwsync.trainer.verify",
+        int(t.shape[-1]),
+        1,
+        None,  # type: ignore[arg-type]
+        t,
+        scaling=scaling,
+    )
     out: torch.Tensor = weights.optimize().lora_b
     return out
 
@@ -397,8 +459,9 @@ def _synced(plan: SyncPlan | None) -> SyncedPlan | None:
     return plan.synced() if plan is not None else None
 
 
-def reference_tensors(model: nn.Module, plan: SyncPlan | SyncedPlan, cache: dict[Any, Any] | None = None
-                      ) -> tuple[Payload, Iterator[tuple[TensorSpec, torch.Tensor]]]:
+def reference_tensors(
+    model: nn.Module, plan: SyncPlan | SyncedPlan, cache: dict[Any, Any] | None = None
+) -> tuple[Payload, Iterator[tuple[TensorSpec, torch.Tensor]]]:
     """``(payload, (spec, tensor) pairs)``: every tensor a from-scratch sync of ``plan``'s strategy would send now
     (merged view for merged names, W0 for frozen ones, LoRA A/B with the scaling folded by vLLM's own code,
     :func:`as_vllm_loads`), lazily, as the engine should hold them;
@@ -418,8 +481,10 @@ def _pairs(model: nn.Module, payload: Any) -> Iterator[tuple[Any, torch.Tensor]]
         return
     schedules = gather.exchange(payload.schedule) if gather.collective() else [payload.schedule]
     if any(s != schedules[0] for s in schedules):
-        raise VerifyError("the trainer's ranks planned different gather schedules for the check (different engines "
-                          "or strategies per rank): verify with the same engine setup on every rank")
+        raise VerifyError(
+            "the trainer's ranks planned different gather schedules for the check (different engines "
+            "or strategies per rank): verify with the same engine setup on every rank"
+        )
     steps = gather.run_groups(model, payload.schedule)
     try:
         yield from zip(payload.specs, payload.produce_sharded(steps))
@@ -427,9 +492,9 @@ def _pairs(model: nn.Module, payload: Any) -> Iterator[tuple[Any, torch.Tensor]]
         gather.drain(steps)
 
 
-def _expected(model: nn.Module, plan: SyncedPlan, seed: int, only: set[str] | None = None,
-              cache: dict[Any, Any] | None = None
-              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
+def _expected(
+    model: nn.Module, plan: SyncedPlan, seed: int, only: set[str] | None = None, cache: dict[Any, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, torch.dtype]]:
     """(fingerprint request for the engine, its LoRA part, trainer fingerprints) over :func:`reference_tensors`,
     each fingerprinted as it travels (wire dtype). ``only``: the base tensors to fingerprint (all by default; the
     request still names every base tensor: the engine resolves the whole list once)."""
@@ -474,8 +539,9 @@ def _reference_cache(engine: Any, model: nn.Module) -> dict[Any, Any] | None:
     return caches.setdefault(model_uuid(model), {})
 
 
-def _fingerprint_choice(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool
-                        ) -> tuple[set[str] | None, str, _BaseMemo | None, int]:
+def _fingerprint_choice(
+    engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool
+) -> tuple[set[str] | None, str, _BaseMemo | None, int]:
     """The base tensors a fingerprint check reads (``None``: all), how they were chosen, the memo they came from
     and the engine's ``base_writes`` then: the same turns as the colocated comparison (:class:`_BaseMemo`), for an
     engine handle that lives across checks (not a sharded trainer's per-check view of rank 0's engine, whose ranks
@@ -491,8 +557,9 @@ def _fingerprint_choice(engine: Any, model: nn.Module, plan: SyncedPlan, whole_b
     return chosen, how, memo, base_writes
 
 
-def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[str, torch.dtype],
-               ulps: int | None = None) -> dict[str, tuple[float, float]]:
+def _fp_scores(
+    got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[str, torch.dtype], ulps: int | None = None
+) -> dict[str, tuple[float, float]]:
     """name -> (excess over the allowance, <= 1 passes; relative error) for every fingerprint both sides have."""
     from hwsync.common.fingerprint import ULPS, excess
 
@@ -500,8 +567,10 @@ def _fp_scores(got: Mapping[str, Any], want: Mapping[str, Any], dtypes: Mapping[
     for n, v in got.items():
         if isinstance(v, str) or n not in want:
             continue
-        out[n] = (excess(v, want[n], dtypes[n], ULPS if ulps is None else ulps),
-                  abs(v[0] - want[n][0]) / max(want[n][1], abs(v[1]), 1e-300))
+        out[n] = (
+            excess(v, want[n], dtypes[n], ULPS if ulps is None else ulps),
+            abs(v[0] - want[n][0]) / max(want[n][1], abs(v[1]), 1e-300),
+        )
     return out
 
 
@@ -541,9 +610,13 @@ class _BaseMemo:
             size += specs[(self.cursor + take) % n].nbytes
             take += 1
         chosen = {self.names[(self.cursor + i) % n] for i in range(take)}
-        how = ("whole" if take >= n else
-               f"{take} of {n} in turn ({'written since last checked whole' if changed else 'unchanged since checked whole'}"
-               f"; every one within {-(-n // take)} checks)")
+        how = (
+            "whole"
+            if take >= n
+            else f"{take} of {n} in turn "
+            f"({'written since last checked whole' if changed else 'unchanged since checked whole'}"
+            f"; every one within {-(-n // take)} checks)"
+        )
         return chosen, how
 
     def passed(self, base_writes: int, read: int, whole: bool) -> None:
@@ -582,8 +655,11 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool 
     batch: dict[str, torch.Tensor] = {}
     lora: dict[str, torch.Tensor] = {}
     lora_specs = [s for s in payload.specs if s.kind == "lora" and s.dtype.is_floating_point]
-    structure = {"keys": [s.name for s in lora_specs], "shapes": [list(s.shape) for s in lora_specs],
-                 "meta": payload.lora_meta or {}}
+    structure = {
+        "keys": [s.name for s in lora_specs],
+        "shapes": [list(s.shape) for s in lora_specs],
+        "meta": payload.lora_meta or {},
+    }
     size = lora_size = lora_seen = 0
 
     def flush(lora_part: Any) -> bool:
@@ -624,8 +700,14 @@ def _compared(engine: Any, model: nn.Module, plan: SyncedPlan, whole_base: bool 
         if not flush(lora_part(last=True) if lora or merged["lora"] is not None else None):
             return None
     got = dict(merged["state"])
-    got.update(base=merged["base"], lora=merged["lora"], base_how=how, base_read=len(chosen),
-               base_total=len(base_specs), base_memo=memo)
+    got.update(
+        base=merged["base"],
+        lora=merged["lora"],
+        base_how=how,
+        base_read=len(chosen),
+        base_total=len(base_specs),
+        base_memo=memo,
+    )
     return got
 
 
@@ -652,8 +734,10 @@ def _state_check(got: Mapping[str, Any], plan: SyncedPlan, lora_expected: bool) 
     if got["stale"]:
         problems.append("the engine is stale (an interrupted sync left part of the weights written)")
     if got["version"] != plan.version:
-        problems.append(f"the engine is at v{got['version']}, the trainer's last sync of this model left "
-                        f"v{plan.version} (another sync or a restart since)")
+        problems.append(
+            f"the engine is at v{got['version']}, the trainer's last sync of this model left "
+            f"v{plan.version} (another sync or a restart since)"
+        )
     if lora_expected:
         from hwsync.engine.vllm.applier import LORA_INT_ID
 
@@ -661,19 +745,31 @@ def _state_check(got: Mapping[str, Any], plan: SyncedPlan, lora_expected: bool) 
         if got["lora_int_id"] is None:
             problems.append(f"no adapter is installed (the trainer's last sync installed adapter id {lid})")
         elif got["lora_int_id"] != lid:
-            problems.append(f"the engine serves adapter id {got['lora_int_id']}, the trainer's last sync installed "
-                            f"id {lid} (stale adapter id)")
+            problems.append(
+                f"the engine serves adapter id {got['lora_int_id']}, the trainer's last sync installed "
+                f"id {lid} (stale adapter id)"
+            )
     elif plan.strategy is Strategy.FULL and got["lora_int_id"] is not None:
         problems.append(f"the engine still serves adapter id {got['lora_int_id']} over merged weights")
-    return Check("state", not problems, float(len(problems)), 0.0,
-                 "; ".join(problems) or f"v{got['version']}, adapter {got['lora_int_id']}", _SYNC_AGAIN)
+    return Check(
+        "state",
+        not problems,
+        float(len(problems)),
+        0.0,
+        "; ".join(problems) or f"v{got['version']}, adapter {got['lora_int_id']}",
+        _SYNC_AGAIN,
+    )
 
 
-_BASE_FIX = ("the engine's weights are not the trainer's (not written, wrong layout, a skipped post-load step, or an "
-             f"older step): {_SYNC_AGAIN}; if it persists, check the hwsync patches with `hwsync doctor` and report "
-             "it with that output")
-_ADAPTER_FIX = ("the installed adapter is not what vLLM's own loading of the trainer's current adapter holds (older "
-                f"step, scaling, its rounding order, or layout): {_SYNC_AGAIN}")
+_BASE_FIX = (
+    "the engine's weights are not the trainer's (not written, wrong layout, a skipped post-load step, or an "
+    f"older step): {_SYNC_AGAIN}; if it persists, check the hwsync patches with `hwsync doctor` and report "
+    "it with that output"
+)
+_ADAPTER_FIX = (
+    "the installed adapter is not what vLLM's own loading of the trainer's current adapter holds (older "
+    f"step, scaling, its rounding order, or layout): {_SYNC_AGAIN}"
+)
 _SLOTS_FIX = f"the kernels read other LoRA weights than the installed adapter: {_SYNC_AGAIN}"
 
 
@@ -685,14 +781,19 @@ def _compared_checks(got: Mapping[str, Any], plan: SyncedPlan) -> list[Check]:
     unreadable = {n: v for n, v in base.items() if isinstance(v, str)}
     scores = {n: float(v) for n, v in base.items() if not isinstance(v, str)}
     if scores:
-        bad = sorted((n for n, x in scores.items() if not x <= 1.0), key=lambda n: -scores[n] if scores[n] == scores[n]
-                     else -math.inf)
+        bad = sorted(
+            (n for n, x in scores.items() if not x <= 1.0),
+            key=lambda n: -scores[n] if scores[n] == scores[n] else -math.inf,
+        )
         worst = max(scores.values(), key=lambda x: math.inf if x != x else x)
         read = f"{got['base_read']} of {got['base_total']} base tensors read ({got['base_how']})"
-        detail = (f"{len(bad)} of {len(scores)} tensor(s) differ from the trainer's, e.g. {bad[0]} ({scores[bad[0]]:.3g}"
-                  f" x the allowance of a few last bits); {read}" if bad else
-                  f"{len(scores)} tensors equal the trainer's element by element"
-                  f"{'' if worst == 0 else f' (largest deviation {worst:.2g} x the allowance)'}; {read}")
+        detail = (
+            f"{len(bad)} of {len(scores)} tensor(s) differ from the trainer's, e.g. {bad[0]} ({scores[bad[0]]:.3g}"
+            f" x the allowance of a few last bits); {read}"
+            if bad
+            else f"{len(scores)} tensors equal the trainer's element by element"
+            f"{'' if worst == 0 else f' (largest deviation {worst:.2g} x the allowance)'}; {read}"
+        )
         if unreadable:
             detail += f"; {len(unreadable)} not readable here, e.g. {next(iter(unreadable.values()))}"
         checks.append(Check("base content", not bad, worst if worst == worst else math.inf, 1.0, detail, _BASE_FIX))
@@ -702,25 +803,46 @@ def _compared_checks(got: Mapping[str, Any], plan: SyncedPlan) -> list[Check]:
             checks.append(Check("adapter content", False, math.inf, 0.0, lora, _SYNC_AGAIN))
             return checks
         bad_slots = lora["bad_slots"]
-        how = (f"every traced slot block compared; the traced layout of {lora.get('proven', 0)} of "
-               f"{lora['modules']} modules proven by vLLM's own set_lora ({lora['oracle']} in this check)"
-               if lora["traced_slots"] else f"vLLM's own set_lora re-run on all {lora['oracle']} modules")
-        checks.append(Check("adapter slots", not bad_slots, float(len(bad_slots)), 0.0,
-                            f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. {bad_slots[0]}"
-                            if bad_slots else f"every LoRA slot holds the installed adapter ({how})", _SLOTS_FIX))
+        how = (
+            f"every traced slot block compared; the traced layout of {lora.get('proven', 0)} of "
+            f"{lora['modules']} modules proven by vLLM's own set_lora ({lora['oracle']} in this check)"
+            if lora["traced_slots"]
+            else f"vLLM's own set_lora re-run on all {lora['oracle']} modules"
+        )
+        checks.append(
+            Check(
+                "adapter slots",
+                not bad_slots,
+                float(len(bad_slots)),
+                0.0,
+                f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. {bad_slots[0]}"
+                if bad_slots
+                else f"every LoRA slot holds the installed adapter ({how})",
+                _SLOTS_FIX,
+            )
+        )
         differ = {k: n for k, n in lora["differ"].items() if n}
         total = sum(differ.values())
-        checks.append(Check(
-            "adapter content", not differ, float(total), 0.0,
-            f"{len(differ)} of {len(lora['differ'])} LoRA tensor(s) differ from the trainer's ({total} of the views "
-            f"vLLM's adapter holds of them), e.g. {next(iter(differ))}" if differ else
-            f"{len(lora['differ'])} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's adapter "
-            "holds (scaling folded by vLLM's code)", _ADAPTER_FIX))
+        checks.append(
+            Check(
+                "adapter content",
+                not differ,
+                float(total),
+                0.0,
+                f"{len(differ)} of {len(lora['differ'])} LoRA tensor(s) differ from the trainer's ({total} of the "
+                f"views vLLM's adapter holds of them), e.g. {next(iter(differ))}"
+                if differ
+                else f"{len(lora['differ'])} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's "
+                "adapter holds (scaling folded by vLLM's code)",
+                _ADAPTER_FIX,
+            )
+        )
     return checks
 
 
-def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any, whole_base: bool = True
-                    ) -> tuple[list[Check], list[str]]:
+def _content_checks(
+    engine: Any, model: nn.Module, seed: int, info: Any, whole_base: bool = True
+) -> tuple[list[Check], list[str]]:
     """The exact checks. Every early return depends only on what every rank of a sharded trainer sees alike (the
     plan, the engine kind, its worker count), so either all ranks gather the reference tensors or none does."""
     plan = _last_synced(engine, model)
@@ -752,10 +874,13 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any, whole_b
     if scores:
         worst = max(scores, key=lambda n: scores[n][0])
         bad = [n for n, (x, _) in scores.items() if not x <= 1.0]
-        detail = (f"{len(bad)} of {len(scores)} tensor(s) differ from the trainer's, e.g. {worst} (relative "
-                  f"fingerprint error {scores[worst][1]:.3g})" if bad else
-                  f"{len(scores)} tensors equal the trainer's (max relative fingerprint error "
-                  f"{max(r for _, r in scores.values()):.1e})")
+        detail = (
+            f"{len(bad)} of {len(scores)} tensor(s) differ from the trainer's, e.g. {worst} (relative "
+            f"fingerprint error {scores[worst][1]:.3g})"
+            if bad
+            else f"{len(scores)} tensors equal the trainer's (max relative fingerprint error "
+            f"{max(r for _, r in scores.values()):.1e})"
+        )
         if unreadable:
             detail += f"; {len(unreadable)} not readable here, e.g. {next(iter(unreadable.values()))}"
         detail += f"; base read: {how}"
@@ -769,19 +894,35 @@ def _content_checks(engine: Any, model: nn.Module, seed: int, info: Any, whole_b
             checks.append(Check("adapter content", False, float("inf"), 1.0, str(lora), _SYNC_AGAIN))
         else:
             bad_slots = lora["bad_slots"]
-            checks.append(Check("adapter slots", not bad_slots, float(len(bad_slots)), 0.0,
-                                f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. "
-                                f"{bad_slots[0]}" if bad_slots else "every LoRA slot holds the installed adapter",
-                                _SLOTS_FIX))
+            checks.append(
+                Check(
+                    "adapter slots",
+                    not bad_slots,
+                    float(len(bad_slots)),
+                    0.0,
+                    f"{len(bad_slots)} LoRA slot(s) differ from the installed adapter, e.g. {bad_slots[0]}"
+                    if bad_slots
+                    else "every LoRA slot holds the installed adapter",
+                    _SLOTS_FIX,
+                )
+            )
             lscores = _fp_scores(lora["tensors"], want, dtypes, ulps=0)  # copies of what was sent: exact
             worst = max(lscores, key=lambda k: lscores[k][0])
             bad = [k for k, (x, _) in lscores.items() if not x <= 1.0]
-            checks.append(Check(
-                "adapter content", not bad, lscores[worst][0], 1.0,
-                f"{len(bad)} of {len(lscores)} LoRA tensor(s) differ from the trainer's, e.g. {worst} (relative "
-                f"fingerprint error {lscores[worst][1]:.3g})" if bad else
-                f"{len(lscores)} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's adapter "
-                "holds (scaling folded by vLLM's code)", _ADAPTER_FIX))
+            checks.append(
+                Check(
+                    "adapter content",
+                    not bad,
+                    lscores[worst][0],
+                    1.0,
+                    f"{len(bad)} of {len(lscores)} LoRA tensor(s) differ from the trainer's, e.g. {worst} (relative "
+                    f"fingerprint error {lscores[worst][1]:.3g})"
+                    if bad
+                    else f"{len(lscores)} LoRA tensors equal, bit for bit, what vLLM's own loading of the trainer's "
+                    "adapter holds (scaling folded by vLLM's code)",
+                    _ADAPTER_FIX,
+                )
+            )
     return checks, []
 
 
@@ -823,17 +964,43 @@ def check(
     """
     engine = _engine_for(target, model)
     parts = _parts(engine)
-    reports = [_check_one(p, model, prompt_token_ids, max_tokens=max_tokens, gate=gate, atol=atol, content=content,
-                          seed=seed, batch=batch, logprobs=logprobs, whole_base=whole_base, spread=spread)
-               for p in parts]
+    reports = [
+        _check_one(
+            p,
+            model,
+            prompt_token_ids,
+            max_tokens=max_tokens,
+            gate=gate,
+            atol=atol,
+            content=content,
+            seed=seed,
+            batch=batch,
+            logprobs=logprobs,
+            whole_base=whole_base,
+            spread=spread,
+        )
+        for p in parts
+    ]
     if len(reports) == 1:
         return reports[0]
     return _combined(reports, [_address(p) for p in parts])
 
 
-def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequence[int]], *, max_tokens: int,
-               gate: Gate | None, atol: float | None, content: bool, seed: int, batch: bool,
-               logprobs: bool = True, whole_base: bool = True, spread: bool | None = None) -> VerifyReport:
+def _check_one(
+    engine: Engine,
+    model: nn.Module,
+    prompt_token_ids: Sequence[Sequence[int]],
+    *,
+    max_tokens: int,
+    gate: Gate | None,
+    atol: float | None,
+    content: bool,
+    seed: int,
+    batch: bool,
+    logprobs: bool = True,
+    whole_base: bool = True,
+    spread: bool | None = None,
+) -> VerifyReport:
     checks: list[Check] = []
     skipped: list[str] = []
     info = engine.describe()
@@ -845,53 +1012,85 @@ def _check_one(engine: Engine, model: nn.Module, prompt_token_ids: Sequence[Sequ
     g = gate or trainer_gate(info.device_type, info.dtype, model)
     if not logprobs:  # asked for content alone (not a check that could not run: nothing in `skipped`)
         return VerifyReport(tuple(checks), Agreement(0.0, "", 0, ()), g, tuple(skipped))
-    a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4,
-                  batch=batch)
+    a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4, batch=batch)
     # the spread costs a few trainer forwards: measured where it can change the verdict (the gap beyond the gate),
     # or where the caller keeps it (a trainer integration reads its rollouts against it)
     wanted = spread if spread is not None else _gate_ratio(a, g) > 1.0
-    measured = (numerics_spread(model, a.sequences, rounding_unit(info.device_type, info.dtype))
-                if wanted and not explicit and atol is None else None)
+    measured = (
+        numerics_spread(model, a.sequences, rounding_unit(info.device_type, info.dtype))
+        if wanted and not explicit and atol is None
+        else None
+    )
     check_, weak, measured = _logprob_check(a, g, measured, f"on {info.device_type} {info.dtype}")
     checks.append(check_)
     if atol is not None:
-        checks.append(Check("max |Δ logprob|", a.max_abs_diff <= atol, a.max_abs_diff, atol,
-                            f"max |Δ logprob| = {a.max_abs_diff:.3g} > atol {atol:g} ({a.where})"
-                            if not a.max_abs_diff <= atol else f"max {a.max_abs_diff:.3g} <= atol {atol:g}", _HINT))
+        checks.append(
+            Check(
+                "max |Δ logprob|",
+                a.max_abs_diff <= atol,
+                a.max_abs_diff,
+                atol,
+                f"max |Δ logprob| = {a.max_abs_diff:.3g} > atol {atol:g} ({a.where})"
+                if not a.max_abs_diff <= atol
+                else f"max {a.max_abs_diff:.3g} <= atol {atol:g}",
+                _HINT,
+            )
+        )
         if a.greedy_mismatches:
-            checks.append(Check("greedy tokens", False, float(len(a.greedy_mismatches)), 0.0,
-                                f"greedy tokens differ at {len(a.greedy_mismatches)} position(s), e.g. "
-                                f"{a.greedy_mismatches[0]}", _HINT))
+            checks.append(
+                Check(
+                    "greedy tokens",
+                    False,
+                    float(len(a.greedy_mismatches)),
+                    0.0,
+                    f"greedy tokens differ at {len(a.greedy_mismatches)} position(s), e.g. {a.greedy_mismatches[0]}",
+                    _HINT,
+                )
+            )
     return VerifyReport(tuple(checks), a, g, tuple(skipped), weak=weak, spread=measured)
 
 
-def _logprob_check(a: Agreement, g: Gate, spread: Spread | None, where: str) -> tuple[Check, tuple[str, ...], Spread | None]:
+def _logprob_check(
+    a: Agreement, g: Gate, spread: Spread | None, where: str
+) -> tuple[Check, tuple[str, ...], Spread | None]:
     """The logprob check: decisive (fails) only beyond the platform's gate **and** beyond :data:`NUMERICS_FACTOR`
     times the model's own numerics spread; beyond the gate alone it is weak evidence, reported with its numbers.
     An explicit gate (``gate=``, ``HWSYNC_VERIFY_GATE``) or ``atol`` is the caller's decision: applied alone."""
-    stats = (f"mean |Δ| {a.mean_abs_diff:.3g} (<= {g.mean_abs:g}), p90 {a.p90_abs_diff:.3g} (<= {g.p90_abs:g}), "
-             f"mean |Δp| {a.mean_prob_diff:.3g} (<= {g.mean_prob:g}), max {a.max_abs_diff:.3g} over {a.tokens} "
-             f"tokens {where}")
+    stats = (
+        f"mean |Δ| {a.mean_abs_diff:.3g} (<= {g.mean_abs:g}), p90 {a.p90_abs_diff:.3g} (<= {g.p90_abs:g}), "
+        f"mean |Δp| {a.mean_prob_diff:.3g} (<= {g.mean_prob:g}), max {a.max_abs_diff:.3g} over {a.tokens} "
+        f"tokens {where}"
+    )
     ratio = _gate_ratio(a, g)
     value = ratio
     weak: tuple[str, ...] = ()
     if spread is not None:
         k = NUMERICS_FACTOR
         against = spread_ratio(a.mean_abs_diff, a.p90_abs_diff, spread)
-        stats += (f"; the model's own numerics spread (each layer rounded by {spread.unit:.2g}): mean "
-                  f"{spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g}, mean |Δp| {spread.mean_prob:.3g} "
-                  f"({against * k:.2g}x it)")
+        stats += (
+            f"; the model's own numerics spread (each layer rounded by {spread.unit:.2g}): mean "
+            f"{spread.mean_abs:.3g}, p90 {spread.p90_abs:.3g}, mean |Δp| {spread.mean_prob:.3g} "
+            f"({against * k:.2g}x it)"
+        )
         value = min(ratio, against)
         if ratio > 1 >= against:
-            weak = (f"logprobs: beyond the platform's gate ({stats}) but within {k:g}x what this model's own "
-                    "numerics produce: not evidence of another policy at this depth (the content checks decide)",)
+            weak = (
+                f"logprobs: beyond the platform's gate ({stats}) but within {k:g}x what this model's own "
+                "numerics produce: not evidence of another policy at this depth (the content checks decide)",
+            )
     return Check("logprobs", value <= 1.0, value, 1.0, stats, _HINT), weak, spread
 
 
 def _gate_ratio(a: Agreement, g: Gate) -> float:
     """The largest ratio of a logprob statistic to its gate (<= 1: within it; NaN: infinite)."""
-    return _nan_inf(max(a.mean_abs_diff / g.mean_abs, a.p90_abs_diff / g.p90_abs, a.mean_prob_diff / g.mean_prob,
-                        a.max_abs_diff / g.max_abs if g.max_abs else 0.0))
+    return _nan_inf(
+        max(
+            a.mean_abs_diff / g.mean_abs,
+            a.p90_abs_diff / g.p90_abs,
+            a.mean_prob_diff / g.mean_prob,
+            a.max_abs_diff / g.max_abs if g.max_abs else 0.0,
+        )
+    )
 
 
 def spread_ratio(mean: float, p90: float, spread: Spread) -> float:
@@ -920,10 +1119,13 @@ def _combined(reports: Sequence[VerifyReport], addresses: Sequence[str]) -> Veri
     the agreement of the engine farthest from the trainer."""
     import dataclasses
 
-    checks = tuple(dataclasses.replace(c, detail=f"engine {a}: {c.detail}")
-                   for r, a in zip(reports, addresses) for c in r.checks)
+    checks = tuple(
+        dataclasses.replace(c, detail=f"engine {a}: {c.detail}") for r, a in zip(reports, addresses) for c in r.checks
+    )
     skipped = tuple(f"engine {a}: {why}" for r, a in zip(reports, addresses) for why in r.skipped)
-    worst = max((r.agreement for r in reports), key=lambda a: math.inf if a.max_abs_diff != a.max_abs_diff else a.max_abs_diff)
+    worst = max(
+        (r.agreement for r in reports), key=lambda a: math.inf if a.max_abs_diff != a.max_abs_diff else a.max_abs_diff
+    )
     return VerifyReport(checks, worst, reports[0].gate, skipped)
 
 
@@ -945,8 +1147,10 @@ def _engine_for(target: Any, model: nn.Module) -> Engine:
 
     if not (gather.collective() and gather.is_sharded(model)):
         if target is None:
-            raise OptionError("hwsync.verify(None, model) is for the ranks without an engine of a sharded (FSDP2 / "
-                              "ZeRO-3) trainer whose rank 0 holds it; here there is nothing to check: pass the engine")
+            raise OptionError(
+                "hwsync.verify(None, model) is for the ranks without an engine of a sharded (FSDP2 / "
+                "ZeRO-3) trainer whose rank 0 holds it; here there is nothing to check: pass the engine"
+            )
         return as_engine(target)
     engine, error = None, None
     try:
@@ -966,7 +1170,8 @@ def _engine_for(target: Any, model: nn.Module) -> Engine:
     if holders != [0]:
         raise UnsupportedSetupError(
             f"hwsync.verify from a sharded trainer: ranks {holders} passed an engine, the others None. Either every "
-            "rank passes its engine (colocate), or rank 0 alone does (server mode: the other ranks pass None)")
+            "rank passes its engine (colocate), or rank 0 alone does (server mode: the other ranks pass None)"
+        )
     return _OnRank0(engine)
 
 
@@ -1045,9 +1250,9 @@ def verify(
     content: bool = True,
     logprobs: bool = True,
 ) -> float:
-    """Does the engine serve ``model``? Raises :class:`~hwsync.common.errors.VerifyError` naming every failed check and its
-    fix (:func:`check` lists them), :class:`~hwsync.common.errors.StaleEngineError` on a stale engine; returns the max
-    |Δ logprob| (for logs: on GPUs it is noise-dominated, the checks are what decide).
+    """Does the engine serve ``model``? Raises :class:`~hwsync.common.errors.VerifyError` naming every failed check and
+    its fix (:func:`check` lists them), :class:`~hwsync.common.errors.StaleEngineError` on a stale engine; returns the
+    max |Δ logprob| (for logs: on GPUs it is noise-dominated, the checks are what decide).
 
     Two kinds of evidence, so GPU numerics do not false-alarm and a broken sync does not pass:
 
@@ -1058,8 +1263,9 @@ def verify(
     ``atol`` restores the strict check of earlier versions on top (max |Δ| <= atol, greedy tokens equal): use it
     only where the engine computes like the trainer (vLLM's CPU build in fp32).
     """
-    report = check(target, model, prompt_token_ids, max_tokens=max_tokens, gate=gate, atol=atol, content=content,
-                   logprobs=logprobs)
+    report = check(
+        target, model, prompt_token_ids, max_tokens=max_tokens, gate=gate, atol=atol, content=content, logprobs=logprobs
+    )
     for why in report.weak:
         logger.warning("hwsync.verify: %s", why)
     if not report.ok:

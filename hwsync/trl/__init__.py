@@ -2,6 +2,7 @@
 
 The code lives in :mod:`hwsync.integrations.trl`.
 """
+
 from hwsync.integrations.trl import ENV, GRPOTrainer, OptionError, SyncOptions, UnsupportedSetupError, serve_args
 
 __all__ = ["ENV", "GRPOTrainer", "OptionError", "SyncOptions", "UnsupportedSetupError", "serve_args"]

@@ -2,6 +2,7 @@
 
 The code lives in :mod:`hwsync.engine.vllm`.
 """
+
 from hwsync.engine.vllm.extension import HwsyncWorkerExtension
 
 __all__ = ["HwsyncWorkerExtension"]

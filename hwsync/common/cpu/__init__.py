@@ -2,6 +2,7 @@
 
 Every hwsync code path runs on it, so the whole stack is testable on a laptop or a CPU-only CI.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -14,8 +14,10 @@ and gloo's rendezvous is whatever the store says, so a store client that wins ra
   disagrees with the manifest is an error, never a crash.
 * Every operation is bounded by the link's deadline (one deadline for the whole sync, from ``spec.timeout_s``).
 """
+
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -104,8 +106,10 @@ class FramedLink:
                 try:
                     conn, _ = listener.accept()
                 except TimeoutError:
-                    raise SyncError(f"data plane: {self.world_size - 1 - len(found)} engine worker(s) did not join "
-                                    f"within {self._timeout_s:g} s") from None
+                    raise SyncError(
+                        f"data plane: {self.world_size - 1 - len(found)} engine worker(s) did not join "
+                        f"within {self._timeout_s:g} s"
+                    ) from None
                 try:
                     peer = self._prove_as_root(conn)
                 except (OSError, SyncError):
@@ -145,8 +149,10 @@ class FramedLink:
             mine = secrets.token_bytes(_NONCE)
             conn.sendall(mine + _LEN.pack(self.rank))
             if not hmac.compare_digest(_recv_exact(conn, 32), _mac(self._secret, "root", theirs, mine, self.rank)):
-                raise SyncError("data plane: the peer at the rendezvous address cannot prove the sync's secret (not "
-                                "the trainer: someone rewrote the rendezvous store); nothing was applied")
+                raise SyncError(
+                    "data plane: the peer at the rendezvous address cannot prove the sync's secret (not "
+                    "the trainer: someone rewrote the rendezvous store); nothing was applied"
+                )
             conn.sendall(_mac(self._secret, "peer", theirs, mine, self.rank))
         except BaseException:
             conn.close()
@@ -177,18 +183,18 @@ class FramedLink:
         (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
         if n != data.numel():
             self._drop()
-            raise SyncError(f"data plane: a frame of {n} bytes arrived where this sync's manifest expects {data.numel()}"
-                            " (a bucket larger or smaller than its manifest): refused unread, nothing of it applied; "
-                            "the next sync forms a new group")
+            raise SyncError(
+                f"data plane: a frame of {n} bytes arrived where this sync's manifest expects {data.numel()}"
+                " (a bucket larger or smaller than its manifest): refused unread, nothing of it applied; "
+                "the next sync forms a new group"
+            )
         if n:
             _recv_into(conn, memoryview(data.numpy().data), self._deadline)
 
     def _drop(self) -> None:
         for conn in self._peers:
-            try:
+            with contextlib.suppress(OSError):
                 conn.close()
-            except OSError:
-                pass
 
     def close(self) -> None:
         """Close every connection (idempotent); a later sync forms a new group."""

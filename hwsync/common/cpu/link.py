@@ -1,5 +1,6 @@
 """gloo groups for the data plane where a library group is wanted: the CUDA backend's fallback when a trainer and an
 engine share one GPU (the CPU backend uses :mod:`hwsync.common.cpu.framed`)."""
+
 from __future__ import annotations
 
 import datetime
@@ -37,8 +38,8 @@ class GlooLink:
     """Rank ``rank`` of a gloo group formed through ``store`` under ``spec.prefix`` (independent of any default
     group the trainer or vLLM initialised).
 
-    Not :attr:`~hwsync.common.transport.base.Link.persistent`: gloo's TCP listener accepts any connection while its group
-    lives and leaks a descriptor for each one that closes before gloo's own handshake; at the descriptor limit it
+    Not :attr:`~hwsync.common.transport.base.Link.persistent`: gloo's TCP listener accepts any connection while its
+    group lives and leaks a descriptor for each one that closes before gloo's own handshake; at the descriptor limit it
     aborts the process (``gloo::EnforceNotMet ... accept: Too many open files``). The group therefore exists only
     while a sync forms it and moves bytes, and :meth:`close` releases its listener."""
 

@@ -1,6 +1,8 @@
 """CUDA (and ROCm, which torch exposes as ``cuda``) backend: NCCL/RCCL through ``torch.distributed``."""
+
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,10 +27,7 @@ class CudaBackend(AcceleratorBackend):
 
     def _no_device_hint(self) -> str:
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-            return (
-                f"this torch build ({torch.__version__}) has no CUDA support: "
-                "install a CUDA-enabled torch build"
-            )
+            return f"this torch build ({torch.__version__}) has no CUDA support: install a CUDA-enabled torch build"
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         suffix = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         return f"torch has CUDA support but no GPU is visible{suffix}: check the driver with nvidia-smi"
@@ -56,10 +55,9 @@ class CudaBackend(AcceleratorBackend):
                 try:
                     work()
                 except BaseException:
-                    try:
+                    # the recording is invalid anyway; the caller sees work's own error
+                    with contextlib.suppress(RuntimeError):
                         graph.capture_end()
-                    except RuntimeError:
-                        pass  # the recording is invalid anyway; the caller sees work's own error
                     raise
                 graph.capture_end()
             current.wait_stream(side)

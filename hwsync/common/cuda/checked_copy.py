@@ -1,13 +1,14 @@
 """A copy that checks as it copies: ``dst = src`` and "did ``src`` hold a NaN or an infinity", in one read of ``src``.
 
-Why: refusing non-finite weights (:mod:`hwsync.common.finite`) with a separate reduction reads every synced byte a second
-time: +75% on a 60 GB in-place full sync on an H200 (32.6 ms over a 43.4 ms copy). Checking inside the copy that
+Why: refusing non-finite weights (:mod:`hwsync.common.finite`) with a separate reduction reads every synced byte a
+second time: +75% on a 60 GB in-place full sync on an H200 (32.6 ms over a 43.4 ms copy). Checking inside the copy that
 writes the weights costs a compare per element that the copy's memory traffic hides.
 
 One Triton kernel per contiguous pair of equal dtype (bf16, fp16, fp32); the flag is an ``int32`` on the device,
 set to 1 by any block that saw a non-finite value (no host synchronization). Anything else is left to the caller
 (:func:`hwsync.common.finite.copy_`), which copies and reduces separately.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,8 +39,15 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def copy_check(src, dst, n, flag, BLOCK: tl.constexpr, TILES: tl.constexpr,  # noqa: N803 - Triton's spelling
-                   EVEN: tl.constexpr):  # noqa: N803
+    def copy_check(
+        src,
+        dst,
+        n,
+        flag,
+        BLOCK: tl.constexpr,
+        TILES: tl.constexpr,  # noqa: N803 - Triton's spelling
+        EVEN: tl.constexpr,
+    ):  # noqa: N803
         start = tl.program_id(0).to(tl.int64) * (BLOCK * TILES)
         seen = tl.zeros([BLOCK], dtype=tl.int32)
         for t in range(TILES):
@@ -74,9 +82,16 @@ def checked_copy(dst: Tensor, src: Tensor, flag: Tensor) -> bool:
     """``dst.copy_(src)``, setting ``flag`` (int32, on the tensors' device) to 1 if ``src`` holds a NaN or an
     infinity. ``False`` (nothing done) unless both are contiguous CUDA tensors of one checked dtype and size, of at
     least :data:`MIN_BYTES`."""
-    if not (src.is_cuda and src.numel() * src.element_size() >= MIN_BYTES and dst.device == src.device == flag.device
-            and dst.dtype == src.dtype in _DTYPES and dst.numel() == src.numel() and src.is_contiguous()
-            and dst.is_contiguous() and available()):
+    if not (
+        src.is_cuda
+        and src.numel() * src.element_size() >= MIN_BYTES
+        and dst.device == src.device == flag.device
+        and dst.dtype == src.dtype in _DTYPES
+        and dst.numel() == src.numel()
+        and src.is_contiguous()
+        and dst.is_contiguous()
+        and available()
+    ):
         return False
     n = src.numel()
     if n:
@@ -88,4 +103,3 @@ def checked_copy(dst: Tensor, src: Tensor, flag: Tensor) -> bool:
             with torch.cuda.device(src.device):
                 launch(src, dst, n, flag, BLOCK=BLOCK, TILES=TILES, EVEN=n % per == 0, num_warps=WARPS)
     return True
-

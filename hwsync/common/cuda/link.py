@@ -10,8 +10,10 @@ reports the timeout, marks the engine stale and forms a fresh group next.
 Ranks that share one GPU (a server-mode engine beside its trainer on a single-GPU machine) cannot form an NCCL group;
 :func:`open_cuda_link` sees that from the ranks' GPU UUIDs and forms a gloo group through host memory instead.
 """
+
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -60,9 +62,11 @@ def open_cuda_link(store: Any, spec: LinkSpec, rank: int, device: torch.device) 
     devices = peer_devices(store, spec, rank, ident)
     if len(set(devices)) < len(devices):
         if rank == 0:
-            logger.warning("hwsync: the trainer and an engine worker share one GPU; NCCL cannot connect two "
-                           "processes on one device, so the data plane goes through host memory (gloo). Put the "
-                           "engine on its own GPU for NCCL speed.")
+            logger.warning(
+                "hwsync: the trainer and an engine worker share one GPU; NCCL cannot connect two "
+                "processes on one device, so the data plane goes through host memory (gloo). Put the "
+                "engine on its own GPU for NCCL speed."
+            )
         return GlooLink(store, dataclasses.replace(spec, prefix=spec.prefix + "gloo/"), rank)
     return NcclLink(store, spec, rank, device)
 
@@ -84,8 +88,10 @@ class _Pending:
         while not self.work.is_completed():
             if time.monotonic() > deadline:
                 self.link.close()
-                raise TimeoutError(f"NCCL transfer not completed after {self.link.timeout_s:g} s (the peer is gone "
-                                   "or stalled); the data-plane group was aborted")
+                raise TimeoutError(
+                    f"NCCL transfer not completed after {self.link.timeout_s:g} s (the peer is gone "
+                    "or stalled); the data-plane group was aborted"
+                )
             time.sleep(pause)
             pause = min(0.001, pause + 0.00005)  # spin first: a bucket usually lands within microseconds
         self.work.wait()
@@ -126,7 +132,5 @@ class NcclLink:
     def close(self) -> None:
         pg, self.pg = self.pg, None
         if pg is not None:
-            try:
+            with contextlib.suppress(Exception):  # closing a broken group must not mask the error that broke it
                 pg.abort()
-            except Exception:  # noqa: BLE001 - closing a broken group must not mask the error that broke it
-                pass

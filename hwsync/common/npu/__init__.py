@@ -3,6 +3,7 @@
 Only this package may import ``torch_npu`` / ``vllm_ascend``; merely listing backends (or importing
 hwsync) never imports them, so hwsync stays importable on machines without CANN.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -41,8 +42,10 @@ class NpuBackend(AcceleratorBackend):
         if str(error) == INSTALL_HINT:
             return INSTALL_HINT
         if ".so" in str(error):  # the PyPI wheel without CANN: libhccl.so / libascendcl.so not found
-            return (f"torch_npu failed to import: {error}; Ascend CANN is not installed or not on the library path "
-                    "(source /usr/local/Ascend/ascend-toolkit/set_env.sh)")
+            return (
+                f"torch_npu failed to import: {error}; Ascend CANN is not installed or not on the library path "
+                "(source /usr/local/Ascend/ascend-toolkit/set_env.sh)"
+            )
         return f"torch_npu failed to import: {error}"
 
     def open_link(self, store: Any, spec: LinkSpec, rank: int, device: torch.device, secret: bytes = b"") -> Link:

@@ -24,6 +24,7 @@ construction-time record carry no mark: they are preprocessed, and processed nor
 only wires these functions around the two vllm-ascend methods. FRACTAL_NZ storage is refused: its bytes are not a
 strided view.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -103,8 +104,14 @@ def processed_weight_loader(layer: Any, sharding: ExpertSharding | None = None) 
     preprocessed layout. ``sharding`` defaults to the layer's live one (read at each call).
     """
 
-    def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, weight_name: str, shard_id: str,
-                      expert_id: int, return_success: bool = False) -> bool | None:
+    def weight_loader(
+        param: torch.Tensor,
+        loaded_weight: torch.Tensor,
+        weight_name: str,
+        shard_id: str,
+        expert_id: int,
+        return_success: bool = False,
+    ) -> bool | None:
         if loaded_weight.dim() != 2 or "bias" in weight_name or "scale" in weight_name:
             raise LayoutError(
                 f"{weight_name}: hwsync's processed-layout loader takes unquantized per-expert weight matrices "
@@ -118,8 +125,7 @@ def processed_weight_loader(layer: Any, sharding: ExpertSharding | None = None) 
                 "(vllm-ascend additional_config weight_nz_mode=0, or VLLM_ASCEND_ENABLE_NZ=0 on older releases)"
             )
         live = sharding if sharding is not None else ExpertSharding.from_vllm(layer)
-        written = copy_expert_shard_(param.data, loaded_weight, shard_id, int(expert_id), live,
-                                     ExpertLayout.PROCESSED)
+        written = copy_expert_shard_(param.data, loaded_weight, shard_id, int(expert_id), live, ExpertLayout.PROCESSED)
         return written if return_success else None
 
     setattr(weight_loader, _LOADER_MARK, True)
@@ -184,9 +190,12 @@ def after_process_weights(snapshot: ExpertParamsSnapshot) -> None:
     """
     layer = snapshot.layer
     if not all(isinstance(layer._parameters.get(n), torch.Tensor) for n in _PARAMS):
-        setattr(layer, _UNWRITABLE_ATTR,
-                f"{type(layer).__name__}: vllm-ascend moved the experts into per-expert lists (fused MC2 with dynamic "
-                "EPLB); hwsync cannot write them: disable enable_fused_mc2 or dynamic EPLB for weight sync")
+        setattr(
+            layer,
+            _UNWRITABLE_ATTR,
+            f"{type(layer).__name__}: vllm-ascend moved the experts into per-expert lists (fused MC2 with dynamic "
+            "EPLB); hwsync cannot write them: disable enable_fused_mc2 or dynamic EPLB for weight sync",
+        )
         return
     reattach_loaders(layer, snapshot.attrs, ExpertLayout.PROCESSED)
 

@@ -3,6 +3,7 @@
 Read from files, package metadata and the environment only -- nothing is imported (torch_npu fails to import without
 CANN, and vllm-ascend imports vLLM), so the report also explains a broken install.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ _TOOLKIT_DEFAULT = "/usr/local/Ascend/ascend-toolkit/latest"
 _NZ_MEANING = {
     0: "off: experts stay ND (what sleep mode, wake_up and hwsync's in-place writes need)",
     1: "quantized weights only: unquantized BF16/FP16 experts stay ND, but vllm-ascend 0.23's wake_up refuses "
-       "any NZ mode; set weight_nz_mode=0 for RL with sleep mode",
+    "any NZ mode; set weight_nz_mode=0 for RL with sleep mode",
     2: "BF16/FP16 weights too: processed experts are FRACTAL_NZ, which hwsync refuses to write; set weight_nz_mode=0",
 }
 
@@ -44,8 +45,11 @@ def cann_version(environ: dict[str, str] | None = None) -> dict[str, str | None]
         running = _read_key(root / "version.cfg", "runtime_running_version")  # "[7.1.0.3.220:8.0.RC1]"
         if running:
             return {"version": running.strip("[]").rpartition(":")[2] or running, "source": str(root / "version.cfg")}
-    return {"version": None, "source": None,
-            "reason": "no CANN toolkit found (source /usr/local/Ascend/ascend-toolkit/set_env.sh)"}
+    return {
+        "version": None,
+        "source": None,
+        "reason": "no CANN toolkit found (source /usr/local/Ascend/ascend-toolkit/set_env.sh)",
+    }
 
 
 def _read_key(path: Path, key: str) -> str | None:
@@ -69,9 +73,13 @@ def nz_mode(environ: dict[str, str] | None = None) -> dict[str, Any]:
         value = 1 if raw is None else int(raw)
     except ValueError:
         return {"value": raw, "source": "VLLM_ASCEND_ENABLE_NZ", "meaning": "not an integer: vllm-ascend fails"}
-    return {"value": value, "source": "default" if raw is None else "VLLM_ASCEND_ENABLE_NZ",
-            "meaning": _NZ_MEANING.get(value, "unknown mode"), "ok_for_sync": value == 0,
-            "override": "additional_config weight_nz_mode (per engine) wins over this"}
+    return {
+        "value": value,
+        "source": "default" if raw is None else "VLLM_ASCEND_ENABLE_NZ",
+        "meaning": _NZ_MEANING.get(value, "unknown mode"),
+        "ok_for_sync": value == 0,
+        "override": "additional_config weight_nz_mode (per engine) wins over this",
+    }
 
 
 def ascend_environment() -> dict[str, Any]:

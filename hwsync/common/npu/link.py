@@ -17,6 +17,7 @@ Device and streams, as Ascend requires them:
 :class:`NpuRuntime` is the only place that touches ``torch_npu``; tests pass a stand-in runtime
 (``tests/test_npu_hccl_link_standin.py``) because nothing here can run without CANN.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -103,8 +104,9 @@ class HcclLink:
 
     persistent = True  # kept between syncs (communicator setup is costly); not flood-tested: no NPU
 
-    def __init__(self, store: Any, spec: LinkSpec, rank: int, device: torch.device | str | int,
-                 runtime: NpuRuntime | None = None) -> None:
+    def __init__(
+        self, store: Any, spec: LinkSpec, rank: int, device: torch.device | str | int, runtime: NpuRuntime | None = None
+    ) -> None:
         self._runtime = runtime if runtime is not None else TorchNpuRuntime()
         index = _npu_index(device)
         index = index if index is not None else self._runtime.current_device()
@@ -116,8 +118,9 @@ class HcclLink:
         self.world_size = spec.world_size
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         with self._runtime.device(index):
-            self._pg: Any = self._runtime.process_group(dist.PrefixStore(spec.prefix, store), rank, spec.world_size,
-                                                        timeout)
+            self._pg: Any = self._runtime.process_group(
+                dist.PrefixStore(spec.prefix, store), rank, spec.world_size, timeout
+            )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> HcclTransfer:
         if self._pg is None:

@@ -11,6 +11,7 @@ flat byte buffers by broadcast. Each backend owns the link for its device (``Bac
 
 Everything above the link (buckets, packing, abort, authentication) is shared and lives in this package.
 """
+
 from __future__ import annotations
 
 from hwsync.common.transport.base import Link, LinkSpec, Transfer

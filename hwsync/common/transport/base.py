@@ -1,4 +1,5 @@
 """The :class:`Link` interface every data plane implements (see :mod:`hwsync.common.transport`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,4 +55,3 @@ class Link(Protocol):
 
     def close(self) -> None:
         """Release the group (idempotent); a later sync opens a new one."""
-

@@ -1,17 +1,19 @@
 """Buckets over a :class:`~hwsync.common.transport.Link`: a symmetric sender / receiver pair.
 
 Each bucket travels as one flat buffer: the manifest's tensors at their offsets, then a trailer (status, bucket
-index, sync version, and a keyed tag over the payload, :mod:`hwsync.common.transport.seal`). The receiver knows the bucket
-plan from the manifest, so no per-bucket header round trip is needed; it checks the trailer before a bucket's views
-reach any loader. An aborting sender sends one last trailer with status ``ABORT`` and stops; both sides then stop.
+index, sync version, and a keyed tag over the payload, :mod:`hwsync.common.transport.seal`). The receiver knows the
+bucket plan from the manifest, so no per-bucket header round trip is needed; it checks the trailer before a bucket's
+views reach any loader. An aborting sender sends one last trailer with status ``ABORT`` and stops; both sides then stop.
 
 Pipelining (accelerators): the sender packs bucket b+1 while bucket b is on the wire, the receiver posts bucket b+1
 before it hands bucket b to the engine, each side alternating between buffers that nothing else references (a
 buffer is reused only when no view of it is left: vLLM's layer-wise reload may hold a layer's tensors across
 buckets; LoRA tensors wait for the last bucket).
 """
+
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -35,8 +37,9 @@ TRAILER_BYTES = 64
 """Status, index, version (24 bytes) and a 32-byte tag, padded to 64."""
 
 
-def bucket_lists(manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
-                 progress: ProgressFn | None) -> Iterator[list[Tensor]]:
+def bucket_lists(
+    manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
+) -> Iterator[list[Tensor]]:
     """Group the producer's tensors (spec order) into the manifest's buckets (entry order), lazily."""
     it = produce()
     pending: dict[int, Tensor] = {}
@@ -79,12 +82,16 @@ class _Pool:
 
     def take(self, nbytes: int, busy: Sequence[Tensor] = ()) -> Tensor:
         for buf, baseline in self.bufs:
-            if (baseline is not None and buf.numel() >= nbytes and _use_count(buf) == baseline
-                    and not any(b is buf for b in busy)):
+            if (
+                baseline is not None
+                and buf.numel() >= nbytes
+                and _use_count(buf) == baseline
+                and not any(b is buf for b in busy)
+            ):
                 return buf
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         self.bufs.append((buf, _use_count(buf)))
-        del self.bufs[:-self.size]  # forget the oldest; whoever still holds views keeps that memory alive
+        del self.bufs[: -self.size]  # forget the oldest; whoever still holds views keeps that memory alive
         return buf
 
 
@@ -98,7 +105,7 @@ def pool_of(owner: dict[str, Any], device: torch.device) -> _Pool:
 
 
 def _trailer(buf: Tensor, size: int) -> Tensor:
-    return buf[size: size + TRAILER_BYTES]
+    return buf[size : size + TRAILER_BYTES]
 
 
 def _write_trailer(buf: Tensor, size: int, status: int, index: int, version: int, tag: bytes) -> None:
@@ -107,8 +114,14 @@ def _write_trailer(buf: Tensor, size: int, status: int, index: int, version: int
     _trailer(buf, size).copy_(data, non_blocking=False)
 
 
-def send_buckets(manifest: Manifest, lists: BucketLists, link: Link, pool: _Pool, sealer: Sealer,
-                 on_abort: Callable[[BaseException], None] | None = None) -> None:
+def send_buckets(
+    manifest: Manifest,
+    lists: BucketLists,
+    link: Link,
+    pool: _Pool,
+    sealer: Sealer,
+    on_abort: Callable[[BaseException], None] | None = None,
+) -> None:
     """Sender side: pack and broadcast every bucket (rank 0 of ``link``); on a failure, send ``ABORT`` and raise.
     ``on_abort(error)`` runs before the ``ABORT`` goes out (e.g. to publish the reason the receivers then read)."""
     size = max((b.nbytes for b in manifest.buckets), default=0)
@@ -124,12 +137,16 @@ def send_buckets(manifest: Manifest, lists: BucketLists, link: Link, pool: _Pool
             _write_trailer(buf, size, _OK, bucket.index, manifest.version, tag)
         except BaseException as e:
             if on_abort is not None:
-                try:
+                with contextlib.suppress(Exception):  # the reason is a courtesy; the abort itself must go out
                     on_abort(e)
-                except Exception:  # noqa: BLE001 - the reason is a courtesy; the abort itself must go out
-                    pass
-            _write_trailer(buf, size, _ABORT, bucket.index, manifest.version,
-                           sealer.seal(buf[:0], -1 - bucket.index, manifest.version))  # an abort is sealed too
+            _write_trailer(
+                buf,
+                size,
+                _ABORT,
+                bucket.index,
+                manifest.version,
+                sealer.seal(buf[:0], -1 - bucket.index, manifest.version),
+            )  # an abort is sealed too
             link.broadcast(buf[: size + TRAILER_BYTES], 0).wait()
             raise
         inflight.append((buf, link.broadcast(buf[: size + TRAILER_BYTES], 0)))
@@ -139,8 +156,9 @@ def send_buckets(manifest: Manifest, lists: BucketLists, link: Link, pool: _Pool
         transfer.wait()
 
 
-def receive_buckets(manifest: Manifest, link: Link, pool: _Pool, sealer: Sealer,
-                    abort_reason: Callable[[], str] | None = None) -> BucketLists:
+def receive_buckets(
+    manifest: Manifest, link: Link, pool: _Pool, sealer: Sealer, abort_reason: Callable[[], str] | None = None
+) -> BucketLists:
     """Receiver side: one list of views per bucket, each checked (status, index, version, tag) before it is
     yielded; the next bucket is already on the wire while the engine consumes this one."""
     size = max((b.nbytes for b in manifest.buckets), default=0)
@@ -159,28 +177,28 @@ def receive_buckets(manifest: Manifest, link: Link, pool: _Pool, sealer: Sealer,
         status, index, version = _HEAD.unpack(bytes(_trailer(buf, size)[: _HEAD.size].cpu().tolist()))
         if status == _ABORT:
             posted.clear()
-            tag = bytes(_trailer(buf, size)[_HEAD.size: _HEAD.size + sealer.tag_bytes].cpu().tolist())
+            tag = bytes(_trailer(buf, size)[_HEAD.size : _HEAD.size + sealer.tag_bytes].cpu().tolist())
             sealer.check(buf[:0], -1 - bucket.index, manifest.version, tag)  # only the trainer may abort
             why = abort_reason() if abort_reason else ""
             raise SyncError(f"sender aborted before bucket {bucket.index}" + (f": {why}" if why else ""))
         if status != _OK or index != bucket.index or version != manifest.version:
-            raise SyncError(f"bucket {bucket.index} of sync v{manifest.version} arrived as bucket {index} of "
-                            f"v{version} (status {status:#x}): the data plane is out of step; the next sync "
-                            "re-forms it")
+            raise SyncError(
+                f"bucket {bucket.index} of sync v{manifest.version} arrived as bucket {index} of "
+                f"v{version} (status {status:#x}): the data plane is out of step; the next sync "
+                "re-forms it"
+            )
         posted.pop(0)
         if k + 1 < len(buckets):
             # the sender follows an OK bucket with the next one (or its abort): on the wire while this one is
             # checked and consumed (checked after it, the check would hold the wire idle: ~3 ms per bucket on GPUs)
             post()
-        tag = bytes(_trailer(buf, size)[_HEAD.size: _HEAD.size + sealer.tag_bytes].cpu().tolist())
+        tag = bytes(_trailer(buf, size)[_HEAD.size : _HEAD.size + sealer.tag_bytes].cpu().tolist())
         try:
             sealer.check(buf[: bucket.nbytes], bucket.index, manifest.version, tag)
         except SyncError:
             for _, pending in posted:  # let the posted receive land (or time out) before its buffer can be reused
-                try:
+                with contextlib.suppress(Exception):  # the failed check is the error to report
                     pending.wait()
-                except Exception:  # noqa: BLE001 - the failed check is the error to report
-                    pass
             raise
         specs = [manifest.specs[i] for i in bucket.entries]
         out = views(buf, bucket.offsets, [s.shape for s in specs], [s.dtype for s in specs])

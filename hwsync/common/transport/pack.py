@@ -5,6 +5,7 @@ on the way), unpacking is pure views, so a bucket of thousands of small LoRA ten
 launches, not one per tensor. Used by server-mode buckets (:mod:`hwsync.common.transport.buckets`) and by
 :func:`hwsync.common.comm.broadcast_coalesced`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -39,15 +40,16 @@ def copy_all(dst: Sequence[Tensor], src: Sequence[Tensor]) -> None:
         dst[i].copy_(src[i], non_blocking=True)
 
 
-def views(buf: Tensor, offsets: Sequence[int], shapes: Sequence[tuple[int, ...]],
-          dtypes: Sequence[torch.dtype]) -> list[Tensor]:
+def views(
+    buf: Tensor, offsets: Sequence[int], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]
+) -> list[Tensor]:
     """Typed views of ``buf`` (``uint8``) at byte ``offsets``: no copies."""
     out = []
     for off, shape, dt in zip(offsets, shapes, dtypes):
         n = dt.itemsize
         for s in shape:
             n *= s
-        out.append(buf[off: off + n].view(dt).view(shape))
+        out.append(buf[off : off + n].view(dt).view(shape))
     return out
 
 

@@ -11,12 +11,14 @@ bucket's tensors are used.
   product with int32 accumulation (``torch._int_mm``; exact, ``|sum| <= 2**28``), or the same integers through a
   float64 product where int8 products are not available (exact below ``2**53``: both give the same digest). The
   row sums are hashed again per lane in int64 with secret keys in ``[0, 2**16)`` (exact: ``|sum| < 2**63`` for any
-  bucket below 2**33 bytes, 8 GiB; buckets are a few hundred MB). For any change of the payload, one lane's final sum stays equal with probability at
-  most ``2**-8 + 2**-16`` over the secret keys; 8 independent lanes are used (about ``2**-64``), then bound with
-  the bucket's index, the sync version and the payload length by BLAKE2b. An attacker without the token learns
-  nothing about the keys. The payload is read once, with no temporary of its size (the float64 products of the
-  previous design wrote and read 8 bytes per byte: 3-4 ms per 617 MB bucket on an H200, which held the wire).
+  bucket below 2**33 bytes, 8 GiB; buckets are a few hundred MB). For any change of the payload, one lane's final sum
+  stays equal with probability at most ``2**-8 + 2**-16`` over the secret keys; 8 independent lanes are used (about
+  ``2**-64``), then bound with the bucket's index, the sync version and the payload length by BLAKE2b. An attacker
+  without the token learns nothing about the keys. The payload is read once, with no temporary of its size (the float64
+  products of the previous design wrote and read 8 bytes per byte: 3-4 ms per 617 MB bucket on an H200, which held the
+  wire).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -88,8 +90,8 @@ class Sealer:
         k = self._key(device, _ROW, "row64")
         out = torch.empty(rows.shape[0], _LANES, dtype=torch.int64, device=device)
         for r0 in range(0, rows.shape[0], _CHUNK_ROWS):
-            block = rows[r0: r0 + _CHUNK_ROWS]
-            out[r0: r0 + block.shape[0]] = (block.to(torch.float64) @ k).to(torch.int64)
+            block = rows[r0 : r0 + _CHUNK_ROWS]
+            out[r0 : r0 + block.shape[0]] = (block.to(torch.float64) @ k).to(torch.int64)
         return out
 
     def _lane_digest(self, payload: Tensor) -> bytes:
@@ -98,7 +100,7 @@ class Sealer:
         parts = [self._row_sums(words[: full * _ROW].view(full, _ROW))] if full else []
         if words.numel() > full * _ROW:  # the last, partial row, zero-padded (the length is bound by the tag)
             tail = words.new_zeros(1, _ROW)
-            tail[0, : words.numel() - full * _ROW] = words[full * _ROW:]
+            tail[0, : words.numel() - full * _ROW] = words[full * _ROW :]
             parts.append(self._row_sums(tail))
         if not parts:
             return b""
@@ -122,4 +124,5 @@ class Sealer:
         if not hmac.compare_digest(self.seal(payload, index, version), bytes(tag)):
             raise SyncError(
                 f"bucket {index} of sync v{version} fails authentication: its bytes were not sent by the trainer "
-                "holding the token (or were altered on the way); nothing of it was applied")
+                "holding the token (or were altered on the way); nothing of it was applied"
+            )

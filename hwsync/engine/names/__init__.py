@@ -16,11 +16,13 @@ what the receiver itself declares (the verl #5599 idea, done generally):
 The whole manifest (name -> shape, dtype) is resolved once into a :class:`NameMap`; every problem (unknown name,
 ambiguity, shape or dtype that does not fit) is reported together in one :class:`~hwsync.common.errors.ResolutionError`
 before any tensor is written. The name map is reused every step: :meth:`NameMap.apply` writes in place (packed rows, TP
-slices, experts through :mod:`hwsync.common.layouts`), :meth:`NameMap.vllm_checkpoint_names` translates names for vLLM's own
-``load_weights`` / ``reload_weights`` path (needed where vLLM repacks weights after loading, e.g. its CPU build).
+slices, experts through :mod:`hwsync.common.layouts`), :meth:`NameMap.vllm_checkpoint_names` translates names for vLLM's
+own ``load_weights`` / ``reload_weights`` path (needed where vLLM repacks weights after loading, e.g. its CPU build).
 """
+
 from __future__ import annotations
 
+from hwsync.common.trainer_names import normalize_trainer_name, strip_peft_name
 from hwsync.engine.names.namespace import (
     ExpertGroup,
     Namespace,
@@ -30,7 +32,6 @@ from hwsync.engine.names.namespace import (
 )
 from hwsync.engine.names.plan import NameMap, Target
 from hwsync.engine.names.resolve import NameMapCache, manifest_of, manifest_signature, resolve
-from hwsync.common.trainer_names import normalize_trainer_name, strip_peft_name
 
 __all__ = [
     "ExpertGroup",

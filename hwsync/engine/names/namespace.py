@@ -1,4 +1,5 @@
 """What a receiver declares about its parameters (:class:`Namespace`), read from a live vLLM model."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,6 +26,7 @@ def canonical(live_name: str) -> str:
 ShardId = str | int | tuple[int, ...]
 Spec = tuple[tuple[int, ...], torch.dtype]
 Transform = Callable[[Tensor], Tensor]
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # receiver description
@@ -164,8 +166,13 @@ class Namespace:
         self._group_of_param = {n: g for g in self.expert_groups.values() for n in (g.w13, g.w2)}
         self._group_of_module = {g.module: g for g in self.expert_groups.values()}
         self._roots = sorted(
-            {n[: -len(tail)] for n in self.params for tail in ("lm_head.weight", "model.embed_tokens.weight")
-             if n.endswith(tail) and (len(n) == len(tail) or n[-len(tail) - 1] == ".")} - {""}
+            {
+                n[: -len(tail)]
+                for n in self.params
+                for tail in ("lm_head.weight", "model.embed_tokens.weight")
+                if n.endswith(tail) and (len(n) == len(tail) or n[-len(tail) - 1] == ".")
+            }
+            - {""}
         )
         self._signature: str | None = None
 
@@ -209,8 +216,15 @@ class Namespace:
 
 
 def _mapper_repr(m: Any) -> str:
-    fields = ("orig_to_new_regex", "orig_to_new_substr", "orig_to_new_stacked", "orig_to_new_prefix",
-              "orig_to_new_suffix", "source_patterns", "target_patterns")
+    fields = (
+        "orig_to_new_regex",
+        "orig_to_new_substr",
+        "orig_to_new_stacked",
+        "orig_to_new_prefix",
+        "orig_to_new_suffix",
+        "source_patterns",
+        "target_patterns",
+    )
     return repr({f: getattr(m, f) for f in fields if hasattr(m, f)}) or type(m).__name__
 
 
@@ -238,13 +252,13 @@ def namespace_from_vllm_model(
     live: dict[str, Tensor] = {}
     groups: dict[str, ExpertGroup] = {}
     for mod_name, mod in model.named_modules():
-        own = dict(mod.named_parameters(recurse=False))
+        own: dict[str, Tensor] = dict(mod.named_parameters(recurse=False))
         if not own:
             continue
         rec = recorded.get(id(mod), {})
         for pname, p in own.items():
             full = f"{mod_name}.{pname}" if mod_name else pname
-            ref = rec[pname] if pname in rec else p
+            ref = rec.get(pname, p)
             params[canonical(full)] = _param_spec(full, mod, ref)
             live[canonical(full)] = p
         if "w13_weight" in own and "w2_weight" in own:
@@ -329,8 +343,11 @@ def _loader_of(loader: Any, mod: Any) -> bool:
     except Exception:  # noqa: BLE001 - older vLLM: no sanitized records
         return False
     func = getattr(loader, "__func__", None)
-    return owner is layer_ref_sentinel and func is not None and \
-        getattr(type(mod), getattr(func, "__name__", ""), None) is func
+    return (
+        owner is layer_ref_sentinel
+        and func is not None
+        and getattr(type(mod), getattr(func, "__name__", ""), None) is func
+    )
 
 
 def _param_spec(name: str, mod: Any, ref: Tensor) -> ParamSpec:
@@ -343,15 +360,20 @@ def _param_spec(name: str, mod: Any, ref: Tensor) -> ParamSpec:
     if getattr(ref, "packed_dim", None) is not None or getattr(ref, "is_sharded_weight", False):
         return ParamSpec(name, shape, dtype, sharding_known=False)  # quantized packing: not ours to slice
     loader = getattr(ref, "weight_loader", None)
-    if tp_size > 1 and loader is not None and not _loader_of(loader, mod) \
-            and getattr(loader, "__name__", "") != "default_weight_loader":
+    if (
+        tp_size > 1
+        and loader is not None
+        and not _loader_of(loader, mod)
+        and getattr(loader, "__name__", "") != "default_weight_loader"
+    ):
         # a loader set on the parameter itself (GDN's conv1d/A_log/dt_bias, ...) splits it its own way
         return ParamSpec(name, shape, dtype, sharding_known=False)
     if _is(mod, "VocabParallelEmbedding") and out_dim is not None:
         idx = mod.shard_indices
         rows = idx.org_vocab_end_index - idx.org_vocab_start_index
-        return ParamSpec(name, shape, dtype, out_dim,
-                         (Shard(None, int(mod.org_vocab_size), 0, idx.org_vocab_start_index, rows),))
+        return ParamSpec(
+            name, shape, dtype, out_dim, (Shard(None, int(mod.org_vocab_size), 0, idx.org_vocab_start_index, rows),)
+        )
     if _is(mod, "QKVParallelLinear") and out_dim is not None:
         hs, vhs = mod.head_size, getattr(mod, "v_head_size", mod.head_size)
         kv_rank = tp_rank // max(1, int(getattr(mod, "num_kv_head_replicas", 1)))
@@ -386,16 +408,26 @@ def _param_spec(name: str, mod: Any, ref: Tensor) -> ParamSpec:
 
 
 def _expert_group(
-    model: Any, mod_name: str, mod: Any, rec: Mapping[str, Tensor], lay: ExpertLayout,
+    model: Any,
+    mod_name: str,
+    mod: Any,
+    rec: Mapping[str, Tensor],
+    lay: ExpertLayout,
     sharding: ExpertSharding | None,
 ) -> ExpertGroup:
     w13 = rec.get("w13_weight", mod.w13_weight)
     w2 = rec.get("w2_weight", mod.w2_weight)
     # recorded tensors are in checkpoint (preprocessed) orientation; live ones in the declared layout
-    pre13 = tuple(w13.shape) if "w13_weight" in rec or lay is ExpertLayout.PREPROCESSED else \
-        (w13.shape[0], w13.shape[2], w13.shape[1])
-    pre2 = tuple(w2.shape) if "w2_weight" in rec or lay is ExpertLayout.PREPROCESSED else \
-        (w2.shape[0], w2.shape[2], w2.shape[1])
+    pre13 = (
+        tuple(w13.shape)
+        if "w13_weight" in rec or lay is ExpertLayout.PREPROCESSED
+        else (w13.shape[0], w13.shape[2], w13.shape[1])
+    )
+    pre2 = (
+        tuple(w2.shape)
+        if "w2_weight" in rec or lay is ExpertLayout.PREPROCESSED
+        else (w2.shape[0], w2.shape[2], w2.shape[1])
+    )
     cfg = getattr(mod, "moe_config", None)
     par = getattr(cfg, "moe_parallel_config", None)
     tp_size = int(getattr(par, "tp_size", 1)) if par is not None else 1
@@ -416,7 +448,9 @@ def _expert_group(
         prefix=prefix,
         w13=f"{mod_name}.w13_weight" if mod_name else "w13_weight",
         w2=f"{mod_name}.w2_weight" if mod_name else "w2_weight",
-        gate=names["w1"], up=names["w3"], down=names["w2"],
+        gate=names["w1"],
+        up=names["w3"],
+        down=names["w2"],
         num_experts=num_experts,
         hidden=int(pre13[2]),
         intermediate=int(pre2[2]) * tp_size,
@@ -451,11 +485,11 @@ def _streamed_leaves(model: Any, mod_name: str, mod: Any, prefix: str) -> tuple[
         head = owner_name + "." if owner_name else ""
         if not (prefix.startswith(head) and mod_name.startswith(head)):
             return ()
-        params = {f"{mod_name[len(head):]}.{leaf}": None for leaf in leaves}
+        params = {f"{mod_name[len(head) :]}.{leaf}": None for leaf in leaves}
         out = []
         for leaf, param in zip(leaves, params):
             try:
-                found = parse(f"{prefix[len(head):]}.0.{leaf}", params)
+                found = parse(f"{prefix[len(head) :]}.0.{leaf}", params)
             except Exception:  # noqa: BLE001  (a parser that cannot answer: no per-expert route assumed)
                 found = None
             if isinstance(found, tuple) and len(found) >= 2 and found[0] == 0 and found[1] == param:
@@ -502,9 +536,11 @@ def _expert_names(model: Any, mod: Any) -> dict[str, str]:
     for proj, shard_ids in per_expert.items():
         if len(shard_ids) == 1:  # a projection feeding both w1 and w3 is a per-expert fused gate_up
             names.setdefault(next(iter(shard_ids)), proj)
-    for shard_id, attr, default in (("w1", "ckpt_gate_proj_name", "gate_proj"),
-                                    ("w3", "ckpt_up_proj_name", "up_proj"),
-                                    ("w2", "ckpt_down_proj_name", "down_proj")):
+    for shard_id, attr, default in (
+        ("w1", "ckpt_gate_proj_name", "gate_proj"),
+        ("w3", "ckpt_up_proj_name", "up_proj"),
+        ("w2", "ckpt_down_proj_name", "down_proj"),
+    ):
         names.setdefault(shard_id, getattr(mod, attr, None) or default)
     return names
 
@@ -527,5 +563,3 @@ def _trainer_renames(model_type: str | None) -> tuple[Any, ...]:
         except Exception:
             continue
     return tuple(out)
-
-

@@ -1,4 +1,5 @@
 """A resolved sync plan: where each trainer tensor lands, and the in-place writer that puts it there."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,8 @@ from hwsync.common.layouts import (
     w2_shape,
     w13_shape,
 )
-from hwsync.engine.names.namespace import Namespace, ShardId, Spec, Transform
 from hwsync.common.wire import dtype_name
+from hwsync.engine.names.namespace import Namespace, ShardId, Spec, Transform
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -35,9 +36,9 @@ class Target:
     of a fused transformers tensor (``shard_id`` "w13"/"w2", ``expert_ids`` None = all), ``"loader"`` the whole
     parameter in the model's own checkpoint layout, which only vLLM's loader converts (GPT-OSS experts, Llama 4's
     ``[E, in, out]`` experts): written through vLLM's reload path only (one expert at a time where the model's loader
-    takes per-expert keys, :attr:`hwsync.engine.names.ExpertGroup.streamed`). ``"routed"``: a name no declaration places,
-    handed to vLLM's loader under its checkpoint spelling (``resolve(route_unknown=True)``); ``param`` is empty until
-    :meth:`NameMap.bind_routed` turns it into ``"loader"`` targets on the parameters the loader wrote.
+    takes per-expert keys, :attr:`hwsync.engine.names.ExpertGroup.streamed`). ``"routed"``: a name no declaration
+    places, handed to vLLM's loader under its checkpoint spelling (``resolve(route_unknown=True)``); ``param`` is empty
+    until :meth:`NameMap.bind_routed` turns it into ``"loader"`` targets on the parameters the loader wrote.
     """
 
     param: str
@@ -97,8 +98,11 @@ class NameMap:
     _resolutions: dict[str, Resolution] = field(default_factory=dict, repr=False)
 
     # -- writing in place -----------------------------------------------------------------------------------------
-    def apply(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
-              params: Mapping[str, Tensor] | torch.nn.Module | None = None) -> int:
+    def apply(
+        self,
+        named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+        params: Mapping[str, Tensor] | torch.nn.Module | None = None,
+    ) -> int:
         """Write trainer tensors into the receiver's parameters in place; returns #tensors written.
 
         ``params`` (live name -> tensor, or the vLLM model) defaults to the namespace's live parameters. Every
@@ -149,8 +153,9 @@ class NameMap:
                 copy_expert_shards_(dst[pname], bucket, g.sharding, g.layout)
         return len(todo)
 
-    def _check_batch(self, items: list[tuple[str, Tensor]]
-                     ) -> tuple[list[tuple[str, Tensor, tuple[Target, ...]]], list[str]]:
+    def _check_batch(
+        self, items: list[tuple[str, Tensor]]
+    ) -> tuple[list[tuple[str, Tensor, tuple[Target, ...]]], list[str]]:
         """Tensors of a batch that the plan writes, and every way the batch departs from the manifest."""
         problems: list[str] = []
         todo: list[tuple[str, Tensor, tuple[Target, ...]]] = []
@@ -163,8 +168,10 @@ class NameMap:
                 continue
             shape, dtype = self.manifest[name]
             if tuple(t.shape) != shape or t.dtype != dtype:
-                problems.append(f"{name!r}: plan was made for {list(shape)} {dtype_name(dtype)}, got "
-                                f"{list(t.shape)} {dtype_name(t.dtype)}; resolve the new manifest")
+                problems.append(
+                    f"{name!r}: plan was made for {list(shape)} {dtype_name(dtype)}, got "
+                    f"{list(t.shape)} {dtype_name(t.dtype)}; resolve the new manifest"
+                )
                 continue
             todo.append((name, t, targets))
         return todo, problems
@@ -181,23 +188,30 @@ class NameMap:
         if t is None:
             return "not among the given receiver parameters (pass params=the vLLM model or its named_parameters())"
         if tg.kind in ("loader", "routed"):
-            return ("vLLM's loader converts this tensor's checkpoint layout; use vllm_checkpoint_names() + "
-                    "reload_weights")
+            return (
+                "vLLM's loader converts this tensor's checkpoint layout; use vllm_checkpoint_names() + reload_weights"
+            )
         if tg.kind in ("expert", "experts"):
             g = self.namespace.group_of(tg.param)
             if g is None or g.sharding is None:
                 return f"{g.unwritable if g else 'no expert group'}; use vllm_checkpoint_names() + reload_weights"
             i, h = g.intermediate, g.hidden
-            want: tuple[int, ...] = w13_shape(g.sharding, i, h, g.layout) if tg.param == g.w13 else w2_shape(g.sharding, i, h, g.layout)
+            want: tuple[int, ...] = (
+                w13_shape(g.sharding, i, h, g.layout) if tg.param == g.w13 else w2_shape(g.sharding, i, h, g.layout)
+            )
         else:
             spec = self.namespace.spec_of(tg.param)
             if not spec.sharding_known:
-                return ("vLLM shards this parameter with a custom loader hwsync cannot read; "
-                        "use vllm_checkpoint_names() + reload_weights")
+                return (
+                    "vLLM shards this parameter with a custom loader hwsync cannot read; "
+                    "use vllm_checkpoint_names() + reload_weights"
+                )
             want = spec.shape
         if tuple(t.shape) != tuple(want):
-            return (f"receiver tensor is {list(t.shape)}, not the checkpoint-format {list(want)}: vLLM repacked it "
-                    "after loading (CPU/NPU kernels); feed plan.vllm_weights(...) to reload_weights instead")
+            return (
+                f"receiver tensor is {list(t.shape)}, not the checkpoint-format {list(want)}: vLLM repacked it "
+                "after loading (CPU/NPU kernels); feed plan.vllm_weights(...) to reload_weights instead"
+            )
         return None
 
     def _dense_pieces(self, tg: Target, t: Tensor, dst: Tensor, dsts: list[Tensor], srcs: list[Tensor]) -> None:
@@ -226,8 +240,11 @@ class NameMap:
         if res is None:
             raise KeyError(f"{name!r} is not in this plan's manifest")
         tg = res.targets[0]
-        also = [(a, None) for a in self.namespace.reprocessed_aliases  # tied, in another module: reload it too
-                if tg.kind == "param" and self.namespace.aliases[a] == _canon(tg.param) and not res.alias]
+        also = [
+            (a, None)
+            for a in self.namespace.reprocessed_aliases  # tied, in another module: reload it too
+            if tg.kind == "param" and self.namespace.aliases[a] == _canon(tg.param) and not res.alias
+        ]
         if res.checkpoint:
             return [(res.load_name, None), *also]
         if tg.kind == "loader":
@@ -251,12 +268,16 @@ class NameMap:
             return [(f"{stem}.{fused}", _transpose_last if g.fused_transposed else None)]
         if tg.shard_id == "w13":
             parts = ((g.gate, "gate"), (g.up, "up")) if g.gated else ((g.gate, "whole"),)
-            return [(f"{stem}.{e}.{proj}.weight", _ExpertSlice(e, part))
-                    for e in range(g.num_experts) for proj, part in parts]
+            return [
+                (f"{stem}.{e}.{proj}.weight", _ExpertSlice(e, part))
+                for e in range(g.num_experts)
+                for proj, part in parts
+            ]
         return [(f"{stem}.{e}.{g.down}.weight", _ExpertSlice(e, "down")) for e in range(g.num_experts)]
 
-    def vllm_weights(self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
-                     ) -> Iterator[tuple[str, Tensor]]:
+    def vllm_weights(
+        self, named_tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
+    ) -> Iterator[tuple[str, Tensor]]:
         """Trainer tensors renamed (and sliced) for vLLM's own ``load_weights`` / ``reload_weights``.
 
         The whole batch is checked against the manifest first (one :class:`ResolutionError`, before the first
@@ -359,7 +380,6 @@ def resolution_error(problems: list[str], tail: str, total: int, ns: Namespace |
     lines = "\n".join(f"  - {p}" for p in shown)
     if len(problems) > len(shown):
         lines += f"\n  ... and {len(problems) - len(shown)} more (all of them in the error's .problems)"
-    err = ResolutionError(
-        f"{len(problems)} problem(s) resolving {total} trainer tensor(s){where}; {tail}:\n{lines}")
+    err = ResolutionError(f"{len(problems)} problem(s) resolving {total} trainer tensor(s){where}; {tail}:\n{lines}")
     err.problems = list(problems)  # type: ignore[attr-defined]
     return err

@@ -1,4 +1,5 @@
 """Resolution: trainer names -> :class:`~hwsync.engine.names.plan.NameMap`, every problem in one error."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.common.trainer_names import ADAPTER, PEFT_ORIGINAL, normalize_trainer_name
+from hwsync.common.wire import dtype_name
 from hwsync.engine.names.namespace import Namespace, ParamSpec, ShardId, Spec, canonical
 from hwsync.engine.names.plan import (
     NameMap,
@@ -20,8 +23,6 @@ from hwsync.engine.names.plan import (
     resolution_error,
     uncovered,
 )
-from hwsync.common.trainer_names import ADAPTER, PEFT_ORIGINAL, normalize_trainer_name
-from hwsync.common.wire import dtype_name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -87,8 +88,9 @@ def resolve(
             else:
                 problems.append(
                     f"{name!r} is a LoRA adapter tensor, not a base weight: merge it first "
-                    "(hwsync.trainer.merged.merged_named_weights), sync it as an adapter (hwsync.common.lora_formats), or pass "
-                    "skip_adapter_tensors=True")
+                    "(hwsync.trainer.merged.merged_named_weights), sync it as an adapter (hwsync.common.lora_formats), "
+                    "or pass skip_adapter_tensors=True"
+                )
             continue
         if category == PEFT_ORIGINAL and clean in trained_copies:
             skipped[name] = f"frozen PEFT original; its trained copy {by_clean[clean]!r} is synced"
@@ -110,8 +112,13 @@ def resolve(
         elif kind == "missing" and allowed(name, clean):
             skipped[name] = "no receiver parameter (allowed by allow_skip_prefixes)"
         elif kind == "missing" and route_unknown:
-            res = Resolution((Target("", "routed"),), _renamed(ns, clean), None, dtype,
-                              note=f"{name!r} {list(shape)} {dtype_name(dtype)}: {message}")
+            res = Resolution(
+                (Target("", "routed"),),
+                _renamed(ns, clean),
+                None,
+                dtype,
+                note=f"{name!r} {list(shape)} {dtype_name(dtype)}: {message}",
+            )
             entries[name], resolutions[name] = res.targets, res
         else:
             problems.append(f"{name!r} {list(shape)} {dtype_name(dtype)}: {message}")
@@ -129,16 +136,24 @@ def resolve(
             for atom in atoms(ns, tg):
                 first = owner.setdefault(atom, name)
                 if first != name:
-                    problems.append(f"ambiguous: {first!r} and {name!r} both write {atom[0]} [{_atom_str(atom[1])}]"
-                                    "; send only one of them")
+                    problems.append(
+                        f"ambiguous: {first!r} and {name!r} both write {atom[0]} [{_atom_str(atom[1])}]"
+                        "; send only one of them"
+                    )
                     break
     if require_complete:
         for pname in sorted(uncovered(ns, entries.values())):
             problems.append(f"receiver parameter {pname} is not (fully) written by any trainer name")
     if problems:
         raise resolution_error(_dedupe(problems), "nothing was written", len(specs), ns)
-    plan = NameMap(entries, skipped, {n: (tuple(s), d) for n, (s, d) in specs.items()}, ns,
-                f"{ns.signature}:{manifest_signature(specs)}", resolutions)
+    plan = NameMap(
+        entries,
+        skipped,
+        {n: (tuple(s), d) for n, (s, d) in specs.items()},
+        ns,
+        f"{ns.signature}:{manifest_signature(specs)}",
+        resolutions,
+    )
     return plan
 
 
@@ -179,8 +194,9 @@ def _describe(targets: Sequence[Target]) -> str:
 _Failure = tuple[str, str, str]  # (kind "skip" | "missing" | "ambiguous", message, prefix to allow)
 
 
-def _resolve_one(ns: Namespace, clean: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]
-                 ) -> Resolution | _Failure:
+def _resolve_one(
+    ns: Namespace, clean: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]
+) -> Resolution | _Failure:
     # 1. the name as sent; 2. fallbacks, which must agree: transformers' runtime->checkpoint renames, and the
     # name re-rooted under each language-model root of the receiver (text-only trainer vs VL receiver and back).
     # A name the receiver's own mapper drops is a declaration, not a miss: no fallback for it.
@@ -192,8 +208,12 @@ def _resolve_one(ns: Namespace, clean: str, shape: tuple[int, ...], shapes: Mapp
     if len(found) == 1:
         res = next(iter(found.values()))
         renamed = _renamed(ns, clean)
-        if res.load_name == clean and renamed != clean and _map(ns, renamed) is not None \
-                and not _try_spellings(ns, [renamed], shape, shapes)[0]:
+        if (
+            res.load_name == clean
+            and renamed != clean
+            and _map(ns, renamed) is not None
+            and not _try_spellings(ns, [renamed], shape, shapes)[0]
+        ):
             # the checkpoint spells it in a way no declaration places (Granite-MoE-hybrid's fused experts are
             # ``input_linear.weight`` on disk): the model's load_weights renames it itself, so that spelling is the
             # one its loader takes (the dry run checks it)
@@ -201,8 +221,11 @@ def _resolve_one(ns: Namespace, clean: str, shape: tuple[int, ...], shapes: Mapp
         return res
     if len(found) > 1:
         options = "; ".join(f"{r.load_name} -> {_describe(t)}" for t, r in found.items())
-        return ("ambiguous", f"ambiguous: it fits several receiver parameters ({options}); send it under the "
-                             "receiver's own spelling", "")
+        return (
+            "ambiguous",
+            f"ambiguous: it fits several receiver parameters ({options}); send it under the receiver's own spelling",
+            "",
+        )
     skip = _mtp_skip(ns, clean)
     if skip is not None:
         return skip
@@ -211,8 +234,9 @@ def _resolve_one(ns: Namespace, clean: str, shape: tuple[int, ...], shapes: Mapp
     return ("missing", "resolves to no receiver parameter; nearest receiver names: " + _nearest(ns, clean), "")
 
 
-def _try_spellings(ns: Namespace, spellings: Sequence[str], shape: tuple[int, ...],
-                   shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[tuple[Target, ...], Resolution], bool]:
+def _try_spellings(
+    ns: Namespace, spellings: Sequence[str], shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[dict[tuple[Target, ...], Resolution], bool]:
     """Distinct resolutions of the spellings, and whether the receiver's mapper dropped any of them."""
     found: dict[tuple[Target, ...], Resolution] = {}
     dropped = False
@@ -243,7 +267,7 @@ def _rooted_spellings(ns: Namespace, clean: str) -> list[str]:
     bodies = {clean}
     for outer, inner in _NESTINGS:
         if clean.startswith(outer):
-            bodies.add(inner + clean[len(outer):])
+            bodies.add(inner + clean[len(outer) :])
     out = []
     for body in sorted(bodies):
         if body != clean:
@@ -259,7 +283,7 @@ def _map(ns: Namespace, name: str) -> tuple[str, Any] | None:
         if scope:
             if not name.startswith(scope + "."):
                 continue
-            rel = name[len(scope) + 1:]
+            rel = name[len(scope) + 1 :]
         else:
             rel = name
         if hasattr(mapper, "_map_name_with_shard"):
@@ -276,8 +300,14 @@ def _map(ns: Namespace, name: str) -> tuple[str, Any] | None:
     return name, shard
 
 
-def _match(ns: Namespace, spelling: str, internal: str, shard: Any, shape: tuple[int, ...],
-           shapes: Mapping[str, tuple[int, ...]]) -> Resolution | None:
+def _match(
+    ns: Namespace,
+    spelling: str,
+    internal: str,
+    shard: Any,
+    shape: tuple[int, ...],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> Resolution | None:
     c = canonical(internal)
     alias_of = ns.aliases.get(c)
     if alias_of is not None:  # tied weights (lm_head -> embed_tokens): one receiver tensor under two names
@@ -305,8 +335,9 @@ def _match(ns: Namespace, spelling: str, internal: str, shard: Any, shape: tuple
     return _match_experts(ns, spelling, c, shape)
 
 
-def _match_packed(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...],
-                  shapes: Mapping[str, tuple[int, ...]]) -> Resolution | None:
+def _match_packed(
+    ns: Namespace, spelling: str, c: str, shape: tuple[int, ...], shapes: Mapping[str, tuple[int, ...]]
+) -> Resolution | None:
     """``x.q_proj.weight`` -> ``x.qkv_proj.weight`` shard, from ``packed_modules_mapping`` (older vLLM)."""
     module, _, leaf = c.rpartition(".")
     owner, _, last = module.rpartition(".")
@@ -328,8 +359,14 @@ def _match_packed(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...],
     return None
 
 
-def _span(spec: ParamSpec, constituents: Sequence[str], k: int, spelling: str, shape: tuple[int, ...],
-          shapes: Mapping[str, tuple[int, ...]]) -> ShardId | None:
+def _span(
+    spec: ParamSpec,
+    constituents: Sequence[str],
+    k: int,
+    spelling: str,
+    shape: tuple[int, ...],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> ShardId | None:
     """Which consecutive shards constituent ``k`` fills, from its and its earlier siblings' trainer row counts."""
     d = spec.split_dim
     if d is None:
@@ -392,8 +429,13 @@ def _match_experts(ns: Namespace, spelling: str, c: str, shape: tuple[int, ...] 
     native = ns.params.get(f"{owner}.{rest}") if "." not in rest else None
     if native is not None:
         return Resolution((Target(native.name, "loader"),), spelling, None, native.dtype)
-    fused = {"w13": (g.w13, (e_, g.w13_rows, h))} if leaf in g.fused_gate_up_names else \
-        {"w2": (g.w2, (e_, h, i))} if leaf in g.fused_down_names else {}
+    fused = (
+        {"w13": (g.w13, (e_, g.w13_rows, h))}
+        if leaf in g.fused_gate_up_names
+        else {"w2": (g.w2, (e_, h, i))}
+        if leaf in g.fused_down_names
+        else {}
+    )
     for shard, (param, expected) in fused.items():
         transposed = (expected[0], expected[2], expected[1])
         if shape is not None and tuple(shape) == transposed and transposed != expected:
@@ -416,8 +458,11 @@ def _mtp_skip(ns: Namespace, clean: str) -> _Failure | None:
     m = _LAYER.search(clean)
     if m and ns.num_hidden_layers is not None and int(m.group(1)) >= ns.num_hidden_layers:
         prefix = clean[: m.end()]
-        return ("skip", f"receiver has no MTP layers: layer {m.group(1)} is beyond num_hidden_layers="
-                        f"{ns.num_hidden_layers}", prefix)
+        return (
+            "skip",
+            f"receiver has no MTP layers: layer {m.group(1)} is beyond num_hidden_layers={ns.num_hidden_layers}",
+            prefix,
+        )
     return None
 
 
@@ -453,8 +498,6 @@ def _trainer_vocabulary(ns: Namespace) -> list[str]:
     vocab = sorted(out)
     ns._vocab = vocab  # type: ignore[attr-defined]
     return vocab
-
-
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ with its reason, are listed in docs/architecture.md, "Import direction", and che
 * :mod:`hwsync.engine.vllm.applier`   -- how one worker takes base weights and adapters
 * :mod:`hwsync.engine.vllm.dry_run`   -- manifest validation through the model's own loaders, writing nothing
 """
+
 from __future__ import annotations
 
 from hwsync.engine.vllm.extension import HwsyncWorkerExtension

@@ -14,10 +14,12 @@ Later syncs of the same plan write in place where that was proven equal to vLLM'
 (:mod:`hwsync.engine.vllm.direct`): one copy per tensor into the parameter storage the kernels read.
 
 Adapters: the first install goes through ``LoRAModel.from_lora_tensors`` plus the validations vLLM's disk loader runs
-(``PEFTHelper.validate_legal``, MoE 2-D/3-D format, classification heads; :func:`hwsync.engine.vllm.compat.check_adapter`),
-built and validated before the engine's adapter set changes, then added under its id and pinned. Later syncs of the
-same adapter structure write A/B straight into the manager's slot tensors (:mod:`hwsync.engine.vllm.lora_slots`).
+(``PEFTHelper.validate_legal``, MoE 2-D/3-D format, classification heads;
+:func:`hwsync.engine.vllm.compat.check_adapter`), built and validated before the engine's adapter set changes, then
+added under its id and pinned. Later syncs of the same adapter structure write A/B straight into the manager's slot
+tensors (:mod:`hwsync.engine.vllm.lora_slots`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from hwsync.common.config import read
 from hwsync.common.errors import AdapterFormatError, ResolutionError, SyncError
-from hwsync.patches.vllm_sleep_watch import observer_of
 from hwsync.common.progress import counted, phase
+from hwsync.common.wire import Manifest, TensorSpec, dtype_name
 from hwsync.engine.receiver import Loaded, NothingWritten
 from hwsync.engine.vllm.lora_slots import NOT_TRACED
-from hwsync.common.wire import Manifest, TensorSpec, dtype_name
-from hwsync.common.config import read
+from hwsync.patches.vllm_sleep_watch import observer_of
 
 if TYPE_CHECKING:
     from hwsync.engine.names import NameMap
@@ -157,10 +159,12 @@ class LoadPlan:
     ineligible: dict[str, str] = field(default_factory=dict)
     """Trainer name -> why it always goes through vLLM's reload."""
     direct: DirectWriter | None = None
-    """:class:`hwsync.engine.vllm.direct.DirectWriter` for the names proven equal to vLLM's own load path (else ``None``)."""
+    """:class:`hwsync.engine.vllm.direct.DirectWriter` for the names proven equal to vLLM's own load path (else
+    ``None``)."""
     raw: DirectWriter | None = None
-    """:class:`hwsync.engine.vllm.direct.DirectWriter` for the names the model's ``load_weights`` copies itself, which vLLM's
-    reload cannot see (:func:`hwsync.engine.vllm.dry_run.dry_run_load`): written in place on every sync (else ``None``)."""
+    """:class:`hwsync.engine.vllm.direct.DirectWriter` for the names the model's ``load_weights`` copies itself, which
+    vLLM's reload cannot see (:func:`hwsync.engine.vllm.dry_run.dry_run_load`): written in place on every sync (else
+    ``None``)."""
     calibrated: bool = False
     syncs: int = 0
 
@@ -181,8 +185,10 @@ def _check_routed_dtypes(names_plan: Any, routed: Mapping[str, str], cast: bool)
             except KeyError:
                 continue
             if held != dtype and not (cast and held.is_floating_point and dtype.is_floating_point):
-                problems.append(f"{name!r} -> {tg.param}: dtype does not fit: receiver holds "
-                                f"{dtype_name(held)}, got {dtype_name(dtype)}")
+                problems.append(
+                    f"{name!r} -> {tg.param}: dtype does not fit: receiver holds "
+                    f"{dtype_name(held)}, got {dtype_name(dtype)}"
+                )
     if problems:
         raise resolution_error(problems, "nothing was written", len(names_plan.manifest), ns)
 
@@ -205,9 +211,11 @@ def expert_packing_problem(packed_modules_mapping: Mapping[str, Sequence[str]]) 
             spellings.setdefault(int(m.group(1)), []).append(m.group(2))
     for expert, names in sorted(spellings.items()):
         if len(names) > 3:
-            return (f"vLLM's LoRA packing list names each expert {len(names)} times (expert {expert}: "
-                    f"{'/'.join(names)}) where PackedLoRALayerWeights.pack_moe packs 3, so vLLM cannot load LoRA on "
-                    "these experts (its Transformers modeling backend lists two checkpoint spellings per expert)")
+            return (
+                f"vLLM's LoRA packing list names each expert {len(names)} times (expert {expert}: "
+                f"{'/'.join(names)}) where PackedLoRALayerWeights.pack_moe packs 3, so vLLM cannot load LoRA on "
+                "these experts (its Transformers modeling backend lists two checkpoint spellings per expert)"
+            )
     return None
 
 
@@ -392,8 +400,7 @@ class VllmApplier:
     def validate(self, manifest: Manifest) -> LoadPlan:
         plan = LoadPlan()
         if manifest.base_specs:
-            plan = self._resolve_base(manifest.base_specs, require_complete=True,
-                                      cast=manifest.dtype_policy == "cast")
+            plan = self._resolve_base(manifest.base_specs, require_complete=True, cast=manifest.dtype_policy == "cast")
         if manifest.lora_specs:
             self._validate_lora(manifest)
         return plan
@@ -404,11 +411,18 @@ class VllmApplier:
 
         if self._namespace is None:
             self._namespace = namespace_from_vllm_model(model_of(self.worker))
-        return resolve({sp.name: (sp.shape, sp.dtype) for sp in specs}, self._namespace, cast=cast,
-                       route_unknown=True)  # the dry run places (or refuses) what no declaration shows
+        return resolve(
+            {sp.name: (sp.shape, sp.dtype) for sp in specs}, self._namespace, cast=cast, route_unknown=True
+        )  # the dry run places (or refuses) what no declaration shows
 
-    def _resolve_base(self, specs: Sequence[TensorSpec], *, require_complete: bool, cast: bool = True,
-                      transformed: set[str] | None = None) -> LoadPlan:
+    def _resolve_base(
+        self,
+        specs: Sequence[TensorSpec],
+        *,
+        require_complete: bool,
+        cast: bool = True,
+        transformed: set[str] | None = None,
+    ) -> LoadPlan:
         from hwsync.engine.vllm.dry_run import dry_run_load
 
         names_plan = self.names_plan(specs, cast)
@@ -447,23 +461,31 @@ class VllmApplier:
             helper = PEFTHelper.from_dict(cfg)
             helper.validate_legal(wm.lora_config)
         except (ValueError, TypeError) as e:
-            raise AdapterFormatError(f"vLLM refuses this adapter: {e}. Use strategy=\"full\" (merged weights)") from e
+            raise AdapterFormatError(f'vLLM refuses this adapter: {e}. Use strategy="full" (merged weights)') from e
         return helper
 
-    def to_vllm_format(self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> tuple[dict[str, Tensor],
-                                                                                               dict[str, Any]]:
-        """The trainer's LoRA modules (:func:`hwsync.common.lora_formats.to_wire`) in the format this engine serves: vLLM's
-        keys, per-expert (2-D MoE LoRA) or stacked (3-D), packed modules split -- views where the layout allows."""
+    def to_vllm_format(
+        self, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The trainer's LoRA modules (:func:`hwsync.common.lora_formats.to_wire`) in the format this engine serves:
+        vLLM's keys, per-expert (2-D MoE LoRA) or stacked (3-D), packed modules split -- views where the layout
+        allows."""
         from hwsync.common.lora_formats import from_wire, to_vllm_lora
 
         manager = lora_manager_of(self.worker)
         packed = {k: list(v) for k, v in manager.packed_modules_mapping.items() if k != "experts"}
-        out, config = to_vllm_lora(from_wire(tensors, meta), moe_format="3d" if getattr(manager, "_is_3d_moe_model",
-                                                                                           False)
-                                   else "2d", packed_modules_mapping=packed or None, copy=False)
+        out, config = to_vllm_lora(
+            from_wire(tensors, meta),
+            moe_format="3d" if getattr(manager, "_is_3d_moe_model", False) else "2d",
+            packed_modules_mapping=packed or None,
+            copy=False,
+        )
         for key, t in out.items():  # rows the model's loader reorders in the base weight (_learn_row_orders)
-            perm = self._row_orders.get(key.removeprefix("base_model.model.").removesuffix(".lora_B.weight")) \
-                if key.endswith(".lora_B.weight") else None
+            perm = (
+                self._row_orders.get(key.removeprefix("base_model.model.").removesuffix(".lora_B.weight"))
+                if key.endswith(".lora_B.weight")
+                else None
+            )
             if perm is not None and not t.is_meta:
                 out[key] = t.index_select(0, perm.to(t.device))
         return out, config
@@ -471,10 +493,12 @@ class VllmApplier:
     def _validate_lora(self, manifest: Manifest) -> None:
         manager = lora_manager_of(self.worker)
         if manager is None:
-            raise AdapterFormatError('the engine was started without enable_lora: use strategy="full" or restart '
-                                     "vLLM with enable_lora=True")
-        signature = _signature([(s.name, tuple(s.shape), s.dtype) for s in manifest.lora_specs],
-                               manifest.lora_meta or {})
+            raise AdapterFormatError(
+                'the engine was started without enable_lora: use strategy="full" or restart vLLM with enable_lora=True'
+            )
+        signature = _signature(
+            [(s.name, tuple(s.shape), s.dtype) for s in manifest.lora_specs], manifest.lora_meta or {}
+        )
         if signature in self._lora_validated:
             # the same adapter structure passed every check below already (the first sync's manifest carried the
             # base as well, the steady one carries the adapter alone): a second sync costs what the third does
@@ -488,8 +512,10 @@ class VllmApplier:
         bad = {p: why for p in lora_paths(vllm_tensors) if (why := self._unservable(manager, p)) is not None}
         if bad:
             p, why = next(iter(bad.items()))
-            raise AdapterFormatError(f"the engine cannot serve LoRA on {len(bad)} module(s), e.g. {p}: {why}. "
-                                     'Use strategy="hybrid" (merged weights there) or "full"')
+            raise AdapterFormatError(
+                f"the engine cannot serve LoRA on {len(bad)} module(s), e.g. {p}: {why}. "
+                'Use strategy="hybrid" (merged weights there) or "full"'
+            )
         self._check_install_memory(manifest)
         if manifest.lora_base_names:
             specs = [TensorSpec(n, tuple(shape), torch.float32) for n, shape in manifest.lora_base_names.items()]
@@ -513,10 +539,12 @@ class VllmApplier:
         if free is None:
             return
         manager = lora_manager_of(self.worker)
-        signature = _signature([(s.name, tuple(s.shape), s.dtype) for s in manifest.lora_specs],
-                               manifest.lora_meta or {})
+        signature = _signature(
+            [(s.name, tuple(s.shape), s.dtype) for s in manifest.lora_specs], manifest.lora_meta or {}
+        )
         if self._slot_writers.get(signature) is not None and any(
-                getattr(a, "_hwsync_signature", None) == signature for a in manager.list_adapters().values()):
+            getattr(a, "_hwsync_signature", None) == signature for a in manager.list_adapters().values()
+        ):
             return  # a steady rewrite of the installed adapter
         itemsize = self.worker.model_runner.lora_manager.lora_config.lora_dtype.itemsize
         numel = 0
@@ -536,7 +564,8 @@ class VllmApplier:
                 f"installing this adapter needs about {need / 1e9:.2f} GB on the engine's device {device} "
                 f"({numel * itemsize / 1e9:.2f} GB for the adapter in vLLM's LoRA dtype, the rest to trace one layer), "
                 f"but only {free / 1e9:.2f} GB is free. Free device memory (a lower gpu_memory_utilization or "
-                'kv_cache_memory_bytes for vLLM, a smaller trainer footprint) or sync merged weights (strategy="full")')
+                'kv_cache_memory_bytes for vLLM, a smaller trainer footprint) or sync merged weights (strategy="full")'
+            )
 
     def _learn_row_orders(self, names_plan: Any, specs: Sequence[TensorSpec]) -> None:
         """Base weights the model's loader transforms before storing them (Llama 4 permutes q/k rows for its rotary
@@ -555,9 +584,11 @@ class VllmApplier:
             raise AdapterFormatError(
                 f"vLLM's loader transforms the base weight of {len(bad)} LoRA-adapted module(s), e.g. {name} ({why}), "
                 "but serves their LoRA untransformed: the engine would not serve the trainer's policy. Adapt other "
-                'modules, or sync these merged (strategy="full")')
-        self._row_orders.update({n.removesuffix(".weight"): perm for n, perm in found.items()
-                                 if not isinstance(perm, str)})
+                'modules, or sync these merged (strategy="full")'
+            )
+        self._row_orders.update(
+            {n.removesuffix(".weight"): perm for n, perm in found.items() if not isinstance(perm, str)}
+        )
 
     # -- base weights ---------------------------------------------------------------------------------------------
     def load_base(self, plan: LoadPlan, weights: Iterator[tuple[str, Tensor]]) -> Loaded:
@@ -596,9 +627,15 @@ class VllmApplier:
         path = f"base: {in_place} in place, {len(plan.groups) - in_place} through vLLM's reload"
         if refill is not None:
             self._refilled(refill)
-            path += f"; refilled after {refill.reason.removeprefix('vLLM' + chr(39) + 's ')} (" + (
-                f"{len(refill.moved)} tensors at new addresses: in-place plans dropped, first-sync path"
-                if refill.moved else "every address kept") + ")"
+            path += (
+                f"; refilled after {refill.reason.removeprefix('vLLM' + chr(39) + 's ')} ("
+                + (
+                    f"{len(refill.moved)} tensors at new addresses: in-place plans dropped, first-sync path"
+                    if refill.moved
+                    else "every address kept"
+                )
+                + ")"
+            )
         if plan.raw is not None:
             path += f" ({len(plan.raw.names)} in place because vLLM's loader copies them where its reload cannot see)"
         if calibration is not None:
@@ -610,16 +647,24 @@ class VllmApplier:
             unproven = sorted(set(plan.eligible) - checked)
             shared = sorted(checked - proven)
             reasons = sorted(set(plan.ineligible.values()))
-            path += (f"; {len(proven)} proven writable in place for later syncs"
-                     + (f" ({len(unproven)} eligible but not proven, e.g. {unproven[0]})" if unproven else "")
-                     + (f" ({len(shared)} proven but reloaded with the rest of their layer, e.g. {shared[0]})"
-                        if shared else "")
-                     + (f"; reloaded because {reasons[0]}" + (f" (+{len(reasons) - 1} reasons)" if len(reasons) > 1
-                                                              else "") if reasons else ""))
+            path += (
+                f"; {len(proven)} proven writable in place for later syncs"
+                + (f" ({len(unproven)} eligible but not proven, e.g. {unproven[0]})" if unproven else "")
+                + (
+                    f" ({len(shared)} proven but reloaded with the rest of their layer, e.g. {shared[0]})"
+                    if shared
+                    else ""
+                )
+                + (
+                    f"; reloaded because {reasons[0]}" + (f" (+{len(reasons) - 1} reasons)" if len(reasons) > 1 else "")
+                    if reasons
+                    else ""
+                )
+            )
             logger.info("hwsync: %s", path)
         return Loaded(path)
 
-    # -- after vLLM's level-2 sleep (hwsync.engine.vllm.sleep) -------------------------------------------------------------
+    # -- after vLLM's level-2 sleep (hwsync.engine.vllm.sleep) ---------------------------------------------------------
     def woke(self, discarded: Discarded) -> None:
         """The weights woke from a level-2 sleep: every LoRA slot holds garbage, so no adapter stays active (vLLM's
         activation rewrites a slot completely at the next use; hwsync's own at the refill), vLLM's punica mapping and
@@ -653,12 +698,16 @@ class VllmApplier:
                 f"{refill.reason}, and this sync does not rewrite {len(missing)} of those parameters, e.g. "
                 f"{missing[0]}: the engine would serve them undefined. Sync every weight of the model after a wake "
                 "(strategy full, or adapter/hybrid with the base), or have vLLM keep these over the sleep "
-                "(sleep_preserve_parameter_names); nothing was written")
+                "(sleep_preserve_parameter_names); nothing was written"
+            )
         if direct is None or not refill.derived:
             return direct
         derived = refill.derived
-        keep = frozenset(n for n in direct.names if not any(d == (g := plan.groups.get(n, "")) or
-                                                          d.startswith(g + ".") for d in derived))
+        keep = frozenset(
+            n
+            for n in direct.names
+            if not any(d == (g := plan.groups.get(n, "")) or d.startswith(g + ".") for d in derived)
+        )
         if keep == direct.names:
             return direct
         return DirectWriter(plan.names, keep, self._live(plan)) if keep else None
@@ -696,23 +745,35 @@ class VllmApplier:
                     info.load_numel = 0
                     info.loaded_weights = []
         except Exception as e:  # noqa: BLE001
-            logger.warning("hwsync: could not roll back unfinished layers after a failed reload: %s: %s",
-                           type(e).__name__, e)
+            logger.warning(
+                "hwsync: could not roll back unfinished layers after a failed reload: %s: %s", type(e).__name__, e
+            )
         try:
             with _quiet_partial_reload(), torch.no_grad():
                 finalize_layerwise_reload(model_of(self.worker), self.vllm_config.model_config)
         except Exception as e:  # noqa: BLE001 - the original error is what the caller must see
             self._layers_unrestored = True
-            logger.warning("hwsync: restoring the engine's layers after a failed reload failed too: %s: %s; the "
-                           "next sync goes through vLLM's reload only", type(e).__name__, e)
+            logger.warning(
+                "hwsync: restoring the engine's layers after a failed reload failed too: %s: %s; the "
+                "next sync goes through vLLM's reload only",
+                type(e).__name__,
+                e,
+            )
         try:
             self.worker.model_runner.reset_lora_state()
         except Exception as e:  # noqa: BLE001
             logger.warning("hwsync: resetting LoRA state after a failed reload failed: %s: %s", type(e).__name__, e)
 
     # -- adapters -------------------------------------------------------------------------------------------------
-    def load_lora(self, plan: LoadPlan, tensors: Mapping[str, Tensor], config: Mapping[str, Any],
-                  name: str | None = None, lora_int_id: int | None = None, replaces: int | None = None) -> Loaded:
+    def load_lora(
+        self,
+        plan: LoadPlan,
+        tensors: Mapping[str, Tensor],
+        config: Mapping[str, Any],
+        name: str | None = None,
+        lora_int_id: int | None = None,
+        replaces: int | None = None,
+    ) -> Loaded:
         """The same adapter structure again: rewrite it in place (:mod:`hwsync.engine.vllm.lora_slots`); anything else:
         build and validate a new adapter aside, then swap it in under its id. ``tensors``/``config`` are the
         trainer's modules (:func:`hwsync.common.lora_formats.to_wire`)."""
@@ -724,8 +785,13 @@ class VllmApplier:
         manager = lora_manager_of(self.worker)
         signature = _lora_signature(tensors, config)
         writer = self._slot_writers.get(signature)
-        if (writer is not None and replaces == lid and lid not in manager.lora_index_to_id and _direct_enabled()
-                and getattr(manager.get_adapter(lid), "_hwsync_signature", None) == signature):
+        if (
+            writer is not None
+            and replaces == lid
+            and lid not in manager.lora_index_to_id
+            and _direct_enabled()
+            and getattr(manager.get_adapter(lid), "_hwsync_signature", None) == signature
+        ):
             # registered but not in a slot (a level-2 wake deactivated it): vLLM's activation rewrites the whole slot
             # from the adapter it holds, then the steady write below brings it to this sync's values
             manager.activate_adapter(lid)
@@ -735,8 +801,12 @@ class VllmApplier:
             installed = manager.get_adapter(lid)
             if installed is not None and getattr(installed, "_hwsync_signature", None) == signature:
                 writer.write(manager, installed, tensors)
-                return Loaded("adapter: rewritten in place" + (
-                    "; slots written directly" if writer.blocks else "; slots by vLLM's set_lora"), name, lid)
+                return Loaded(
+                    "adapter: rewritten in place"
+                    + ("; slots written directly" if writer.blocks else "; slots by vLLM's set_lora"),
+                    name,
+                    lid,
+                )
         try:
             if lid <= 0:
                 raise AdapterFormatError(f"LoRA int id must be positive (vLLM reserves 0 for no adapter), got {lid}")
@@ -750,8 +820,9 @@ class VllmApplier:
                 # vLLM's layout, learnt on a template layer and checked against vLLM's own construction of the
                 # sampled layers: the adapter is built by one copy per tensor, no per-expert Python walk
                 with phase("adapter built"):
-                    lora = writer.materialize(lid, tensors, wm.lora_config.lora_dtype, self._device(),
-                                              alias=kept_buffer)
+                    lora = writer.materialize(
+                        lid, tensors, wm.lora_config.lora_dtype, self._device(), alias=kept_buffer
+                    )
             else:
                 lora = build({k: v.detach().clone() for k, v in tensors.items()})
             try:
@@ -781,8 +852,9 @@ class VllmApplier:
             how = "built from vLLM's traced layout"
             if writer.no_blocks == NOT_TRACED:
                 with phase("adapter slots traced"):
-                    why = writer.trace_slots(manager, lora, self._device()) or writer.check_blocks(manager, lora,
-                                                                                                     tensors)
+                    why = writer.trace_slots(manager, lora, self._device()) or writer.check_blocks(
+                        manager, lora, tensors
+                    )
                     writer.release_codes()
                 if why:
                     logger.info("hwsync: adapter slots are rewritten by vLLM's set_lora: %s", why)
@@ -791,12 +863,13 @@ class VllmApplier:
                     # the values are already there: this records the steady sync's copies (one graph where the
                     # device records graphs), so the second sync is as fast as the third
                     writer.write(manager, lora, tensors)
-        return Loaded(f"adapter: {how}" + ("; later syncs rewrite it in place" if writer is not None else ""),
-                      name, lid)
+        return Loaded(
+            f"adapter: {how}" + ("; later syncs rewrite it in place" if writer is not None else ""), name, lid
+        )
 
     def slot_writer_of(self, installed: Any) -> Any:
-        """The :class:`~hwsync.engine.vllm.lora_slots.SlotWriter` that installed and rewrites ``installed`` (``None``: vLLM's
-        own path built it)."""
+        """The :class:`~hwsync.engine.vllm.lora_slots.SlotWriter` that installed and rewrites ``installed`` (``None``:
+        vLLM's own path built it)."""
         signature = getattr(installed, "_hwsync_signature", None)
         return self._slot_writers.get(signature) if isinstance(signature, str) else None
 
@@ -813,8 +886,12 @@ class VllmApplier:
         model = wm._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
 
-        def build(tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None, device: Any = None,
-                  modules: Sequence[str] | None = None) -> Any:
+        def build(
+            tensors: Mapping[str, Tensor],
+            dtype: torch.dtype | None = None,
+            device: Any = None,
+            modules: Sequence[str] | None = None,
+        ) -> Any:
             part = meta
             if modules is not None:
                 from hwsync.common.lora_formats import wire_name
@@ -837,8 +914,7 @@ class VllmApplier:
 
         return build
 
-    def _trace_layout(self, manager: Any, build: Any, tensors: Mapping[str, Tensor],
-                      meta: Mapping[str, Any]) -> Any:
+    def _trace_layout(self, manager: Any, build: Any, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> Any:
         """The adapter's layout in vLLM (:class:`hwsync.engine.vllm.lora_slots.SlotWriter`), traced on a template layer,
         then checked on the real tensors of the sampled layers against vLLM's own construction; ``None`` (with the
         reason logged) where vLLM's path must build every install."""
@@ -855,8 +931,11 @@ class VllmApplier:
         manager._create_merged_loras_inplace(reference)
         why = writer.matches(reference, tensors)
         if why:
-            logger.warning("hwsync: the traced adapter layout does not reproduce vLLM's (%s); adapter installs stay "
-                           "on vLLM's construction path", why)
+            logger.warning(
+                "hwsync: the traced adapter layout does not reproduce vLLM's (%s); adapter installs stay "
+                "on vLLM's construction path",
+                why,
+            )
             return None
         return writer
 

@@ -23,8 +23,10 @@ Patch targets that moved the same way are listed as alternatives in the patch it
 relied on as is: ``LoRAModel.from_lora_tensors``' signature, ``PEFTHelper.from_dict``/``validate_legal``, the
 layerwise reload (``layerwise``, ``meta``, ``sanitize``), ``LoRARequest``, the MoE-LoRA wrappers' names.
 ``PEFTHelper`` reads ``rank_pattern``/``alpha_pattern`` only from 0.32 on; hwsync folds every module's scaling into B
-and sends ``lora_alpha == r`` (scaling 1 per module, :mod:`hwsync.common.lora_formats`), so all four serve the same values.
+and sends ``lora_alpha == r`` (scaling 1 per module, :mod:`hwsync.common.lora_formats`), so all four serve the same
+values.
 """
+
 from __future__ import annotations
 
 from typing import Any

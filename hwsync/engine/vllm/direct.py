@@ -3,8 +3,8 @@
 vLLM's reload path (``reload_weights``) is always correct but slow: it restores every layer in checkpoint format,
 calls each parameter's loader once per expert and projection, re-runs post-load processing and copies the result
 back. Where the kernels read a parameter exactly as checkpoint layout puts it, all of that is a copy: this module
-writes those parameters directly (:meth:`hwsync.engine.names.NameMap.apply`: TP slices, packed rows, fused experts through
-:mod:`hwsync.common.layouts`) and leaves every other layer to the reload path.
+writes those parameters directly (:meth:`hwsync.engine.names.NameMap.apply`: TP slices, packed rows, fused experts
+through :mod:`hwsync.common.layouts`) and leaves every other layer to the reload path.
 
 A parameter is written in place only when both hold:
 
@@ -16,6 +16,7 @@ A parameter is written in place only when both hold:
   what the in-place writer *would* have written is taken per parameter region, and after the reload it is compared
   with what vLLM actually left in the parameter. Only parameters that match are written in place afterwards.
 """
+
 from __future__ import annotations
 
 import logging
@@ -117,8 +118,8 @@ def eligible_names(model: torch.nn.Module, name_map: Any) -> tuple[dict[str, str
 
 def raw_writable(model: torch.nn.Module, name_map: Any, raw: dict[str, str]) -> None:
     """Refuse (one :class:`~hwsync.common.errors.ResolutionError`, before any write) names the model's loader copies
-    itself (``raw``, see :func:`hwsync.engine.vllm.dry_run.dry_run_load`) where hwsync cannot write them in place: a kernel
-    that reads a processed copy, or a split hwsync cannot read. vLLM's reload cannot write them either."""
+    itself (``raw``, see :func:`hwsync.engine.vllm.dry_run.dry_run_load`) where hwsync cannot write them in place: a
+    kernel that reads a processed copy, or a split hwsync cannot read. vLLM's reload cannot write them either."""
     from hwsync.common.errors import ResolutionError
 
     mla = mla_consumed_modules(model)
@@ -134,7 +135,8 @@ def raw_writable(model: torch.nn.Module, name_map: Any, raw: dict[str, str]) -> 
         raise ResolutionError(
             f"{len(problems)} tensor(s) are written by the model's own load_weights with a plain copy, which vLLM's "
             f"reload_weights cannot see, and hwsync cannot write them in place either: {'; '.join(problems[:3])}. "
-            "Sync them with a fresh engine (restart vLLM from a checkpoint) or leave them out of the sync")
+            "Sync them with a fresh engine (restart vLLM from a checkpoint) or leave them out of the sync"
+        )
 
 
 def _checksum(x: Tensor) -> tuple[float, float]:
@@ -142,7 +144,7 @@ def _checksum(x: Tensor) -> tuple[float, float]:
     flat = x.reshape(-1)
     total = magnitude = 0.0
     for start in range(0, flat.numel(), _CHUNK):
-        c = flat[start: start + _CHUNK].to(torch.float64)
+        c = flat[start : start + _CHUNK].to(torch.float64)
         i = torch.arange(start, start + c.numel(), device=c.device, dtype=torch.int64)
         w = ((i * 2654435761) % 4294967291).to(torch.float64) / 4294967291.0 - 0.5
         total += float((c * w).sum())
@@ -189,8 +191,11 @@ class Calibration:
         with torch.no_grad():
             for name, sums in self.expected.items():
                 shape = tuple(self.name_map.manifest[name][0])
-                actual = [_checksum(dst) for tg in self.name_map.entries[name]
-                          for dst in _destinations(self.name_map, tg, shape, self.live[tg.param])]
+                actual = [
+                    _checksum(dst)
+                    for tg in self.name_map.entries[name]
+                    for dst in _destinations(self.name_map, tg, shape, self.live[tg.param])
+                ]
                 if len(actual) == len(sums) and all(_same(a, e) for a, (_, e) in zip(actual, sums)):
                     ok.add(name)
         return ok

@@ -4,6 +4,7 @@ A sync's manifest is checked against the live engine as a whole (unknown names, 
 that would be only partly rewritten) before the first byte is written, so a refused sync leaves the engine as it
 was. See :func:`dry_run_load`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -19,8 +20,11 @@ __all__ = ["dry_run_load"]
 
 
 def dry_run_load(
-    model: torch.nn.Module, specs: Sequence[TensorSpec], name_map: Any = None,
-    transformed: set[str] | None = None, raw: dict[str, str] | None = None,
+    model: torch.nn.Module,
+    specs: Sequence[TensorSpec],
+    name_map: Any = None,
+    transformed: set[str] | None = None,
+    raw: dict[str, str] | None = None,
 ) -> tuple[dict[str, str], dict[str, tuple[int, int, set[str]]]]:
     """Route ``specs`` through the model's own ``load_weights``, writing nothing.
 
@@ -44,24 +48,30 @@ def dry_run_load(
     ``meta`` stand-in), so a reload leaves the old value in place. With ``name_map``, such names get a second pass:
     their resolved parameters become zero-filled scratch tensors (everything else stays ``meta``), a probe tensor
     goes through ``load_weights``, and the name is accepted only if the model's own code left exactly what
-    :meth:`hwsync.engine.names.NameMap.apply` writes from the same probe. Those names are returned in ``raw`` (trainer name ->
-    engine parameters), to be written in place by hwsync (:mod:`hwsync.engine.vllm.applier`); any other name no loader
-    took is refused. Without ``raw`` they are refused too.
+    :meth:`hwsync.engine.names.NameMap.apply` writes from the same probe. Those names are returned in ``raw`` (trainer
+    name -> engine parameters), to be written in place by hwsync (:mod:`hwsync.engine.vllm.applier`); any other name no
+    loader took is refused. Without ``raw`` they are refused too.
     """
     groups: dict[str, str] = {}
     run = _DryRun(model, groups, transformed)
     skipped = getattr(name_map, "skipped", {})
     routed = name_map.routed() if name_map is not None and hasattr(name_map, "routed") else {}
     try:
-        run.load([(sp.name, _pieces(name_map, sp.name, torch.empty(sp.shape, dtype=sp.dtype, device="meta")))
-                  for sp in specs])
+        run.load(
+            [
+                (sp.name, _pieces(name_map, sp.name, torch.empty(sp.shape, dtype=sp.dtype, device="meta")))
+                for sp in specs
+            ]
+        )
     except ResolutionError as e:
         if _per_expert_only(name_map, run.current[0]):  # learned: this model's loader takes no fused experts
             return dry_run_load(model, specs, name_map, transformed, raw)
         if run.current[0] not in routed:
             raise
-        raise ResolutionError(f"1 problem(s) resolving {len(specs)} trainer tensor(s); nothing was written:\n  - "
-                              f"{routed[run.current[0]]} (and vLLM's own loader refuses it: {e})") from e
+        raise ResolutionError(
+            f"1 problem(s) resolving {len(specs)} trainer tensor(s); nothing was written:\n  - "
+            f"{routed[run.current[0]]} (and vLLM's own loader refuses it: {e})"
+        ) from e
     for name in routed:  # names only vLLM's loader could place: where it put them
         if run.params_of.get(name):
             name_map.bind_routed(name, run.params_of[name])
@@ -70,9 +80,13 @@ def dry_run_load(
         notes = [routed[n] for n in unknown if n in routed]
         raise ResolutionError(
             f"{len(notes)} tensor(s) resolve to no engine parameter and vLLM's own loader takes them nowhere either; "
-            "nothing was written:\n" + "\n".join(f"  - {x}" for x in notes[:40]))
-    copied = _raw_copies(model, [sp for sp in specs if sp.name in unknown], name_map) \
-        if unknown and name_map is not None and raw is not None else {}
+            "nothing was written:\n" + "\n".join(f"  - {x}" for x in notes[:40])
+        )
+    copied = (
+        _raw_copies(model, [sp for sp in specs if sp.name in unknown], name_map)
+        if unknown and name_map is not None and raw is not None
+        else {}
+    )
     unknown = [n for n in unknown if n not in copied]
     if unknown:
         raise ResolutionError(
@@ -116,7 +130,8 @@ def _per_expert_only(name_map: Any, name: str) -> bool:
 
 
 def _pieces(name_map: Any, name: str, t: Tensor) -> list[tuple[str, Tensor]]:
-    """``(vLLM spelling, tensor)`` pairs for trainer tensor ``t``, as :meth:`hwsync.engine.names.NameMap.vllm_weights` renames."""
+    """``(vLLM spelling, tensor)`` pairs for trainer tensor ``t``, as :meth:`hwsync.engine.names.NameMap.vllm_weights`
+    renames."""
     if name_map is None:
         return [(name, t)]
     return [(load_name, fn(t) if fn is not None else t) for load_name, fn in name_map.vllm_checkpoint_names(name)]
@@ -125,8 +140,13 @@ def _pieces(name_map: Any, name: str, t: Tensor) -> list[tuple[str, Tensor]]:
 class _DryRun:
     """One pass of the model's ``load_weights`` over stand-in parameters (see :func:`dry_run_load`)."""
 
-    def __init__(self, model: Any, groups: dict[str, str], transformed: set[str] | None,
-                 captured: dict[str, list[Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        groups: dict[str, str],
+        transformed: set[str] | None,
+        captured: dict[str, list[Tensor]] | None = None,
+    ) -> None:
         self.model, self.groups, self.transformed, self.captured = model, groups, transformed, captured
         """The vLLM model (its ``load_weights`` is vLLM's, not a ``torch.nn.Module`` method)."""
         self.path_of = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
@@ -145,16 +165,24 @@ class _DryRun:
         original = getattr(t, "weight_loader", None)
         while original is not None and getattr(original, "__name__", "") == "online_process_loader":  # a past reload
             original = original.__wrapped__
-        t.weight_loader = _Intercept(layer, f"{self.path_of.get(id(layer), '?')}.{name}".lstrip("."), original,
-                                     self.current, self.loaded if counted else {}, self.names_of, self.groups,
-                                     self.path_of)
+        t.weight_loader = _Intercept(
+            layer,
+            f"{self.path_of.get(id(layer), '?')}.{name}".lstrip("."),
+            original,
+            self.current,
+            self.loaded if counted else {},
+            self.names_of,
+            self.groups,
+            self.path_of,
+        )
         t.weight_loader.source, t.weight_loader.transformed = self.source, self.transformed
         t.weight_loader.captured, t.weight_loader.params_of = self.captured, self.params_of
         layer.register_parameter(name, t)
         return tensor_load_numel(t) if counted else 0
 
-    def load(self, weights: Sequence[tuple[str, list[tuple[str, Tensor]]]],
-             scratch: dict[str, Tensor] | None = None) -> None:
+    def load(
+        self, weights: Sequence[tuple[str, list[tuple[str, Tensor]]]], scratch: dict[str, Tensor] | None = None
+    ) -> None:
         """Swap every layer to stand-ins (``scratch``: live parameter name -> the real tensor to stand in for it
         instead of ``meta``), feed ``weights`` (trainer name, its vLLM spellings) to ``load_weights``, put every
         layer back."""
@@ -202,8 +230,9 @@ class _DryRun:
                         total += self._stand_in(layer, name, stand, name not in SKIP_LOAD_TENSORS)
                 for name, meta in r_buffers.items():
                     if name not in SKIP_TENSORS:
-                        layer.register_buffer(name, to_meta_tensor(restore_layer_refs(meta, layer)),
-                                              persistent=name not in non_persistent)
+                        layer.register_buffer(
+                            name, to_meta_tensor(restore_layer_refs(meta, layer)), persistent=name not in non_persistent
+                        )
                 # Parameters vLLM leaves live across a reload (bias, e_score_correction_bias; or a layer without
                 # reload metadata): a meta copy keeps their loaders (and attributes) off the serving tensors.
                 for name, p in list(layer._parameters.items()):
@@ -220,8 +249,16 @@ class _DryRun:
                     f"{type(e.cause).__name__}: {e.cause}). Check the name (trainer naming: transformers runtime "
                     "names, PEFT prefixes allowed) and the shape against the model vLLM serves"
                 ) from e.cause
-            except (KeyError, ValueError, AssertionError, RuntimeError, IndexError, TypeError, NotImplementedError,
-                    AttributeError) as e:
+            except (
+                KeyError,
+                ValueError,
+                AssertionError,
+                RuntimeError,
+                IndexError,
+                TypeError,
+                NotImplementedError,
+                AttributeError,
+            ) as e:
                 raise ResolutionError(
                     f"{self.current[0]}: the engine cannot load this tensor ({type(e).__name__}: {e}). Check the "
                     "name (trainer naming: transformers runtime names, PEFT prefixes allowed) and the shape against "
@@ -249,8 +286,13 @@ def _raw_copies(model: torch.nn.Module, specs: Sequence[TensorSpec], name_map: A
     """The names among ``specs`` (which reached no weight loader) that the model's ``load_weights`` copies into
     their resolved parameters itself, exactly as hwsync's writer would (see :func:`dry_run_load`): name -> live
     parameters (comma-separated)."""
-    candidates = [sp for sp in specs if sp.dtype.is_floating_point and sp.name in name_map.entries
-                  and all(tg.kind in ("param", "packed") for tg in name_map.entries[sp.name])]
+    candidates = [
+        sp
+        for sp in specs
+        if sp.dtype.is_floating_point
+        and sp.name in name_map.entries
+        and all(tg.kind in ("param", "packed") for tg in name_map.entries[sp.name])
+    ]
     if not candidates:
         return {}
     live = {name_map.namespace.params[c].name: t for c, t in name_map.namespace.live.items()}
@@ -331,9 +373,17 @@ class _Intercept:
     captured: dict[str, list[Tensor]] | None = None
     params_of: dict[str, set[str]] | None = None
 
-    def __init__(self, layer: torch.nn.Module, param: str, original: Any, current: list[str],
-                 loaded: dict[int, int], names_of: dict[int, set[str]], groups: dict[str, str],
-                 path_of: dict[int, str]) -> None:
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        param: str,
+        original: Any,
+        current: list[str],
+        loaded: dict[int, int],
+        names_of: dict[int, set[str]],
+        groups: dict[str, str],
+        path_of: dict[int, str],
+    ) -> None:
         import inspect
 
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
@@ -342,13 +392,17 @@ class _Intercept:
         self.loaded, self.names_of, self.groups, self.path_of = loaded, names_of, groups, path_of
         self.original = default_weight_loader if original is None else original
         if not callable(self.original):
-            raise ResolutionError(f"engine parameter {param} has a weight_loader hwsync cannot call "
-                                  f"({type(self.original).__name__}); it cannot be validated or synced")
+            raise ResolutionError(
+                f"engine parameter {param} has a weight_loader hwsync cannot call "
+                f"({type(self.original).__name__}); it cannot be validated or synced"
+            )
         try:
             self.signature = inspect.signature(self.original)
         except (TypeError, ValueError) as e:
-            raise ResolutionError(f"engine parameter {param}: unknown weight loader {self.name} (no signature: {e}); "
-                                  "hwsync cannot validate a sync into it") from e
+            raise ResolutionError(
+                f"engine parameter {param}: unknown weight loader {self.name} (no signature: {e}); "
+                "hwsync cannot validate a sync into it"
+            ) from e
         self.__name__ = getattr(self.original, "__name__", "weight_loader")
 
     @property

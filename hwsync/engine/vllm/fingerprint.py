@@ -2,19 +2,20 @@
 
 Runs in the worker (``collective_rpc``). For every trainer name the trainer asks about:
 
-* **Base tensors**: resolved with the same :mod:`hwsync.engine.names` plan a sync uses; the probe goes through the plan's
-  own writers (:func:`hwsync.engine.vllm.direct.write_pieces`: TP slices, packed q/k/v rows, fused experts in the engine's
-  layout). What the kernels read is taken where they read it: the parameter itself; on vLLM's CPU build a linear's
-  weight is handed to oneDNN / a packed kernel and emptied, so the kernel is asked (``cpu_linear`` on an identity
-  matrix gives ``W^T`` exactly: every product is by 1.0, every sum adds zeros); MoE experts whose kernel prepacks
-  them (CPU grouped GEMM, or any backend with a ``process_weights_after_loading``) get the probe sent through the
-  same post-load step (a pure data movement), so a skipped post-load step shows as a mismatch. Experts whose kernel
+* **Base tensors**: resolved with the same :mod:`hwsync.engine.names` plan a sync uses; the probe goes through the
+  plan's own writers (:func:`hwsync.engine.vllm.direct.write_pieces`: TP slices, packed q/k/v rows, fused experts in the
+  engine's layout). What the kernels read is taken where they read it: the parameter itself; on vLLM's CPU build a
+  linear's weight is handed to oneDNN / a packed kernel and emptied, so the kernel is asked (``cpu_linear`` on an
+  identity matrix gives ``W^T`` exactly: every product is by 1.0, every sum adds zeros); MoE experts whose kernel
+  prepacks them (CPU grouped GEMM, or any backend with a ``process_weights_after_loading``) get the probe sent through
+  the same post-load step (a pure data movement), so a skipped post-load step shows as a mismatch. Experts whose kernel
   reads them as stored (:func:`hwsync.engine.vllm.direct.why_not_direct`: Triton on CUDA) are read as they are.
 * **Adapter**: the installed adapter's id and its slot; every LoRA wrapper's slot is compared with what vLLM's own
   ``set_lora`` writes from the installed ``LoRAModel`` (then put back as it was), and the ``LoRAModel``'s tensors are
   mapped back to the trainer's wire tensors with the gathers of :class:`hwsync.engine.vllm.lora_slots.SlotWriter` (the
   adapter's sync plan, traced on vLLM's own construction code).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,15 @@ def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     w = unwrap_worker(worker)
     rec = receiver_of(w)
     st = rec.refresh()
-    out: dict[str, Any] = {"version": st.version, "stale": st.stale, "lora_int_id": st.lora_int_id,
-                           "lora_name": st.lora_name, "base_writes": st.base_writes, "base": {}, "lora": None}
+    out: dict[str, Any] = {
+        "version": st.version,
+        "stale": st.stale,
+        "lora_int_id": st.lora_int_id,
+        "lora_name": st.lora_name,
+        "base_writes": st.base_writes,
+        "base": {},
+        "lora": None,
+    }
     seed = int(request.get("seed", 0))
     only = request.get("only")
     with torch.no_grad():
@@ -54,8 +62,8 @@ def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
 def _base_plan(w: Any, applier: Any, specs_in: list[Any]) -> tuple[Any, Any, set[str], dict[str, Any]]:
     """``(model, name map, names the model's loader computes, specs by name)`` for the trainer's base ``specs_in``
     ([name, shape, dtype]); the dry run that resolves them runs once per spec list."""
-    from hwsync.engine.vllm.applier import model_of
     from hwsync.common.wire import TensorSpec, dtype_from_name
+    from hwsync.engine.vllm.applier import model_of
 
     specs = [TensorSpec(n, tuple(s), dtype_from_name(d), "base") for n, s, d in specs_in]
     key = "base:" + json.dumps(specs_in)
@@ -74,8 +82,10 @@ def _base_plan(w: Any, applier: Any, specs_in: list[Any]) -> tuple[Any, Any, set
     return model, name_map, transformed, {s.name: s for s in specs}
 
 
-_TRANSFORMED = ("computed from the trainer's tensor by the model's own load_weights (not a re-layout, e.g. Llama 4's "
-                "q/k rotary permutation): not checked")
+_TRANSFORMED = (
+    "computed from the trainer's tensor by the model's own load_weights (not a re-layout, e.g. Llama 4's "
+    "q/k rotary permutation): not checked"
+)
 
 
 def _base(w: Any, applier: Any, specs_in: list[Any], seed: int, only: set[str] | None = None) -> dict[str, Any]:
@@ -92,8 +102,15 @@ def _base(w: Any, applier: Any, specs_in: list[Any], seed: int, only: set[str] |
         spec = specs[name]
         try:
             total = magnitude = peak = 0.0
-            for dst, src in _base_pairs(model, name_map, name, targets, spec.shape, live,
-                                        lambda device, n=name, s=spec: probe(n, s.shape, seed, device, s.dtype)):
+            for dst, src in _base_pairs(
+                model,
+                name_map,
+                name,
+                targets,
+                spec.shape,
+                live,
+                lambda device, n=name, s=spec: probe(n, s.shape, seed, device, s.dtype),
+            ):
                 v, m, top = dot(dst, src)
                 total, magnitude, peak = total + v, magnitude + m, max(peak, top)
             out[name] = [total, magnitude, peak]
@@ -106,8 +123,15 @@ class _Unreadable(Exception):
     pass
 
 
-def _base_pairs(model: torch.nn.Module, name_map: Any, name: str, targets: Any, shape: tuple[int, ...],
-                live: Mapping[str, Tensor], source: Any) -> list[tuple[Tensor, Tensor]]:
+def _base_pairs(
+    model: torch.nn.Module,
+    name_map: Any,
+    name: str,
+    targets: Any,
+    shape: tuple[int, ...],
+    live: Mapping[str, Tensor],
+    source: Any,
+) -> list[tuple[Tensor, Tensor]]:
     """``(what the kernel reads, what it should read)`` for one trainer tensor: ``source(device)`` (the trainer's
     tensor, or a probe of its shape) sent through the sync plan's own writers -- and through the experts' post-load
     step where their kernel reads a repacked layout."""
@@ -118,9 +142,13 @@ def _base_pairs(model: torch.nn.Module, name_map: Any, name: str, targets: Any, 
     for tg in targets:
         if tg.kind == "expert" or (tg.kind == "experts" and tg.expert_ids is not None):
             raise _Unreadable("per-expert trainer tensors are not checked (fused expert tensors are)")
-        if tg.kind in ("loader", "routed"):  # the model's own checkpoint layout (Llama 4's [E, in, out] experts): only vLLM's
-            raise _Unreadable("tensors in the model's own checkpoint layout, converted by vLLM's loader, are not "
-                              "checked")
+        if tg.kind in (
+            "loader",
+            "routed",
+        ):  # the model's own checkpoint layout (Llama 4's [E, in, out] experts): only vLLM's
+            raise _Unreadable(
+                "tensors in the model's own checkpoint layout, converted by vLLM's loader, are not checked"
+            )
         module = owner_module(model, tg.param)
         held = live.get(tg.param)
         if held is None:
@@ -146,8 +174,11 @@ def _kernel_view(module: Any, param: str, held: Tensor, shape: tuple[int, ...]) 
     cpu_linear = getattr(module, "cpu_linear", None)
     lookup = type(module).__name__ == "VocabParallelEmbedding"  # the lookup reads the parameter itself
     if cpu_linear is None or leaf != "weight" or lookup or len(shape) != 2:
-        if tuple(held.shape) != tuple(shape) and held.dim() == len(shape) and all(
-                a >= b for a, b in zip(held.shape, shape)):
+        if (
+            tuple(held.shape) != tuple(shape)
+            and held.dim() == len(shape)
+            and all(a >= b for a, b in zip(held.shape, shape))
+        ):
             return held[tuple(slice(0, s) for s in shape)]  # vocab padding
         return held
     rows, cols = shape
@@ -168,10 +199,12 @@ def _moe_post_load(module: torch.nn.Module, g: Any, param: str, src: Tensor) -> 
     if step is None:
         return src
     i, h = g.intermediate, g.hidden
-    w13 = src if param == g.w13 else torch.zeros(w13_shape(g.sharding, i, h, g.layout), dtype=src.dtype,
-                                                   device=src.device)
-    w2 = src if param == g.w2 else torch.zeros(w2_shape(g.sharding, i, h, g.layout), dtype=src.dtype,
-                                                device=src.device)
+    w13 = (
+        src
+        if param == g.w13
+        else torch.zeros(w13_shape(g.sharding, i, h, g.layout), dtype=src.dtype, device=src.device)
+    )
+    w2 = src if param == g.w2 else torch.zeros(w2_shape(g.sharding, i, h, g.layout), dtype=src.dtype, device=src.device)
     fake = torch.nn.Module()
     fake.w13_weight = torch.nn.Parameter(w13.contiguous(), requires_grad=False)
     fake.w2_weight = torch.nn.Parameter(w2.contiguous(), requires_grad=False)
@@ -214,8 +247,16 @@ def _installed(w: Any, lid: int | None) -> tuple[Any, Any, int] | str:
     return manager, installed, manager.lora_index_to_id.index(lid)
 
 
-def _writer(w: Any, applier: Any, manager: Any, installed: Any, lid: int, keys: list[str],
-            shapes: list[tuple[int, ...]], meta: dict[str, Any]) -> Any:
+def _writer(
+    w: Any,
+    applier: Any,
+    manager: Any,
+    installed: Any,
+    lid: int,
+    keys: list[str],
+    shapes: list[tuple[int, ...]],
+    meta: dict[str, Any],
+) -> Any:
     """The adapter's layout: the one that installed it, else traced here once per structure (a ``str``: why not)."""
     from hwsync.engine.vllm.lora_slots import SlotWriter
 
@@ -227,8 +268,9 @@ def _writer(w: Any, applier: Any, manager: Any, installed: Any, lid: int, keys: 
     writer = cache.get(key)
     if writer is None:
         build = applier.adapter_builder(meta, lid)
-        writer = SlotWriter.trace(manager, build, meta, dict(zip(keys, shapes)),
-                                  getattr(w.model_runner, "device", torch.device("cpu")))
+        writer = SlotWriter.trace(
+            manager, build, meta, dict(zip(keys, shapes)), getattr(w.model_runner, "device", torch.device("cpu"))
+        )
         if isinstance(writer, str):
             return f"the adapter's layout cannot be traced: {writer}"
         cache.clear()
@@ -335,8 +377,15 @@ def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     w = unwrap_worker(worker)
     rec = receiver_of(w)
     st = rec.refresh()
-    out: dict[str, Any] = {"version": st.version, "stale": st.stale, "lora_int_id": st.lora_int_id,
-                           "lora_name": st.lora_name, "base_writes": st.base_writes, "base": {}, "lora": None}
+    out: dict[str, Any] = {
+        "version": st.version,
+        "stale": st.stale,
+        "lora_int_id": st.lora_int_id,
+        "lora_name": st.lora_name,
+        "base_writes": st.base_writes,
+        "base": {},
+        "lora": None,
+    }
     pending: list[tuple[str, str, Tensor]] = []  # (part, label, differing count on the device)
     with torch.no_grad():
         if request.get("base"):
@@ -346,8 +395,16 @@ def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
 
             def pairs_for(name: str) -> list[tuple[Tensor, Tensor]]:
                 tensor = request["base"][name]
-                return _base_pairs(model, name_map, name, name_map.entries[name], specs[name].shape, live,
-                                   lambda device: tensor.to(device))
+                return _base_pairs(
+                    model,
+                    name_map,
+                    name,
+                    name_map.entries[name],
+                    specs[name].shape,
+                    live,
+                    lambda device: tensor.to(device),
+                )
+
             for name in request["base"]:
                 targets = name_map.entries.get(name)
                 if targets is None or name in name_map.skipped:
@@ -364,8 +421,9 @@ def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
         if lora is not None:
             lora_out, more = _lora_compare(w, rec.applier, st.lora_int_id, lora)
             pending += more
-        counts = torch.stack([c.to(pending[0][2].device, torch.float32) for *_, c in pending]).tolist() \
-            if pending else []
+        counts = (
+            torch.stack([c.to(pending[0][2].device, torch.float32) for *_, c in pending]).tolist() if pending else []
+        )
         for (part, label, _), n in zip(pending, counts):
             if part == "base":
                 out["base"][label] = 0.0 if not n else deviation(pairs_for(label), specs[label].dtype)
@@ -377,8 +435,9 @@ def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _lora_compare(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any]
-                  ) -> tuple[Any, list[tuple[str, str, Tensor]]]:
+def _lora_compare(
+    w: Any, applier: Any, lid: int | None, req: Mapping[str, Any]
+) -> tuple[Any, list[tuple[str, str, Tensor]]]:
     """The installed adapter and its slots against the trainer's tensors: the result skeleton (or why none) and
     the device counts still to read."""
     found = _installed(w, lid)
@@ -396,9 +455,16 @@ def _lora_compare(w: Any, applier: Any, lid: int | None, req: Mapping[str, Any]
     # every view of the installed adapter and every slot block: grouped foreach reductions, no per-view launches
     flags = differing_each([(held, want) for _, held, want in adapter] + [(held, want) for _, held, want in slots])
     pending = [("adapter", key, f) for (key, _, _), f in zip(adapter, flags)]
-    pending += [("slot", label, f) for (label, _, _), f in zip(slots, flags[len(adapter):])]
+    pending += [("slot", label, f) for (label, _, _), f in zip(slots, flags[len(adapter) :])]
     # vLLM's own set_lora: every module not yet proven for this traced layout (all of them where slots are not traced),
     # once per check (with the adapter's last batch)
     bad, rederived = _rederive(manager, installed, slot, writer) if req.get("last", True) else ([], 0)
-    return {"slot": slot, "differ": {}, "bad_slots": bad, "oracle": rederived, "modules": len(writer.modules),
-            "proven": len(writer.proven), "traced_slots": bool(slots)}, pending
+    return {
+        "slot": slot,
+        "differ": {},
+        "bad_slots": bad,
+        "oracle": rederived,
+        "modules": len(writer.modules),
+        "proven": len(writer.proven),
+        "traced_slots": bool(slots),
+    }, pending

@@ -7,6 +7,7 @@ handed over by reference: no serialization and no copy beyond the one into the e
 Server mode (:mod:`hwsync.server`): the same handle drives every worker of the engine, in-process or not (tensor
 parallel), through ``collective_rpc``; their buckets arrive over the data plane.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,12 +17,12 @@ from typing import Any
 from torch import Tensor
 
 from hwsync.common.capabilities import check_vllm_supported
-from hwsync.common.target import Engine, ProgressFn
 from hwsync.common.errors import SyncError, decode_error
+from hwsync.common.target import Engine, ProgressFn
 from hwsync.common.transport.base import LinkSpec
 from hwsync.common.transport.buckets import bucket_lists
-from hwsync.engine.vllm import worker
 from hwsync.common.wire import EngineInfo, Manifest
+from hwsync.engine.vllm import worker
 
 __all__ = ["LocalEngine", "local_engine"]
 
@@ -74,12 +75,17 @@ class LocalEngine(Engine):
     def warm(self, manifest: Manifest) -> None:
         self.prepare(manifest)
 
-    def receive_remote(self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes,
-                       abort_key: str) -> dict[str, Any]:
+    def receive_remote(
+        self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes, abort_key: str
+    ) -> dict[str, Any]:
         """Every worker joins the data plane ``spec`` and receives the buckets the trainer broadcasts; then vLLM's
         prefix cache is reset (:meth:`committed`)."""
-        return self.committed(manifest, lambda: self.rpc_all(worker.receive_remote, manifest.to_json(),
-                                                             spec.__dict__, first_rank, secret, abort_key)[0])
+        return self.committed(
+            manifest,
+            lambda: self.rpc_all(
+                worker.receive_remote, manifest.to_json(), spec.__dict__, first_rank, secret, abort_key
+            )[0],
+        )
 
     def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None:
         """Content fingerprints of what the worker's kernels read (:mod:`hwsync.engine.vllm.fingerprint`); ``None`` with
@@ -91,8 +97,8 @@ class LocalEngine(Engine):
         return results[0] if len(results) == 1 else None
 
     def compare(self, request: dict[str, Any]) -> dict[str, Any] | None:
-        """The colocated content check (:func:`hwsync.engine.vllm.fingerprint.compare`): the trainer's own tensors against
-        what the worker's kernels read, element by element; ``None`` where the worker is not in this process or
+        """The colocated content check (:func:`hwsync.engine.vllm.fingerprint.compare`): the trainer's own tensors
+        against what the worker's kernels read, element by element; ``None`` where the worker is not in this process or
         the engine runs several (fingerprints serve there)."""
         from hwsync.engine.vllm.fingerprint import compare
 
@@ -121,35 +127,41 @@ class LocalEngine(Engine):
         weights' KV still matches them) or stale (it refuses to generate). A reset that does not happen after the
         weights were written -- vLLM declines it, or it raises anything (vLLM's ``RuntimeError``, a Ctrl-C landing
         there) -- marks the engine stale, so no output mixes the new weights with cached KV of the old ones; a
-        declined reset is a :class:`~hwsync.common.errors.SyncError`, anything else is raised as it was. The next complete
-        sync clears it."""
+        declined reset is a :class:`~hwsync.common.errors.SyncError`, anything else is raised as it was. The next
+        complete sync clears it."""
         result = receive()
         t0 = time.perf_counter()
         try:
             self.reset_cache()
         except BaseException as e:
             why = str(e) if isinstance(e, SyncError) else f"its prefix-cache reset raised {type(e).__name__}: {e}"
-            reason = (f"sync v{manifest.version} wrote the weights but {why}, so cached KV of the old weights could "
-                      "mix in")
+            reason = (
+                f"sync v{manifest.version} wrote the weights but {why}, so cached KV of the old weights could mix in"
+            )
             self.rpc_all(worker.mark_stale, reason)
             if not isinstance(e, SyncError):
                 raise  # the original error (an interrupt stays an interrupt); the engine is stale
-            raise SyncError(f"{reason}: the engine is marked stale and refuses to generate through hwsync until a "
-                            "sync completes with the reset") from e
+            raise SyncError(
+                f"{reason}: the engine is marked stale and refuses to generate through hwsync until a "
+                "sync completes with the reset"
+            ) from e
         if isinstance(result, dict):
             result["reset_ms"] = (time.perf_counter() - t0) * 1e3
         return result
 
-    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]],
-             progress: ProgressFn | None) -> dict[str, Any]:
+    def send(
+        self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
+    ) -> dict[str, Any]:
         if not self.in_process:
             raise SyncError(
                 "colocated sync needs the engine's worker in this process: create the LLM with "
                 "VLLM_ENABLE_V1_MULTIPROCESSING=0 (one worker per process; ms-swift's colocate TP engines qualify), "
-                "or serve the engine (hwsync.serve on its side, hwsync.connect(address, token) in the trainer)")
+                "or serve the engine (hwsync.serve on its side, hwsync.connect(address, token) in the trainer)"
+            )
         with self.lock:
-            return self.committed(manifest, lambda: self.rpc(worker.receive, manifest,
-                                                             bucket_lists(manifest, produce, progress)))
+            return self.committed(
+                manifest, lambda: self.rpc(worker.receive, manifest, bucket_lists(manifest, produce, progress))
+            )
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
         with self.lock:
@@ -163,8 +175,7 @@ class LocalEngine(Engine):
 
         from hwsync.engine.vllm.outputs import engine_logprobs
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, prompt_logprobs=0,
-                                detokenize=False)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, prompt_logprobs=0, detokenize=False)
         outs = self.generate([{"prompt_token_ids": list(p)} for p in prompts], params)
         return [engine_logprobs(out) for out in outs]
 

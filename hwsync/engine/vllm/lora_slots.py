@@ -29,6 +29,7 @@ and a stack per expert group: seconds at Qwen3-30B-A3B scale (48 layers x 128 ex
   tensors (so the adapter vLLM holds stays current, e.g. for re-activation after an eviction) and into the slot
   blocks; vLLM's own ``set_lora`` per module where the slots could not be traced.
 """
+
 from __future__ import annotations
 
 import copy
@@ -97,8 +98,9 @@ def layer_groups(modules: Mapping[str, Any], shapes: Mapping[str, tuple[Any, ...
             if index == indices[0]:
                 traced += names
     order = {n: i for i, n in enumerate(modules)}
-    return LayerGroups(tuple(sorted(traced, key=order.__getitem__)), members,
-                       tuple(sorted(sampled, key=order.__getitem__)))
+    return LayerGroups(
+        tuple(sorted(traced, key=order.__getitem__)), members, tuple(sorted(sampled, key=order.__getitem__))
+    )
 
 
 def _renamer(prefix: str, source: int, target: int) -> Callable[[str], str | None]:
@@ -175,8 +177,14 @@ class _Block:
     view: _View
 
 
-def _index_view(index: Tensor, shape: tuple[int, ...], keys: Sequence[str], starts: Sequence[int],
-                sizes: Sequence[int], gather: bool = False) -> _View | None:
+def _index_view(
+    index: Tensor,
+    shape: tuple[int, ...],
+    keys: Sequence[str],
+    starts: Sequence[int],
+    sizes: Sequence[int],
+    gather: bool = False,
+) -> _View | None:
     """``index`` (positions in the concatenated tensors, any device) as a strided view of one of them, if it is
     one; with ``gather``, any reordering of one of them (an index view) where no strided view fits."""
     if index.numel() == 0:
@@ -222,8 +230,9 @@ def _stacked(module: Any, n_slots: int) -> dict[str, Any]:
     out = {}
     for attr, value in vars(module).items():
         items = value if isinstance(value, (tuple, list)) else [value]
-        if items and all(isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] in (n_slots, n_slots + 1)
-                         for t in items):
+        if items and all(
+            isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] in (n_slots, n_slots + 1) for t in items
+        ):
             out[attr] = value
     return out
 
@@ -266,14 +275,23 @@ class SlotWriter:
     """How many vLLM modules the trace ran through vLLM's construction (does not grow with the layer count)."""
     proven: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
     """Modules whose slots, written through :attr:`blocks`, vLLM's own ``set_lora`` re-derived bit for bit
-    (:func:`hwsync.engine.vllm.fingerprint._oracle`). The blocks never change for a writer, so a module is proven once."""
-    _replay: Replay = field(default_factory=lambda: Replay("the adapter's slot writes"), init=False, repr=False,
-                            compare=False)
+    (:func:`hwsync.engine.vllm.fingerprint._oracle`). The blocks never change for a writer, so a module is proven
+    once."""
+    _replay: Replay = field(
+        default_factory=lambda: Replay("the adapter's slot writes"), init=False, repr=False, compare=False
+    )
 
     # -- phase 1: vLLM's construction, on the template --------------------------------------------------------
     @classmethod
-    def trace(cls, manager: Any, build: Any, meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]],
-              device: Any = None, wire_name: Callable[[str, str], str] | None = None) -> SlotWriter | str:
+    def trace(
+        cls,
+        manager: Any,
+        build: Any,
+        meta: Mapping[str, Any],
+        shapes: Mapping[str, tuple[int, ...]],
+        device: Any = None,
+        wire_name: Callable[[str, str], str] | None = None,
+    ) -> SlotWriter | str:
         """Run vLLM's adapter construction on index-valued tensors of one layer per structure; the writer for all
         layers, or why there is none. Touches no engine state (the slots are traced by :meth:`trace_slots` after
         the install).
@@ -311,8 +329,16 @@ class SlotWriter:
         missing = [m for m in vllm_modules if m not in owner]
         if missing:
             return f"{missing[0]}: vLLM's LoRA module reads no adapter tensor (only zeros)"
-        out = cls(tuple(shapes), (), (), groups, template, {},
-                  {m: o for m, o in owner.items() if o is not None}, traced_modules=len(vllm_modules))
+        out = cls(
+            tuple(shapes),
+            (),
+            (),
+            groups,
+            template,
+            {},
+            {m: o for m, o in owner.items() if o is not None},
+            traced_modules=len(vllm_modules),
+        )
         expanded = out._expanded(gathers, manager, wire)
         if isinstance(expanded, str):
             return expanded
@@ -321,8 +347,14 @@ class SlotWriter:
         return out
 
     @staticmethod
-    def _trace_modules(manager: Any, build: Any, traced: Sequence[str], wire: Callable[[str, str], str],
-                       shapes: Mapping[str, tuple[int, ...]], device: torch.device) -> tuple[Any, list[_Gather]] | str:
+    def _trace_modules(
+        manager: Any,
+        build: Any,
+        traced: Sequence[str],
+        wire: Callable[[str, str], str],
+        shapes: Mapping[str, tuple[int, ...]],
+        device: torch.device,
+    ) -> tuple[Any, list[_Gather]] | str:
         keys = [wire(m, f) for m in traced for f in ("A", "B") if wire(m, f) in shapes]
         codes: dict[str, Tensor] = {}
         starts: list[int] = []
@@ -353,8 +385,12 @@ class SlotWriter:
             for fld in ("lora_a", "lora_b"):
                 for pos, t in _fields(weights, fld):
                     values = t.detach().reshape(-1)
-                    if values.dtype != torch.float64 or not torch.equal(values, values.round()) \
-                            or bool((values < 0).any()) or bool((values > total).any()):
+                    if (
+                        values.dtype != torch.float64
+                        or not torch.equal(values, values.round())
+                        or bool((values < 0).any())
+                        or bool((values > total).any())
+                    ):
                         return f"{name}.{fld}: vLLM transforms adapter values (not only moves them)"
                     if not bool(values.any()):
                         gathers.append(_Gather(name, fld, pos, tuple(t.shape), None))
@@ -365,8 +401,9 @@ class SlotWriter:
                     gathers.append(_Gather(name, fld, pos, tuple(t.shape), view))
         return lm, gathers
 
-    def _layer_renames(self, manager: Any, wire: Callable[[str, str], str]) \
-            -> list[tuple[int, Callable[[str], str | None], dict[str, str], tuple[str, int]]]:
+    def _layer_renames(
+        self, manager: Any, wire: Callable[[str, str], str]
+    ) -> list[tuple[int, Callable[[str], str | None], dict[str, str], tuple[str, int]]]:
         """Per (group, member layer): the renamer of names and the manifest-key map from the representative."""
         out = []
         for (prefix, rep), indices in self.groups.members.items():
@@ -382,8 +419,9 @@ class SlotWriter:
                 out.append((index, _renamer(prefix, rep, index), keys, (prefix, rep)))
         return out
 
-    def _expanded(self, gathers: Sequence[_Gather], manager: Any, wire: Callable[[str, str], str]) \
-            -> tuple[tuple[_Gather, ...], dict[str, str], dict[str, dict[str, str]]] | str:
+    def _expanded(
+        self, gathers: Sequence[_Gather], manager: Any, wire: Callable[[str, str], str]
+    ) -> tuple[tuple[_Gather, ...], dict[str, str], dict[str, dict[str, str]]] | str:
         out: list[_Gather] = [g for g in gathers if g.module not in self.expand]
         prototypes = {g.module: g.module for g in out}
         key_maps: dict[str, dict[str, str]] = {}
@@ -429,23 +467,40 @@ class SlotWriter:
         if set(tensors) != set(self.keys):
             raise ValueError("adapter tensors do not match the traced structure")
 
-    def materialize(self, lora_model_id: int, tensors: Mapping[str, Tensor], dtype: torch.dtype,
-                    device: Any, alias: Callable[[Tensor], bool] | None = None) -> Any:
+    def materialize(
+        self,
+        lora_model_id: int,
+        tensors: Mapping[str, Tensor],
+        dtype: torch.dtype,
+        device: Any,
+        alias: Callable[[Tensor], bool] | None = None,
+    ) -> Any:
         """The ``LoRAModel`` vLLM's construction would make from ``tensors``, built by the gathers: the template's
         layer-weight objects copied per module, each tensor one copy from its view -- or the view itself where
         ``alias`` says its manifest tensor is kept for this purpose (a colocated trainer's fold buffers,
-        :func:`hwsync.common.lora_formats.kept_buffer`): vLLM's adapter then reads those buffers, rewritten at every sync,
-        and the adapter is held once on the device instead of twice (3.4 GB less at 48 layers r32)."""
+        :func:`hwsync.common.lora_formats.kept_buffer`): vLLM's adapter then reads those buffers, rewritten at every
+        sync, and the adapter is held once on the device instead of twice (3.4 GB less at 48 layers r32)."""
         self._check_tensors(tensors)
         read = self._reader(tensors)
         target = torch.device(device)
         # never where vLLM would still fold a scaling into lora_b in place (optimize(): scaling != 1), which would
         # write into the buffers; the wire's scalings are folded already, so this holds wherever hwsync installs
-        folded = all(sc in (1, None) for w in self.template.loras.values()
-                     for sc in (w.scaling if isinstance(w.scaling, list) else [w.scaling]))
-        shared = {k for k, t in tensors.items() if alias is not None and folded and t.dtype == dtype
-                  and t.is_contiguous() and t.device.type == target.type and target.index in (None, t.device.index)
-                  and alias(t)}
+        folded = all(
+            sc in (1, None)
+            for w in self.template.loras.values()
+            for sc in (w.scaling if isinstance(w.scaling, list) else [w.scaling])
+        )
+        shared = {
+            k
+            for k, t in tensors.items()
+            if alias is not None
+            and folded
+            and t.dtype == dtype
+            and t.is_contiguous()
+            and t.device.type == target.type
+            and target.index in (None, t.device.index)
+            and alias(t)
+        }
         loras: dict[str, Any] = {}
         dsts: list[Tensor] = []
         srcs: list[Tensor] = []
@@ -459,10 +514,18 @@ class SlotWriter:
         with torch.no_grad():
             for g in self.gathers:
                 # a strided view of a kept buffer is held as it is; an index view (a gather) is a copy anyway
-                view = read(g.view, g.shape) if g.view is not None and g.view.index is None \
-                    and g.view.source in shared else None
-                t = view if view is not None else torch.zeros(g.shape, dtype=dtype, device=device) \
-                    if g.view is None else torch.empty(g.shape, dtype=dtype, device=device)
+                view = (
+                    read(g.view, g.shape)
+                    if g.view is not None and g.view.index is None and g.view.source in shared
+                    else None
+                )
+                t = (
+                    view
+                    if view is not None
+                    else torch.zeros(g.shape, dtype=dtype, device=device)
+                    if g.view is None
+                    else torch.empty(g.shape, dtype=dtype, device=device)
+                )
                 w = loras[g.module]
                 if g.position is None:
                     setattr(w, g.field, t)
@@ -539,12 +602,18 @@ class SlotWriter:
         for w in self.template.loras.values():
             for fld in ("lora_a", "lora_b"):
                 value = getattr(w, fld)
-                setattr(w, fld, [None if t is None else _meta(t) for t in value] if isinstance(value, list)
-                        else (None if value is None else _meta(value)))
+                setattr(
+                    w,
+                    fld,
+                    [None if t is None else _meta(t) for t in value]
+                    if isinstance(value, list)
+                    else (None if value is None else _meta(value)),
+                )
 
     @staticmethod
-    def _trace_blocks(manager: Any, lm: Any, modules: Sequence[str], slot: int,
-                      device: torch.device) -> list[_Block] | str:
+    def _trace_blocks(
+        manager: Any, lm: Any, modules: Sequence[str], slot: int, device: torch.device
+    ) -> list[_Block] | str:
         """Run each module's ``set_lora`` into float64 stand-ins of its slot tensors; the dense blocks it writes."""
         n_slots = len(manager.lora_index_to_id)
         blocks: list[_Block] = []
@@ -567,7 +636,7 @@ class SlotWriter:
                     setattr(module, attr, value)
             for attr, value in stand_ins.items():
                 real = originals[attr]
-                for pos, t in (enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]):
+                for pos, t in enumerate(value) if isinstance(value, (tuple, list)) else [(None, value)]:
                     target = real[pos] if pos is not None else real
                     if not target.is_floating_point() or t.shape[0] != n_slots:
                         continue  # flags (adapter_enabled): already set for the installed adapter's slot
@@ -609,8 +678,9 @@ class SlotWriter:
                 break
         return self.no_blocks
 
-    def compared(self, manager: Any, installed: Any, tensors: Mapping[str, Tensor], zero_fill: bool = True
-                 ) -> tuple[list[tuple[str, Tensor, Tensor | None]], list[tuple[str, Tensor, Tensor]]]:
+    def compared(
+        self, manager: Any, installed: Any, tensors: Mapping[str, Tensor], zero_fill: bool = True
+    ) -> tuple[list[tuple[str, Tensor, Tensor | None]], list[tuple[str, Tensor, Tensor]]]:
         """What the engine holds beside what it should hold if it holds ``tensors`` (the trainer's adapter as vLLM's
         own loading folds it), as ``(trainer key, held, expected)``: every tensor of the installed adapter (vLLM's
         zero fill included: expected ``None``, zeros), then ``(module.attr, held, expected)`` for every traced slot
@@ -623,13 +693,21 @@ class SlotWriter:
             if (g.view is None and not zero_fill) or (g.view is not None and g.view.source not in tensors):
                 continue
             held = held_tensor(installed.loras[g.module], g)
-            adapter.append((g.view.source if g.view is not None else "(zero fill)", held,
-                            read(g.view, g.shape) if g.view is not None else None))
+            adapter.append(
+                (
+                    g.view.source if g.view is not None else "(zero fill)",
+                    held,
+                    read(g.view, g.shape) if g.view is not None else None,
+                )
+            )
         slots: list[tuple[str, Tensor, Tensor]] = []
         if self.blocks and installed.id in manager.lora_index_to_id:
             slot = manager.lora_index_to_id.index(installed.id)
-            slots = [(f"{b.module}.{b.attr}", self._slot_block(manager, b, slot), read(b.view, b.shape))
-                     for b in self.blocks if b.view.source in tensors]
+            slots = [
+                (f"{b.module}.{b.attr}", self._slot_block(manager, b, slot), read(b.view, b.shape))
+                for b in self.blocks
+                if b.view.source in tensors
+            ]
         return adapter, slots
 
     # -- per sync -------------------------------------------------------------------------------------------------
@@ -643,8 +721,9 @@ class SlotWriter:
         sources = [tensors[k] for k in self._sources]
         device = common_device([*sources, *dsts[:1]])
         with torch.no_grad():
-            self._replay.run((version, addresses(sources)), device, lambda: _copy_unless_same(dsts,
-                                                                                             self._read_all(tensors)))
+            self._replay.run(
+                (version, addresses(sources)), device, lambda: _copy_unless_same(dsts, self._read_all(tensors))
+            )
             if not self.blocks:
                 for name in self.modules:
                     weights = lora_model.loras[name]
@@ -681,9 +760,17 @@ class SlotWriter:
 def _copy_unless_same(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
     """:func:`copy_all`, skipping a destination that is its source (vLLM's adapter holding views of a colocated
     trainer's kept fold buffers: :meth:`SlotWriter.materialize`)."""
-    pairs = [(d, s) for d, s in zip(dsts, srcs)
-             if not (d.data_ptr() == s.data_ptr() and d.shape == s.shape and d.stride() == s.stride()
-                     and d.dtype == s.dtype and d.device == s.device)]
+    pairs = [
+        (d, s)
+        for d, s in zip(dsts, srcs)
+        if not (
+            d.data_ptr() == s.data_ptr()
+            and d.shape == s.shape
+            and d.stride() == s.stride()
+            and d.dtype == s.dtype
+            and d.device == s.device
+        )
+    ]
     copy_all([d for d, _ in pairs], [s for _, s in pairs])
 
 

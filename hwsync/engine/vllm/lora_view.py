@@ -13,6 +13,7 @@ reload: each module above a LoRA wrapper lists its parameters without ``.base_la
 removed on exit; the module tree, the parameters and their loaders are untouched). Nothing changes on an engine
 without wrappers or on a vLLM whose names carry no ``base_layer``.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """Reading what a vLLM engine computed: the logprobs of a ``RequestOutput``, aligned with the trainer's."""
+
 from __future__ import annotations
 
 from typing import Any

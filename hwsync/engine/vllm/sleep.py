@@ -27,6 +27,7 @@ On a level-2 sleep the watch
 
 While the weights are asleep (any level) nothing that reads or writes them may run: :func:`check_awake`.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -74,8 +75,13 @@ def device_tensors(model: torch.nn.Module) -> Iterator[tuple[str, str, Tensor]]:
             if attr in NOT_WEIGHTS or attr.endswith("_cpu"):
                 continue
             items = value if isinstance(value, (tuple, list)) else (value,)
-            kind = ("slot" if attr.endswith(LORA_SLOT_ATTRS[0]) or attr == LORA_SLOT_ATTRS[1]
-                    else "mapping" if attr == LOGITS_MAPPING else "derived")
+            kind = (
+                "slot"
+                if attr.endswith(LORA_SLOT_ATTRS[0]) or attr == LORA_SLOT_ATTRS[1]
+                else "mapping"
+                if attr == LOGITS_MAPPING
+                else "derived"
+            )
             for i, t in enumerate(items):
                 if isinstance(t, Tensor) and not isinstance(t, torch.nn.Parameter) and t.numel():
                     yield kind, f"{prefix}{attr}" + (f"[{i}]" if value is not t else ""), t
@@ -102,8 +108,7 @@ class Discarded:
 
 def _inventory(worker: Any, reason: str) -> Discarded:
     model = worker.model_runner.get_model()
-    patterns = list(getattr(worker.model_runner.vllm_config.model_config, "sleep_preserve_parameter_names", None)
-                    or [])
+    patterns = list(getattr(worker.model_runner.vllm_config.model_config, "sleep_preserve_parameter_names", None) or [])
     params, derived, addresses = set(), set(), {}
     for kind, name, t in device_tensors(model):
         if kind in ("param", "slot"):
@@ -119,8 +124,9 @@ class SleepWatch:
     """The sleep state of one worker. vLLM's dispatch hands it each ``sleep`` / ``wake_up`` / ``discard`` of the worker
     (patch ``vllm_sleep_watch``) as ``(the worker's method, *args)``; it runs that method and keeps the state."""
 
-    def __init__(self, worker: Any, on_discard: Callable[[Discarded], None],
-                 on_wake: Callable[[Discarded], None]) -> None:
+    def __init__(
+        self, worker: Any, on_discard: Callable[[Discarded], None], on_wake: Callable[[Discarded], None]
+    ) -> None:
         self.worker = worker
         self.asleep: str | None = None
         """Why the weights are not resident (``None``: awake)."""
@@ -161,12 +167,18 @@ class SleepWatch:
             self.asleep = None
             d = self.discarded
             if d is not None and not d.woke:
-                now = {name: _address(t) for kind, name, t in device_tensors(self.worker.model_runner.get_model())
-                       if kind in ("param", "slot")}
+                now = {
+                    name: _address(t)
+                    for kind, name, t in device_tensors(self.worker.model_runner.get_model())
+                    if kind in ("param", "slot")
+                }
                 d.moved = tuple(sorted(n for n in set(d.addresses) | set(now) if d.addresses.get(n) != now.get(n)))
                 d.woke = True
-                logger.info("hwsync: %s; woke with %s", d.reason, f"{len(d.moved)} tensors at new addresses, e.g. "
-                            f"{d.moved[0]}" if d.moved else "every address kept")
+                logger.info(
+                    "hwsync: %s; woke with %s",
+                    d.reason,
+                    f"{len(d.moved)} tensors at new addresses, e.g. {d.moved[0]}" if d.moved else "every address kept",
+                )
                 self._on_wake(d)
         return result
 
@@ -189,8 +201,11 @@ def watch(worker: Any, on_discard: Callable[[Discarded], None], on_wake: Callabl
     release, why = patches.hold("vllm_sleep_watch", worker)
     w.observed = release is not None
     if not w.observed:
-        logger.warning("hwsync: vLLM's sleep and wake of this worker are not observed (patch vllm_sleep_watch: %s); "
-                       "sync after a level-2 sleep with strategy='full'", why)
+        logger.warning(
+            "hwsync: vLLM's sleep and wake of this worker are not observed (patch vllm_sleep_watch: %s); "
+            "sync after a level-2 sleep with strategy='full'",
+            why,
+        )
     return w
 
 
@@ -206,4 +221,5 @@ def check_awake(worker: Any, what: str) -> None:
         raise EngineAsleepError(
             f"{what} refused: the engine is asleep ({asleep}) and its weights are not in device memory; nothing "
             "was read or written. Wake it first (llm.wake_up(), or wake_up(tags=['weights']) before the sync), "
-            "then sync: after a level-2 sleep the next hwsync.sync refills the weights")
+            "then sync: after a level-2 sleep the next hwsync.sync refills the weights"
+        )

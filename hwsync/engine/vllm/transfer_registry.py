@@ -1,6 +1,7 @@
 """Registers hwsync's weight-transfer backend in vLLM's factory, lazily (vLLM imports
 :mod:`hwsync.engine.vllm.weight_transfer` only when an engine selects ``"hwsync"``). A leaf: the vLLM plugin calls it in
 every vLLM process, so it imports nothing of hwsync's."""
+
 from __future__ import annotations
 
 __all__ = ["BACKEND", "register"]
@@ -22,8 +23,9 @@ def register() -> bool:
             return False  # no weight-transfer API: hwsync.sync / hwsync.serve still work
         raise
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, "hwsync.engine.vllm.weight_transfer",
-                                                    "HwsyncWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "hwsync.engine.vllm.weight_transfer", "HwsyncWeightTransferEngine"
+        )
     except ValueError:  # "already registered": vLLM's registry refuses a second registration of a name
         _registered = True
         return False

@@ -3,8 +3,8 @@
 vLLM (0.30+: ``vllm.distributed.weight_transfer``) drives every backend through the same worker methods:
 ``init_weight_transfer_engine(init_info)``, ``start_weight_update()``, ``update_weights(update_info)`` (once or more),
 ``finish_weight_update()``. This backend runs hwsync's own receiver and applier (:mod:`hwsync.engine.receiver`,
-:mod:`hwsync.engine.vllm.applier`) behind them, so every rule of a colocated ``hwsync.sync`` holds: the manifest is validated
-before anything is written, an interrupted update leaves the engine stale, versions only go forward, and the
+:mod:`hwsync.engine.vllm.applier`) behind them, so every rule of a colocated ``hwsync.sync`` holds: the manifest is
+validated before anything is written, an interrupted update leaves the engine stale, versions only go forward, and the
 strategies (full / adapter / hybrid, the adapter installed by hwsync from memory) are the same code.
 
 What vLLM's protocol does not carry, and how it travels instead (the way vLLM's own backends carry theirs, in the
@@ -29,11 +29,12 @@ backend-specific ``update_info`` dict, :class:`HwsyncUpdateInfo`):
 
 vLLM's factory hands a backend the model (``create_engine(config, vllm_config, device, model)``), not the worker;
 hwsync's applier needs the worker's model runner (vLLM's reload, the LoRA manager). hwsync's receiver registers the
-model it serves when it is created on a worker (:func:`hwsync.engine.vllm.worker.worker_of_model`: a weak map keyed by that
-model), and the trainer-side handle (:class:`hwsync.trainer.transfer_backend.TransferBackendEngine`) creates it on every worker
-before it calls ``init_weight_transfer_engine``; an engine no hwsync receiver serves refuses ``init_transfer_engine``
-with one error.
+model it serves when it is created on a worker (:func:`hwsync.engine.vllm.worker.worker_of_model`: a weak map keyed by
+that model), and the trainer-side handle (:class:`hwsync.trainer.transfer_backend.TransferBackendEngine`) creates it on
+every worker before it calls ``init_weight_transfer_engine``; an engine no hwsync receiver serves refuses
+``init_transfer_engine`` with one error.
 """
+
 from __future__ import annotations
 
 import logging
@@ -85,8 +86,10 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
     # -- vLLM's protocol ------------------------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: HwsyncInitInfo) -> None:
         if init_info.protocol != PROTOCOL:
-            raise SyncError(f"the trainer speaks hwsync weight-transfer protocol {init_info.protocol}, this engine "
-                            f"{PROTOCOL}: install the same hwsync version on both sides")
+            raise SyncError(
+                f"the trainer speaks hwsync weight-transfer protocol {init_info.protocol}, this engine "
+                f"{PROTOCOL}: install the same hwsync version on both sides"
+            )
         self._worker()
         self._hold_patch()
 
@@ -100,20 +103,23 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: HwsyncUpdateInfo) -> None:
-        from hwsync.engine.vllm import worker as hw_worker
         from hwsync.common.wire import Manifest
+        from hwsync.engine.vllm import worker as hw_worker
 
         self._completed = None
         if not update_info.manifest:
-            raise SyncError("hwsync update_info carries no manifest: drive this backend with "
-                            "hwsync.trainer.transfer_backend.TransferBackendEngine (or hwsync.sync on it)")
+            raise SyncError(
+                "hwsync update_info carries no manifest: drive this backend with "
+                "hwsync.trainer.transfer_backend.TransferBackendEngine (or hwsync.sync on it)"
+            )
         buckets = update_info.buckets
         # Limitation L8 (docs/limitations.md): tensors travel by reference, in-process engines only
         if buckets is None or isinstance(buckets, (str, bytes, dict)) or not isinstance(buckets, Iterable):
             raise SyncError(
                 "hwsync update_info carries no in-process buckets (JSON, e.g. over vLLM's HTTP routes, cannot carry "
                 "tensors): run the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) or use hwsync's "
-                "authenticated server (hwsync.serve / hwsync.connect) for an engine in another process")
+                "authenticated server (hwsync.serve / hwsync.connect) for an engine in another process"
+            )
         worker = self._worker()
         manifest = Manifest.from_json(update_info.manifest)
         if manifest.lora_specs and not self._keeps_adapters():
@@ -121,8 +127,10 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
                 "this update carries a LoRA adapter, but vLLM's finish_weight_update would drop it right after "
                 "(Worker.finish_weight_update -> model_runner.reset_lora_state) and the patch "
                 "vllm_weight_transfer_lora_reset that keeps it is not active ("
-                + self._patch_state() + "); nothing was written. Sync adapters with hwsync.sync(llm, model) on the "
-                "engine itself, or enable the patch")
+                + self._patch_state()
+                + "); nothing was written. Sync adapters with hwsync.sync(llm, model) on the "
+                "engine itself, or enable the patch"
+            )
         hw_worker.check_awake(hw_worker.unwrap_worker(worker), "hwsync update_weights")
         result = hw_worker.receive(worker, manifest, _checked(buckets))
         self._completed = int(result["version"])
@@ -154,7 +162,8 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
             raise SyncError(
                 "hwsync weight transfer: no hwsync receiver serves this engine's model yet. Drive the engine with "
                 "hwsync.TransferBackendEngine(llm), which attaches hwsync's receiver to every worker before vLLM's "
-                "init_weight_transfer_engine (or call the worker extension's hwsync_state first)")
+                "init_weight_transfer_engine (or call the worker extension's hwsync_state first)"
+            )
         return worker
 
     def _hold_patch(self) -> None:
@@ -166,8 +175,10 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
             return
         self._release, _ = patches.hold("vllm_weight_transfer_lora_reset", self)  # not held: probe not needed
         if "vllm_weight_transfer_lora_reset" in patches.disabled():  # (vLLM keeps LoRA state) or target moved
-            logger.warning("hwsync weight transfer: patch vllm_weight_transfer_lora_reset is switched off "
-                           "(HWSYNC_DISABLE_PATCHES): updates carrying a LoRA adapter are refused")
+            logger.warning(
+                "hwsync weight transfer: patch vllm_weight_transfer_lora_reset is switched off "
+                "(HWSYNC_DISABLE_PATCHES): updates carrying a LoRA adapter are refused"
+            )
 
     def _keeps_adapters(self) -> bool:
         import hwsync.patches as patches
@@ -191,4 +202,3 @@ def _checked(buckets: Iterable[Sequence[Tensor]]) -> Iterable[Sequence[Tensor]]:
         if not all(isinstance(t, Tensor) for t in bucket):
             raise SyncError("hwsync update_info buckets must be lists of tensors")
         yield bucket
-

@@ -5,6 +5,7 @@ They take the worker as their first argument, so an engine can call them as plai
 (``worker_extension_cls``), by name — e.g. from another process over vLLM's own RPC. Either way the state lives on
 the worker itself (one :class:`~hwsync.engine.receiver.Receiver` per worker).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,12 +17,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.common.wire import Manifest
 from hwsync.engine.receiver import Receiver
 from hwsync.engine.vllm.sleep import AWAKE_NOT_NEEDED, check_awake
-from hwsync.common.wire import Manifest
 
-__all__ = ["AdapterGuard", "answered", "check_servable", "describe", "guard_adapters", "mark_stale", "prepare", "rank",
-           "receive", "receive_remote", "receiver_of", "state", "unwrap_worker", "worker_of_model"]
+__all__ = [
+    "AdapterGuard",
+    "answered",
+    "check_servable",
+    "describe",
+    "guard_adapters",
+    "mark_stale",
+    "prepare",
+    "rank",
+    "receive",
+    "receive_remote",
+    "receiver_of",
+    "state",
+    "unwrap_worker",
+    "worker_of_model",
+]
 
 _BY_MODEL: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 """The model a worker serves -> that worker (weakly, both ways: gone with either), registered when hwsync's receiver
@@ -55,8 +70,9 @@ def answered(worker: Any, local: bool, fn: Any, *args: Any) -> tuple[str, Any]:
 
         from hwsync.common.errors import encode_error
 
-        logging.getLogger("hwsync.worker").debug("hwsync: %s failed on worker rank %d", getattr(fn, "__name__", fn),
-                                                 rank(worker), exc_info=True)
+        logging.getLogger("hwsync.worker").debug(
+            "hwsync: %s failed on worker rank %d", getattr(fn, "__name__", fn), rank(worker), exc_info=True
+        )
         return "error", encode_error(e)
 
 
@@ -95,8 +111,9 @@ def worker_of_model(model: Any) -> Any:
 
 
 def watch_sleep(worker: Any, rec: Receiver, applier: Any) -> None:
-    """vLLM's sleep and wake of this worker, as the receiver and applier must know them (:mod:`hwsync.engine.vllm.sleep`):
-    watched from before hwsync's first write, so no level-2 sleep after it goes unseen."""
+    """vLLM's sleep and wake of this worker, as the receiver and applier must know them
+    (:mod:`hwsync.engine.vllm.sleep`): watched from before hwsync's first write, so no level-2 sleep after it goes
+    unseen."""
     from hwsync.engine.vllm.sleep import watch
 
     def woke(d: Any) -> None:
@@ -126,14 +143,16 @@ class AdapterGuard:
         from hwsync.common.target import IN_MEMORY_LORA
         from hwsync.engine.vllm.applier import LORA_INT_ID
 
-        if (getattr(lora_request, "lora_int_id", None) == LORA_INT_ID
-                and not str(getattr(lora_request, "lora_path", "") or "").startswith(IN_MEMORY_LORA)):
+        if getattr(lora_request, "lora_int_id", None) == LORA_INT_ID and not str(
+            getattr(lora_request, "lora_path", "") or ""
+        ).startswith(IN_MEMORY_LORA):
             from hwsync.common.errors import SyncError
 
             raise SyncError(
                 f"LoRARequest '{lora_request.lora_name}' uses lora_int_id {LORA_INT_ID}, the id of the adapter hwsync "
                 "syncs into this engine: vLLM would serve hwsync's weights for it. Give your LoRARequest another "
-                "lora_int_id (or generate with the lora_request hwsync.sync reported)")
+                "lora_int_id (or generate with the lora_request hwsync.sync reported)"
+            )
         return add(lora_request)
 
     def load_adapter(self, load: Any, lora_request: Any) -> Any:
@@ -146,7 +165,8 @@ class AdapterGuard:
                 f"LoRA adapter '{lora_request.lora_name}' (id {lora_request.lora_int_id}) was synced by hwsync and is "
                 "no longer in the engine: vLLM evicted it for another adapter (max_loras / max_cpu_loras) or a "
                 "reload dropped it, and it exists only in memory, so vLLM cannot load it again. Run hwsync.sync(...) "
-                "to install it again (and keep max_cpu_loras above the adapters served beside it)")
+                "to install it again (and keep max_cpu_loras above the adapters served beside it)"
+            )
         return load(lora_request)
 
 
@@ -178,7 +198,9 @@ def guard_adapters(worker: Any) -> bool:
         return True
     logging.getLogger("hwsync.worker").warning(
         "hwsync: LoRA requests under hwsync's adapter id, and for its evicted adapter, are not guarded on this worker "
-        "(patch vllm_lora_manager_guards: %s)", reason)
+        "(patch vllm_lora_manager_guards: %s)",
+        reason,
+    )
     return False
 
 
@@ -190,8 +212,9 @@ def rank(worker: Any) -> int:
     return int(getattr(unwrap_worker(worker), "rank", 0) or 0)
 
 
-def describe(worker: Any, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
-             ) -> dict[str, Any]:
+def describe(
+    worker: Any, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, Any]:
     """Engine facts for ``strategy="auto"`` plus receiver state; ``unservable`` covers ``lora_paths``,
     ``kept_dtypes`` the trainer's ``base`` tensors (name -> shape)."""
     return receiver_of(worker).describe(lora_paths, base)
@@ -255,8 +278,9 @@ def close_link(worker: Any) -> None:
         held[1].close()
 
 
-def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any], first_rank: int,
-                   secret: bytes, abort_key: str) -> dict[str, Any]:
+def receive_remote(
+    worker: Any, manifest: Manifest | str, spec: Mapping[str, Any], first_rank: int, secret: bytes, abort_key: str
+) -> dict[str, Any]:
     """Server mode: join the trainer's data-plane group (rank ``first_rank`` + this worker's rank) and receive the
     buckets it broadcasts, each authenticated with ``secret`` before it reaches a loader."""
     from hwsync.common.transport.buckets import pool_of, receive_buckets
@@ -269,9 +293,11 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
     except Exception as e:  # noqa: BLE001 - a peer that never joins (or joins wrong) is a refused sync, not a crash
         from hwsync.common.errors import SyncError
 
-        raise SyncError(f"could not join the trainer's data-plane group ({type(e).__name__}: {str(e)[:300]}); "
-                        "nothing was applied. Check that the trainer reaches the engine's data host/port and "
-                        "runs the same hwsync version") from e
+        raise SyncError(
+            f"could not join the trainer's data-plane group ({type(e).__name__}: {str(e)[:300]}); "
+            "nothing was applied. Check that the trainer reaches the engine's data host/port and "
+            "runs the same hwsync version"
+        ) from e
 
     def abort_reason() -> str:
         try:
@@ -282,8 +308,9 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
         return ""
 
     t1 = time.perf_counter()
-    buckets = receive_buckets(m, link, pool_of(unwrap_worker(worker).__dict__, link.device), Sealer(secret),
-                              abort_reason)
+    buckets = receive_buckets(
+        m, link, pool_of(unwrap_worker(worker).__dict__, link.device), Sealer(secret), abort_reason
+    )
     try:
         result = receiver_of(worker).receive(m, buckets)
     except BaseException:
@@ -293,6 +320,9 @@ def receive_remote(worker: Any, manifest: Manifest | str, spec: Mapping[str, Any
     kept = bool(getattr(link, "persistent", False))
     if not kept:
         close_link(worker)  # CPU: no listener outlives the sync (hwsync.common.cpu.framed.FramedLink)
-    timings = {"worker join": (t1 - t0) * 1e3, "worker receive+apply": (t2 - t1) * 1e3,
-               "worker close": (time.perf_counter() - t2) * 1e3}
+    timings = {
+        "worker join": (t1 - t0) * 1e3,
+        "worker receive+apply": (t2 - t1) * 1e3,
+        "worker close": (time.perf_counter() - t2) * 1e3,
+    }
     return {**result, "link_kept": kept, "worker_ms": timings}

@@ -13,14 +13,25 @@ Options are environment variables (``HWSYNC_STRATEGY``, ``HWSYNC_BUCKET_MB``, ``
 per-step records go to a JSONL file (:mod:`hwsync.integrations.metrics`). Without the plugin ms-swift is untouched;
 :func:`uninstall` restores it in-process.
 """
+
 from __future__ import annotations
 
 from hwsync.common.errors import OptionError, PluginError, UnsupportedSetupError
-from hwsync.integrations.swift._install import install, installed, uninstall
 from hwsync.integrations.metrics import format_summary, read_metrics
+from hwsync.integrations.swift._install import install, installed, uninstall
 from hwsync.integrations.swift._options import ENV, SwiftOptions
 
-__all__ = ["ENV", "OptionError", "PluginError", "SwiftOptions", "UnsupportedSetupError", "format_summary", "install",
-           "installed", "read_metrics", "uninstall"]
+__all__ = [
+    "ENV",
+    "OptionError",
+    "PluginError",
+    "SwiftOptions",
+    "UnsupportedSetupError",
+    "format_summary",
+    "install",
+    "installed",
+    "read_metrics",
+    "uninstall",
+]
 
 install()

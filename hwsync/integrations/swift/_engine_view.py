@@ -6,6 +6,7 @@ ms-swift builds its colocated rollout engine as a bare ``vllm.v1.engine.llm_engi
 worker); an ``LLMEngine`` has all of them except ``generate``, which is the add-request / step loop ``LLM``
 itself runs. This view supplies that loop and forwards the rest, so no engine is copied or wrapped twice.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -32,15 +33,21 @@ class LLMEngineView:
             engine.__dict__["_hwsync_view"] = view
         return view
 
-    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(
+        self,
+        method: Any,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
         return self.llm_engine.collective_rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
         return self.llm_engine.reset_prefix_cache(*args, **kwargs)
 
-    def generate(self, prompts: Sequence[Any], sampling_params: Any = None, *, lora_request: Any = None,
-                 use_tqdm: bool = False) -> list[Any]:
+    def generate(
+        self, prompts: Sequence[Any], sampling_params: Any = None, *, lora_request: Any = None, use_tqdm: bool = False
+    ) -> list[Any]:
         """Run ``prompts`` to completion; outputs in prompt order (what ``LLM.generate`` returns)."""
         from vllm import SamplingParams
 

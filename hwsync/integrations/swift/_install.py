@@ -7,6 +7,7 @@ replaced. The entry is a string, so installing imports neither the trainer nor v
 needs ``swift rollout`` to hand its engine to hwsync's sync server: the patch ``swift_rollout_serve`` (applied only
 when ``HWSYNC_SERVER`` is set; see :mod:`hwsync.integrations.swift._server`).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,8 @@ def _mapping() -> dict[str, str]:
 
         raise PluginError(
             f"ms-swift {getattr(swift, '__version__', '?')} has no TrainerFactory.TRAINER_MAPPING['{RLHF_TYPE}'], "
-            "the hook hwsync registers its trainer in; hwsync.swift is tested with ms-swift 4.6.0")
+            "the hook hwsync registers its trainer in; hwsync.swift is tested with ms-swift 4.6.0"
+        )
     return mapping
 
 
@@ -49,8 +51,8 @@ def install(*, patches: bool = True) -> None:
         mapping = _mapping()
         if patches:
             import hwsync.patches as hp
-            from hwsync.patches import swift_rollout  # registers the swift_rollout_* patches
             from hwsync.engine.vllm_plugin import engine_patches
+            from hwsync.patches import swift_rollout  # registers the swift_rollout_* patches
 
             before = {p.name for p in hp.registered() if p.installed}
             # what the vLLM plugin installs (opt-in patches left to whoever holds them, receiver-scoped ones to the

@@ -1,4 +1,6 @@
-"""ms-swift's view of hwsync's options (:mod:`hwsync.integrations.options`, the one home of the options and their defaults)."""
+"""ms-swift's view of hwsync's options (:mod:`hwsync.integrations.options`, the one home of the options and their
+defaults)."""
+
 from __future__ import annotations
 
 from hwsync.integrations.options import ENV, SyncOptions

@@ -5,9 +5,10 @@ PyNccl, which vLLM's CPU build silently disables). Instead, once ``swift rollout
 serves syncs into it (:func:`hwsync.serve`: an authenticated control channel, tensors over a gloo / NCCL
 group, manifest validated before any write) on ``HWSYNC_SERVER``, and the trainer reaches it with
 :func:`hwsync.connect` and the shared ``HWSYNC_TOKEN``. ms-swift hands plugins no reference to the engine it
-builds, so the patch ``swift_rollout_serve`` (``hwsync/patches/swift_rollout.py``) calls :func:`serve_rollout_engine` right
-after ``SwiftRolloutDeploy.get_infer_engine``.
+builds, so the patch ``swift_rollout_serve`` (``hwsync/patches/swift_rollout.py``) calls :func:`serve_rollout_engine`
+right after ``SwiftRolloutDeploy.get_infer_engine``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,12 +17,19 @@ from typing import Any
 
 from swift.utils import get_logger
 
-from hwsync.integrations.swift._engine_view import LLMEngineView
 from hwsync.common.errors import UnsupportedSetupError
+from hwsync.integrations.swift._engine_view import LLMEngineView
 from hwsync.integrations.swift._options import ENV, SWIFT_SERVER, SwiftOptions
 
-__all__ = ["SWIFT_WEIGHT_METHODS", "close_weight_routes", "connect_to_rollout_engine", "guard_generation",
-           "keep_engine_in_process", "rollout_address", "serve_rollout_engine"]
+__all__ = [
+    "SWIFT_WEIGHT_METHODS",
+    "close_weight_routes",
+    "connect_to_rollout_engine",
+    "guard_generation",
+    "keep_engine_in_process",
+    "rollout_address",
+    "serve_rollout_engine",
+]
 
 logger = get_logger()
 
@@ -47,7 +55,8 @@ def keep_engine_in_process() -> None:
         raise UnsupportedSetupError(
             f"{ENV['server']} is set, so hwsync serves syncs into swift rollout's engine from its worker process, "
             f"but {_IN_PROCESS}={value} moves vLLM's engine core (and the model) into a child process: unset "
-            f"{_IN_PROCESS} or set it to 0 for `swift rollout`")
+            f"{_IN_PROCESS} or set it to 0 for `swift rollout`"
+        )
 
 
 def serve_rollout_engine(engine: Any, data_parallel_size: int | None = None) -> Any:
@@ -68,15 +77,18 @@ def serve_rollout_engine(engine: Any, data_parallel_size: int | None = None) -> 
         raise UnsupportedSetupError(
             f"hwsync serves syncs into swift rollout's in-process LLMEngine, but this one is a "
             f"{type(llm_engine).__name__}: drop --vllm_use_async_engine, and run the engine in the rollout worker "
-            f"({_IN_PROCESS}=0)")
+            f"({_IN_PROCESS}=0)"
+        )
     from hwsync.engine.server import serve
 
     server = serve(LLMEngineView.of(llm_engine), address, token)
     _servers.append(server)
     guard_generation(engine, server.engine)
     close_weight_routes(llm_engine, server.address)
-    logger.info(f"hwsync: serving weight syncs into swift rollout's engine on {server.address}"
-                + (f" (data-parallel engine {dp_rank} of {dp_size})" if dp_size > 1 else ""))
+    logger.info(
+        f"hwsync: serving weight syncs into swift rollout's engine on {server.address}"
+        + (f" (data-parallel engine {dp_rank} of {dp_size})" if dp_size > 1 else "")
+    )
     return server
 
 
@@ -88,7 +100,8 @@ def rollout_address(opts: SwiftOptions, dp_rank: int, dp_size: int) -> str:
         raise UnsupportedSetupError(
             f"{ENV['server']} lists {len(addresses)} address(es), but swift rollout runs {dp_size} data-parallel "
             f"engine(s) (--vllm_data_parallel_size): list one host:port per engine, comma-separated (engine k serves "
-            f"on the k-th), and give swift rlhf the same list")
+            f"on the k-th), and give swift rlhf the same list"
+        )
     return addresses[dp_rank]
 
 
@@ -109,9 +122,16 @@ def guard_generation(engine: Any, handle: Any) -> None:
     engine.infer = infer
 
 
-SWIFT_WEIGHT_METHODS = frozenset({
-    "update_named_param", "update_adapter_flattened_param", "update_adapter_param", "update_flattened_params",
-    "process_weights_after_loading", "update_weights_from_ipc"})
+SWIFT_WEIGHT_METHODS = frozenset(
+    {
+        "update_named_param",
+        "update_adapter_flattened_param",
+        "update_adapter_param",
+        "update_flattened_params",
+        "process_weights_after_loading",
+        "update_weights_from_ipc",
+    }
+)
 """The methods of ms-swift's ``WeightSyncWorkerExtension`` that write weights, reached from ``swift rollout``'s weight
 routes (``/update_flattened_params/``, ...) through ``collective_rpc``: no token, no lock, no stale flag.
 
@@ -134,7 +154,8 @@ def close_weight_routes(llm_engine: Any, address: str) -> None:
             raise UnsupportedSetupError(
                 f"swift rollout's weight route '{method}' is closed: hwsync serves this engine's weights (only "
                 f"through its authenticated sync server on {address}, {ENV['server']}); sync with swift rlhf and the "
-                "hwsync plugin, or unset HWSYNC_SERVER to use ms-swift's own routes")
+                "hwsync plugin, or unset HWSYNC_SERVER to use ms-swift's own routes"
+            )
         return original(method, *args, **kwargs)
 
     collective_rpc._hwsync_closed = True  # type: ignore[attr-defined]

@@ -7,21 +7,21 @@ observe the run (``_fast_infer`` to pick the verification prompts, ``_compute_ro
 measure the engine against the trainer on the tokens it really sampled). Everything else — rollouts, rewards,
 the GRPO/GSPO loss, sleep/wake, async generation — is ms-swift's own code.
 """
+
 from __future__ import annotations
 
 import os
 from typing import Any
 
 import torch
-
 from swift.rlhf_trainers.grpo_trainer import GRPOTrainer
 from swift.rlhf_trainers.utils import VLLM_LORA_INT_ID as SWIFT_LORA_INT_ID
 from swift.rlhf_trainers.utils import VLLM_LORA_NAME as SWIFT_LORA_NAME
 from swift.rlhf_trainers.utils import profiling_context
 from swift.utils import get_logger
 
-from hwsync.common.version import __version__
 from hwsync.common.errors import OptionError, UnsupportedSetupError
+from hwsync.common.version import __version__
 from hwsync.integrations.options import ENV
 from hwsync.integrations.swift._options import SWIFT_SERVER, SwiftOptions
 from hwsync.integrations.trainer_sync import TrainerSync, first_prompts
@@ -45,12 +45,19 @@ class HwsyncGRPOTrainer(GRPOTrainer):
                 path = self.hwsync_options.metrics_path or os.path.join(self.args.output_dir, "hwsync_metrics.jsonl")
             # ms-swift only compares its rollout logprobs with the trainer's when asked; hwsync always wants to know
             self.log_rollout_offpolicy_metrics = True
-        # the sync, the checks after it and the records: hwsync.integrations.trainer_sync, shared with the TRL integration
-        self._hwsync = TrainerSync(self.hwsync_options, metrics_path=path, lora_name=SWIFT_LORA_NAME,
-                                   lora_int_id=SWIFT_LORA_INT_ID, log=logger.info)
+        # the sync, the checks after it and the records: hwsync.integrations.trainer_sync, shared with the TRL
+        # integration
+        self._hwsync = TrainerSync(
+            self.hwsync_options,
+            metrics_path=path,
+            lora_name=SWIFT_LORA_NAME,
+            lora_int_id=SWIFT_LORA_INT_ID,
+            log=logger.info,
+        )
         if self.args.use_vllm:
-            logger.info(f"hwsync: weight sync by hwsync {__version__} ({self.hwsync_options}); "
-                        f"metrics -> {path or '(rank 0)'}")
+            logger.info(
+                f"hwsync: weight sync by hwsync {__version__} ({self.hwsync_options}); metrics -> {path or '(rank 0)'}"
+            )
 
     # ------------------------------------------------------------------------------------------------ setup
     def _hwsync_check_setup(self) -> None:
@@ -58,11 +65,13 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         if self.is_fsdp_enabled and not self._is_fsdp2:
             raise UnsupportedSetupError(
                 "FSDP1 (flat parameters) is not read by hwsync: use FSDP2 (fsdp_version 2: hwsync gathers its "
-                "DTensor parameters bucket by bucket), DeepSpeed ZeRO-3, or DDP / ZeRO-1/2")
+                "DTensor parameters bucket by bucket), DeepSpeed ZeRO-3, or DDP / ZeRO-1/2"
+            )
         if self.hwsync_options.strategy in ("adapter", "hybrid") and not self.rollout_enable_lora:
             raise OptionError(
                 f"{ENV['strategy']}={self.hwsync_options.strategy} needs an engine that serves LoRA: add "
-                "--vllm_enable_lora true (and --tuner_type lora), or use HWSYNC_STRATEGY=auto/full")
+                "--vllm_enable_lora true (and --tuner_type lora), or use HWSYNC_STRATEGY=auto/full"
+            )
         if self.vllm_mode == "server":
             self.hwsync_options.server_credentials(*SWIFT_SERVER)  # HWSYNC_SERVER and HWSYNC_TOKEN, or a clear error
 
@@ -73,8 +82,8 @@ class HwsyncGRPOTrainer(GRPOTrainer):
 
             self._hwsync_target = connect_to_rollout_engine(self.hwsync_options)
         elif self._hwsync_target is None:
-            from hwsync.trainer.api import as_engine
             from hwsync.integrations.swift._engine_view import LLMEngineView
+            from hwsync.trainer.api import as_engine
 
             self._hwsync_target = as_engine(LLMEngineView.of(self.engine.engine))
         return self._hwsync_target
@@ -130,21 +139,29 @@ class HwsyncGRPOTrainer(GRPOTrainer):
             rendered.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
         return first_prompts(rendered, self.hwsync_options.verify_prompts)
 
-    def _compute_rollout_offpolicy_metrics(self, old_per_token_logps: torch.Tensor,
-                                           rollout_per_token_logps: torch.Tensor,
-                                           completion_mask: torch.Tensor) -> dict[str, Any]:
+    def _compute_rollout_offpolicy_metrics(
+        self, old_per_token_logps: torch.Tensor, rollout_per_token_logps: torch.Tensor, completion_mask: torch.Tensor
+    ) -> dict[str, Any]:
         """Also: the engine's sampled logprobs against the trainer's, checked (:meth:`TrainerSync.rollout_check`)."""
-        self._hwsync.rollout_check(old_per_token_logps, rollout_per_token_logps, completion_mask,
-                                   step=self.state.global_step + 1, exact_sampling=self._hwsync_sampling_is_exact())
-        return super()._compute_rollout_offpolicy_metrics(old_per_token_logps, rollout_per_token_logps,
-                                                          completion_mask)
+        self._hwsync.rollout_check(
+            old_per_token_logps,
+            rollout_per_token_logps,
+            completion_mask,
+            step=self.state.global_step + 1,
+            exact_sampling=self._hwsync_sampling_is_exact(),
+        )
+        return super()._compute_rollout_offpolicy_metrics(old_per_token_logps, rollout_per_token_logps, completion_mask)
 
     def _hwsync_sampling_is_exact(self) -> bool:
         """Whether vLLM's sampled-token logprobs are the plain (temperature-scaled) distribution the trainer
         computes; top-k / top-p / min-p / repetition penalties renormalize them, so a gap there is expected."""
         args = self.args
-        return (args.top_k in (None, -1, 0) and args.top_p in (None, 1.0) and not args.min_p
-                and args.repetition_penalty in (None, 1.0))
+        return (
+            args.top_k in (None, -1, 0)
+            and args.top_p in (None, 1.0)
+            and not args.min_p
+            and args.repetition_penalty in (None, 1.0)
+        )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._hwsync.rollout_max_abs_dlogp is not None:
@@ -153,8 +170,9 @@ class HwsyncGRPOTrainer(GRPOTrainer):
         if "loss" not in logs:  # not a training-step log (evaluation, the end-of-training summary)
             return
         # reward is logged on steps that generated (with --steps_per_generation N, every N-th step)
-        self._hwsync.step_done(self.state.global_step, reward=logs.get("reward"), reward_std=logs.get("reward_std"),
-                               loss=logs.get("loss"))
+        self._hwsync.step_done(
+            self.state.global_step, reward=logs.get("reward"), reward_std=logs.get("reward_std"), loss=logs.get("loss")
+        )
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:

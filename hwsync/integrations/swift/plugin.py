@@ -3,6 +3,7 @@
 ms-swift imports this file by path and first puts its directory on ``sys.path``; it is taken off again so that the
 modules next to it cannot shadow unrelated top-level imports. All the work happens in :mod:`hwsync.swift`.
 """
+
 import os
 import sys
 

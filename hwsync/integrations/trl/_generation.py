@@ -11,6 +11,7 @@ logprob extraction -- stays TRL's code) and changes exactly those two:
   (``LLM.generate`` through :func:`hwsync.generate`: the synced ``LoRARequest``, waits for a sync in progress,
   refuses on a stale engine); server mode, TRL's client asks vLLM's server for the adapter by name.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

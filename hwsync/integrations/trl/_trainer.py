@@ -6,17 +6,19 @@ TRL's own code. What changes:
 * **construction**: TRL builds its vLLM backend with hwsync's engine settings (colocate: ``enable_lora`` and a
   ``max_lora_rank`` that fits the trainer's adapter, ``quantization=None`` for a 4-bit trainer, ``engine_kwargs``;
   server: no vLLM NCCL weight-transfer group), through the scoped patch ``trl_vllm_generation`` (TRL 1.16 has no
-  argument for either); then ``self.vllm_generation`` becomes :class:`~hwsync.integrations.trl._generation.HwsyncGeneration`;
+  argument for either); then ``self.vllm_generation`` becomes
+  :class:`~hwsync.integrations.trl._generation.HwsyncGeneration`;
 * **sync**: ``vllm_generation.sync_weights()`` (TRL calls it before generating when the step changed) is
-  :meth:`GRPOTrainer.hwsync_sync`: :class:`hwsync.integrations.trainer_sync.TrainerSync` -- :func:`hwsync.sync` (strategy
-  ``auto``: adapter-only where the engine serves LoRA on every adapted module, experts included; ``hybrid`` where
-  it serves it on some; ``full`` without LoRA) and :func:`hwsync.verify` every ``verify_every`` syncs on the run's
+  :meth:`GRPOTrainer.hwsync_sync`: :class:`hwsync.integrations.trainer_sync.TrainerSync` -- :func:`hwsync.sync`
+  (strategy ``auto``: adapter-only where the engine serves LoRA on every adapted module, experts included; ``hybrid``
+  where it serves it on some; ``full`` without LoRA) and :func:`hwsync.verify` every ``verify_every`` syncs on the run's
   first prompts, a failed check stopping training;
 * **observation**: the first rollout's prompts become the check prompts (``_generate_single_turn``); the logprobs
   vLLM sampled with are checked against the trainer's on the same tokens (``_generate_and_score_completions``,
   from TRL's own importance-sampling inputs); ``hwsync/*`` numbers join TRL's logs; per-sync and per-step records
   go to ``hwsync_metrics.jsonl`` (:mod:`hwsync.integrations.metrics`) and a summary table is logged at the end.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -27,8 +29,8 @@ from typing import Any
 
 import trl
 
-from hwsync.common.version import __version__
 from hwsync.common.errors import OptionError, UnsupportedSetupError
+from hwsync.common.version import __version__
 from hwsync.integrations.options import ENV, SyncOptions
 from hwsync.integrations.trainer_sync import TrainerSync, first_prompts
 from hwsync.integrations.trl._generation import HwsyncGeneration, prompt_ids_of
@@ -51,8 +53,13 @@ class GRPOTrainer(trl.GRPOTrainer):
     variables) and ``engine_kwargs``: more ``vllm.LLM`` arguments for the colocated engine (e.g.
     ``enforce_eager=True``); they win over TRL's and hwsync's."""
 
-    def __init__(self, *args: Any, hwsync_options: SyncOptions | None = None,
-                 engine_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        hwsync_options: SyncOptions | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         import hwsync.patches as patches
 
         self.hwsync_options = hwsync_options if hwsync_options is not None else SyncOptions.from_env()
@@ -60,8 +67,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         config = bound.get("args")
         if config is not None and config.use_vllm:
             _check_config(config, self.hwsync_options)
-        settings = engine_settings_for(bound.get("model"), bound.get("peft_config"), bound.get("quantization_config"),
-                                       self.hwsync_options, engine_kwargs)
+        settings = engine_settings_for(
+            bound.get("model"),
+            bound.get("peft_config"),
+            bound.get("quantization_config"),
+            self.hwsync_options,
+            engine_kwargs,
+        )
         from hwsync.patches.trl_vllm_generation import engine_settings
 
         with engine_settings(settings), patches.get("trl_vllm_generation").scoped():
@@ -75,8 +87,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                 path = self.hwsync_options.metrics_path or os.path.join(self.args.output_dir, "hwsync_metrics.jsonl")
         self._hwsync = TrainerSync(self.hwsync_options, metrics_path=path, log=logger.info)
         if self.use_vllm:
-            logger.info(f"hwsync: weight sync by hwsync {__version__} ({self.hwsync_options}); "
-                        f"metrics -> {path or '(rank 0)'}")
+            logger.info(
+                f"hwsync: weight sync by hwsync {__version__} ({self.hwsync_options}); metrics -> {path or '(rank 0)'}"
+            )
 
     # ------------------------------------------------------------------------------------------------ sync
     def hwsync_sync(self) -> None:
@@ -134,18 +147,30 @@ class GRPOTrainer(trl.GRPOTrainer):
             mask = output["completion_mask"]
             if output.get("tool_mask") is not None:
                 mask = mask * output["tool_mask"]
-            self._hwsync.rollout_check(trainer_logps, engine_logps, mask.bool() & ~engine_logps.isnan(),
-                                       step=self.state.global_step + 1, exact_sampling=self._exact_sampling())
+            self._hwsync.rollout_check(
+                trainer_logps,
+                engine_logps,
+                mask.bool() & ~engine_logps.isnan(),
+                step=self.state.global_step + 1,
+                exact_sampling=self._exact_sampling(),
+            )
         return output
 
     def _exact_sampling(self) -> bool:
         """Whether vLLM's sampled-token logprobs are the plain (temperature-scaled) distribution the trainer
         computes; top-k / top-p / min-p / penalties renormalize them, so a gap there is expected."""
         extra = self.args.generation_kwargs or {}
-        penalties = any(extra.get(k) not in (None, 0, 0.0, 1, 1.0) for k in
-                        ("frequency_penalty", "presence_penalty", "repetition_penalty", "top_k", "top_p", "min_p"))
-        return (self.top_k in (None, -1, 0) and self.top_p in (None, 1.0) and not self.min_p
-                and self.repetition_penalty in (None, 1.0) and not penalties)
+        penalties = any(
+            extra.get(k) not in (None, 0, 0.0, 1, 1.0)
+            for k in ("frequency_penalty", "presence_penalty", "repetition_penalty", "top_k", "top_p", "min_p")
+        )
+        return (
+            self.top_k in (None, -1, 0)
+            and self.top_p in (None, 1.0)
+            and not self.min_p
+            and self.repetition_penalty in (None, 1.0)
+            and not penalties
+        )
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._hwsync.rollout_max_abs_dlogp is not None:
@@ -155,8 +180,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         if "loss" not in logged:  # not a training-step log (evaluation, the end-of-training summary)
             return
         # reward is logged on steps that generated (with steps_per_generation N, every N-th step)
-        self._hwsync.step_done(self.state.global_step, reward=logged.get("reward"),
-                               reward_std=logged.get("reward_std"), loss=logged.get("loss"))
+        self._hwsync.step_done(
+            self.state.global_step,
+            reward=logged.get("reward"),
+            reward_std=logged.get("reward_std"),
+            loss=logged.get("loss"),
+        )
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -182,7 +211,8 @@ def _check_engine(trainer: GRPOTrainer, settings: Mapping[str, Any]) -> None:
     if trainer.is_fsdp_enabled and getattr(trainer._dist, "fsdp_version", None) == 1:
         raise UnsupportedSetupError(
             "FSDP1 (flat parameters) is not read by hwsync: use FSDP2 (fsdp_version: 2; hwsync gathers its DTensor "
-            "parameters bucket by bucket), DeepSpeed ZeRO-3, or DDP / ZeRO-1/2")
+            "parameters bucket by bucket), DeepSpeed ZeRO-3, or DDP / ZeRO-1/2"
+        )
     if trainer.vllm_mode != "colocate" or not settings.get("enable_lora"):
         return
     llm = trainer.vllm_generation.llm
@@ -190,13 +220,16 @@ def _check_engine(trainer: GRPOTrainer, settings: Mapping[str, Any]) -> None:
         raise UnsupportedSetupError(
             f"TRL {trl.__version__} built its colocated vLLM engine without LoRA serving although hwsync asked for it "
             "(patch trl_vllm_generation: see `hwsync doctor`); hwsync.trl is made for trl 1.16. Set "
-            f"{ENV['strategy']}=full to sync merged weights into this engine")
+            f"{ENV['strategy']}=full to sync merged weights into this engine"
+        )
 
 
 def lora_rank_for_vllm(peft_config: Any) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds every rank of ``peft_config`` (``rank_pattern`` too)."""
-    ranks = [int(getattr(peft_config, "r", 0) or 0), *(int(r) for r in (getattr(peft_config, "rank_pattern", None)
-                                                                        or {}).values())]
+    ranks = [
+        int(getattr(peft_config, "r", 0) or 0),
+        *(int(r) for r in (getattr(peft_config, "rank_pattern", None) or {}).values()),
+    ]
     need = max(ranks)
     for allowed in VLLM_LORA_RANKS:
         if allowed >= need:
@@ -204,8 +237,13 @@ def lora_rank_for_vllm(peft_config: Any) -> int:
     raise OptionError(f"LoRA rank {need} is above the largest max_lora_rank vLLM serves ({VLLM_LORA_RANKS[-1]})")
 
 
-def engine_settings_for(model: Any, peft_config: Any, quantization_config: Any, options: SyncOptions,
-                        engine_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def engine_settings_for(
+    model: Any,
+    peft_config: Any,
+    quantization_config: Any,
+    options: SyncOptions,
+    engine_kwargs: Mapping[str, Any] | None,
+) -> dict[str, Any]:
     """The arguments hwsync adds to TRL's ``vllm.LLM(...)`` (colocate): LoRA serving sized for the trainer's
     adapter unless the strategy is ``full``; no bitsandbytes engine for a 4-bit trainer (hwsync sends the
     dequantized base once, then the adapter: vLLM takes no in-memory weights into a bitsandbytes engine); then
@@ -242,4 +280,3 @@ def _sharded(trainer: Any) -> bool:
     except ImportError:  # pragma: no cover - transformers without DeepSpeed integration
         return False
     return bool(is_deepspeed_zero3_enabled())
-
