@@ -70,11 +70,12 @@ CPU_ENV = {
 
 
 def plugin_path() -> Path:
-    """hwsync's ms-swift plugin file (``hwsync plugin-path`` prints the same), found without importing it."""
-    spec = importlib.util.find_spec("hwsync.swift")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("hwsync is not installed in this Python: run `bash ci/install.sh` first")
-    return Path(list(spec.submodule_search_locations)[0]) / "plugin.py"
+    """hwsync's ms-swift plugin file (what ``hwsync plugin-path`` prints), found without importing ms-swift."""
+    try:
+        from hwsync.plugin_paths import swift_plugin_file
+    except ImportError:
+        raise SystemExit("hwsync is not installed in this Python: run `bash ci/install.sh` first") from None
+    return swift_plugin_file()
 
 
 def write_dataset(path: Path, n: int = 64, seed: int = 0) -> Path:
