@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for strategy in strategies:
                 out = Path(tmp) / f"{strategy}.json"
-                argv_one = [a for a in (argv if argv is not None else sys.argv[1:])]
-                cmd = [sys.executable, __file__, *_without(argv_one, "--strategies", "--json"),
+                given = argv if argv is not None else sys.argv[1:]
+                cmd = [sys.executable, __file__, *_without(given, "--strategies", "--json"),
                        "--strategies", strategy, "--json", str(out)]
                 code = subprocess.call(cmd)
                 if not out.exists():

@@ -34,6 +34,14 @@ def llm(tiny_qwen3_moe_dir: Path) -> Iterator[Any]:
         yield engine
 
 
+def _step_lora_b(model: Any) -> None:
+    """A training step's worth of change to every LoRA B (PEFT starts them at zero)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.01)
+
+
 def _base_read(report: Any) -> str:
     return next(c.detail for c in report.checks if c.name == "base content")
 
@@ -52,10 +60,7 @@ def test_base_read_whole_after_a_write_and_in_turns_otherwise(
     # adapter syncs leave the base alone: it is read in turns, every tensor within BASE_ROUNDS checks
     seen = 0
     for _ in range(rounds):
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.add_(0.01)
+        _step_lora_b(model)
         hwsync.sync(llm, model, strategy="adapter")
         r = V.check(llm, model, PROMPTS, logprobs=False)
         assert r.ok, r.message()
@@ -138,10 +143,7 @@ def test_traced_layout_is_proven_once_and_slots_are_still_checked(llm: Any, tiny
     import re
 
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, None)
-    with torch.no_grad():  # a trained adapter: PEFT starts B at zero, where a zeroed slot changes nothing
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.add_(0.01)
+    _step_lora_b(model)  # a trained adapter: PEFT starts B at zero, where a zeroed slot changes nothing
     hwsync.sync(llm, model, strategy="adapter")
     first = V.check(llm, model, PROMPTS, logprobs=False)
     assert first.ok, first.message()
@@ -168,10 +170,7 @@ def test_adapter_compared_in_batches_holds_one_batch_and_still_catches(
     LORA_BATCH_BYTES, not all at once: with one tensor per batch the verdicts are the same -- a healthy sync
     passes with every tensor compared, a doubled scaling and a zeroed slot are caught."""
     model = lora_trainer(tiny_qwen3_moe_dir, ATTN, None)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.add_(0.01)
+    _step_lora_b(model)
     hwsync.sync(llm, model, strategy="adapter")
     whole = V.check(llm, model, PROMPTS, logprobs=False)
     assert whole.ok, whole.message()

@@ -30,10 +30,8 @@ from hwsync.common.fingerprint import deviation, differing, differing_each, dot,
 __all__ = ["compare", "fingerprints"]
 
 
-def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
-    """``request``: ``seed``, ``base`` ([name, shape, dtype] of trainer tensors), ``lora`` (None or ``keys``,
-    ``shapes``, ``meta``). Returns the receiver state plus ``base``/``lora``: name -> [value, magnitude] or a
-    string saying why that tensor cannot be read back here."""
+def _answer(worker: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """The vLLM worker, its receiver and the answer's skeleton: the receiver's state, nothing compared yet."""
     from hwsync.engine.vllm.worker import receiver_of, unwrap_worker
 
     w = unwrap_worker(worker)
@@ -48,13 +46,21 @@ def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
         "base": {},
         "lora": None,
     }
+    return w, rec, out
+
+
+def fingerprints(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
+    """``request``: ``seed``, ``base`` ([name, shape, dtype] of trainer tensors), ``lora`` (None or ``keys``,
+    ``shapes``, ``meta``). Returns the receiver state plus ``base``/``lora``: name -> [value, magnitude] or a
+    string saying why that tensor cannot be read back here."""
+    w, rec, out = _answer(worker)
     seed = int(request.get("seed", 0))
     only = request.get("only")
     with torch.no_grad():
         if request.get("base"):
             out["base"] = _base(w, rec.applier, request["base"], seed, None if only is None else set(only))
         if request.get("lora") is not None:
-            out["lora"] = _lora(w, rec.applier, st.lora_int_id, request["lora"], seed)
+            out["lora"] = _lora(w, rec.applier, out["lora_int_id"], request["lora"], seed)
     return out
 
 
@@ -372,20 +378,7 @@ def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
     -> deviation, 0 when bit-equal, <= 1 passes; or why it cannot be read), ``lora`` (``differ``: key -> differing
     elements, ``bad_slots``, ``oracle``: modules re-derived by ``set_lora``; or why not). Every count is reduced on
     the device and read back in one round trip; only a tensor that differs is measured again."""
-    from hwsync.engine.vllm.worker import receiver_of, unwrap_worker
-
-    w = unwrap_worker(worker)
-    rec = receiver_of(w)
-    st = rec.refresh()
-    out: dict[str, Any] = {
-        "version": st.version,
-        "stale": st.stale,
-        "lora_int_id": st.lora_int_id,
-        "lora_name": st.lora_name,
-        "base_writes": st.base_writes,
-        "base": {},
-        "lora": None,
-    }
+    w, rec, out = _answer(worker)
     pending: list[tuple[str, str, Tensor]] = []  # (part, label, differing count on the device)
     with torch.no_grad():
         if request.get("base"):
@@ -419,7 +412,7 @@ def compare(worker: Any, request: Mapping[str, Any]) -> dict[str, Any]:
         lora = request.get("lora")
         lora_out: dict[str, Any] | None = None
         if lora is not None:
-            lora_out, more = _lora_compare(w, rec.applier, st.lora_int_id, lora)
+            lora_out, more = _lora_compare(w, rec.applier, out["lora_int_id"], lora)
             pending += more
         counts = (
             torch.stack([c.to(pending[0][2].device, torch.float32) for *_, c in pending]).tolist() if pending else []
