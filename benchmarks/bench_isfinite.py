@@ -8,8 +8,9 @@ layers: attention projections, fused experts, norms; ``--gb`` in all, ``--dtype`
 * copy: one ``torch._foreach_copy_`` per bucket into preallocated destinations (the steady colocated in-place write);
 * check: ``FiniteFlags.open`` per bucket, one ``non_finite()`` at the end;
 * copy+check: both, interleaved per bucket (the reduction where no checking copy exists);
-* checking copy: :func:`hwsync.common.finite.copy_all` inside a receive (a Triton kernel on CUDA that checks as it copies:
-  the in-place write the receiver makes; the overhead the ≤ 2 % budget is about).
+* checking copy: :func:`hwsync.common.finite.copy_all` inside a receive (a Triton kernel on CUDA that checks as it copies),
+  a launch per tensor (vLLM's loaders) and queued, one launch per bucket (:func:`hwsync.common.finite.deferred`: the
+  in-place write the receiver makes; the overhead the ≤ 2 % budget is about).
 
 It also checks that a NaN and an Inf in one tensor are found on that device. Prints one table.
 
@@ -19,12 +20,13 @@ It also checks that a NaN and an Inf in one tensor are found on that device. Pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections.abc import Callable
 
 import torch
 
-from hwsync.common.finite import FiniteFlags, copy_all
+from hwsync.common.finite import FiniteFlags, copy_all, deferred
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -66,23 +68,24 @@ def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> fl
 
 
 def sweep(time_checked: Callable[[], float], t_copy: float) -> None:
-    """Time the checking copy's kernel per (BLOCK, TILES, WARPS); keep the fastest for the rows below."""
+    """Time the grouped checking copy's kernel per (BLOCK, WARPS, programs per multiprocessor); keep the fastest for
+    the rows below."""
     import itertools
 
     import hwsync.common.cuda.checked_copy as cc
 
     rows = []
-    for block, tiles, warps in itertools.product((2048, 4096, 8192), (1, 2, 4, 8, 16), (2, 4, 8)):
+    for block, warps, per_sm in itertools.product((1024, 2048, 4096, 8192), (2, 4, 8), (4, 8, 16, 32)):
         if block // (32 * warps) < 4 or block // (32 * warps) > 128:  # fewer than 4 elements a thread: not a copy kernel's shape
             continue
-        cc.BLOCK, cc.TILES, cc.WARPS = block, tiles, warps
-        rows.append((time_checked(), block, tiles, warps))
+        cc.BLOCK, cc.WARPS, cc.PROGRAMS_PER_SM = block, warps, per_sm
+        rows.append((time_checked(), block, warps, per_sm))
     rows.sort()
-    print("| BLOCK | TILES | WARPS | seconds | x copy |\n| --- | --- | --- | --- | --- |")
-    for t, block, tiles, warps in rows[:8] + rows[-2:]:
-        print(f"| {block} | {tiles} | {warps} | {t:.4f} | {t / t_copy:.3f} |")
-    _, cc.BLOCK, cc.TILES, cc.WARPS = rows[0]
-    print(f"fastest: BLOCK={cc.BLOCK} TILES={cc.TILES} WARPS={cc.WARPS} ({len(rows)} tried)", flush=True)
+    print("| BLOCK | WARPS | programs / SM | seconds | x copy |\n| --- | --- | --- | --- | --- |")
+    for t, block, warps, per_sm in rows[:8] + rows[-2:]:
+        print(f"| {block} | {warps} | {per_sm} | {t:.4f} | {t / t_copy:.3f} |")
+    _, cc.BLOCK, cc.WARPS, cc.PROGRAMS_PER_SM = rows[0]
+    print(f"fastest: BLOCK={cc.BLOCK} WARPS={cc.WARPS} PROGRAMS_PER_SM={cc.PROGRAMS_PER_SM} ({len(rows)} tried)", flush=True)
 
 
 def main() -> None:
@@ -130,15 +133,18 @@ def main() -> None:
             torch._foreach_copy_([dst[i] for i in b], [src[i] for i in b])
         assert not flags.non_finite()
 
-    def checked() -> list[int]:
+    def checked(queued: bool = True) -> list[int]:
         flags = FiniteFlags()
-        with flags.writing():
+        with flags.writing(), (deferred() if queued else contextlib.nullcontext()):
             for k, b in enumerate(plan):
                 flags.open(k, [src[i] for i in b], [str(i) for i in b])
                 copy_all([dst[i] for i in b], [src[i] for i in b])
         found = flags.non_finite()
         fused[0] = flags.checked_in_copy
         return found
+
+    def checked_each() -> list[int]:
+        return checked(queued=False)
 
     fused = [0]
     assert check() == []
@@ -161,6 +167,8 @@ def main() -> None:
     t_each = timed(copy_each, args.repeat, sync)
     t_check = timed(check, args.repeat, sync)
     t_both = timed(both, args.repeat, sync)
+    t_each_checked = timed(checked_each, args.repeat, sync)
+    each_fused = fused[0]
     t_fused = timed(checked, args.repeat, sync)
     assert all(torch.equal(d, s_) for d, s_ in zip(dst, src)), "the checking copy wrote other values"
     peak = (torch.cuda.max_memory_allocated(dev) - base_mem) / 1e6 if cuda else float("nan")
@@ -172,7 +180,9 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for name, t in (("copy (foreach_copy_ per bucket)", t_copy), ("copy (Tensor.copy_ per tensor)", t_each),
                     ("check (foreach_norm inf per bucket, 1 read)", t_check), ("copy + check, interleaved", t_both),
-                    (f"checking copy ({fused[0]} of {len(src)} tensors checked in their copy)", t_fused)):
+                    (f"checking copy, a launch per tensor ({each_fused} of {len(src)} tensors checked in their copy)",
+                     t_each_checked),
+                    (f"checking copy, a launch per bucket ({fused[0]} of {len(src)} checked in their copy)", t_fused)):
         print(f"| {name} | {t:.4f} | {nbytes / t / 1e9:.1f} | {t / t_copy:.3f} |")
     fastest = min(t_copy, t_each)
     print(f"check overhead on the fastest copy: separate {(t_both - fastest) / fastest * 100:+.1f} %, in the copy "

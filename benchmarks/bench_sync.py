@@ -216,6 +216,9 @@ class _NoFiniteCheck:
     def open(self, *args: Any) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def writing(self) -> Any:
         import contextlib
 

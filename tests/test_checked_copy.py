@@ -1,42 +1,73 @@
-"""The copy that checks as it copies (:mod:`hwsync.common.cuda.checked_copy`, used by :mod:`hwsync.common.finite` inside
-a receive): same bytes as ``copy_``, NaN and +-Inf found in any block, the rest left to the separate reduction.
+"""The copy that checks as it copies (:mod:`hwsync.common.finite`, :mod:`hwsync.common.cuda.checked_copy`): same bytes
+as ``copy_``, NaN and +-Inf found in any block, queued copies launched together when the bucket closes, the rest left
+to the separate reduction.
 
-CUDA only (the kernel is Triton's); on CPU the receiver's reduction path is what tests/test_attacks_reliability.py
-runs."""
+The queueing runs on every device (on CPU every queued pair is left to the plain copy and the reduction, and a
+stand-in checking copy shows the flag path); the Triton kernel's own tests need CUDA."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
+from torch import Tensor
 
+from hwsync.common.backend import backend_for_device
 from hwsync.common.cuda import checked_copy
-from hwsync.common.finite import FiniteFlags, copy_, copy_all
+from hwsync.common.finite import FiniteFlags, copy_, copy_all, deferred
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the checking copy is a CUDA (Triton) kernel")
+
+
+def _same_bytes(a: Tensor, b: Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("queued", [True, False])
 def test_checking_copy_writes_the_same_bytes_and_finds_non_finite(
-    dtype: torch.dtype, bad: float | None, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, bad: float | None, queued: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(checked_copy, "MIN_BYTES", 0)  # every size through the kernel (its masks and tails)
-    srcs = [torch.randn(n, device="cuda").to(dtype) for n in (1, 4095, 4096, 4097, 3 * 4096 + 5, 1 << 20)]
+    sizes = (1, 2047, 2048, 2049, 3 * 2048 + 8, 1 << 20, 0)
+    srcs = [torch.randn(n, device="cuda").to(dtype) for n in sizes]
     if bad is not None:
         srcs[4].view(-1)[-1] = bad  # the last element of a partial block
     dsts = [torch.empty_like(s) for s in srcs]
     flags = FiniteFlags()
-    with flags.writing():
+    scope = deferred() if queued else torch.no_grad()
+    with flags.writing(), scope:
         flags.open(0, srcs[:3], ["a", "b", "c"])
         copy_all(dsts[:3], srcs[:3])
-        flags.open(1, srcs[3:], ["d", "e", "f"])
+        flags.open(1, srcs[3:], ["d", "e", "f", "g"])
         copy_all(dsts[3:5], srcs[3:5])
         copy_(dsts[5], srcs[5])
+        copy_(dsts[6], srcs[6])
     assert flags.non_finite() == ([] if bad is None else [1])
-    assert flags.checked_in_copy == len(srcs)
+    assert flags.checked_in_copy == len(srcs) - 1  # the empty tensor is nobody's to check
     for d, s in zip(dsts, srcs):
-        assert torch.equal(d.view(torch.uint8), s.view(torch.uint8))
+        assert _same_bytes(d, s)
+
+
+@cuda
+def test_one_launch_takes_many_pairs_at_odd_offsets_and_leaves_what_it_cannot() -> None:
+    """A bucket's queue: views at 16-byte offsets of one buffer (a receive buffer) and separate tensors, in one launch;
+    a misaligned view and a non-contiguous one are left to the plain copy and the reduction."""
+    buf = torch.randn(1 << 16, device="cuda", dtype=torch.bfloat16)
+    views = [buf[8:4104], buf[4104 : 4104 + 24], buf[8192:40000], buf[3:1027], buf[:2048].view(32, 64).t()]
+    own = torch.randn(5000, device="cuda", dtype=torch.bfloat16)
+    srcs = [*views, own]
+    dsts = [torch.empty_like(s) for s in srcs]
+    flag = torch.zeros((), dtype=torch.int32, device="cuda")
+    left = checked_copy.checked_copy_all(dsts, srcs, flag)
+    assert left == [3, 4] and flag.item() == 0
+    for i in (0, 1, 2, 5):
+        assert _same_bytes(dsts[i], srcs[i])
+    buf[9000] = float("nan")
+    assert checked_copy.checked_copy_all(dsts, srcs, flag) == [3, 4] and flag.item() == 1
 
 
 @cuda
@@ -47,7 +78,7 @@ def test_what_no_checking_copy_reads_is_reduced_when_the_bucket_closes() -> None
     other[2] = float("inf")  # never written by a copy at all (a loader's tensor, the adapter)
     dst = torch.zeros(16, 32, device="cuda", dtype=torch.bfloat16)
     flags = FiniteFlags()
-    with flags.writing():
+    with flags.writing(), deferred():
         flags.open(0, [whole], ["whole"])
         copy_(dst, whole[:16])  # a piece, not the bucket tensor: copied plainly, the tensor reduced at close
         flags.open(1, [other], ["other"])
@@ -57,8 +88,9 @@ def test_what_no_checking_copy_reads_is_reduced_when_the_bucket_closes() -> None
 
 
 @cuda
-def test_small_tensors_are_left_to_the_reduction() -> None:
-    """Below MIN_BYTES a kernel launch costs more than reading the bytes again: copied plainly, still checked."""
+def test_small_tensors_outside_a_queue_are_left_to_the_reduction() -> None:
+    """Outside :func:`deferred` a tensor below MIN_BYTES is not worth a launch of its own: copied plainly, still
+    checked."""
     small = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
     small[5] = float("nan")
     big = torch.randn(checked_copy.MIN_BYTES // 2, device="cuda", dtype=torch.bfloat16)
@@ -69,7 +101,87 @@ def test_small_tensors_are_left_to_the_reduction() -> None:
         copy_all(dsts, [small, big])
     assert flags.checked_in_copy == 1 and flags.non_finite() == [0]
     torch.testing.assert_close(dsts[0], small, rtol=0, atol=0, equal_nan=True)  # torch's copy: NaN stays NaN
-    assert torch.equal(dsts[1].view(torch.uint8), big.view(torch.uint8))
+    assert _same_bytes(dsts[1], big)
+
+
+# -- the queue, on any device --------------------------------------------------------------------------------------
+
+
+def test_queued_copies_land_when_the_bucket_closes_and_are_checked() -> None:
+    srcs = [torch.randn(6, 4), torch.randn(10), torch.randn(3)]
+    srcs[1][7] = float("nan")
+    dsts = [torch.zeros_like(s) for s in srcs]
+    flags = FiniteFlags()
+    with flags.writing():
+        flags.open(0, srcs[:2], ["a", "b"])
+        with deferred():
+            copy_(dsts[0], srcs[0])
+            copy_all(dsts[1:2], srcs[1:2])
+        assert not dsts[0].any(), "a queued copy landed before its bucket closed"
+        flags.close()
+        assert torch.equal(dsts[0], srcs[0])
+        flags.open(1, srcs[2:], ["c"])
+        with deferred():
+            copy_(dsts[2], srcs[2])
+    assert torch.equal(dsts[2], srcs[2]), "leaving writing() launches what is queued"
+    assert flags.non_finite() == [0]
+    torch.testing.assert_close(dsts[1], srcs[1], rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_destination_written_twice_in_one_bucket_keeps_the_second_write() -> None:
+    first, second = torch.full((8,), 1.0), torch.full((8,), 2.0)
+    dst = torch.zeros(8)
+    flags = FiniteFlags()
+    with flags.writing(), deferred():
+        flags.open(0, [first, second], ["first", "second"])
+        copy_(dst, first)
+        copy_(dst, second)
+    assert torch.equal(dst, second) and flags.non_finite() == []
+
+
+def test_a_failed_write_drops_the_queue() -> None:
+    src, dst = torch.ones(4), torch.zeros(4)
+    flags = FiniteFlags()
+    with pytest.raises(RuntimeError, match="loader failed"), flags.writing(), deferred():
+        flags.open(0, [src], ["w"])
+        copy_(dst, src)
+        raise RuntimeError("loader failed")
+    flags.close()
+    assert not dst.any(), "a sync that failed must not finish its queued writes"
+
+
+def test_a_backend_that_checks_in_copy_gets_the_whole_queue_in_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flag path without a GPU: a stand-in checking copy on the CPU backend takes every pair but the odd one."""
+    backend = backend_for_device(torch.device("cpu"))
+    calls: list[int] = []
+
+    def checked_copy_all(
+        dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tensor, *, alone: bool = False
+    ) -> list[int]:
+        calls.append(len(srcs))
+        left = [i for i, s in enumerate(srcs) if s.dtype == torch.float64]
+        for i, (d, s) in enumerate(zip(dsts, srcs)):
+            if i not in left:
+                d.copy_(s)
+                flag.bitwise_or_((~s.isfinite().all()).to(torch.int32))
+        return left
+
+    monkeypatch.setattr(type(backend), "checks_in_copy", True)
+    monkeypatch.setattr(backend, "checked_copy_all", checked_copy_all)
+    srcs = [torch.randn(5), torch.randn(7), torch.randn(3, dtype=torch.float64)]
+    srcs[1][0] = float("inf")
+    srcs[2][1] = float("nan")
+    dsts = [torch.zeros_like(s) for s in srcs]
+    flags = FiniteFlags()
+    with flags.writing(), deferred():
+        flags.open(0, srcs[:2], ["a", "b"])
+        copy_all(dsts[:2], srcs[:2])
+        flags.open(1, srcs[2:], ["c"])
+        copy_(dsts[2], srcs[2])
+    assert calls == [2, 1]
+    assert flags.checked_in_copy == 2
+    assert flags.non_finite() == [0, 1]  # bucket 0 by the copy's flag, bucket 1 by the reduction of the pair left
+    torch.testing.assert_close(dsts, srcs, rtol=0, atol=0, equal_nan=True)
 
 
 def test_outside_a_receive_copies_are_plain_copies() -> None:
@@ -77,4 +189,6 @@ def test_outside_a_receive_copies_are_plain_copies() -> None:
     dst = torch.zeros(2)
     copy_(dst, src)
     copy_all([dst], [src])
+    with deferred():
+        copy_(dst, src)
     assert dst[0] == 1 and dst[1].isnan()

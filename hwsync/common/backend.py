@@ -13,7 +13,7 @@ import abc
 import contextlib
 import importlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -64,6 +64,8 @@ class Backend(abc.ABC):
     """``torch.distributed`` backend for this device kind (``"gloo"``, ``"nccl"``, ``"hccl"``)."""
     priority: ClassVar[int] = 0
     """Auto-detection order: the available backend with the highest priority wins."""
+    checks_in_copy: ClassVar[bool] = False
+    """Whether :meth:`checked_copy_all` can take any pair here (otherwise the non-finite check reduces separately)."""
 
     @abc.abstractmethod
     def is_available(self) -> bool:
@@ -118,11 +120,15 @@ class Backend(abc.ABC):
         thousands of kernel launches become one."""
         return None
 
-    def checked_copy(self, dst: Tensor, src: Tensor, flag: Tensor) -> bool:
-        """``dst.copy_(src)`` that also sets ``flag`` (a device ``int32``) to 1 where ``src`` holds a NaN or an
-        infinity, reading ``src`` once; ``False`` (nothing done) where this backend has no such copy for these
-        tensors, and the caller copies and checks separately (:func:`hwsync.common.finite.copy_`)."""
-        return False
+    def checked_copy_all(
+        self, dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tensor, *, alone: bool = False
+    ) -> list[int]:
+        """``dst.copy_(src)`` for every pair this backend can check as it copies, setting ``flag`` (a device ``int32``)
+        to 1 where one of those sources holds a NaN or an infinity, reading each source once and launching once per
+        group, not per pair; returns the indices of the pairs it left alone (nothing done: the caller copies and
+        checks them separately, :mod:`hwsync.common.finite`). ``alone``: the pairs are one tensor's copy outside a
+        queued bucket, taken only where a launch of their own pays. Default: no such copy, every pair left."""
+        return list(range(len(srcs)))
 
     def owns(self, device: DeviceLike) -> bool:
         """True when ``device`` is of this backend's kind."""

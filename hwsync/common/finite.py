@@ -7,15 +7,18 @@ reused block (masked, but ``NaN * 0`` is NaN), so later requests came out NaN or
 (``tests/test_attacks_reliability.py::test_nan_weights_poison_reused_kv_blocks`` shows it). Refusing to *serve*
 non-finite weights keeps every cache clean: no forward ever runs on them.
 
-How: the receiver opens each bucket (:meth:`FiniteFlags.open`) with its floating-point tensors and writes under
-:meth:`FiniteFlags.writing`. An in-place write of a whole bucket tensor goes through :func:`copy_` / :func:`copy_all`,
-which ask the device's backend for a copy that checks as it copies (:meth:`hwsync.common.backend.Backend.checked_copy`:
-a Triton kernel on CUDA): the tensor is then read once, as the write reads it anyway. Whatever is not checked that
-way when the bucket closes (vLLM's loaders, the adapter, sharded pieces, devices without such a copy) gets
-``torch._foreach_norm(ord=inf)`` per (device, dtype): one multi-tensor kernel, NaN propagating, no host
-synchronization. The receiver reads all flags once, after the last bucket and before the adapter is installed or
-the sync counts as complete; a non-finite sync leaves the engine stale (it refuses to generate) and names the first
-offending tensors. An adapter-only sync is thereby refused before anything is written.
+How: the receiver opens each bucket (:meth:`FiniteFlags.open`) with its floating-point tensors, writes under
+:meth:`FiniteFlags.writing` and closes the bucket (:meth:`FiniteFlags.close`) before it receives the next. A write of
+a whole bucket tensor goes through :func:`copy_` / :func:`copy_all`. hwsync's own in-place writer runs them inside
+:func:`deferred`: the copies are queued and launched together when the bucket closes, as one copy that checks as it
+copies per device and dtype (:meth:`hwsync.common.backend.Backend.checked_copy_all`: a Triton kernel on CUDA), so every
+tensor is read once, as the write reads it anyway, for one launch per bucket. Outside :func:`deferred` (vLLM's loaders
+calling hwsync's layout writers, whose post-load steps may read what was just written) a large tensor is checked in a
+copy of its own at once. Whatever is not checked that way when the bucket closes (vLLM's loaders, the adapter, sharded
+pieces, devices without such a copy) gets ``torch._foreach_norm(ord=inf)`` per (device, dtype): one multi-tensor
+kernel, NaN propagating, no host synchronization. The receiver reads all flags once, after the last bucket and before
+the adapter is installed or the sync counts as complete; a non-finite sync leaves the engine stale (it refuses to
+generate) and names the first offending tensors. An adapter-only sync is thereby refused before anything is written.
 """
 
 from __future__ import annotations
@@ -27,12 +30,24 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["FiniteFlags", "copy_", "copy_all"]
+__all__ = ["FiniteFlags", "copy_", "copy_all", "deferred"]
 
 _CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Dtypes checked (8-bit floats have no foreach norm; they are not checked)."""
 
 _WRITING: contextvars.ContextVar[FiniteFlags | None] = contextvars.ContextVar("hwsync_finite_writing", default=None)
+_DEFERRING: contextvars.ContextVar[bool] = contextvars.ContextVar("hwsync_finite_deferring", default=False)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Inside a receive, the whole-bucket-tensor copies made here are queued and launched together when the bucket
+    closes (nothing may read their destinations before that: hwsync's own in-place writer, not vLLM's loaders)."""
+    token = _DEFERRING.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRING.reset(token)
 
 
 def _span(t: Tensor) -> tuple[torch.device, int, int]:
@@ -47,6 +62,8 @@ class FiniteFlags:
         self._names: dict[int, list[str]] = {}
         self._index = -1
         self._pending: dict[tuple[torch.device, int, int], Tensor] = {}
+        self._queue: list[tuple[Tensor, Tensor]] = []
+        self._queued: set[tuple[torch.device, int]] = set()
         self._copy_flags: dict[torch.device, Tensor] = {}
         self.checked_in_copy = 0
         """Tensors checked by the copy that wrote them (the benchmarks and tests read it)."""
@@ -62,7 +79,10 @@ class FiniteFlags:
                 self._pending[_span(t)] = t.detach()
 
     def close(self) -> None:
-        """Reduce what no checking copy read (one multi-tensor kernel per device and dtype)."""
+        """Launch the bucket's queued copies (one checking copy per device and dtype), then reduce what no checking
+        copy read (one multi-tensor kernel per device and dtype). Call before the transport may reuse the bucket's
+        memory."""
+        self._flush()
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for t in self._pending.values():
             groups.setdefault((t.device, t.dtype), []).append(t)
@@ -76,23 +96,68 @@ class FiniteFlags:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
-        """While inside, :func:`copy_` / :func:`copy_all` check the open bucket's tensors as they copy them."""
+        """While inside, :func:`copy_` / :func:`copy_all` check the open bucket's tensors as they copy them. Queued
+        copies are launched on leaving; after an error they are dropped (the sync has failed: nothing counts)."""
         token = _WRITING.set(self)
         try:
             yield
+        except BaseException:
+            self._queue.clear()
+            self._queued.clear()
+            raise
+        else:
+            self._flush()
         finally:
             _WRITING.reset(token)
 
-    def _copy(self, dst: Tensor, src: Tensor) -> bool:
-        key = _span(src)
-        if key not in self._pending or not src.is_contiguous():
-            return False
+    def _flag(self, device: torch.device) -> Tensor:
+        flag = self._copy_flags.get(device)
+        if flag is None:
+            flag = self._copy_flags[device] = torch.zeros((), dtype=torch.int32, device=device)
+        return flag
+
+    def _flush(self) -> None:
+        """The queued copies, one checking copy per device (and dtype); pairs the device cannot check as it copies
+        are copied plainly and their sources reduced when the bucket closes."""
+        if not self._queue:
+            return
         from hwsync.common.backend import backend_for_device
 
-        flag = self._copy_flags.get(src.device)
-        if flag is None:
-            flag = self._copy_flags[src.device] = torch.zeros((), dtype=torch.int32, device=src.device)
-        if not backend_for_device(src.device).checked_copy(dst, src, flag):
+        queue, self._queue = self._queue, []
+        self._queued.clear()
+        by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+        for d, s in queue:
+            by_device.setdefault(s.device, []).append((d, s))
+        for device, pairs in by_device.items():
+            dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
+            backend = backend_for_device(device)
+            left = (
+                backend.checked_copy_all(dsts, srcs, self._flag(device))
+                if backend.checks_in_copy
+                else list(range(len(pairs)))
+            )
+            self.checked_in_copy += len(pairs) - len(left)
+            if left:
+                _plain_copy_all([dsts[i] for i in left], [srcs[i] for i in left])
+                for i in left:
+                    self._pending[_span(srcs[i])] = srcs[i]
+
+    def _copy(self, dst: Tensor, src: Tensor) -> bool:
+        key = _span(src)
+        if key not in self._pending or dst.shape != src.shape or dst.dtype != src.dtype or dst.device != src.device:
+            return False
+        if _DEFERRING.get():
+            target = (dst.device, dst.data_ptr())
+            if target in self._queued:  # written twice in one bucket: the first write lands first
+                self._flush()
+            del self._pending[key]
+            self._queue.append((dst, src))
+            self._queued.add(target)
+            return True
+        from hwsync.common.backend import backend_for_device
+
+        backend = backend_for_device(src.device)
+        if not backend.checks_in_copy or backend.checked_copy_all([dst], [src], self._flag(src.device), alone=True):
             return False
         del self._pending[key]
         self.checked_in_copy += 1
@@ -125,9 +190,13 @@ def copy_(dst: Tensor, src: Tensor) -> None:
 
 
 def copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
-    """:func:`copy_` for every pair: the pairs checked in their copy one kernel each, the rest one
+    """:func:`copy_` for every pair: the pairs checked in their copy (or queued for it), the rest one
     ``torch._foreach_copy_``."""
     flags = _WRITING.get()
     rest = [(d, s) for d, s in zip(dsts, srcs) if flags is None or not flags._copy(d, s)]
     if rest:
-        torch._foreach_copy_([d for d, _ in rest], [s for _, s in rest])
+        _plain_copy_all([d for d, _ in rest], [s for _, s in rest])
+
+
+def _plain_copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
+    torch._foreach_copy_(list(dsts), list(srcs))

@@ -270,6 +270,7 @@ class Receiver:
                         wrote[0] = True
                         yield spec.name, t
                     received[0] += 1
+                    finite.close()  # its queued checked copies land before the transport may reuse its memory
 
             stage = "base weights"
             paths: list[str] = []

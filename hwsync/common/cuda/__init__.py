@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +25,12 @@ class CudaBackend(AcceleratorBackend):
     dist_backend = "nccl"
     priority = 20
 
+    @property
+    def checks_in_copy(self) -> bool:  # type: ignore[override]
+        from hwsync.common.cuda.checked_copy import available
+
+        return available()
+
     def _no_device_hint(self) -> str:
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
             return f"this torch build ({torch.__version__}) has no CUDA support: install a CUDA-enabled torch build"
@@ -37,10 +43,18 @@ class CudaBackend(AcceleratorBackend):
 
         return open_cuda_link(store, spec, rank, device)
 
-    def checked_copy(self, dst: torch.Tensor, src: torch.Tensor, flag: torch.Tensor) -> bool:
-        from hwsync.common.cuda.checked_copy import checked_copy
+    def checked_copy_all(
+        self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], flag: torch.Tensor, *, alone: bool = False
+    ) -> list[int]:
+        from hwsync.common.cuda.checked_copy import MIN_BYTES, checked_copy_all
 
-        return checked_copy(dst, src, flag)
+        small = [i for i, s in enumerate(srcs) if alone and s.numel() * s.element_size() < MIN_BYTES]
+        if not small:
+            return checked_copy_all(dsts, srcs, flag)
+        skip = set(small)
+        big = [i for i in range(len(srcs)) if i not in skip]
+        left = checked_copy_all([dsts[i] for i in big], [srcs[i] for i in big], flag)
+        return sorted(small + [big[i] for i in left])
 
     def capture(self, work: Callable[[], None], device: torch.device) -> Callable[[], None] | None:
         """A CUDA graph of ``work``, recorded on a side stream (``thread_local``: other threads' CUDA calls, e.g. an

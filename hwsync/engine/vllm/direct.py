@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.common.finite import deferred
 from hwsync.common.layouts import w2_from_fused, w13_from_fused
 
 __all__ = ["Calibration", "DirectWriter", "raw_writable", "why_not_direct"]
@@ -230,6 +231,7 @@ class DirectWriter:
                     dtype = self.name_map.manifest[name][1]
                     if t.dtype != dtype and t.is_floating_point():  # colocate hands the trainer's dtype; vLLM's
                         t = t.to(dtype)  # loaders cast on copy, and so must the in-place writer (bf16 engines)
-                    self.name_map.apply([(name, t)], self.live)
+                    with deferred():  # this bucket's checked copies launch together when it closes
+                        self.name_map.apply([(name, t)], self.live)
                 else:
                     yield name, t
