@@ -16,7 +16,12 @@ loops the way a user's own PyTorch loop or a trainer integration calls hwsync, p
 * **generate**: ``--prompts`` prompts x ``--samples`` samples x ``--tokens`` tokens, temperature 1, with logprobs;
 * **train**: one policy-gradient step (group-normalized random rewards, ``-A * logp``), ``backward()`` and AdamW
   on the trainable parameters (LoRA; for ``full`` the attention projections on a GPU -- Adam state for 60 GB of
-  experts does not fit beside the engine -- every weight on CPU), gradient checkpointing on GPUs.
+  experts does not fit beside the engine -- every weight on CPU), gradient checkpointing on GPUs. ``--optimizer
+  sgd`` and ``--lora-dtype bfloat16`` shrink the trainer's state (what the guard's cost does not depend on): AdamW's
+  fp32 state of LoRA r32 on 48 layers does not fit one H200 beside the resident engine;
+* **sleep** (``--sleep 1,2``, CUDA): the engine sleeps at that vLLM level for the training step and wakes after it
+  (level 1: weights to host memory and back; level 2: discarded, the next sync refills them); one row per level,
+  the training phase's device memory beside it.
 
 The table gives per-phase medians over the steps after the first (the first sync carries the base), the guard's
 share of the step (the target: <= 2%), peak device memory, and the guard's verdicts: **false alarms** (the guard
@@ -41,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sync as bs  # noqa: E402 - the model shapes, checkpoint, engine and trainer of the sync bench
 
-PHASES = ("sync", "guard", "generate", "train")
+PHASES = ("sync", "guard", "generate", "train", "sleep")
 
 
 def _peak() -> float:
@@ -123,21 +128,29 @@ def _train(model: Any, opt: Any, ids: torch.Tensor, attn: torch.Tensor, comp: to
     return logp.detach()
 
 
-def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace, dtype: torch.dtype
-        ) -> dict[str, Any]:
+def _in_use() -> float:
+    """Device memory in use, GB (vLLM's sleeping pool is unmapped behind torch's allocator: only the device says)."""
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 1e9
+
+
+def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace, dtype: torch.dtype,
+        level: int = 0) -> dict[str, Any]:
     import gc
 
     from hwsync.common.errors import VerifyError
     from hwsync.integrations.options import SyncOptions
     from hwsync.integrations.trainer_sync import TrainerSync, first_prompts
 
-    model = bs._trainer(path, strategy, rank, dtype)
+    model = bs._trainer(path, strategy, rank, dtype, lora_in_fp32=args.lora_dtype == "float32")
     if bs._on_gpu():
         model.gradient_checkpointing_enable()
         if hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
     params = _trainable(model, strategy)
-    opt = torch.optim.AdamW(params, lr=args.lr)
+    opt = torch.optim.AdamW(params, lr=args.lr) if args.optimizer == "adamw" else torch.optim.SGD(params, lr=args.lr)
+    train_gb: list[float] = []
+    peak = 0
     device = "cuda" if bs._on_gpu() else "cpu"
     vocab = model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(7)
@@ -174,9 +187,25 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
         ids, attn, comp, elp = _batch(outs, device)
         bs._sync_device()
         t0 = time.perf_counter()
+        if level:
+            llm.sleep(level=level)
+        t["sleep"] = time.perf_counter() - t0
+        if bs._on_gpu():
+            torch.cuda.synchronize()
+            before, allocated = _in_use(), torch.cuda.memory_allocated()
+            peak = max(peak, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
         trainer_logp = _train(model, opt, ids, attn, comp, args.samples, seed=step)
         bs._sync_device()
         t["train"] = time.perf_counter() - t0
+        if bs._on_gpu():  # in use when training began + what training added at its peak
+            train_gb.append(before + (torch.cuda.max_memory_allocated() - allocated) / 1e9)
+        t0 = time.perf_counter()
+        if level:
+            llm.wake_up()
+        bs._sync_device()
+        t["sleep"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
             guard.rollout_check(trainer_logp, elp.nan_to_num(0.0), comp & ~elp.isnan(), step=step,
@@ -196,13 +225,14 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
     steady = {p: statistics.median(v[1:] or v) for p, v in times.items()}
     step_s = sum(steady.values())
     spread = guard.spread
-    row = dict(run=f"{strategy}" + (f" r{rank}" if strategy != "full" else ""), layers=args.layers,
+    row = dict(run=f"{strategy}" + (f" r{rank}" if strategy != "full" else "") + (f", sleep {level}" if level else ""),
+               layers=args.layers, sleep=level, train_gb=max(train_gb, default=float("nan")),
                shapes=args.shapes, steps=args.steps, **{f"{p}_s": steady[p] for p in PHASES}, step_s=step_s,
                guard_share=steady["guard"] / step_s if step_s else float("nan"),
                guard_check_s=statistics.median(g - r for g, r in zip(times["guard"][1:] or times["guard"],
                                                                       rollout_s[1:] or rollout_s)),
                guard_rollout_s=statistics.median(rollout_s[1:] or rollout_s),
-               first_guard_s=times["guard"][0], peak_gb=_peak(), false_alarms=len(alarms), weak=guard.weak,
+               first_guard_s=times["guard"][0], peak_gb=max(peak / 1e9, _peak()), false_alarms=len(alarms), weak=guard.weak,
                spread_mean=spread.mean_abs if spread is not None else None, alarms=alarms[:5],
                log=[line for line in lines if "verify after" in line or "weak" in line][:6])
     import hwsync
@@ -219,16 +249,17 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
-    head = ("| run | layers | sync s | guard s (check + rollout) | generate s | train s | step s | guard share | "
-            "first guard s | peak GB | false alarms | weak | numerics spread |")
+    head = ("| run | layers | sync s | guard s (check + rollout) | generate s | train s | sleep + wake s | step s | "
+            "guard share | first guard s | peak GB | training GB | false alarms | weak | numerics spread |")
     print(head)
-    print("|" + "|".join("---" for _ in range(13)) + "|")
+    print("|" + "|".join("---" for _ in range(15)) + "|")
     for r in rows:
         spread = "-" if r["spread_mean"] is None else f"{r['spread_mean']:.3g}"
         print(f"| {r['run']} | {r['layers']} | {r['sync_s']:.4f} | {r['guard_s']:.4f} ({r['guard_check_s']:.4f} + "
               f"{r['guard_rollout_s']:.4f}) | {r['generate_s']:.3f} | "
-              f"{r['train_s']:.3f} | {r['step_s']:.3f} | {100 * r['guard_share']:.2f}% | {r['first_guard_s']:.3f} | "
-              f"{r['peak_gb']:.1f} | {r['false_alarms']} of {r['steps']} | {r['weak']} | {spread} |")
+              f"{r['train_s']:.3f} | {r['sleep_s']:.3f} | {r['step_s']:.3f} | {100 * r['guard_share']:.2f}% | "
+              f"{r['first_guard_s']:.3f} | {r['peak_gb']:.1f} | {r['train_gb']:.1f} | {r['false_alarms']} of "
+              f"{r['steps']} | {r['weak']} | {spread} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,10 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPUs, float32 on CPU")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the trainer's LoRA parameters (PEFT's default: float32)")
+    ap.add_argument("--sleep", default="0", help="comma-separated vLLM sleep levels, a row each (CUDA; 0: no sleep)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--strict", action="store_true", help="exit 1 on a false alarm")
     args = ap.parse_args(argv)
     gpu = bs._on_gpu()
+    levels = [int(v) for v in args.sleep.split(",")]
+    if any(levels) and not gpu:
+        raise SystemExit("--sleep: vLLM's CPU build has no sleep mode (tests/test_sleep_refill.py tests the refill)")
     runs = _parse_runs(args.runs or ("adapter:8,adapter:32,full" if gpu else "adapter:8,full"))
     args.steps = args.steps or (20 if gpu else 4)
     if not gpu:  # the CPU job: a short loop on the tiny model
@@ -257,9 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = bs._checkpoint(Path(tmp), args.shapes, args.layers)
-        llm = bs._engine(path, dtype, max(r for _, r in runs))  # one engine for every run, as a job keeps its own
+        extra = {"enable_sleep_mode": True} if any(levels) else {}
+        llm = bs._engine(path, dtype, max(r for _, r in runs), **extra)  # one engine for every run, as a job keeps
         for strategy, rank in runs:
-            rows.append(run(llm, path, strategy, rank, args, dtype))
+            for level in levels:
+                rows.append(run(llm, path, strategy, rank, args, dtype, level))
             if args.json:  # run by run: a later run that fails keeps what was measured
                 Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     print(f"\nGRPO step, {args.shapes} x {args.layers} layers, {dtype}, {'GPU' if gpu else 'CPU'}: "

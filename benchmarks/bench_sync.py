@@ -82,9 +82,10 @@ def _checkpoint(tmp: Path, shapes: str, layers: int) -> Path:
     return path
 
 
-def _trainer(path: Path, strategy: str, rank: int, dtype: torch.dtype) -> Any:
+def _trainer(path: Path, strategy: str, rank: int, dtype: torch.dtype, lora_in_fp32: bool = True) -> Any:
     """``full``: no LoRA; ``adapter``: LoRA on attention and experts (attention only on CPU: vLLM's CPU build has no
-    MoE-LoRA kernels); ``hybrid``: attention and experts (the experts travel merged where they are not served)."""
+    MoE-LoRA kernels); ``hybrid``: attention and experts (the experts travel merged where they are not served).
+    ``lora_in_fp32``: PEFT's default (LoRA parameters upcast to fp32); ``False`` keeps them in ``dtype``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = "cuda" if _on_gpu() else "cpu"
@@ -98,7 +99,7 @@ def _trainer(path: Path, strategy: str, rank: int, dtype: torch.dtype) -> Any:
 
     experts = EXPERTS if strategy == "hybrid" or _on_gpu() else None
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=ATTN, target_parameters=experts)
-    model = get_peft_model(model, cfg).eval()
+    model = get_peft_model(model, cfg, autocast_adapter_dtype=lora_in_fp32).eval()
     _step(model, 0)  # B starts at zero in PEFT: make the adapter matter from the first sync
     return model
 

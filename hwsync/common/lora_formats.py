@@ -38,7 +38,7 @@ from __future__ import annotations
 import enum
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -486,9 +486,10 @@ class PeftLoraReader:
         self._layers = [(m, *layers[m]) for m in modules]
         self._folds: dict[torch.dtype | None, FoldBuffers] = {}
 
-    def read(self, dtype: torch.dtype | None, fold: FoldFn | None = None) -> list[Tensor]:
-        """A and B (scaling folded, :meth:`LoraModule.folded`, in ``dtype``) of every module, in order."""
-        out: list[Tensor] = []
+    def read(self, dtype: torch.dtype | None, fold: FoldFn | None = None) -> Iterable[Tensor]:
+        """A and B (scaling folded, :meth:`LoraModule.folded`, in ``dtype``) of every module, in order: the kept fold
+        buffers' views, or (another ``fold``) each module folded as it is consumed, so a reader that batches (the
+        verify's comparison) never holds a folded copy of the whole adapter."""
         for name, _path, layer in self._layers:
             if self.adapter_name not in layer.lora_A:
                 raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
@@ -500,10 +501,7 @@ class PeftLoraReader:
             if folds is None:
                 folds = self._folds[dtype] = FoldBuffers(mods, dtype)
             return folds.read()
-        for m in mods:
-            f = m.folded(dtype, fold)
-            out += [f.lora_A, f.lora_B]
-        return out
+        return _each_folded(mods, dtype, fold or fold_scaling)  # the fold of now, whenever it is consumed
 
     def _modules(self) -> list[LoraModule]:
         """The modules as views of the trainer's LoRA parameters: read once where the parameters are plain tensors
@@ -1010,3 +1008,10 @@ def from_wire(tensors: Mapping[str, Tensor], meta: Mapping[str, Any]) -> LoraAda
         raise AdapterFormatError("adapter carries no LoRA modules")
     r = max(m.rank for m in modules.values())
     return LoraAdapter(modules, r=r, lora_alpha=float(r), use_rslora=False, name=str(meta.get("name", "default")))
+
+
+def _each_folded(mods: Sequence[LoraModule], dtype: torch.dtype | None, fold: FoldFn) -> Iterator[Tensor]:
+    for m in mods:
+        f = m.folded(dtype, fold)
+        yield f.lora_A
+        yield f.lora_B

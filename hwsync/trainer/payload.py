@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -514,7 +514,7 @@ class _Stream:
                     yield t if steps is None else _gathered(lora[i // 2], t, None)
             del it
 
-    def _lora(self, group: int, modules: Sequence[str], sharded: bool) -> list[Tensor]:
+    def _lora(self, group: int, modules: Sequence[str], sharded: bool) -> Iterable[Tensor]:
         """A and B (scaling folded, in the engine's LoRA dtype) of ``modules``, as of now."""
         from hwsync.common import gather
         from hwsync.common.lora_formats import PeftLoraReader
@@ -524,7 +524,8 @@ class _Stream:
             reader = self.readers.get(key)
             if reader is None:
                 reader = self.readers[key] = PeftLoraReader(self.model, key[0], modules)
-            return reader.read(self.lora_dtype, self.fold)
+            got = reader.read(self.lora_dtype, self.fold)
+            return list(got) if sharded else got  # folded lazily only where nothing is gathered for it
 
 
 def _gathered(name: str, t: Tensor, wire: Mapping[str, torch.dtype] | None) -> Tensor:
