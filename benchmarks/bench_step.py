@@ -157,6 +157,7 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     options = SyncOptions(strategy=strategy, verify_every=1)
     lines: list[str] = []
+    kept: list[str] = []  # the first step's lines and every later weak verdict, for the JSON row
     guard = TrainerSync(options, log=lines.append)
     guard.probe = first_prompts(prompts, options.verify_prompts)
     times: dict[str, list[float]] = {p: [] for p in PHASES}
@@ -199,8 +200,9 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
         trainer_logp = _train(model, opt, ids, attn, comp, args.samples, seed=step)
         bs._sync_device()
         t["train"] = time.perf_counter() - t0
-        if bs._on_gpu():  # in use when training began + what training added at its peak
-            train_gb.append(before + (torch.cuda.max_memory_allocated() - allocated) / 1e9)
+        if bs._on_gpu():  # in use when training began + what training added at its peak (an upper bound)
+            total = torch.cuda.mem_get_info()[1] / 1e9
+            train_gb.append(min(total, before + (torch.cuda.max_memory_allocated() - allocated) / 1e9))
         t0 = time.perf_counter()
         if level:
             llm.wake_up()
@@ -220,8 +222,10 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
         verify_ms.append(t["guard"] * 1e3)
         print(f"[{strategy}:{rank}] step {step}: " + ", ".join(f"{p} {t[p]:.3f}s" for p in PHASES)
               + (f"\n  ALARM: {alarms[-1]}" if alarms and alarms[-1].startswith(f"step {step} ") else ""), flush=True)
-        if step == 0:
-            print("\n".join(f"  {line}" for line in lines), flush=True)
+        if step == 0 or level == 2:  # the first sync's report, and every refill's path after a level-2 wake
+            print("\n".join(f"  {line}" for line in lines if step == 0 or "hwsync sync v" in line), flush=True)
+        kept += lines if step == 0 else [line for line in lines if "weak" in line or "ALARM" in line]
+        lines.clear()
     steady = {p: statistics.median(v[1:] or v) for p, v in times.items()}
     step_s = sum(steady.values())
     spread = guard.spread
@@ -232,9 +236,9 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
                guard_check_s=statistics.median(g - r for g, r in zip(times["guard"][1:] or times["guard"],
                                                                       rollout_s[1:] or rollout_s)),
                guard_rollout_s=statistics.median(rollout_s[1:] or rollout_s),
-               first_guard_s=times["guard"][0], peak_gb=max(peak / 1e9, _peak()), false_alarms=len(alarms), weak=guard.weak,
+               first_guard_s=times["guard"][0], peak_gb=max(peak / 1e9, _peak()) if bs._on_gpu() else _peak(), false_alarms=len(alarms), weak=guard.weak,
                spread_mean=spread.mean_abs if spread is not None else None, alarms=alarms[:5],
-               log=[line for line in lines if "verify after" in line or "weak" in line][:6])
+               log=[line for line in kept if "verify after" in line or "weak" in line][:6])
     import hwsync
 
     handle = hwsync.as_engine(llm)  # the next run's trainer replaces this one: nothing may keep it alive

@@ -128,7 +128,7 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
         got = list(reader.read(torch.bfloat16))
         assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
         assert all(g.dtype == w.dtype for g, w in zip(got, want))
-        again = list(reader.read(torch.bfloat16))  # from the second read on, the folds go into buffers kept between reads
+        again = list(reader.read(torch.bfloat16))  # from the second read on: into buffers kept between reads
         assert all(torch.equal(g, w) for g, w in zip(again, want))
         if step:
             assert [t.data_ptr() for t in again] == kept
@@ -165,7 +165,6 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
         PeftLoraReader(pm, "default", [*names, "model.layers.9.self_attn.q_proj.weight"])
 
 
-
 def test_reader_folds_with_another_fold_one_module_at_a_time(peft_model) -> None:
     """verify folds with vLLM's own rounding (another fold): each module is folded as it is consumed, so a reader
     that batches holds no folded copy of the whole adapter (48 layers of r32 did not fit one H200 that way)."""
@@ -185,6 +184,7 @@ def test_reader_folds_with_another_fold_one_module_at_a_time(peft_model) -> None
     assert len(folds) == 1
     rest = list(it)
     assert len(folds) == len(names) and len(rest) == 2 * len(names) - 2
+
 
 def _vllm_scaled_b(b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
     """B as vLLM's own loading of a saved adapter holds it: ``from_lora_tensors`` casts each factor to the LoRA
