@@ -142,6 +142,35 @@ def test_register_backend_in_process() -> None:
     assert get_backend().name != "loopback-test"
 
 
+def test_per_device_policy_comes_from_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bucket size and where LoRA layouts are traced are the device's backend's to say: a new backend's device kind is
+    not silently treated like the CPU, and a kind no backend drives gets the base class's policy."""
+    from hwsync.engine.vllm.lora_slots import trace_device
+    from hwsync.trainer.api import default_bucket_mb
+
+    monkeypatch.delenv("HWSYNC_BUCKET_MB", raising=False)
+
+    class WideBackend(CpuBackend):
+        name = "wide-test"
+        device_type = "meta"
+        bucket_mb = 128.0
+        traces_in_float64 = True
+
+    assert default_bucket_mb("cpu") == 64 and default_bucket_mb("cuda") == 512 and default_bucket_mb("npu") == 512
+    assert default_bucket_mb("xla") == Backend.bucket_mb
+    register_backend(WideBackend)
+    try:
+        assert default_bucket_mb("meta") == 128
+        assert trace_device("meta") == torch.device("meta")  # this backend traces on its device
+        monkeypatch.setattr(WideBackend, "traces_in_float64", False)
+        assert trace_device("meta") == torch.device("cpu")
+    finally:
+        unregister_backend("wide-test")
+    assert trace_device(None) == trace_device("cpu") == torch.device("cpu")
+    monkeypatch.setenv("HWSYNC_BUCKET_MB", "32")
+    assert default_bucket_mb("cpu") == 32
+
+
 def test_register_backend_rejects_non_backends() -> None:
     with pytest.raises(BackendUnavailableError, match="not a hwsync.Backend subclass"):
         register_backend(object)  # type: ignore[arg-type]

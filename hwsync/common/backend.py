@@ -66,6 +66,12 @@ class Backend(abc.ABC):
     """Auto-detection order: the available backend with the highest priority wins."""
     checks_in_copy: ClassVar[bool] = False
     """Whether :meth:`checked_copy_all` can take any pair here (otherwise the non-finite check reduces separately)."""
+    bucket_mb: ClassVar[float] = 512.0
+    """A sync's bucket size where the caller gives none (``HWSYNC_BUCKET_MB`` wins): a device link reaches its speed
+    with buckets of 512 MB-1 GB (verl: 2048 MB, ms-swift: 512 MB, vLLM's own transfer: 1 GB x 2)."""
+    traces_in_float64: ClassVar[bool] = False
+    """Whether LoRA slot layouts are traced on this device (float64 probes): cheap on GPUs; elsewhere (the CPU, NPUs
+    without general float64) the trace runs on the host."""
 
     @abc.abstractmethod
     def is_available(self) -> bool:

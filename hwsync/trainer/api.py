@@ -51,10 +51,6 @@ __all__ = [
 BUCKET_ENV = "HWSYNC_BUCKET_MB"
 # Measured with benchmarks/bench_sync.py (vLLM CPU build, 105 MB fp32 MoE, server mode over gloo/loopback, 2 shared
 # cores, two runs): a full sync takes 0.40-0.52 s for any bucket size from 1 to 256 MB -- flat within noise, because
-# vLLM's reload, not the transfer, dominates on CPU. 64 MB keeps per-bucket overhead negligible with two receive
-# buffers in flight. On GPUs (NCCL) buckets of 512 MB-1 GB reach link speed (verl: 2048 MB, ms-swift: 512 MB, vLLM's
-# native transfer: 1 GB x 2).
-_DEFAULT_MB = {"cpu": 64, "cuda": 512, "npu": 512}
 
 
 def parse_bucket_mb(value: str | float | None, what: str = BUCKET_ENV) -> float | None:
@@ -71,9 +67,15 @@ def parse_bucket_mb(value: str | float | None, what: str = BUCKET_ENV) -> float 
 
 
 def default_bucket_mb(device_type: str = "cpu") -> float:
-    """Bucket size used when ``bucket_mb`` is not given: ``$HWSYNC_BUCKET_MB`` or the measured per-device default."""
+    """Bucket size used when ``bucket_mb`` is not given: ``$HWSYNC_BUCKET_MB`` or the device's backend's
+    (:attr:`hwsync.common.backend.Backend.bucket_mb`; a device kind no backend drives gets the base class's)."""
     env = parse_bucket_mb(raw(BUCKET_ENV) or None)
-    return env if env is not None else float(_DEFAULT_MB.get(device_type, 512))
+    if env is not None:
+        return env
+    from hwsync.common.backend import Backend, known_backends
+
+    kinds = {b.device_type: b for b in known_backends().values()}
+    return float(kinds[device_type].bucket_mb if device_type in kinds else Backend.bucket_mb)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ class CudaBackend(AcceleratorBackend):
     device_type = "cuda"
     dist_backend = "nccl"
     priority = 20
+    traces_in_float64 = True
 
     @property
     def checks_in_copy(self) -> bool:  # type: ignore[override]

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.common.errors import BackendUnavailableError
 from hwsync.common.replay import Replay, addresses, common_device, copy_all
 from hwsync.engine.vllm.compat import check_adapter
 
@@ -244,10 +245,18 @@ def _stand_in(value: Any, device: torch.device) -> Any:
 
 
 def trace_device(engine_device: Any) -> torch.device:
-    """Where the trace runs: the engine's CUDA device (float64 there is cheap and vLLM pins CPU tensors one by one),
-    else the CPU (NPUs have no general float64)."""
+    """Where the trace runs: the engine's device where its backend traces in float64 (a GPU: cheap there, and vLLM
+    pins CPU tensors one by one), else the CPU (:attr:`hwsync.common.backend.Backend.traces_in_float64`)."""
+    from hwsync.common.backend import backend_for_device
+
     device = torch.device(engine_device) if engine_device is not None else torch.device("cpu")
-    return device if device.type == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        return device
+    try:
+        traces = backend_for_device(device).traces_in_float64
+    except BackendUnavailableError:
+        traces = False
+    return device if traces else torch.device("cpu")
 
 
 @dataclass
