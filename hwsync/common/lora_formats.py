@@ -35,6 +35,7 @@ differ in the last bit, which moved served logprobs by up to 0.5 on bf16 GPU eng
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import re
@@ -155,7 +156,7 @@ class LoraModule:
         """Same ΔW with scaling 1: A cast to ``dtype``, B scaled in vLLM's rounding order (:func:`fold_scaling`, or
         ``fold``: what :mod:`hwsync.verify` computes its expectation with)."""
         dt = dtype or self.lora_B.dtype
-        b = (fold or fold_scaling)(self.lora_B, self.scaling, dt)
+        b = (fold or _fold_as or fold_scaling)(self.lora_B, self.scaling, dt)
         return LoraModule(
             self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed, self.interleaved
         )
@@ -180,9 +181,21 @@ def fold_scaling(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
     return out
 
 
-_FOLD_SCALING = fold_scaling
-"""The rounding order :class:`FoldBuffers` reproduces: a reader folds through :func:`fold_scaling` itself while
-anything has replaced it."""
+_fold_as: FoldFn | None = None
+"""Set by :func:`folding_as`: the fold every sync of this process uses instead of :func:`fold_scaling`."""
+
+
+@contextlib.contextmanager
+def folding_as(fold: FoldFn) -> Iterator[None]:
+    """Syncs (in every thread of this process) inside fold each LoRA scaling with ``fold`` instead of vLLM's rounding
+    order: what a trainer that folds another way would send (``hwsync.testing.faults``' "scaling folded in another
+    order"). The kept fold buffers, which reproduce :func:`fold_scaling` only, are not used meanwhile."""
+    global _fold_as
+    before, _fold_as = _fold_as, fold
+    try:
+        yield
+    finally:
+        _fold_as = before
 
 
 @dataclass
@@ -494,10 +507,9 @@ class PeftLoraReader:
             if self.adapter_name not in layer.lora_A:
                 raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
         mods = self._modules()
-        if fold is None and fold_scaling is _FOLD_SCALING and getattr(self, "_views", None) is mods:
-            # plain parameters, vLLM's rounding order (not replaced, e.g. by hwsync.testing's fault "scaling folded
-            # in another order"): buffers kept between reads
-            folds = self._folds.get(dtype)
+        fold = fold or _fold_as
+        if fold is None and getattr(self, "_views", None) is mods:  # plain parameters, vLLM's rounding order:
+            folds = self._folds.get(dtype)  # buffers kept between reads
             if folds is None:
                 folds = self._folds[dtype] = FoldBuffers(mods, dtype)
             return folds.read()

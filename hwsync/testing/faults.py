@@ -312,14 +312,10 @@ def _fold_fp32(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
 def fp32_fold() -> Iterator[None]:
     """Syncs inside fold LoRA scalings in fp32 with one rounding (:func:`_fold_fp32`) instead of
     :func:`hwsync.common.lora_formats.fold_scaling` (the fault "scaling folded in another order")."""
-    import hwsync.common.lora_formats as formats
+    from hwsync.common.lora_formats import folding_as
 
-    original = formats.fold_scaling
-    formats.fold_scaling = _fold_fp32
-    try:
+    with folding_as(_fold_fp32):
         yield
-    finally:
-        formats.fold_scaling = original
 
 
 def _swap_halves(t: Tensor) -> Tensor:
