@@ -15,7 +15,6 @@ PENDING = {
     "docs/lora-configs.md",
     "docs/runs.md",
     "docs/security.md",
-    "docs/trl.md",
     "docs/verify.md",
     "hwsync/patches/README.md",
 }
