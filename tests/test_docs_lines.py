@@ -14,7 +14,6 @@ PENDING = {
     "docs/families.md",
     "docs/lora-configs.md",
     "docs/runs.md",
-    "docs/security.md",
     "docs/verify.md",
     "hwsync/patches/README.md",
 }
