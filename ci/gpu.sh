@@ -27,7 +27,7 @@ export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 [ -n "${OUT:-}" ] && export HWSYNC_TEST_LOG="${HWSYNC_TEST_LOG:-$OUT/failed-modules.log}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 multigpu-server bench verify qwen35 trl trl-b)
+PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 multigpu-server bench verify qwen35 trl trl-b depth campaign48 sleep sleep-bench)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -65,6 +65,10 @@ declare -A ABOUT=(
     [qwen35]="Qwen3.5-MoE on the GPU, side by side: tests/test_sync_exact.py -k qwen3_5 (every strategy x MoE-LoRA format, 10 syncs each == vLLM's own loading, A_log kept fp32; two processes), tests/test_verify_faults_qwen3_5.py (no false alarm, every fault caught) + tests/test_fixtures.py -k 'qwen3_5 or gated_deltanet' (vLLM serves the fixture), examples/grpo_tiny_moe.py --family qwen3_5_moe GRPO then --gspo (4 steps each); then alone: benchmarks/bench_sync.py --shapes qwen3.5-moe --layers 4 --rank 32 --strategies full,adapter (\$OUT/bench_qwen35.json)"
     [trl]="examples/trl_grpo_tiny_moe.py (the TRL main job, GRPO and GSPO, colocated on one GPU) and benchmarks/bench_trl_sync.py --shapes qwen3-30b-a3b --layers 4 (TRL's own sync vs hwsync's); needs trl 1.16 beside vLLM (pip install --no-deps trl==1.16.0)"
     [trl-b]="${MODULES[trl-b]} (TRL 1.16: main job colocated and in server mode, == vLLM's own loading after every sync, QLoRA, ZeRO-3)"
+    [depth]="the guard at 4 and 12 layers (issue 38, one H200): benchmarks/bench_step.py --shapes qwen3-30b-a3b, adapter r8, r32 and full, 20 steps each (\$OUT/step-depth-*.json)"
+    [campaign48]="the fault campaign at 48 layers for full and hybrid (issue 38, one H200): benchmarks/verify_table.py --shapes qwen3-30b-a3b --layers 48 (\$OUT/verify48.json)"
+    [sleep]="sleep mode at 48 layers (issue 40, one H200, ~10 min): benchmarks/bench_step.py --sleep 2,1,0 (adapter r8, 6 steps a level, every refill's report), then adapter r32 with --sleep 1, bf16 LoRA and SGD (20 steps: what fits one H200, L14) (\$OUT/sleep-*.json)"
+    [sleep-bench]="benchmarks/bench_sleep.py at 48 layers, rank 8 (issue 40): level-2 wake + refill vs vLLM's level-1 wake and reload, per strategy, exactness checksums (\$OUT/sleep-bench.json)"
 )
 
 unit_modules() {  # $1 = a|b: that half (by name) of the test modules no other part names, space-separated
@@ -117,6 +121,25 @@ run_part() {
             else
                 run_modules "${MODULES[multigpu-z3]}" -k zero3 || rc=$?
             fi ;;
+        depth|campaign48|sleep|sleep-bench)  # real-size shapes: a fixed KV budget, half the GPU for the engine
+            export BENCH_KV_BYTES=${BENCH_KV_BYTES:-2147483648} BENCH_GPU_MEM=${BENCH_GPU_MEM:-0.5}
+            local layers
+            case "$part" in
+                depth) for layers in 4 12; do
+                    "$PY" benchmarks/bench_step.py --shapes qwen3-30b-a3b --layers "$layers" \
+                        --runs adapter:8,adapter:32,full --steps 20 ${OUT:+--json "$OUT/step-depth-$layers.json"} || rc=$?
+                done ;;
+                campaign48) "$PY" benchmarks/verify_table.py --shapes qwen3-30b-a3b --layers 48 --strategies full,hybrid \
+                    --steps 20 ${OUT:+--json "$OUT/verify48.json"} || rc=$? ;;
+                sleep)
+                    "$PY" benchmarks/bench_step.py --shapes qwen3-30b-a3b --layers 48 --runs adapter:8 --steps 6 \
+                        --sleep 2,1,0 ${OUT:+--json "$OUT/sleep-levels.json"} || rc=$?
+                    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" benchmarks/bench_step.py --shapes qwen3-30b-a3b \
+                        --layers 48 --runs adapter:32 --steps 20 --sleep 1 --lora-dtype bfloat16 --optimizer sgd \
+                        ${OUT:+--json "$OUT/sleep-r32.json"} || rc=$? ;;
+                sleep-bench) "$PY" benchmarks/bench_sleep.py --shapes qwen3-30b-a3b --layers 48 --rank 8 --repeats 2 \
+                    ${OUT:+--json "$OUT/sleep-bench.json"} || rc=$? ;;
+            esac ;;
         bench)
             local server=()
             # server mode (engine on GPU 1, trainer on GPU 0, NCCL data plane) where a second GPU exists
