@@ -230,3 +230,28 @@ def test_refill_takes_first_sync_path_where_addresses_moved(tiny_qwen3_moe_dir: 
     del llm, stand_in, applier
     gc.collect()
     assert worker() is None, "the closed engine's worker is still alive"
+
+
+def test_a_refill_says_which_derived_tensors_send_layers_through_vllms_reload() -> None:
+    """A layer holding a tensor its post-load step derived is refilled through vLLM's reload (which rebuilds it); the
+    sync report names how many tensors that sent there and one such tensor, so a slow refill says why."""
+    from types import SimpleNamespace
+
+    from hwsync.engine.vllm.applier import VllmApplier
+    from hwsync.engine.vllm.direct import DirectWriter
+    from hwsync.engine.vllm.sleep import Discarded
+
+    names = SimpleNamespace(unwritten=lambda: [])
+    groups = {"l0.w13": "model.layers.0.mlp.experts", "l0.w2": "model.layers.0.mlp.experts", "l1.q": "model.layers.1.q"}
+    plan = SimpleNamespace(names=names, groups=groups)
+    refill = Discarded("vLLM's level-2 sleep", frozenset(), frozenset({"model.layers.0.mlp.experts.packed[0]"}))
+    applier = SimpleNamespace(_live=lambda plan: {}, _refill_note="")
+    direct = DirectWriter(names, frozenset(groups), {})
+    kept = VllmApplier._refill_direct(applier, plan, refill, direct)  # type: ignore[arg-type]
+    assert kept is not None and kept.names == {"l1.q"}
+    assert applier._refill_note == (
+        "; 2 tensors through vLLM's reload for 1 tensors their layers' post-load step derived "
+        "(e.g. model.layers.0.mlp.experts.packed[0])"
+    )
+    untouched = Discarded("vLLM's level-2 sleep", frozenset(), frozenset({"model.layers.9.mlp.experts.packed[0]"}))
+    assert VllmApplier._refill_direct(applier, plan, untouched, direct) is direct  # type: ignore[arg-type]

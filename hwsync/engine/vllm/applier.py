@@ -243,6 +243,7 @@ class VllmApplier:
         self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
         self._packing: tuple[Any, str | None] | None = None  # (experts packing list, its expert_packing_problem)
         self._refill: Discarded | None = None  # what vLLM's last level-2 sleep discarded, until a sync refilled it
+        self._refill_note = ""  # which layers that refill sends through vLLM's reload, and why (for the sync report)
 
     # -- facts ----------------------------------------------------------------------------------------------------
     @property
@@ -627,6 +628,8 @@ class VllmApplier:
         path = f"base: {in_place} in place, {len(plan.groups) - in_place} through vLLM's reload"
         if refill is not None:
             self._refilled(refill)
+            path += self._refill_note
+            self._refill_note = ""
             path += (
                 f"; refilled after {refill.reason.removeprefix('vLLM' + chr(39) + 's ')} ("
                 + (
@@ -703,13 +706,15 @@ class VllmApplier:
         if direct is None or not refill.derived:
             return direct
         derived = refill.derived
-        keep = frozenset(
-            n
-            for n in direct.names
-            if not any(d == (g := plan.groups.get(n, "")) or d.startswith(g + ".") for d in derived)
-        )
+        why = {n: next((d for d in derived if d.startswith(plan.groups.get(n, "") + ".")), None) for n in direct.names}
+        keep = frozenset(n for n, d in why.items() if d is None)
         if keep == direct.names:
             return direct
+        examples = sorted({d for d in why.values() if d is not None})
+        self._refill_note = (
+            f"; {len(direct.names) - len(keep)} tensors through vLLM's reload for {len(examples)} tensors their "
+            f"layers' post-load step derived (e.g. {examples[0]})"
+        )
         return DirectWriter(plan.names, keep, self._live(plan)) if keep else None
 
     def _refilled(self, refill: Discarded) -> None:

@@ -99,7 +99,7 @@ class Discarded:
     params: frozenset[str]
     """Live parameter names vLLM does not restore (not in ``sleep_preserve_parameter_names``; empty ones skipped)."""
     derived: frozenset[str]
-    """Module paths holding ``derived`` tensors: their layers are refilled through vLLM's reload."""
+    """``derived`` tensors (``<module path>.<attribute>[<index>]``): their layers are refilled through vLLM's reload."""
     addresses: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     moved: tuple[str, ...] = ()
     """Parameters and slot tensors whose storage (object, address, shape or strides) changed across the sleep."""
@@ -116,7 +116,7 @@ def _inventory(worker: Any, reason: str) -> Discarded:
         if kind == "param" and t.numel() and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
             params.add(name)
         elif kind == "derived":
-            derived.add(name.rsplit(".", 1)[0] if "." in name else "")
+            derived.add(name)
     return Discarded(reason, frozenset(params), frozenset(derived), addresses)
 
 
