@@ -314,28 +314,36 @@ def test_importing_patches_imports_no_target():
     assert out.strip() == "[]"
 
 
+FIELDS = ("Target", "Why", "How", "Upstream", "Remove when")
+
+
 def _ledger_rows() -> dict[str, dict[str, str]]:
-    lines = [ln.strip() for ln in README.read_text().splitlines() if ln.strip().startswith("|")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = {}
-    for line in lines[2:]:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        row = dict(zip(header, cells))
-        rows[row["Name"].strip("`")] = row
+    """Each patch's section of the ledger (``### `name` ``) as its fields (``**Target.** ...``), in the file's order."""
+    rows: dict[str, dict[str, str]] = {}
+    text = README.read_text().split("\n## The patches\n", 1)[1]
+    for section in re.split(r"^### ", text, flags=re.M)[1:]:
+        head, _, body = section.partition("\n")
+        fields = re.split(r"^\*\*(" + "|".join(FIELDS) + r")\.\*\*", body, flags=re.M)
+        rows[head.strip().strip("`")] = {k: " ".join(v.split()) for k, v in zip(fields[1::2], fields[2::2])}
     return rows
 
 
-def test_ledger_has_one_complete_row_per_registered_patch():
+def test_the_ledger_index_lists_every_section_in_order():
+    index = re.findall(r"^- \[`([a-z0-9_]+)`\]\(#\1\)", README.read_text(), flags=re.M)
+    assert index == list(_ledger_rows()), "the list at the top of hwsync/patches/README.md and the sections disagree"
+
+
+def test_ledger_has_one_complete_section_per_registered_patch():
     rows = _ledger_rows()
     assert set(rows) == set(patches.names()), "hwsync/patches/README.md and the registry disagree"
     assert list(rows) == patches.names(), "keep the ledger in registration order (hwsync doctor's order)"
     for name, row in rows.items():
         p = patches.get(name)
-        for column in ("Target", "Why", "How", "Upstream", "Remove when"):
-            assert row.get(column), f"ledger row {name!r} has an empty {column!r}"
+        for column in FIELDS:
+            assert row.get(column), f"ledger section {name!r} has no {column!r}"
         for entry in p.targets:
             for spec in (entry,) if isinstance(entry, str) else entry:
-                assert spec.split(":")[1] in row["Target"], f"ledger row {name!r} does not name {spec}"
+                assert spec.split(":")[1] in row["Target"], f"ledger section {name!r} does not name {spec}"
         assert p.upstream in row["Upstream"]
         assert re.search(r"https://", row["Upstream"])
 

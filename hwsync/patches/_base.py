@@ -181,7 +181,7 @@ class Patch:
 
     Class attributes to set:
 
-    * ``name`` -- registry key, also the ledger row (``hwsync/patches/README.md``);
+    * ``name`` -- registry key, also the ledger section (``hwsync/patches/README.md``);
     * ``targets`` -- ``"module:Qual.attr"`` strings; an entry may be a tuple of alternatives (the first that
       exists is used: the same function moved between upstream releases);
     * ``upstream`` -- issue / PR URL; ``seen_in`` -- versions where the bug was observed;
