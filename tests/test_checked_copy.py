@@ -192,3 +192,35 @@ def test_outside_a_receive_copies_are_plain_copies() -> None:
     with deferred():
         copy_(dst, src)
     assert dst[0] == 1 and dst[1].isnan()
+
+
+def test_a_checking_copy_that_fails_to_run_falls_back_and_is_not_tried_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel that does not build or launch on this machine must not stop syncs: the bucket's copies land plainly,
+    its sources are reduced, the failure is logged once and that device kind is not asked again."""
+    import hwsync.common.finite as finite
+
+    backend = backend_for_device(torch.device("cpu"))
+    calls: list[int] = []
+
+    def broken(dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tensor, *, alone: bool = False) -> list[int]:
+        calls.append(len(srcs))
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(type(backend), "checks_in_copy", True)
+    monkeypatch.setattr(backend, "checked_copy_all", broken)
+    monkeypatch.setattr(finite, "_UNUSABLE", set())
+    srcs = [torch.randn(6), torch.randn(4), torch.randn(5)]
+    srcs[2][1] = float("nan")
+    dsts = [torch.zeros_like(s) for s in srcs]
+    flags = FiniteFlags()
+    with caplog.at_level("WARNING", logger="hwsync"), flags.writing(), deferred():
+        flags.open(0, srcs[:2], ["a", "b"])
+        copy_all(dsts[:2], srcs[:2])
+        flags.open(1, srcs[2:], ["c"])
+        copy_(dsts[2], srcs[2])
+    assert calls == [2], "asked once, then never again on that device kind"
+    assert flags.checked_in_copy == 0 and flags.non_finite() == [1]
+    torch.testing.assert_close(dsts, srcs, rtol=0, atol=0, equal_nan=True)
+    assert sum("checking copy failed" in r.getMessage() for r in caplog.records) == 1

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -37,6 +38,10 @@ _CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _WRITING: contextvars.ContextVar[FiniteFlags | None] = contextvars.ContextVar("hwsync_finite_writing", default=None)
 _DEFERRING: contextvars.ContextVar[bool] = contextvars.ContextVar("hwsync_finite_deferring", default=False)
+_UNUSABLE: set[str] = set()
+"""Device kinds whose checking copy failed to run in this process (a kernel that does not build or launch there):
+their copies are plain and their sources reduced from then on, so syncs go on, checked the slower way."""
+logger = logging.getLogger("hwsync")
 
 
 @contextlib.contextmanager
@@ -121,8 +126,6 @@ class FiniteFlags:
         are copied plainly and their sources reduced when the bucket closes."""
         if not self._queue:
             return
-        from hwsync.common.backend import backend_for_device
-
         queue, self._queue = self._queue, []
         self._queued.clear()
         by_device: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
@@ -130,12 +133,7 @@ class FiniteFlags:
             by_device.setdefault(s.device, []).append((d, s))
         for device, pairs in by_device.items():
             dsts, srcs = [d for d, _ in pairs], [s for _, s in pairs]
-            backend = backend_for_device(device)
-            left = (
-                backend.checked_copy_all(dsts, srcs, self._flag(device))
-                if backend.checks_in_copy
-                else list(range(len(pairs)))
-            )
+            left = _checked_copy_all(device, dsts, srcs, self._flag)
             self.checked_in_copy += len(pairs) - len(left)
             if left:
                 _plain_copy_all([dsts[i] for i in left], [srcs[i] for i in left])
@@ -154,10 +152,7 @@ class FiniteFlags:
             self._queue.append((dst, src))
             self._queued.add(target)
             return True
-        from hwsync.common.backend import backend_for_device
-
-        backend = backend_for_device(src.device)
-        if not backend.checks_in_copy or backend.checked_copy_all([dst], [src], self._flag(src.device), alone=True):
+        if _checked_copy_all(src.device, [dst], [src], self._flag, alone=True):
             return False
         del self._pending[key]
         self.checked_in_copy += 1
@@ -180,6 +175,35 @@ class FiniteFlags:
         names = [n for i in bad[:2] for n in self._names.get(i, [])]
         more = f" (+{len(names) - 4} more)" if len(names) > 4 else ""
         return f"bucket(s) {list(bad[:8])}: {', '.join(names[:4])}{more}"
+
+
+def _checked_copy_all(
+    device: torch.device,
+    dsts: Sequence[Tensor],
+    srcs: Sequence[Tensor],
+    flag: Callable[[torch.device], Tensor],
+    *,
+    alone: bool = False,
+) -> list[int]:
+    """The device's checking copy of these pairs; the indices it left (all of them where it has none, or where it
+    failed: then logged once, and not tried again on that kind of device in this process)."""
+    from hwsync.common.backend import backend_for_device
+
+    backend = backend_for_device(device)
+    if not backend.checks_in_copy or device.type in _UNUSABLE:
+        return list(range(len(srcs)))
+    try:
+        return backend.checked_copy_all(dsts, srcs, flag(device), alone=alone)
+    except Exception as e:  # noqa: BLE001 - an optimisation that cannot run here must not stop syncs
+        _UNUSABLE.add(device.type)
+        logger.warning(
+            "hwsync: the %s checking copy failed (%s: %s); copies there are plain and checked by a separate "
+            "reduction from now on",
+            device.type,
+            type(e).__name__,
+            e,
+        )
+        return list(range(len(srcs)))
 
 
 def copy_(dst: Tensor, src: Tensor) -> None:
