@@ -16,7 +16,8 @@ tensor is read once, as the write reads it anyway, for one launch per bucket. Ou
 calling hwsync's layout writers, whose post-load steps may read what was just written) a large tensor is checked in a
 copy of its own at once. Whatever is not checked that way when the bucket closes (vLLM's loaders, the adapter, sharded
 pieces, devices without such a copy) gets ``torch._foreach_norm(ord=inf)`` per (device, dtype): one multi-tensor
-kernel, NaN propagating, no host synchronization. The receiver reads all flags once, after the last bucket and before
+kernel, NaN propagating, no host synchronization (also where a checking copy fails to run: logged once, then that
+device kind is checked this way). The receiver reads all flags once, after the last bucket and before
 the adapter is installed or the sync counts as complete; a non-finite sync leaves the engine stale (it refuses to
 generate) and names the first offending tensors. An adapter-only sync is thereby refused before anything is written.
 """
