@@ -245,13 +245,13 @@ def test_a_refill_says_which_derived_tensors_send_layers_through_vllms_reload() 
     groups = {"l0.w13": "model.layers.0.mlp.experts", "l0.w2": "model.layers.0.mlp.experts", "l1.q": "model.layers.1.q"}
     plan = SimpleNamespace(names=names, groups=groups)
     refill = Discarded("vLLM's level-2 sleep", frozenset(), frozenset({"model.layers.0.mlp.experts.packed[0]"}))
-    applier = SimpleNamespace(_live=lambda plan: {}, _refill_note="")
+    applier = SimpleNamespace(_live=lambda plan: {})
     direct = DirectWriter(names, frozenset(groups), {})
-    kept = VllmApplier._refill_direct(applier, plan, refill, direct)  # type: ignore[arg-type]
+    kept, note = VllmApplier._refill_direct(applier, plan, refill, direct)  # type: ignore[arg-type]
     assert kept is not None and kept.names == {"l1.q"}
-    assert applier._refill_note == (
+    assert note == (
         "; 2 tensors through vLLM's reload for 1 tensors their layers' post-load step derived "
         "(e.g. model.layers.0.mlp.experts.packed[0])"
     )
     untouched = Discarded("vLLM's level-2 sleep", frozenset(), frozenset({"model.layers.9.mlp.experts.packed[0]"}))
-    assert VllmApplier._refill_direct(applier, plan, untouched, direct) is direct  # type: ignore[arg-type]
+    assert VllmApplier._refill_direct(applier, plan, untouched, direct) == (direct, "")  # type: ignore[arg-type]

@@ -49,13 +49,7 @@ class CudaBackend(AcceleratorBackend):
     ) -> list[int]:
         from hwsync.common.cuda.checked_copy import MIN_BYTES, checked_copy_all
 
-        small = [i for i, s in enumerate(srcs) if alone and s.numel() * s.element_size() < MIN_BYTES]
-        if not small:
-            return checked_copy_all(dsts, srcs, flag)
-        skip = set(small)
-        big = [i for i in range(len(srcs)) if i not in skip]
-        left = checked_copy_all([dsts[i] for i in big], [srcs[i] for i in big], flag)
-        return sorted(small + [big[i] for i in left])
+        return checked_copy_all(dsts, srcs, flag, MIN_BYTES if alone else 0)
 
     def capture(self, work: Callable[[], None], device: torch.device) -> Callable[[], None] | None:
         """A CUDA graph of ``work``, recorded on a side stream (``thread_local``: other threads' CUDA calls, e.g. an

@@ -101,9 +101,10 @@ def _multiprocessors(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def _takes(dst: Tensor, src: Tensor) -> bool:
+def _takes(dst: Tensor, src: Tensor, min_bytes: int) -> bool:
     return (
         src.is_cuda
+        and src.numel() * src.element_size() >= min_bytes
         and dst.device == src.device
         and dst.dtype == src.dtype in _DTYPES
         and dst.shape == src.shape
@@ -132,16 +133,17 @@ def _table(dsts: Sequence[Tensor], srcs: Sequence[Tensor], device: torch.device)
 
 
 # Limitation L13 (docs/limitations.md): one launch per bucket; its cost in the 48-layer sync: docs/performance.md
-def checked_copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tensor) -> list[int]:
+def checked_copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tensor, min_bytes: int = 0) -> list[int]:
     """``dst.copy_(src)`` for every pair this kernel takes (contiguous CUDA tensors of one checked dtype and shape,
-    16-byte aligned), setting ``flag`` (int32, on their device) to 1 if any of those sources holds a NaN or an
-    infinity: one launch per (device, dtype). Returns the indices of the pairs it did not take (nothing done)."""
+    16-byte aligned, of at least ``min_bytes``), setting ``flag`` (int32, on their device) to 1 if any of those
+    sources holds a NaN or an infinity: one launch per (device, dtype). Returns the indices of the pairs it did not
+    take (nothing done)."""
     if not available():
         return list(range(len(srcs)))
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     left: list[int] = []
     for i, (d, s) in enumerate(zip(dsts, srcs)):
-        if _takes(d, s) and s.device == flag.device:
+        if _takes(d, s, min_bytes) and s.device == flag.device:
             groups.setdefault((s.device, s.dtype), []).append(i)
         else:
             left.append(i)

@@ -243,7 +243,6 @@ class VllmApplier:
         self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
         self._packing: tuple[Any, str | None] | None = None  # (experts packing list, its expert_packing_problem)
         self._refill: Discarded | None = None  # what vLLM's last level-2 sleep discarded, until a sync refilled it
-        self._refill_note = ""  # which layers that refill sends through vLLM's reload, and why (for the sync report)
 
     # -- facts ----------------------------------------------------------------------------------------------------
     @property
@@ -603,8 +602,9 @@ class VllmApplier:
         enabled = _direct_enabled() and not self._layers_unrestored
         direct = plan.direct if enabled else None
         refill = self._refill
+        refill_note = ""
         if refill is not None:
-            direct = self._refill_direct(plan, refill, direct)
+            direct, refill_note = self._refill_direct(plan, refill, direct)
         if plan.raw is not None:  # vLLM's reload cannot write these at all (HWSYNC_DIRECT=0 included)
             weights = plan.raw.split(weights)
         if direct is not None:
@@ -628,8 +628,7 @@ class VllmApplier:
         path = f"base: {in_place} in place, {len(plan.groups) - in_place} through vLLM's reload"
         if refill is not None:
             self._refilled(refill)
-            path += self._refill_note
-            self._refill_note = ""
+            path += refill_note
             path += (
                 f"; refilled after {refill.reason.removeprefix('vLLM' + chr(39) + 's ')} ("
                 + (
@@ -689,10 +688,13 @@ class VllmApplier:
             self._namespace = None
             self._slot_writers.clear()
 
-    def _refill_direct(self, plan: LoadPlan, refill: Discarded, direct: DirectWriter | None) -> DirectWriter | None:
+    def _refill_direct(
+        self, plan: LoadPlan, refill: Discarded, direct: DirectWriter | None
+    ) -> tuple[DirectWriter | None, str]:
         """Before a refill writes anything: refuse one that leaves a discarded parameter unwritten, and keep in place
         only the layers whose every discarded tensor the sync rewrites (a layer holding tensors its post-load
-        processing derived goes through vLLM's reload, which rebuilds them)."""
+        processing derived goes through vLLM's reload, which rebuilds them). Returns the in-place writer left and,
+        for the sync report, what went to vLLM's reload because of derived tensors ("" where nothing did)."""
         from hwsync.engine.vllm.direct import DirectWriter
 
         missing = sorted(set(plan.names.unwritten() if plan.names is not None else ()) & refill.params)
@@ -704,18 +706,18 @@ class VllmApplier:
                 "(sleep_preserve_parameter_names); nothing was written"
             )
         if direct is None or not refill.derived:
-            return direct
+            return direct, ""
         derived = refill.derived
         why = {n: next((d for d in derived if d.startswith(plan.groups.get(n, "") + ".")), None) for n in direct.names}
         keep = frozenset(n for n, d in why.items() if d is None)
         if keep == direct.names:
-            return direct
+            return direct, ""
         examples = sorted({d for d in why.values() if d is not None})
-        self._refill_note = (
+        note = (
             f"; {len(direct.names) - len(keep)} tensors through vLLM's reload for {len(examples)} tensors their "
             f"layers' post-load step derived (e.g. {examples[0]})"
         )
-        return DirectWriter(plan.names, keep, self._live(plan)) if keep else None
+        return (DirectWriter(plan.names, keep, self._live(plan)) if keep else None), note
 
     def _refilled(self, refill: Discarded) -> None:
         if self._refill is refill:
