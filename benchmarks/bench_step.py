@@ -49,8 +49,10 @@ import bench_sync as bs  # noqa: E402 - the model shapes, checkpoint, engine and
 PHASES = ("sync", "guard", "generate", "train", "sleep")
 
 
-def _peak() -> float:
-    return torch.cuda.max_memory_allocated() / 1e9 if bs._on_gpu() else float("nan")
+def _peak(before: int = 0) -> float:
+    """Peak allocated GB: the larger of ``before`` (bytes, recorded ahead of a reset of torch's peak) and torch's
+    peak since; NaN on CPU."""
+    return max(before, torch.cuda.max_memory_allocated()) / 1e9 if bs._on_gpu() else float("nan")
 
 
 def _parse_runs(text: str) -> list[tuple[str, int]]:
@@ -236,7 +238,7 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
                guard_check_s=statistics.median(g - r for g, r in zip(times["guard"][1:] or times["guard"],
                                                                       rollout_s[1:] or rollout_s)),
                guard_rollout_s=statistics.median(rollout_s[1:] or rollout_s),
-               first_guard_s=times["guard"][0], peak_gb=max(peak / 1e9, _peak()) if bs._on_gpu() else _peak(), false_alarms=len(alarms), weak=guard.weak,
+               first_guard_s=times["guard"][0], peak_gb=_peak(peak), false_alarms=len(alarms), weak=guard.weak,
                spread_mean=spread.mean_abs if spread is not None else None, alarms=alarms[:5],
                log=[line for line in kept if "verify after" in line or "weak" in line][:6])
     import hwsync
