@@ -68,24 +68,37 @@ def timed(fn: Callable[[], object], repeat: int, sync: Callable[[], None]) -> fl
 
 
 def sweep(time_checked: Callable[[], float], t_copy: float) -> None:
-    """Time the grouped checking copy's kernel per (BLOCK, WARPS, programs per multiprocessor); keep the fastest for
-    the rows below."""
+    """Time the grouped checking copy's kernel per (words per block, warps, streaming cache hints); keep the fastest
+    for the rows below, and time the fastest once more without its check (what the check itself costs)."""
     import itertools
 
     import hwsync.common.cuda.checked_copy as cc
+    from hwsync.common import finite
 
     rows = []
-    for block, warps, per_sm in itertools.product((1024, 2048, 4096, 8192), (2, 4, 8), (4, 8, 16, 32)):
-        if block // (32 * warps) < 4 or block // (32 * warps) > 128:  # fewer than 4 elements a thread: not a copy kernel's shape
+    failed = 0
+    for block, warps, streaming in itertools.product((512, 1024, 2048, 4096), (2, 4, 8), (False, True)):
+        if not 4 <= block // (32 * warps) <= 64:  # words a thread moves per block
             continue
-        cc.BLOCK, cc.WARPS, cc.PROGRAMS_PER_SM = block, warps, per_sm
-        rows.append((time_checked(), block, warps, per_sm))
+        cc.BLOCK, cc.WARPS, cc.STREAMING = block, warps, streaming
+        seconds = time_checked()
+        if finite._UNUSABLE:  # this variant failed to build or run (logged): the copies fell back
+            finite._UNUSABLE.clear()
+            failed += 1
+            continue
+        rows.append((seconds, block, warps, streaming))
     rows.sort()
-    print("| BLOCK | WARPS | programs / SM | seconds | x copy |\n| --- | --- | --- | --- | --- |")
-    for t, block, warps, per_sm in rows[:8] + rows[-2:]:
-        print(f"| {block} | {warps} | {per_sm} | {t:.4f} | {t / t_copy:.3f} |")
-    _, cc.BLOCK, cc.WARPS, cc.PROGRAMS_PER_SM = rows[0]
-    print(f"fastest: BLOCK={cc.BLOCK} WARPS={cc.WARPS} PROGRAMS_PER_SM={cc.PROGRAMS_PER_SM} ({len(rows)} tried)", flush=True)
+    print("| words / block | warps | streaming hints | seconds | x the fastest copy |")
+    print("| --- | --- | --- | --- | --- |")
+    for t, block, warps, streaming in rows[:6] + rows[-2:]:
+        print(f"| {block} | {warps} | {streaming} | {t:.4f} | {t / t_copy:.3f} |")
+    _, cc.BLOCK, cc.WARPS, cc.STREAMING = rows[0]
+    cc.CHECK = False
+    unchecked = time_checked()
+    cc.CHECK = True
+    print(f"fastest: BLOCK={cc.BLOCK} WARPS={cc.WARPS} STREAMING={cc.STREAMING} ({len(rows)} ran, {failed} failed): "
+          f"{rows[0][0]:.4f} s; the same kernel without the check {unchecked:.4f} s; the fastest copy {t_copy:.4f} s",
+          flush=True)
 
 
 def main() -> None:
@@ -159,7 +172,7 @@ def main() -> None:
     copy()
     both()  # warm-up
     if args.sweep and cuda:
-        sweep(lambda: timed(checked, 3, sync), timed(copy, 3, sync))
+        sweep(lambda: timed(checked, 3, sync), min(timed(copy, 3, sync), timed(copy_each, 3, sync)))
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
         base_mem = torch.cuda.memory_allocated(dev)

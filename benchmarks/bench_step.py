@@ -130,6 +130,26 @@ def _train(model: Any, opt: Any, ids: torch.Tensor, attn: torch.Tensor, comp: to
     return logp.detach()
 
 
+def _profiler() -> Any:
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
+
+
+def _print_profile(profile: Any, what: str, top: int = 30) -> None:
+    """Where the host's time went (cumulative), device work waited for inside the profile."""
+    import io
+    import pstats
+
+    bs._sync_device()
+    profile.disable()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(top)
+    print(f"--- cProfile of {what} ---\n{out.getvalue()}", flush=True)
+
+
 def _in_use() -> float:
     """Device memory in use, GB (vLLM's sleeping pool is unmapped behind torch's allocator: only the device says)."""
     free, total = torch.cuda.mem_get_info()
@@ -172,12 +192,16 @@ def run(llm: Any, path: Path, strategy: str, rank: int, args: argparse.Namespace
         t: dict[str, float] = {}
         bs._sync_device()
         t0 = time.perf_counter()
+        profile = _profiler() if step == args.profile_step else None
         try:
             # the guard's check runs inside TrainerSync.sync: timed apart from the sync itself below
             _, numbers = guard.sync(llm, model, step)
             alarm = None
         except VerifyError as e:
             numbers, alarm = {}, str(e)
+        finally:
+            if profile is not None:
+                _print_profile(profile, f"step {step}'s sync and check")
         bs._sync_device()
         t_sync_guard = time.perf_counter() - t0
         t["guard"] = numbers.get("hwsync/verify_ms", 0.0) / 1e3
@@ -284,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the trainer's LoRA parameters (PEFT's default: float32)")
     ap.add_argument("--sleep", default="0", help="comma-separated vLLM sleep levels, a row each (CUDA; 0: no sleep)")
+    ap.add_argument("--profile-step", type=int, default=None,
+                    help="print a cProfile of this step's sync and check (of every run), e.g. a refill after a wake")
     ap.add_argument("--json", default=None)
     ap.add_argument("--strict", action="store_true", help="exit 1 on a false alarm")
     args = ap.parse_args(argv)

@@ -22,6 +22,7 @@ from hwsync.common.errors import EngineAsleepError, StaleEngineError, SyncError
 from hwsync.testing import close_llm, make_llm, require_vllm
 from hwsync.testing.sleep import stand_in_sleep, worker_of
 from hwsync.testing.trainer import fail_at, lora_trainer, perturb
+from hwsync.trainer.api import _plans, as_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -56,7 +57,6 @@ def _logprobs(llm: Any) -> list[list[float]]:
 
 def _slots(llm: Any) -> dict[str, torch.Tensor]:
     """Every LoRA slot tensor of hwsync's adapter's slot (cloned)."""
-    from hwsync.trainer.api import as_engine
 
     wm = worker_of(llm).model_runner.lora_manager._adapter_manager
     slot = wm.lora_index_to_id.index(as_engine(llm).lora_request.lora_int_id)
@@ -89,6 +89,7 @@ def test_adapter_refill_after_level2_wake_is_exact(engine: tuple[Any, Any], tiny
     steady = hwsync.sync(llm, model)
     assert steady.strategy == "adapter" and steady.base_tensors == 0, steady.line()
     out, params, slots = _logprobs(llm), _params(llm), _slots(llm)
+    (planned,) = _plans(as_engine(llm), model).values()
 
     llm.sleep(level=2)
     assert stand_in.discards == 1
@@ -106,6 +107,9 @@ def test_adapter_refill_after_level2_wake_is_exact(engine: tuple[Any, Any], tiny
     assert not _equal(params, _params(llm)), "parameters differ from before the sleep"
     assert not _equal(slots, _slots(llm)), "LoRA slots differ from before the sleep"
     assert _logprobs(llm) == out
+    # the refill re-sent the first sync's plan and went back to the steady one: nothing planned anew (describing a
+    # 48-layer MoE's LoRA paths and reading its adapter again cost ~2 s of a refill on an H200)
+    assert _plans(as_engine(llm), model)[planned.options] is planned
 
     perturb(model, 3)
     after = hwsync.sync(llm, model)

@@ -23,7 +23,14 @@ from typing import Any
 from torch import nn
 
 from hwsync.common.config import raw
-from hwsync.common.errors import AdapterFormatError, HwsyncError, OptionError, PlanChangedError, SyncError
+from hwsync.common.errors import (
+    AdapterFormatError,
+    EngineAsleepError,
+    HwsyncError,
+    OptionError,
+    PlanChangedError,
+    SyncError,
+)
 from hwsync.common.lora_formats import FoldFn
 from hwsync.common.progress import phase
 from hwsync.common.target import Engine, ProgressFn
@@ -118,16 +125,25 @@ class SyncPlan:
     manifest: Manifest
     synced_version: int = 0
     """The engine version the last sync of this plan left (the next one expects the engine there)."""
+    with_base: SyncPlan | None = dataclasses.field(default=None, repr=False, compare=False)
+    """On a steady adapter/hybrid plan: the plan that carried the base before it, which a refill sends again."""
+    steady: SyncPlan | None = dataclasses.field(default=None, repr=False, compare=False)
+    """On a plan that carries the base: the steady plan made after its first sync, taken again after a refill."""
 
     @classmethod
     def make(
-        cls, engine: Engine, model: nn.Module, options: SyncOptions, signature: tuple[Any, ...] | None = None
+        cls,
+        engine: Engine,
+        model: nn.Module,
+        options: SyncOptions,
+        signature: tuple[Any, ...] | None = None,
+        first: EngineInfo | None = None,
     ) -> SyncPlan:
-        """Describe the engine once and plan from that."""
+        """Describe the engine once and plan from that (``first``: its plain description, where just asked)."""
         from hwsync.trainer.merged import refuse_non_lora
 
         refuse_non_lora(model)  # IA3, prompt tuning, ...: no strategy syncs them; said before the engine is asked
-        info, lora = describe_for(engine, model)
+        info, lora = describe_for(engine, model, first)
         return cls.from_description(model, options, info, lora, _signature(model) if signature is None else signature)
 
     @classmethod
@@ -177,12 +193,32 @@ class SyncPlan:
         if not self.payload.includes_base or self.payload.strategy is Strategy.FULL:
             self.synced_version = version
             return self
+        if self.steady is not None:  # a refill: the steady plan (and what verify cached about it) from before
+            self.steady.synced_version = version
+            return self.steady
         held = dataclasses.replace(self.info, version=version, stale=False, base_key=self.manifest.base_key)
         steady = SyncPlan.from_description(
             model, self.options, held, self.lora, self.signature, readers=self.payload.lora_readers
         )  # the same fold buffers from here on
         steady.synced_version = version
+        steady.with_base, self.steady = self, steady
         return steady
+
+    def for_refill(self, engine: Engine) -> tuple[SyncPlan | None, EngineInfo]:
+        """The plan that carries the base again, where the engine refused this one only because vLLM discarded the
+        weights this plan's syncs wrote (a level-2 sleep) and nothing else changed: the engine at the version this plan
+        left, the same engine otherwise. One state round trip instead of a new plan (describing a 48-layer MoE's
+        ~18,600 LoRA paths and reading the adapter again cost ~2 s of a refill); with the engine's description it
+        was decided on (a new plan starts from it). ``None``: plan anew."""
+        now = engine.describe()
+        again = self if self.payload.includes_base else self.with_base
+        if again is None or not now.refill or now.version != self.synced_version or _layout(now) != _layout(self.info):
+            return None, now
+        again.info = dataclasses.replace(
+            again.info, version=now.version, stale=now.stale, base_key=now.base_key, refill=now.refill
+        )
+        again.synced_version = now.version
+        return again, now
 
     def synced(self) -> SyncedPlan:
         """What :mod:`hwsync.verify` checks the engine against: this plan's last sync, as plain data."""
@@ -292,15 +328,18 @@ def _sharding(model: nn.Module) -> tuple[str, tuple[Any, ...]]:
     return known[1], signature
 
 
-def describe_for(engine: Engine, model: nn.Module) -> tuple[EngineInfo, TrainerLora | AdapterFormatError | None]:
+def describe_for(
+    engine: Engine, model: nn.Module, first: EngineInfo | None = None
+) -> tuple[EngineInfo, TrainerLora | AdapterFormatError | None]:
     """One description of the engine for syncing ``model``, and the trainer's LoRA as it would travel
     (:func:`hwsync.trainer.payload.read_lora`): what the engine serves, whether it serves LoRA on the trainer's modules,
     and which of the trainer's base tensors it keeps in a wider dtype (those travel in it). Two round trips for a PEFT
-    model (where its modules land in vLLM's LoRA format depends on the engine), one otherwise."""
+    model (where its modules land in vLLM's LoRA format depends on the engine; ``first``: the first, where the
+    caller just asked), one otherwise."""
     lora: TrainerLora | AdapterFormatError | None = None
     paths: list[str] = []
     if has_adapter(model):
-        first = engine.describe()
+        first = engine.describe() if first is None else first
         lora = read_lora(model, first)
         if isinstance(lora, TrainerLora) and first.lora_enabled:
             paths = lora.vllm_paths
@@ -346,15 +385,18 @@ def sync(
         )
     engine = as_engine(target)
     t0 = time.perf_counter()
+    refused: SyncPlan | None = None
     for attempt in range(2):
-        plan, manifest = _prepare(engine, model, options, version, signature, retry=attempt > 0)
+        plan, manifest = _prepare(engine, model, options, version, signature, retry=attempt > 0, previous=refused)
         try:
             result = engine.send(manifest, plan.payload.produce, progress)
         except PlanChangedError:
-            _plans(engine, model).pop(options, None)
+            refused = _plans(engine, model).pop(options, None)
             if attempt:
                 raise
             continue
+        except EngineAsleepError:  # refused before anything was read or written: the plan holds
+            raise
         except BaseException:
             _plans(engine, model).pop(options, None)  # whatever the engine holds now, the next sync plans anew
             raise
@@ -370,17 +412,33 @@ def _prepare(
     signature: tuple[Any, ...],
     *,
     retry: bool,
+    previous: SyncPlan | None = None,
 ) -> tuple[SyncPlan, Manifest]:
-    """The plan to sync with (the cached one while it holds; a new one on a retry) and its next manifest."""
+    """The plan to sync with (the cached one while it holds; on a retry the plan that carries the base where only a
+    refill was missing (:meth:`SyncPlan.for_refill`), else a new one) and its next manifest."""
     plans = _plans(engine, model)
     plan = None if retry else plans.get(options)
+    first = None
+    if retry and previous is not None and previous.holds(signature):
+        plan, first = previous.for_refill(engine)
+        if plan is not None:
+            return plan, plan.manifest_for(version, fresh=True)
     fresh = plan is None or not plan.holds(signature)
     if fresh:
         plans.pop(options, None)
         with phase("sync planned"):
-            plan = SyncPlan.make(engine, model, options, signature)
+            plan = SyncPlan.make(engine, model, options, signature, first=first)
     assert plan is not None
     return plan, plan.manifest_for(version, fresh=fresh)
+
+
+_STATE = frozenset({"version", "stale", "base_key", "lora_int_id", "lora_name", "refill", "unservable", "kept_dtypes"})
+
+
+def _layout(info: EngineInfo) -> tuple[Any, ...]:
+    """What an engine's description says about the engine itself (not its sync state, nor the answers about the paths
+    and tensors a trainer asked about): equal before and after a sleep of the same engine."""
+    return tuple(repr(getattr(info, f.name)) for f in dataclasses.fields(info) if f.name not in _STATE)
 
 
 def _finish(

@@ -3,17 +3,22 @@ an infinity", in one read of every ``src`` and **one kernel launch per group**.
 
 Why: refusing non-finite weights (:mod:`hwsync.common.finite`) with a separate reduction reads every synced byte a
 second time: +75% on a 60 GB in-place full sync on an H200 (32.6 ms over a 43.4 ms copy). Checking inside the copy that
-writes the weights costs a compare per element that the copy's memory traffic hides. One launch per tensor was at copy
-speed alone but not inside the 48-layer sync, whose host already issues ~530 in-place writes in ~34 ms: the Triton
-launches (tens of microseconds of Python each) showed as +21% to +111%. So the receiver queues a bucket's checked
-copies and launches them together (:meth:`hwsync.common.finite.FiniteFlags.close`): one launch per bucket.
+writes the weights costs a few integer operations per element that the copy's memory traffic hides. One launch per
+tensor was at copy speed alone but not inside the 48-layer sync, whose host already issues ~530 in-place writes in
+~34 ms: the Triton launches (tens of microseconds of Python each) showed as +21% to +111%. So the receiver queues a
+bucket's checked copies and launches them together (:meth:`hwsync.common.finite.FiniteFlags.close`): one launch per
+bucket.
 
-The kernel is persistent: a fixed grid of programs walks the group's pairs in order, each program taking every
-``programs``-th block of ``BLOCK`` elements of each pair, then the pair's partial tail. The pairs' addresses reach it
-as element offsets from the first pair's tensors (one flat address space), hinted as multiples of 16 bytes, so every
-whole block moves in 16-byte accesses. The flag is an ``int32`` on the device, set to 1 by any program that saw a
-non-finite value (no host synchronization). Pairs it cannot take (another dtype, not contiguous, not 16-byte aligned)
-are returned to the caller, which copies and reduces them separately.
+The kernel moves 32-bit words whatever the dtype (a pair is taken when its bytes are a whole number of words) and
+tests the exponent fields of each word without converting: a field is NaN or infinite exactly when all its exponent
+bits are set, and ``(~w & M) + M`` (``M`` the exponent masks of the word's fields) carries into each field's top bit
+exactly when the field's exponent is not all ones -- three integer operations per word for two bf16 values, against
+a float conversion and two compares per value. The pairs reach it as word offsets from the first pair's tensors (one
+flat address space, multiples of 16 bytes: 16-byte accesses) with each pair's first block in the group's sequence of
+blocks; a program copies one block, its pair found by a binary search of those first blocks. The flag is an
+``int32`` on the device, set to 1 by any program that saw a non-finite value (no host synchronization). Pairs it
+cannot take (another dtype, not contiguous, not 16-byte aligned, an odd number of 16-bit values) are returned to the
+caller, which copies and reduces them separately.
 """
 
 from __future__ import annotations
@@ -28,19 +33,27 @@ from torch import Tensor
 
 __all__ = ["checked_copy_all", "available", "MIN_BYTES"]
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCK, WARPS, PROGRAMS_PER_SM = 2048, 4, 16
-"""Elements per block, warps per program, programs per multiprocessor. BLOCK 2048 x 4 warps was the fastest of 45
-configurations of the one-launch-per-tensor kernel alone on 59.5 GB (30.0 ms, Tensor.copy_ 29.1 ms on an H200);
-``benchmarks/bench_isfinite.py --sweep`` times the grouped kernel's (docs/performance.md)."""
+_FIELDS = {  # per dtype: the exponent masks of one 32-bit word's fields, and their top bits (as signed int32)
+    torch.bfloat16: (0x7F807F80, 0x80008000 - (1 << 32)),
+    torch.float16: (0x7C007C00, 0x80008000 - (1 << 32)),
+    torch.float32: (0x7F800000, 0x80000000 - (1 << 32)),
+}
+BLOCK, WARPS, STREAMING = 1024, 4, True
+"""Words per block (a program each), warps per program, streaming cache hints: the fastest of
+``benchmarks/bench_isfinite.py --sweep`` on an H200 (59.5 GB in 29.4 ms, ``Tensor.copy_`` 29.1 ms; docs/performance.md).
+A persistent grid (a fixed number of programs walking the group's blocks) was slower: 31.0 ms at best."""
+CHECK = True
+"""False only in ``bench_isfinite.py --sweep``: the same kernel without the check, to see what the check costs."""
 MIN_BYTES = 8 << 20
 """A tensor written outside a queued bucket (vLLM's own loaders calling hwsync's layout writers) is checked in its copy
 only from this size up; smaller ones are left to the bucket's reduction, which costs less than a launch of their own.
 Queued copies have no floor: the launch is shared."""
-_TABLES: OrderedDict[tuple[Any, ...], Tensor] = OrderedDict()
+_STREAMING = dict(EVICT="evict_first", STORE_CACHE=".cs")  # read once, written once (ptxas refuses .cg + evict_first)
+_CACHED = dict(EVICT="", STORE_CACHE="")
+_TABLES: OrderedDict[tuple[Any, ...], tuple[Tensor, int]] = OrderedDict()
 _KEEP_TABLES = 4096
-"""The pairs' offsets and sizes on the device, per group of addresses: a steady sync writes the same addresses every
-time, so its tables are uploaded once."""
+"""The pairs' offsets, sizes and first blocks on the device, per group of addresses (and block size): a steady sync
+writes the same addresses every time, so its tables are uploaded once."""
 
 
 @functools.cache
@@ -48,40 +61,44 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["count"])
     def copy_check_all(
-        src_base,
+        src_base,  # int32 words
         dst_base,
-        table,  # int64 [3, count]: source offsets, destination offsets (elements from the bases), sizes
+        table,  # int64 [4, count]: source offsets, destination offsets (words from the bases), words, first block
         count,
         flag,
         BLOCK: tl.constexpr,  # noqa: N803 - Triton's spelling
-        VEC: tl.constexpr,  # noqa: N803 - elements in 16 bytes
+        MASK: tl.constexpr,  # noqa: N803 - the exponent masks of a word's fields
+        HIGH: tl.constexpr,  # noqa: N803 - their top bits
+        EVICT: tl.constexpr,  # noqa: N803 - "" or streaming hints
+        STORE_CACHE: tl.constexpr,  # noqa: N803
+        CHECK: tl.constexpr,  # noqa: N803
     ):
         pid = tl.program_id(0).to(tl.int64)
-        programs = tl.num_programs(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
-        seen = tl.zeros([BLOCK], dtype=tl.int32)
-        for i in range(count):
-            s0 = tl.multiple_of(tl.load(table + i), VEC)
-            d0 = tl.multiple_of(tl.load(table + count + i), VEC)
-            n = tl.load(table + 2 * count + i)
-            whole = n // BLOCK
-            for b in range(pid, whole, programs):  # whole blocks: no mask, 16-byte accesses
-                offs = b * BLOCK + lanes
-                x = tl.load(src_base + s0 + offs)
-                tl.store(dst_base + d0 + offs, x)
-                y = x.to(tl.float32)
-                seen |= ((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32)
-            if whole % programs == pid:  # the pair's partial tail, by the program whose turn it is
-                offs = whole * BLOCK + lanes
-                mask = offs < n
-                x = tl.load(src_base + s0 + offs, mask=mask, other=0)
-                tl.store(dst_base + d0 + offs, x, mask=mask)
-                y = x.to(tl.float32)
-                seen |= ((y != y) | (tl.abs(y) == float("inf"))).to(tl.int32)
-        if tl.max(seen, axis=0) > 0:
-            tl.store(flag, 1)
+        lo = pid * 0  # the program's pair: the last whose first block is <= pid (a binary search of the table)
+        hi = lo + count - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ahead = tl.load(table + 3 * count + mid) > pid
+            lo = tl.where(ahead, lo, mid)
+            hi = tl.where(ahead, mid - 1, hi)
+        src = src_base + tl.multiple_of(tl.load(table + lo), 4)
+        dst = dst_base + tl.multiple_of(tl.load(table + count + lo), 4)
+        n = tl.load(table + 2 * count + lo)
+        start = (pid - tl.load(table + 3 * count + lo)) * BLOCK
+        offs = start + lanes
+        if start + BLOCK <= n:  # a whole block: no mask, 16-byte accesses
+            w = tl.load(src + offs, eviction_policy=EVICT)
+            tl.store(dst + offs, w, cache_modifier=STORE_CACHE)
+        else:  # the pair's partial tail
+            w = tl.load(src + offs, mask=offs < n, other=0)
+            tl.store(dst + offs, w, mask=offs < n)
+        if CHECK:  # a field's top bit stays clear after the add exactly when its exponent bits are all set
+            seen = ~((~w & MASK) + MASK) & HIGH
+            if tl.max((seen != 0).to(tl.int32), axis=0) > 0:
+                tl.store(flag, 1)
 
     return copy_check_all
 
@@ -96,17 +113,14 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def _takes(dst: Tensor, src: Tensor, min_bytes: int) -> bool:
+    nbytes = src.numel() * src.element_size()
     return (
         src.is_cuda
-        and src.numel() * src.element_size() >= min_bytes
+        and nbytes >= min_bytes
+        and nbytes % 4 == 0
         and dst.device == src.device
-        and dst.dtype == src.dtype in _DTYPES
+        and dst.dtype == src.dtype in _FIELDS
         and dst.shape == src.shape
         and src.is_contiguous()
         and dst.is_contiguous()
@@ -115,29 +129,37 @@ def _takes(dst: Tensor, src: Tensor, min_bytes: int) -> bool:
     )
 
 
-def _table(dsts: Sequence[Tensor], srcs: Sequence[Tensor], device: torch.device) -> Tensor:
-    size = srcs[0].element_size()
+def _table(dsts: Sequence[Tensor], srcs: Sequence[Tensor], device: torch.device) -> tuple[Tensor, int]:
+    """The group's table on the device and its number of blocks."""
     s_base, d_base = srcs[0].data_ptr(), dsts[0].data_ptr()
-    key = (device, size, tuple(s.data_ptr() for s in srcs), tuple(d.data_ptr() for d in dsts),
-           tuple(s.numel() for s in srcs))  # fmt: skip
-    table = _TABLES.get(key)
-    if table is None:
-        rows = [[(s - s_base) // size for s in key[2]], [(d - d_base) // size for d in key[3]], list(key[4])]
-        table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-        _TABLES[key] = table
-        if len(_TABLES) > _KEEP_TABLES:
-            _TABLES.popitem(last=False)
-    else:
+    key = (device, BLOCK, tuple(s.data_ptr() for s in srcs), tuple(d.data_ptr() for d in dsts),
+           tuple(s.numel() * s.element_size() // 4 for s in srcs))  # fmt: skip
+    hit = _TABLES.get(key)
+    if hit is not None:
         _TABLES.move_to_end(key)
-    return table
+        return hit
+    firsts, blocks = [], 0
+    for words in key[4]:
+        firsts.append(blocks)
+        blocks += -(-words // BLOCK)
+    rows = [[(s - s_base) // 4 for s in key[2]], [(d - d_base) // 4 for d in key[3]], list(key[4]), firsts]
+    hit = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True), blocks
+    _TABLES[key] = hit
+    if len(_TABLES) > _KEEP_TABLES:
+        _TABLES.popitem(last=False)
+    return hit
+
+
+def _words(t: Tensor) -> Tensor:
+    return t.view(-1).view(torch.int32)
 
 
 # Limitation L13 (docs/limitations.md): one launch per bucket; its cost in the 48-layer sync: docs/performance.md
 def checked_copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tensor, min_bytes: int = 0) -> list[int]:
     """``dst.copy_(src)`` for every pair this kernel takes (contiguous CUDA tensors of one checked dtype and shape,
-    16-byte aligned, of at least ``min_bytes``), setting ``flag`` (int32, on their device) to 1 if any of those
-    sources holds a NaN or an infinity: one launch per (device, dtype). Returns the indices of the pairs it did not
-    take (nothing done)."""
+    16-byte aligned, a whole number of 32-bit words, of at least ``min_bytes``), setting ``flag`` (int32, on their
+    device) to 1 if any of those sources holds a NaN or an infinity: one launch per (device, dtype). Returns the
+    indices of the pairs it did not take (nothing done)."""
     if not available():
         return list(range(len(srcs)))
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -147,19 +169,20 @@ def checked_copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tenso
             groups.setdefault((s.device, s.dtype), []).append(i)
         else:
             left.append(i)
-    for (device, _dtype), idx in groups.items():
-        gd, gs = [dsts[i] for i in idx], [srcs[i] for i in idx]
-        blocks = sum(-(-s.numel() // BLOCK) for s in gs)
-        if not blocks:
+    for (device, dtype), idx in groups.items():
+        gd, gs = [dsts[i] for i in idx if srcs[i].numel()], [srcs[i] for i in idx if srcs[i].numel()]
+        if not gs:
             continue
-        table = _table(gd, gs, device)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        grid = (min(blocks, _multiprocessors(index) * PROGRAMS_PER_SM),)
-        vec = 16 // gs[0].element_size()
+        table, blocks = _table(gd, gs, device)
+        grid = (blocks,)
+        mask, high = _FIELDS[dtype]
         launch = _kernel()[grid]
+        args = (_words(gs[0]), _words(gd[0]), table, len(gs), flag)
+        kw = dict(BLOCK=BLOCK, MASK=mask, HIGH=high, CHECK=CHECK, num_warps=WARPS,
+                  **(_STREAMING if STREAMING else _CACHED))  # fmt: skip
         if device.index is None or device.index == torch.cuda.current_device():  # no device switch per bucket
-            launch(gs[0], gd[0], table, len(gs), flag, BLOCK=BLOCK, VEC=vec, num_warps=WARPS)
+            launch(*args, **kw)
         else:
             with torch.cuda.device(device):
-                launch(gs[0], gd[0], table, len(gs), flag, BLOCK=BLOCK, VEC=vec, num_warps=WARPS)
+                launch(*args, **kw)
     return left

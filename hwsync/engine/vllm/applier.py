@@ -242,6 +242,8 @@ class VllmApplier:
         self._layers_unrestored = False
         self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
         self._packing: tuple[Any, str | None] | None = None  # (experts packing list, its expert_packing_problem)
+        self._servable_of: Any = None  # the LoRA manager _servable's answers are about
+        self._servable: dict[str, str | None] = {}
         self._refill: Discarded | None = None  # what vLLM's last level-2 sleep discarded, until a sync refilled it
 
     # -- facts ----------------------------------------------------------------------------------------------------
@@ -352,15 +354,15 @@ class VllmApplier:
         name = name.removesuffix(".base_layer")
         if name in manager.modules:
             return name, manager.modules[name]
+        m = re.match(r"^(.*\.experts)\.\d+\.[^.]+$", name)  # before the packing lists: the experts' one is long
+        if m and m.group(1) in manager.modules:
+            return name, manager.modules[m.group(1)]
         for packed, parts in manager.packed_modules_mapping.items():
             for part in parts:
                 if name.endswith("." + part):
                     owner = name[: -len(part)] + packed
                     if owner in manager.modules:
                         return name, manager.modules[owner]
-        m = re.match(r"^(.*\.experts)\.\d+\.[^.]+$", name)
-        if m and m.group(1) in manager.modules:
-            return name, manager.modules[m.group(1)]
         return name, None
 
     def _packing_problem(self, manager: Any) -> str | None:
@@ -371,7 +373,17 @@ class VllmApplier:
         return self._packing[1]
 
     def _unservable(self, manager: Any, path: str) -> str | None:
-        """Why vLLM cannot serve LoRA on ``path`` (phrased per module kind, not per instance), or ``None``."""
+        """Why vLLM cannot serve LoRA on ``path`` (phrased per module kind, not per instance), or ``None``. Answered
+        once per path and LoRA manager (the engine's layers do not change): a 48-layer MoE asks about ~18,600 expert
+        paths, and a wake from a level-2 sleep or a new trainer asks again."""
+        if self._servable_of is manager and path in self._servable:
+            return self._servable[path]
+        if self._servable_of is not manager:
+            self._servable_of, self._servable = manager, {}
+        why = self._servable[path] = self._why_unservable(manager, path)
+        return why
+
+    def _why_unservable(self, manager: Any, path: str) -> str | None:
         from hwsync.common.capabilities import vllm_capabilities
 
         name, module = self.lora_module(manager, path)
