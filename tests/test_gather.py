@@ -212,9 +212,6 @@ def make_recorder() -> Any:
         def logprobs(self, prompts: Any, max_tokens: int) -> Any:  # pragma: no cover - not used here
             raise NotImplementedError
 
-        def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:  # pragma: no cover
-            raise NotImplementedError
-
     return _Recorder()
 
 

@@ -61,9 +61,6 @@ class Recorder(Engine):
     def logprobs(self, prompts: Any, max_tokens: int) -> Any:  # pragma: no cover - not used here
         raise NotImplementedError
 
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:  # pragma: no cover
-        raise NotImplementedError
-
 
 def tiny_model(lora: bool) -> Any:
     from transformers import Qwen3MoeForCausalLM

@@ -39,6 +39,8 @@ _CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _WRITING: contextvars.ContextVar[FiniteFlags | None] = contextvars.ContextVar("hwsync_finite_writing", default=None)
 _DEFERRING: contextvars.ContextVar[bool] = contextvars.ContextVar("hwsync_finite_deferring", default=False)
+_SLOTS = 256
+"""Checking-copy flags per device buffer (a 48-layer sync in 512 MiB buckets uses ~100)."""
 _UNUSABLE: set[str] = set()
 """Device kinds whose checking copy failed to run in this process (a kernel that does not build or launch there):
 their copies are plain and their sources reduced from then on, so syncs go on, checked the slower way."""
@@ -70,7 +72,10 @@ class FiniteFlags:
         self._pending: dict[tuple[torch.device, int, int], Tensor] = {}
         self._queue: list[tuple[Tensor, Tensor]] = []
         self._queued: set[tuple[torch.device, int]] = set()
-        self._copy_flags: dict[torch.device, Tensor] = {}
+        self._copy_flags: dict[torch.device, Tensor] = {}  # the open bucket's flag per device: a slot of a buffer
+        self._buffers: dict[torch.device, list[Tensor]] = {}  # zeroed int32 chunks, a slot per bucket and device
+        self._slots: list[tuple[int, torch.device, int]] = []  # (bucket, device, slot) of every checking copy's flag
+        self._used: dict[torch.device, int] = {}
         self.checked_in_copy = 0
         """Tensors checked by the copy that wrote them (the benchmarks and tests read it)."""
 
@@ -96,8 +101,6 @@ class FiniteFlags:
         for group in groups.values():
             peaks = torch._foreach_norm(group, float("inf"))
             self._flags.append((self._index, torch.stack(peaks).isfinite().all()))
-        for flag in self._copy_flags.values():
-            self._flags.append((self._index, flag == 0))
         self._copy_flags.clear()
 
     @contextlib.contextmanager
@@ -117,9 +120,17 @@ class FiniteFlags:
             _WRITING.reset(token)
 
     def _flag(self, device: torch.device) -> Tensor:
+        """The open bucket's checking-copy flag on ``device``: the next slot of a zeroed buffer (one allocation per
+        ``_SLOTS`` buckets, read back with the rest: no launch of its own per bucket)."""
         flag = self._copy_flags.get(device)
         if flag is None:
-            flag = self._copy_flags[device] = torch.zeros((), dtype=torch.int32, device=device)
+            chunks = self._buffers.setdefault(device, [])
+            slot = self._used.get(device, 0)
+            self._used[device] = slot + 1
+            if slot == len(chunks) * _SLOTS:
+                chunks.append(torch.zeros(_SLOTS, dtype=torch.int32, device=device))
+            flag = self._copy_flags[device] = chunks[slot // _SLOTS][slot % _SLOTS]
+            self._slots.append((self._index, device, slot))
         return flag
 
     def _flush(self) -> None:
@@ -162,13 +173,18 @@ class FiniteFlags:
     def non_finite(self) -> list[int]:
         """Indices of the buckets that carried a NaN or an infinity (one host read per device)."""
         self.close()
-        by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
-        for index, flag in self._flags:
-            by_device.setdefault(flag.device, []).append((index, flag))
+        reduced: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        for index, ok in self._flags:
+            reduced.setdefault(ok.device, []).append((index, ok))
         bad: set[int] = set()
-        for flags in by_device.values():
-            ok = torch.stack([f for _, f in flags]).cpu().tolist()
-            bad.update(index for (index, _), fine in zip(flags, ok) if not fine)
+        for device in {*reduced, *self._buffers}:
+            chunks = self._buffers.get(device, [])
+            flags = reduced.get(device, [])
+            parts = [*chunks] + ([torch.stack([ok for _, ok in flags]).logical_not().to(torch.int32)] if flags else [])
+            seen = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist()  # one read per device
+            copied = len(chunks) * _SLOTS
+            bad.update(index for index, d, slot in self._slots if d == device and seen[slot])
+            bad.update(index for k, (index, _) in enumerate(flags) if seen[copied + k])
         return sorted(bad)
 
     def describe(self, bad: Sequence[int]) -> str:

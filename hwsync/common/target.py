@@ -21,7 +21,7 @@ from torch import Tensor
 from hwsync.common.errors import StaleEngineError
 from hwsync.common.wire import EngineInfo, Manifest
 
-__all__ = ["Engine", "IN_MEMORY_LORA", "ProgressFn"]
+__all__ = ["Engine", "EngineQueries", "Generating", "IN_MEMORY_LORA", "ProgressFn"]
 
 IN_MEMORY_LORA = "hwsync-in-memory://"
 """Path prefix of the ``LoRARequest`` hwsync reports: the adapter lives in the engine's memory only, so vLLM cannot load
@@ -32,8 +32,10 @@ ProgressFn = Callable[[int, int], None]
 aborts the sync (the engine keeps its previous adapter, or turns stale if base weights were being written)."""
 
 
-class Engine(abc.ABC):
-    """A sync target."""
+class EngineQueries(abc.ABC):
+    """What every handle on an engine answers: its description, its sync state and greedy logprobs -- all
+    :func:`hwsync.verify` asks. Views that only check an engine (one engine of several, rank 0's engine as a sharded
+    trainer's other ranks see it, the engine process's own surface) are this and no more."""
 
     mode: str = "colocate"
 
@@ -41,7 +43,8 @@ class Engine(abc.ABC):
         self.lock = threading.RLock()
         """Held by every sync and every generation through this handle: one at a time per engine."""
         self.plans: dict[str, Any] = {}
-        """Trainer-side sync plans per model (:mod:`hwsync.trainer.api`), so a steady-state sync skips planning."""
+        """Trainer-side sync plans per model (:mod:`hwsync.trainer.api`): a steady-state sync skips planning, and
+        :func:`hwsync.verify` reads what was last synced."""
 
     @abc.abstractmethod
     def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:
@@ -53,25 +56,9 @@ class Engine(abc.ABC):
         """The receiver's state (:class:`hwsync.common.wire.ReceiverState` as a dict)."""
 
     @abc.abstractmethod
-    def send(
-        self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
-    ) -> dict[str, Any]:
-        """Send ``manifest``, have it validated, then stream the tensors; returns the receiver's summary."""
-
-    @abc.abstractmethod
     def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
         """Greedy-generate ``max_tokens`` per prompt; return (prompt+completion ids, logprob of each id after the
         first) as the engine computed them. Refuses on a stale engine."""
-
-    @abc.abstractmethod
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
-        """``LLM.generate`` with the synced adapter; refuses on a stale engine, waits for a sync in progress."""
-
-    def warm(self, manifest: Manifest) -> None:
-        """Have ``manifest`` (a next sync's) validated now where that costs no round trip of its own (colocated):
-        after a first sync that carried the base, the steady plan's validation is then not paid by the second sync.
-        Default: nothing (the sync validates it)."""
-        return None
 
     def check_servable(self) -> None:
         """Raise :class:`~hwsync.common.errors.StaleEngineError` while the engine holds a partially applied sync."""
@@ -94,3 +81,28 @@ class Engine(abc.ABC):
             return None
 
         return LoRARequest(st["lora_name"], st["lora_int_id"], f"{IN_MEMORY_LORA}{st['lora_name']}")
+
+
+class Engine(EngineQueries):
+    """A sync target: a handle :func:`hwsync.sync` sends through (:func:`hwsync.trainer.api.as_engine`)."""
+
+    @abc.abstractmethod
+    def send(
+        self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
+    ) -> dict[str, Any]:
+        """Send ``manifest``, have it validated, then stream the tensors; returns the receiver's summary."""
+
+    def warm(self, manifest: Manifest) -> None:
+        """Have ``manifest`` (a next sync's) validated now where that costs no round trip of its own (colocated):
+        after a first sync that carried the base, the steady plan's validation is then not paid by the second sync.
+        Default: nothing (the sync validates it)."""
+        return None
+
+
+class Generating(abc.ABC):
+    """A handle that generates in this process (an in-process ``vllm.LLM``): :func:`hwsync.generate` through it waits
+    for a sync in progress and refuses on a stale engine. A handle on an engine in another process does not."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        """``LLM.generate`` with the synced adapter; refuses on a stale engine, waits for a sync in progress."""

@@ -1,6 +1,6 @@
 """The engine host inside vLLM's OpenAI-compatible server (``vllm serve``, which ``trl vllm-serve`` runs):
-:class:`ServedEngine`, the :class:`~hwsync.common.target.Engine` surface :class:`~hwsync.engine.server.SyncServer`
-drives over vLLM's async engine client. The middleware that starts it and the flags that put it in the
+:class:`ServedEngine`, the surface :class:`~hwsync.engine.server.SyncServer` drives over vLLM's async engine
+client. The middleware that starts it and the flags that put it in the
 server are :mod:`hwsync.integrations.vllm_serve`; users name them through the public face
 :mod:`hwsync.server.vllm_api`.
 
@@ -31,12 +31,12 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from hwsync.common.errors import SyncError, UnsupportedSetupError, decode_error
-from hwsync.common.target import Engine
+from hwsync.common.target import EngineQueries
 from hwsync.common.transport.base import LinkSpec
 from hwsync.common.wire import EngineInfo, Manifest
 
@@ -50,8 +50,9 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
 _ids = itertools.count()
 
 
-class ServedEngine(Engine):
-    """The :class:`~hwsync.common.target.Engine` surface :class:`SyncServer` drives, over vLLM's async engine client.
+class ServedEngine(EngineQueries):
+    """The engine-process surface :class:`SyncServer` drives, over vLLM's async engine client: it receives syncs and
+    answers queries; generation is vLLM's HTTP routes' (:data:`GENERATION_ROUTES`).
 
     Calls run as coroutines on the API server's event loop (:meth:`_run`, from the sync server's threads) and reach
     the workers as ``collective_rpc("hwsync_call", ...)`` (:class:`hwsync.vllm.HwsyncWorkerExtension`)."""
@@ -92,7 +93,7 @@ class ServedEngine(Engine):
                 raise decode_error(value)
         return [value for _, value in replies]
 
-    # -- Engine ---------------------------------------------------------------------------------------------------
+    # -- queries ---------------------------------------------------------------------------------------------------
     def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:
         shapes = None if base is None else {str(n): [int(d) for d in s] for n, s in base.items()}
         return EngineInfo.from_dict(self._rpc_all("describe", list(lora_paths), shapes)[0])
@@ -173,14 +174,6 @@ class ServedEngine(Engine):
         ):
             last = out
         return last
-
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
-        raise UnsupportedSetupError(
-            "generate through vLLM's HTTP routes (this server's clients); hwsync's handle on it only syncs and checks"
-        )
-
-    def send(self, manifest: Manifest, produce: Callable[[], Iterator[Any]], progress: Any) -> dict[str, Any]:
-        raise UnsupportedSetupError("internal: the engine side of server mode receives; it does not send")
 
     # -- the API server's side ------------------------------------------------------------------------------------
     @contextmanager

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from hwsync.common.errors import SyncError, encode_error
+from hwsync.common.errors import SyncError, UnsupportedSetupError, encode_error
 from hwsync.common.protocol import (
     DEFAULT_TIMEOUT_S,
     HANDSHAKE_TIMEOUT_S,
@@ -36,7 +36,7 @@ from hwsync.common.protocol import (
     split_address,
     stretch,
 )
-from hwsync.common.target import Engine
+from hwsync.common.target import EngineQueries, Generating
 from hwsync.common.transport.base import LinkSpec
 from hwsync.common.wire import Manifest
 from hwsync.engine.vllm.local import local_engine
@@ -87,7 +87,8 @@ def _base_shapes(base: Any) -> dict[str, list[int]] | None:
 class ServedTarget(Protocol):
     """What :class:`SyncServer` drives: an engine handle of this process (``hwsync.engine.vllm.local.LocalEngine`` for
     an in-process ``vllm.LLM``, ``hwsync.engine.served.ServedEngine`` inside ``vllm serve``) and the lock it shares
-    with generation."""
+    with generation. The first also generates (:class:`~hwsync.common.target.Generating`); inside ``vllm serve``
+    generation is vLLM's HTTP routes'."""
 
     lock: Any
 
@@ -98,7 +99,6 @@ class ServedTarget(Protocol):
         self, manifest: Manifest, spec: LinkSpec, first_rank: int, secret: bytes, abort_key: str
     ) -> dict[str, Any]: ...
     def fingerprints(self, request: dict[str, Any]) -> dict[str, Any] | None: ...
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any: ...
     def logprobs(self, prompts: Any, max_tokens: int) -> Any: ...
 
 
@@ -121,7 +121,7 @@ class SyncServer:
         self._salt = salt
         # the one handle of this engine (also hwsync.sync's and hwsync.generate's): its lock guards both
         # (an Engine as it is: ``trl vllm-serve``'s ServedEngine drives its workers through vLLM's engine client)
-        self.engine: ServedTarget = llm if isinstance(llm, Engine) else local_engine(llm)  # type: ignore[assignment]
+        self.engine: ServedTarget = llm if isinstance(llm, EngineQueries) else local_engine(llm)  # type: ignore[assignment]
         self.timeout_s = float(timeout_s)
         self.idle_s = float(idle_s)
         self.handshake_s = float(handshake_s)
@@ -153,6 +153,11 @@ class SyncServer:
     # -- public, engine process -----------------------------------------------------------------------------------
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
         """``LLM.generate`` serialized with syncs; refuses on a stale engine."""
+        if not isinstance(self.engine, Generating):
+            raise UnsupportedSetupError(
+                "this server runs inside vLLM's API server: generate through its HTTP routes (its clients), which "
+                "hwsync guards against a sync in progress"
+            )
         return self.engine.generate(prompts, sampling_params, **kwargs)
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -30,10 +30,11 @@ from hwsync.common.errors import (
     OptionError,
     PlanChangedError,
     SyncError,
+    UnsupportedSetupError,
 )
 from hwsync.common.lora_formats import FoldFn
 from hwsync.common.progress import phase
-from hwsync.common.target import Engine, ProgressFn
+from hwsync.common.target import Engine, Generating, ProgressFn
 from hwsync.common.wire import EngineInfo, Manifest, Strategy, plan_buckets
 from hwsync.trainer.payload import Payload, TrainerLora, base_shapes, build_payload, has_adapter, model_uuid, read_lora
 from hwsync.trainer.report import SyncReport
@@ -578,8 +579,15 @@ def _send_sharded(
 
 def generate(target: Any, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
     """``LLM.generate`` through hwsync's handle: waits for a sync in progress, refuses on a stale engine
-    (:class:`~hwsync.common.errors.StaleEngineError`), uses the synced adapter when the engine serves one."""
-    return as_engine(target).generate(prompts, sampling_params, **kwargs)
+    (:class:`~hwsync.common.errors.StaleEngineError`), uses the synced adapter when the engine serves one. An engine in
+    another process (:func:`hwsync.connect`) generates there."""
+    engine = as_engine(target)
+    if not isinstance(engine, Generating):
+        raise UnsupportedSetupError(
+            "a remote engine generates in its own process: call server.generate(...) there, or use the serving "
+            "framework's API (ms-swift: swift rollout's routes); this handle syncs and verifies"
+        )
+    return engine.generate(prompts, sampling_params, **kwargs)
 
 
 def as_engine(target: Any) -> Engine:

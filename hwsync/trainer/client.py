@@ -36,7 +36,7 @@ from hwsync.common.protocol import (
     group_prefix,
     split_address,
 )
-from hwsync.common.target import Engine, ProgressFn
+from hwsync.common.target import Engine, EngineQueries, ProgressFn
 from hwsync.common.transport.base import Link, LinkSpec
 from hwsync.common.transport.buckets import bucket_lists, pool_of, send_buckets
 from hwsync.common.transport.seal import Sealer
@@ -165,40 +165,13 @@ class _Closed(SyncError):
     """The server closed the connection before reading the request (idle): nothing was done."""
 
 
-class RemoteEngine(Engine):
-    """A handle on one or more engines served by :func:`hwsync.serve` in other processes."""
+class _RemoteQueries(EngineQueries):
+    """The queries of a handle on engines served by :func:`hwsync.serve`, over its connections (``conns``)."""
 
     mode = "server"
-
-    def __init__(
-        self,
-        addresses: str | Sequence[str],
-        token: str,
-        *,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        data_host: str | None = None,
-    ) -> None:
-        super().__init__()
-        addrs = [addresses] if isinstance(addresses, str) else list(addresses)
-        if not addrs:
-            raise SyncError("connect() needs at least one engine address")
-        if len(set(addrs)) != len(addrs):
-            raise SyncError(f"connect() got the same engine address twice ({', '.join(addrs)}): list each engine once")
-        self.timeout_s = float(timeout_s)
-        check_token(token)
-        self.conns = [_Conn(a, token, self.timeout_s) for a in addrs]
-        if len(self.conns) > 1:
-            for conn in self.conns:
-                conn.label = f"engine {conn.address}: "
-        self.data_host = data_host or self.conns[0].local_host
-        self._store: Any = None
-        self._link: tuple[bytes, Link] | None = None
-        self._workers: list[int] | None = None
-        self._device_type = "cpu"
-        self._owner: dict[str, Any] = {}
-        self.last_timings: dict[str, float] = {}
-        """Milliseconds of the last sync's phases: ``go`` (validated by every engine), ``stream`` (the buckets sent),
-        ``reply`` (waiting for the engines' results), and the engine's own ``engine validate`` / ``engine receive``."""
+    conns: list[_Conn]
+    _workers: list[int] | None = None
+    _device_type = "cpu"
 
     @property
     def address(self) -> str:
@@ -250,16 +223,46 @@ class RemoteEngine(Engine):
         got: dict[str, Any] | None = self.conns[0].call("fingerprints", request)
         return got
 
-    def parts(self) -> list[RemoteEngine]:
+    def parts(self) -> list[_RemoteQueries]:
         """One handle per engine (itself when it spans one), over the same connections and lock, for queries:
         :func:`hwsync.verify` checks every engine. They do not sync (that is this handle's job)."""
         return [self] if len(self.conns) == 1 else [_EngineView(self, conn) for conn in self.conns]
 
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
-        raise UnsupportedSetupError(
-            "a remote engine generates in its own process: call server.generate(...) there, or use the serving "
-            "framework's API (ms-swift: swift rollout's routes); this handle syncs and verifies"
-        )
+
+class RemoteEngine(_RemoteQueries, Engine):
+    """A handle on one or more engines served by :func:`hwsync.serve` in other processes."""
+
+    mode = "server"
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        token: str,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        data_host: str | None = None,
+    ) -> None:
+        super().__init__()
+        addrs = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not addrs:
+            raise SyncError("connect() needs at least one engine address")
+        if len(set(addrs)) != len(addrs):
+            raise SyncError(f"connect() got the same engine address twice ({', '.join(addrs)}): list each engine once")
+        self.timeout_s = float(timeout_s)
+        check_token(token)
+        self.conns = [_Conn(a, token, self.timeout_s) for a in addrs]
+        if len(self.conns) > 1:
+            for conn in self.conns:
+                conn.label = f"engine {conn.address}: "
+        self.data_host = data_host or self.conns[0].local_host
+        self._store: Any = None
+        self._link: tuple[bytes, Link] | None = None
+        self._workers: list[int] | None = None
+        self._device_type = "cpu"
+        self._owner: dict[str, Any] = {}
+        self.last_timings: dict[str, float] = {}
+        """Milliseconds of the last sync's phases: ``go`` (validated by every engine), ``stream`` (the buckets sent),
+        ``reply`` (waiting for the engines' results), and the engine's own ``engine validate`` / ``engine receive``."""
 
     def shutdown(self) -> None:
         """Ask every serving process to stop waiting (``SyncServer.wait()`` returns)."""
@@ -418,25 +421,13 @@ class RemoteEngine(Engine):
         return next((v for ok, v in answers if not ok), None) or [v for _, v in answers]
 
 
-class _EngineView(RemoteEngine):
+class _EngineView(_RemoteQueries):
     """One engine of a :class:`RemoteEngine` that spans several (:meth:`RemoteEngine.parts`): queries only."""
 
-    def __init__(self, parent: RemoteEngine, conn: _Conn) -> None:  # shares the parent's connection
-        Engine.__init__(self)
+    def __init__(self, parent: _RemoteQueries, conn: _Conn) -> None:  # shares the parent's connection
+        super().__init__()
         self.lock, self.plans = parent.lock, parent.plans  # the trainer's plans hold for every engine alike
-        self.conns, self.timeout_s, self.data_host = [conn], parent.timeout_s, parent.data_host
-        self._store, self._link, self._workers, self._device_type, self._owner = None, None, None, "cpu", {}
-
-    def send(
-        self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
-    ) -> dict[str, Any]:
-        raise UnsupportedSetupError(
-            "sync through the handle hwsync.connect returned (it feeds every engine at once), "
-            "not through one of its parts()"
-        )
-
-    def close(self) -> None:
-        """The connection belongs to the handle that spans every engine."""
+        self.conns = [conn]
 
 
 def connect(

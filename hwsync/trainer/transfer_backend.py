@@ -24,7 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from hwsync.common.errors import SyncError, UnsupportedSetupError
-from hwsync.common.target import Engine, ProgressFn
+from hwsync.common.target import Engine, Generating, ProgressFn
 from hwsync.common.transport.buckets import bucket_lists
 from hwsync.common.wire import EngineInfo, Manifest
 
@@ -53,7 +53,7 @@ def check_weight_transfer_api() -> None:
         )
 
 
-class TransferBackendEngine(Engine):
+class TransferBackendEngine(Engine, Generating):
     """hwsync's :class:`~hwsync.common.target.Engine` over vLLM's weight-transfer protocol, for an in-process
     ``vllm.LLM`` built with ``weight_transfer_config={"backend": "hwsync"}``."""
 
@@ -126,7 +126,9 @@ class TransferBackendEngine(Engine):
         return {"version": manifest.version, "path": "vLLM weight-transfer API (backend hwsync)"}
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
-        return self.inner.generate(prompts, sampling_params, **kwargs)
+        from hwsync.trainer.api import generate
+
+        return generate(self.inner, prompts, sampling_params, **kwargs)
 
     def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
         return self.inner.logprobs(prompts, max_tokens)

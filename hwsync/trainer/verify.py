@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hwsync.common.errors import OptionError, SyncError, UnsupportedSetupError, VerifyError
-from hwsync.common.target import Engine
+from hwsync.common.target import EngineQueries
 from hwsync.common.wire import TensorSpec, dtype_name
 from hwsync.engine.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
 from hwsync.trainer.api import SyncedPlan, SyncPlan, as_engine, last_plan
@@ -987,7 +987,7 @@ def check(
 
 
 def _check_one(
-    engine: Engine,
+    engine: EngineQueries,
     model: nn.Module,
     prompt_token_ids: Sequence[Sequence[int]],
     *,
@@ -1129,18 +1129,18 @@ def _combined(reports: Sequence[VerifyReport], addresses: Sequence[str]) -> Veri
     return VerifyReport(checks, worst, reports[0].gate, skipped)
 
 
-def _parts(engine: Engine) -> list[Engine]:
+def _parts(engine: EngineQueries) -> list[EngineQueries]:
     parts = getattr(engine, "parts", None)
     return list(parts()) if parts is not None else [engine]
 
 
-def _address(engine: Engine) -> str:
+def _address(engine: EngineQueries) -> str:
     if isinstance(engine, _OnRank0):
         return str(engine.ask(lambda e: getattr(e, "address", "")))
     return str(getattr(engine, "address", ""))
 
 
-def _engine_for(target: Any, model: nn.Module) -> Engine:
+def _engine_for(target: Any, model: nn.Module) -> EngineQueries:
     """``target`` as an engine handle; for a sharded trainer whose rank 0 alone passes one (server mode: the other
     ranks pass ``None``), an :class:`_OnRank0` on every rank. Collective for sharded models on several ranks."""
     from hwsync.common import gather
@@ -1175,7 +1175,7 @@ def _engine_for(target: Any, model: nn.Module) -> Engine:
     return _OnRank0(engine)
 
 
-class _OnRank0(Engine):
+class _OnRank0(EngineQueries):
     """The engine of a sharded trainer whose rank 0 alone holds it (server mode), as every rank sees it.
 
     Each query runs on rank 0 and its answer -- or its error -- is broadcast (:func:`hwsync.common.gather.rank0_value`),
@@ -1184,7 +1184,7 @@ class _OnRank0(Engine):
 
     mode = "server"
 
-    def __init__(self, inner: Engine | None) -> None:
+    def __init__(self, inner: EngineQueries | None) -> None:
         super().__init__()
         self.inner = inner  # rank 0's handle; None on the other ranks
         has = self.ask(lambda e: getattr(e, "fingerprints", None) is not None)
@@ -1225,18 +1225,12 @@ class _OnRank0(Engine):
     def _fingerprints(self, request: dict[str, Any]) -> Any:
         return self.ask(lambda e: e.fingerprints(request))
 
-    def parts(self) -> list[Engine]:
+    def parts(self) -> list[EngineQueries]:
         count = self.ask(lambda e: len(_parts(e)))
         if count == 1:
             return [self]
-        inner: list[Engine | None] = list(_parts(self.inner)) if self.inner is not None else [None] * count
+        inner: list[EngineQueries | None] = list(_parts(self.inner)) if self.inner is not None else [None] * count
         return [_OnRank0(p) for p in inner]
-
-    def send(self, manifest: Any, produce: Any, progress: Any) -> dict[str, Any]:
-        raise UnsupportedSetupError("internal: hwsync.verify's view of rank 0's engine does not sync")
-
-    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
-        raise UnsupportedSetupError("internal: hwsync.verify's view of rank 0's engine does not generate")
 
 
 def verify(

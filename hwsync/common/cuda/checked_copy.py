@@ -113,36 +113,26 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
-def _takes(dst: Tensor, src: Tensor, min_bytes: int) -> bool:
-    nbytes = src.numel() * src.element_size()
-    return (
-        src.is_cuda
-        and nbytes >= min_bytes
-        and nbytes % 4 == 0
-        and dst.device == src.device
-        and dst.dtype == src.dtype in _FIELDS
-        and dst.shape == src.shape
-        and src.is_contiguous()
-        and dst.is_contiguous()
-        and src.data_ptr() % 16 == 0
-        and dst.data_ptr() % 16 == 0
-    )
-
-
-def _table(dsts: Sequence[Tensor], srcs: Sequence[Tensor], device: torch.device) -> tuple[Tensor, int]:
-    """The group's table on the device and its number of blocks."""
-    s_base, d_base = srcs[0].data_ptr(), dsts[0].data_ptr()
-    key = (device, BLOCK, tuple(s.data_ptr() for s in srcs), tuple(d.data_ptr() for d in dsts),
-           tuple(s.numel() * s.element_size() // 4 for s in srcs))  # fmt: skip
+def _table(pairs: Sequence[tuple[Tensor, Tensor, int, int, int]], device: torch.device) -> tuple[Tensor, int]:
+    """The group's table on the device and its number of blocks. ``pairs``: (dst, src, source address, destination
+    address, words)."""
+    flat = tuple(x for _, _, sp, dp, words in pairs for x in (sp, dp, words))
+    key = (device, BLOCK, flat)
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
         return hit
+    s_base, d_base = flat[0], flat[1]
     firsts, blocks = [], 0
-    for words in key[4]:
+    for words in flat[2::3]:
         firsts.append(blocks)
         blocks += -(-words // BLOCK)
-    rows = [[(s - s_base) // 4 for s in key[2]], [(d - d_base) // 4 for d in key[3]], list(key[4]), firsts]
+    rows = [
+        [(sp - s_base) // 4 for sp in flat[0::3]],
+        [(dp - d_base) // 4 for dp in flat[1::3]],
+        list(flat[2::3]),
+        firsts,
+    ]
     hit = torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True), blocks
     _TABLES[key] = hit
     if len(_TABLES) > _KEEP_TABLES:
@@ -162,22 +152,32 @@ def checked_copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tenso
     indices of the pairs it did not take (nothing done)."""
     if not available():
         return list(range(len(srcs)))
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    device = flag.device
+    groups: dict[torch.dtype, list[tuple[Tensor, Tensor, int, int, int]]] = {}
     left: list[int] = []
-    for i, (d, s) in enumerate(zip(dsts, srcs)):
-        if _takes(d, s, min_bytes) and s.device == flag.device:
-            groups.setdefault((s.device, s.dtype), []).append(i)
-        else:
+    for i, (d, s) in enumerate(zip(dsts, srcs)):  # one pass, each attribute read once: a sync has ~530 pairs
+        dtype = s.dtype
+        nbytes = s.numel() * s.element_size()
+        sp, dp = s.data_ptr(), d.data_ptr()
+        if (
+            dtype not in _FIELDS
+            or d.dtype != dtype
+            or nbytes < min_bytes
+            or nbytes % 4
+            or (sp | dp) % 16
+            or s.device != device
+            or d.device != device
+            or d.shape != s.shape
+            or not (s.is_contiguous() and d.is_contiguous())
+        ):
             left.append(i)
-    for (device, dtype), idx in groups.items():
-        gd, gs = [dsts[i] for i in idx if srcs[i].numel()], [srcs[i] for i in idx if srcs[i].numel()]
-        if not gs:
-            continue
-        table, blocks = _table(gd, gs, device)
-        grid = (blocks,)
+        elif nbytes:
+            groups.setdefault(dtype, []).append((d, s, sp, dp, nbytes // 4))
+    for dtype, pairs in groups.items():
+        table, blocks = _table(pairs, device)
         mask, high = _FIELDS[dtype]
-        launch = _kernel()[grid]
-        args = (_words(gs[0]), _words(gd[0]), table, len(gs), flag)
+        launch = _kernel()[(blocks,)]
+        args = (_words(pairs[0][1]), _words(pairs[0][0]), table, len(pairs), flag)
         kw = dict(BLOCK=BLOCK, MASK=mask, HIGH=high, CHECK=CHECK, num_warps=WARPS,
                   **(_STREAMING if STREAMING else _CACHED))  # fmt: skip
         if device.index is None or device.index == torch.cuda.current_device():  # no device switch per bucket

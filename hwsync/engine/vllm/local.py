@@ -18,7 +18,7 @@ from torch import Tensor
 
 from hwsync.common.capabilities import check_vllm_supported
 from hwsync.common.errors import SyncError, decode_error
-from hwsync.common.target import Engine, ProgressFn
+from hwsync.common.target import Engine, Generating, ProgressFn
 from hwsync.common.transport.base import LinkSpec
 from hwsync.common.transport.buckets import bucket_lists
 from hwsync.common.wire import EngineInfo, Manifest
@@ -31,7 +31,7 @@ def _shapes(base: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]] | 
     return None if base is None else {str(n): [int(d) for d in s] for n, s in base.items()}
 
 
-class LocalEngine(Engine):
+class LocalEngine(Engine, Generating):
     """A ``vllm.LLM`` (or anything with its ``llm_engine`` / ``collective_rpc`` surface) driven from here."""
 
     mode = "colocate"
