@@ -144,7 +144,6 @@ def _words(t: Tensor) -> Tensor:
     return t.view(-1).view(torch.int32)
 
 
-# Limitation L13 (docs/limitations.md): one launch per bucket; its cost in the 48-layer sync: docs/performance.md
 def checked_copy_all(dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tensor, min_bytes: int = 0) -> list[int]:
     """``dst.copy_(src)`` for every pair this kernel takes (contiguous CUDA tensors of one checked dtype and shape,
     16-byte aligned, a whole number of 32-bit words, of at least ``min_bytes``), setting ``flag`` (int32, on their
