@@ -27,7 +27,7 @@ import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor
@@ -60,6 +60,12 @@ def model_of(worker: Any) -> torch.nn.Module:
 def lora_manager_of(worker: Any) -> Any:
     wm = getattr(worker.model_runner, "lora_manager", None)
     return None if wm is None else wm._adapter_manager
+
+
+def moe_format(manager: Any) -> Literal["2d", "3d"]:
+    """How ``manager`` (vLLM's LoRA model manager) holds expert LoRA: per expert (``"2d"``, ``FusedMoEWithLoRA``) or
+    stacked (``"3d"``, PEFT's fused-expert format); read from vLLM in this one place."""
+    return "3d" if getattr(manager, "_is_3d_moe_model", False) else "2d"
 
 
 class _QuietReload(logging.Filter):
@@ -281,7 +287,7 @@ class VllmApplier:
         info.update(
             lora_dtype=dtype_name(lora_dtype),
             max_lora_rank=int(lc.max_lora_rank),
-            moe_format="3d" if getattr(manager, "_is_3d_moe_model", False) else "2d",
+            moe_format=moe_format(manager),
             packed_modules_mapping=packed,
             lora_modules=sorted(manager.modules),
             unservable={p: why for p in lora_paths if (why := self._unservable(manager, p)) is not None},
@@ -488,7 +494,7 @@ class VllmApplier:
         packed = {k: list(v) for k, v in manager.packed_modules_mapping.items() if k != "experts"}
         out, config = to_vllm_lora(
             from_wire(tensors, meta),
-            moe_format="3d" if getattr(manager, "_is_3d_moe_model", False) else "2d",
+            moe_format=moe_format(manager),
             packed_modules_mapping=packed or None,
             copy=False,
         )
