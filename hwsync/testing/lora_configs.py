@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hwsync.testing.doc_notes import Notes, wrap
+
 __all__ = [
     "CELLS",
     "REFERENCE_ENV",
@@ -553,7 +555,7 @@ def load(files: Sequence[str | os.PathLike[str]]) -> dict[str, Any]:
     return {**merged, "results": sorted(rows.values(), key=lambda r: order.get(r["cell"], len(order)))}
 
 
-def _cell(entry: Mapping[str, Any] | None) -> str:
+def _cell(entry: Mapping[str, Any] | None, notes: Notes) -> str:
     if entry is None:
         return "not run"
     status = entry["status"]
@@ -561,7 +563,7 @@ def _cell(entry: Mapping[str, Any] | None) -> str:
         return f"✅ {entry.get('syncs', '?')}× Δ {entry.get('max_diff') or 0:.0e}".replace("Δ 0e+00", "Δ 0")
     if status == "refused":
         return "⛔ refused"
-    return "❌ " + _esc(entry.get("detail", ""))[:160]
+    return "❌ " + notes.ref(_esc(entry.get("detail", ""))[:400])
 
 
 def _esc(text: str) -> str:
@@ -583,43 +585,48 @@ def render(cpu: Mapping[str, Any] | None, gpu: Mapping[str, Any] | None = None) 
     """The Markdown table (configuration x strategy x platform) of the results files."""
     runs = [(label, data) for label, data in (("CPU", cpu), ("GPU", gpu)) if data]
     lines = [
-        "Every cell: a fresh PEFT trainer on the tiny Qwen3-MoE, synced into one engine (see the header of each "
-        "column's run), checked against vLLM's own loading of the same weights -- a fresh engine on a checkpoint "
-        "of the base (or of the merged weights for `full`) plus PEFT's `save_pretrained` adapter as a "
-        "`LoRARequest` -- with greedy tokens equal and max \\|Δ logprob\\| <= 1e-6, after every sync or (a run "
-        "marked *paths*) at the first, the second, the last and every sync whose path differs from the sync "
-        "before (every sync of a cell that switches adapters), each other sync checked by `hwsync.verify`'s exact "
-        "content comparison; `hwsync.verify` passes "
-        "after the last sync; `full`'s merged weights equal PEFT's own `merge_and_unload`. ✅ N× Δ x = N syncs "
-        "exact (max \\|Δ\\| x); ⛔ = refused by `hwsync.sync` before anything was written (the engine's state "
-        "unchanged), the error in the last column; ❌ = failed (reason given).",
+        wrap(
+            "Every cell: a fresh PEFT trainer on the tiny Qwen3-MoE, synced into one engine (see the header of each "
+            "column's run), checked against vLLM's own loading of the same weights -- a fresh engine on a checkpoint "
+            "of the base (or of the merged weights for `full`) plus PEFT's `save_pretrained` adapter as a "
+            "`LoRARequest` -- with greedy tokens equal and max \\|Δ logprob\\| <= 1e-6, after every sync or (a run "
+            "marked *paths*) at the first, the second, the last and every sync whose path differs from the sync "
+            "before (every sync of a cell that switches adapters), each other sync checked by `hwsync.verify`'s exact "
+            "content comparison; `hwsync.verify` passes "
+            "after the last sync; `full`'s merged weights equal PEFT's own `merge_and_unload`. ✅ N× Δ x = N syncs "
+            "exact (max \\|Δ\\| x); ⛔ = refused by `hwsync.sync` before anything was written (the engine's state "
+            "unchanged), its error in a note under the table; ❌ = failed (reason in a note)."
+        ),
         "",
     ]
     for label, data in runs:
         versions = ", ".join(f"{k} {v}" for k, v in (data.get("versions") or {}).items())
         eng = data.get("engine") or {}
         lines.append(
-            f"* **{label}** ({data.get('platform')}): engine {json.dumps(eng, sort_keys=True)}; "
-            f"{data.get('syncs')} syncs per cell for adapter/hybrid, {data.get('full_syncs')} for full"
-            + (f" (reference: *{data['reference']}*)" if data.get("reference") else " (reference: every sync)")
-            + ". "
-            f"Versions: {versions}."
+            wrap(
+                f"* **{label}** ({data.get('platform')}): engine {json.dumps(eng, sort_keys=True)}; "
+                f"{data.get('syncs')} syncs per cell for adapter/hybrid, {data.get('full_syncs')} for full"
+                + (f" (reference: *{data['reference']}*)" if data.get("reference") else " (reference: every sync)")
+                + ". "
+                f"Versions: {versions}.",
+                indent="  ",
+            )
         )
     lines.append("")
-    head = (
-        "| configuration | "
-        + " | ".join(f"{s} ({label})" for label, _ in runs for s in STRATEGIES)
-        + " | refusal (hwsync.sync's error) |"
-    )
+    head = "| configuration | " + " | ".join(f"{s} ({label})" for label, _ in runs for s in STRATEGIES) + " | refusal |"
     lines += [head, "|" + "---|" * (2 + 3 * len(runs))]
     by_run = [{r["cell"]: r for r in data["results"]} for _, data in runs]
+    notes, shown = Notes(), []
     for c in CELLS:
         rows = [b.get(c.name) for b in by_run]
         if not any(rows):
             continue
-        cells = [_cell((r or {}).get("strategies", {}).get(s)) for r in rows for s in STRATEGIES]
+        cells = [_cell((r or {}).get("strategies", {}).get(s), notes) for r in rows for s in STRATEGIES]
         why = next((w for r in rows if r and (w := _why(r["strategies"]))), "")
-        lines.append(f"| **{_esc(c.name)}**: {_esc(c.about)} | " + " | ".join(cells) + f" | {why} |")
+        lines.append(f"| **{_esc(c.name)}** | " + " | ".join(cells) + f" | {notes.ref(why)} |")
+        shown.append(c)
+    lines += ["", "Configurations:", ""] + [wrap(f"* **{c.name}**: {c.about}", indent="  ") for c in shown]
+    lines += notes.lines("Refusals (hwsync.sync's error) and failures")
     return "\n".join(lines)
 
 
