@@ -426,3 +426,22 @@ def test_no_private_names_across_modules() -> None:
                     where[key] = f"{file.relative_to(ROOT)}:{node.lineno}"
     new = sorted(found - PRIVATE_IMPORTS_LEFT)
     assert not new, "private names imported from another module:\n" + "\n".join(f"  {where[k]} {k[1]}" for k in new)
+
+
+def test_vllm_serves_middleware_loads_nothing_of_the_trainer() -> None:
+    """``vllm serve``'s API server process (hwsync's middleware reading its server options) loads the engine side
+    only: nothing under ``hwsync.trainer`` (the planner, verify and their imports) in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import hwsync.integrations.vllm_serve\n"
+        "from hwsync.integrations.options import SyncOptions\n"
+        "o = SyncOptions.server_from_env({'HWSYNC_SERVER': '127.0.0.1:5555', 'HWSYNC_TOKEN': 't' * 32})\n"
+        "assert o.server == '127.0.0.1:5555' and o.token\n"
+        "print(sorted(m for m in sys.modules if m.startswith('hwsync.trainer')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"vllm serve's process loads the trainer side: {out.stdout.strip()}"

@@ -13,13 +13,15 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hwsync.common.errors import HwsyncError, OptionError, SyncError
 from hwsync.common.protocol import split_address
 from hwsync.common.tokens import check_token
 from hwsync.common.wire import Strategy
-from hwsync.trainer.api import parse_bucket_mb
-from hwsync.trainer.verify import Gate, parse_gate
+
+if TYPE_CHECKING:
+    from hwsync.trainer.verify import Gate
 
 __all__ = ["ENV", "OptionError", "SyncOptions"]
 
@@ -74,6 +76,9 @@ class SyncOptions:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SyncOptions:
         """Options from ``HWSYNC_*`` variables (unset = default); :class:`OptionError` names the bad one."""
+        from hwsync.trainer.api import parse_bucket_mb  # the trainer's parsers: not loaded by server_from_env
+        from hwsync.trainer.verify import parse_gate
+
         env = os.environ if environ is None else environ
 
         def raw(field: str) -> str | None:
@@ -99,6 +104,14 @@ class SyncOptions:
                 _number(raw("verify_logprobs_every"), ENV["verify_logprobs_every"], int, minimum=0, default=50) or 0
             ),
         )
+
+    @classmethod
+    def server_from_env(cls, environ: Mapping[str, str] | None = None) -> SyncOptions:
+        """Only the server-mode options (``HWSYNC_SERVER``, ``HWSYNC_TOKEN``), the rest default: what the engine
+        process reads (``vllm serve``'s middleware), without loading the trainer's side of hwsync."""
+        env = os.environ if environ is None else environ
+        server, token = (env.get(ENV[k], "").strip() or None for k in ("server", "token"))
+        return cls(server=_address(server), token=token)
 
     @property
     def servers(self) -> list[str]:

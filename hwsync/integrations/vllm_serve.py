@@ -74,7 +74,7 @@ class SyncMiddleware:
             if self.server is not None:
                 return
             state = app.state
-            opts = SyncOptions.from_env()
+            opts = SyncOptions.server_from_env()  # the engine process: nothing of the trainer's side loaded
             address, token = opts.server_credentials(
                 "hwsync's middleware in `vllm serve`", "the vLLM server and the trainer", "vLLM's --port"
             )
