@@ -122,17 +122,18 @@ run_part() {
                 run_modules "${MODULES[multigpu-z3]}" -k zero3 || rc=$?
             fi ;;
         depth|campaign48|sleep|sleep-bench)  # real-size shapes: a fixed KV budget, half the GPU for the engine
-            export BENCH_KV_BYTES=${BENCH_KV_BYTES:-2147483648} BENCH_GPU_MEM=${BENCH_GPU_MEM:-0.5}
+            # 2 GiB of KV: 1,300 blocks at Qwen3-30B-A3B shapes (vLLM's block override wins over BENCH_KV_BYTES; the
+            # sync bench's default, 10,000 blocks, is ~15 GB at 48 layers)
+            export BENCH_KV_BYTES=${BENCH_KV_BYTES:-2147483648} BENCH_GPU_MEM=${BENCH_GPU_MEM:-0.5} \
+                BENCH_GPU_BLOCKS=${BENCH_GPU_BLOCKS:-1300}
             local layers
             case "$part" in
                 depth) for layers in 4 12; do
                     "$PY" benchmarks/bench_step.py --shapes qwen3-30b-a3b --layers "$layers" \
                         --runs adapter:8,adapter:32,full --steps 20 ${OUT:+--json "$OUT/step-depth-$layers.json"} || rc=$?
                 done ;;
-                # 1,300 KV blocks (~2 GiB at these shapes) instead of the sync bench's 10,000 (~15 GiB): the full and
-                # hybrid trainers did not fit beside the engine with them (2026-12-02)
-                campaign48) BENCH_GPU_BLOCKS=${BENCH_GPU_BLOCKS:-1300} "$PY" benchmarks/verify_table.py --shapes qwen3-30b-a3b \
-                    --layers 48 --strategies full,hybrid --steps 20 ${OUT:+--json "$OUT/verify48.json"} || rc=$? ;;
+                campaign48) "$PY" benchmarks/verify_table.py --shapes qwen3-30b-a3b --layers 48 --strategies full,hybrid \
+                    --steps 20 ${OUT:+--json "$OUT/verify48.json"} || rc=$? ;;
                 sleep)
                     "$PY" benchmarks/bench_step.py --shapes qwen3-30b-a3b --layers 48 --runs adapter:8 --steps 6 \
                         --sleep 2,1,0 ${OUT:+--json "$OUT/sleep-levels.json"} || rc=$?
