@@ -210,6 +210,38 @@ def test_a_backend_that_checks_in_copy_gets_the_whole_queue_in_one_call(monkeypa
     torch.testing.assert_close(dsts, srcs, rtol=0, atol=0, equal_nan=True)
 
 
+def test_flags_of_more_buckets_than_one_buffer_holds_name_the_right_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket's checking-copy flag is a slot of a per-device buffer: past one buffer's slots a new one is added, and
+    a non-finite bucket is named whichever buffer its slot is in (a 48-layer sync in 512 MiB buckets uses ~100)."""
+    from hwsync.common import finite
+
+    backend = backend_for_device(torch.device("cpu"))
+
+    def checked_copy_all(
+        dsts: Sequence[Tensor], srcs: Sequence[Tensor], flag: Tensor, *, alone: bool = False
+    ) -> list[int]:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+            flag.bitwise_or_((~s.isfinite().all()).to(torch.int32))
+        return []
+
+    monkeypatch.setattr(type(backend), "checks_in_copy", True)
+    monkeypatch.setattr(backend, "checked_copy_all", checked_copy_all)
+    n = finite._SLOTS + 44
+    srcs = [torch.randn(4) for _ in range(n)]
+    for bad in (3, finite._SLOTS + 1, n - 1):
+        srcs[bad][2] = float("nan")
+    dsts = [torch.zeros_like(s) for s in srcs]
+    flags = FiniteFlags()
+    with flags.writing(), deferred():
+        for k, (d, s) in enumerate(zip(dsts, srcs)):
+            flags.open(k, [s], [f"t{k}"])
+            copy_(d, s)
+    assert flags.checked_in_copy == n
+    assert flags.non_finite() == [3, finite._SLOTS + 1, n - 1]
+    assert len(flags._buffers[torch.device("cpu")]) == 2
+
+
 def test_outside_a_receive_copies_are_plain_copies() -> None:
     src = torch.tensor([1.0, float("nan")])
     dst = torch.zeros(2)
