@@ -28,6 +28,11 @@ class Recorder(Engine):
         self.base_key: str | None = None
         self.describes = 0
         self.manifests: list[Manifest] = []
+        self.refill: str | None = None  # what vLLM discarded (a level-2 sleep): the next sync must carry the base
+
+    def forget(self, reason: str) -> None:
+        """What :meth:`hwsync.engine.receiver.Receiver.forget` does when vLLM discarded the weights."""
+        self.refill, self.base_key = reason, None
 
     def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:
         self.describes += 1
@@ -41,6 +46,8 @@ class Recorder(Engine):
             moe_format="3d",
             version=self.version,
             base_key=self.base_key,
+            stale=self.refill is not None,
+            refill=self.refill,
         )
 
     def state(self) -> dict[str, Any]:
@@ -50,8 +57,11 @@ class Recorder(Engine):
         from hwsync.common.errors import PlanChangedError
         from hwsync.common.transport.buckets import bucket_lists
 
-        if manifest.expect_version is not None and manifest.expect_version != self.version:
+        if manifest.expect_version is not None and (manifest.expect_version != self.version or self.refill):
             raise PlanChangedError(f"engine at v{self.version}, plan expects v{manifest.expect_version}")
+        if self.refill and not manifest.base_specs:
+            raise PlanChangedError("the engine needs its base again")
+        self.refill = None
         for _ in bucket_lists(manifest, produce, progress):
             pass
         self.manifests.append(manifest)
@@ -148,3 +158,32 @@ def test_options_key_the_plans_and_a_changed_engine_replans(lora_model: Any) -> 
     assert engine.describes == 6
     plan = last_plan(engine, lora_model)
     assert plan is not None and plan.options == SyncOptions(Strategy.ADAPTER) and plan.synced_version == 3
+
+
+def test_a_refill_resends_the_plan_that_carried_the_base_without_planning(lora_model: Any) -> None:
+    """After vLLM discarded the weights (level-2 sleep) the engine refuses the steady plan; the trainer asks for its
+    state alone and re-sends the plan that carried the base, then goes on with the same steady plan. An engine that
+    moved on meanwhile (another version) is planned for anew, from that same state answer."""
+    engine = Recorder()
+    hwsync.sync(engine, lora_model, strategy="adapter")
+    steady = hwsync.sync(engine, lora_model, strategy="adapter")
+    assert steady is not None and steady.base_tensors == 0
+    planned = last_plan(engine, lora_model)
+    described = engine.describes
+
+    engine.forget("vLLM's level-2 sleep discarded the engine's weights")
+    refill = hwsync.sync(engine, lora_model, strategy="adapter")
+    assert refill is not None and refill.base_tensors > 0 and refill.lora_tensors > 0
+    assert "full refill (base + adapter): vLLM's level-2 sleep" in refill.reason, refill.reason
+    assert engine.describes == described + 1  # the state, nothing planned anew
+    assert last_plan(engine, lora_model) is planned
+    after = hwsync.sync(engine, lora_model, strategy="adapter")
+    assert after is not None and after.base_tensors == 0 and after.version == refill.version + 1
+
+    engine.forget("vLLM's level-2 sleep discarded the engine's weights")
+    engine.version += 5  # someone else synced meanwhile: the kept plan does not describe this engine
+    described = engine.describes
+    again = hwsync.sync(engine, lora_model, strategy="adapter")
+    assert again is not None and again.base_tensors > 0 and again.version == engine.version
+    assert engine.describes == described + 2  # the state (reused as the plan's first description) and the paths
+    assert last_plan(engine, lora_model) is not planned
