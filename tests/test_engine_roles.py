@@ -59,3 +59,15 @@ def test_generate_through_a_remote_handle_names_where_to_generate() -> None:
     remote = RemoteEngine.__new__(RemoteEngine)  # no server needed: refused before any connection is used
     with pytest.raises(UnsupportedSetupError, match=r"generates in its own process: call server\.generate"):
         hwsync.generate(remote, [{"prompt_token_ids": [1, 2, 3]}])
+
+
+def test_verify_takes_a_view_as_it_is_and_sync_refuses_it() -> None:
+    """A handle that only answers queries (one engine of several, rank 0's engine seen from every rank) is checked as
+    it is (:func:`hwsync.trainer.api.as_queries`, what verify uses) and refused as a sync target."""
+    from hwsync.common.errors import SyncError
+    from hwsync.trainer.api import as_engine, as_queries
+
+    view = _EngineView.__new__(_EngineView)
+    assert as_queries(view) is view
+    with pytest.raises(SyncError, match="cannot sync into a _EngineView"):
+        as_engine(view)

@@ -545,9 +545,9 @@ class EngineReference:
     ) -> float:
         """Max |Δ logprob| between the synced engine ``target`` and its reference for ``strategy`` (default: the one
         it last synced); raises :class:`ReferenceMismatch` above ``atol`` or when greedy tokens differ."""
-        from hwsync.trainer.api import as_engine
+        from hwsync.trainer.api import as_queries
 
-        engine = as_engine(target)
+        engine = as_queries(target)
         strategy = strategy or engine.state().get("strategy") or "full"
         got = engine.logprobs(prompts, max_tokens)
         want = self.logprobs(model, strategy, prompts, max_tokens, engine=engine)

@@ -34,7 +34,7 @@ from hwsync.common.errors import (
 )
 from hwsync.common.lora_formats import FoldFn
 from hwsync.common.progress import phase
-from hwsync.common.target import Engine, Generating, ProgressFn
+from hwsync.common.target import Engine, EngineQueries, Generating, ProgressFn
 from hwsync.common.wire import EngineInfo, Manifest, Strategy, plan_buckets
 from hwsync.trainer.payload import Payload, TrainerLora, base_shapes, build_payload, has_adapter, model_uuid, read_lora
 from hwsync.trainer.report import SyncReport
@@ -46,6 +46,7 @@ __all__ = [
     "sync",
     "generate",
     "as_engine",
+    "as_queries",
     "default_bucket_mb",
     "parse_bucket_mb",
     "BUCKET_ENV",
@@ -588,6 +589,12 @@ def generate(target: Any, prompts: Any, sampling_params: Any = None, **kwargs: A
             "framework's API (ms-swift: swift rollout's routes); this handle syncs and verifies"
         )
     return engine.generate(prompts, sampling_params, **kwargs)
+
+
+def as_queries(target: Any) -> EngineQueries:
+    """``target`` as a handle to ask (:func:`hwsync.verify`): any engine handle as it is (one engine of several, rank
+    0's engine as every rank sees it, a sync target), anything else as :func:`as_engine` takes it."""
+    return target if isinstance(target, EngineQueries) else as_engine(target)
 
 
 def as_engine(target: Any) -> Engine:

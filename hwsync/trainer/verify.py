@@ -30,7 +30,7 @@ from hwsync.common.errors import OptionError, SyncError, UnsupportedSetupError, 
 from hwsync.common.target import EngineQueries
 from hwsync.common.wire import TensorSpec, dtype_name
 from hwsync.engine.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
-from hwsync.trainer.api import SyncedPlan, SyncPlan, as_engine, last_plan
+from hwsync.trainer.api import SyncedPlan, SyncPlan, as_queries, last_plan
 from hwsync.trainer.payload import Payload
 
 logger = logging.getLogger("hwsync")
@@ -126,7 +126,7 @@ def agreement(
     argmax that beats the engine's token by at most ``tie`` counts as a tie, not a mismatch)."""
     if not prompt_token_ids or any(len(p) < 1 for p in prompt_token_ids):
         raise VerifyError("verify needs at least one non-empty prompt (a list of token-id lists)")
-    engine = _queries(target)
+    engine = as_queries(target)
     worst, where, count = 0.0, "", 0
     mismatches: list[str] = []
     diffs: list[torch.Tensor] = []
@@ -1129,12 +1129,6 @@ def _combined(reports: Sequence[VerifyReport], addresses: Sequence[str]) -> Veri
     return VerifyReport(checks, worst, reports[0].gate, skipped)
 
 
-def _queries(target: Any) -> EngineQueries:
-    """``target`` as a handle to check: a handle as it is (one engine of several, rank 0's engine seen from every
-    rank, a sync target), anything else as :func:`~hwsync.trainer.api.as_engine` takes it."""
-    return target if isinstance(target, EngineQueries) else as_engine(target)
-
-
 def _parts(engine: EngineQueries) -> list[EngineQueries]:
     parts = getattr(engine, "parts", None)
     return list(parts()) if parts is not None else [engine]
@@ -1157,10 +1151,10 @@ def _engine_for(target: Any, model: nn.Module) -> EngineQueries:
                 "hwsync.verify(None, model) is for the ranks without an engine of a sharded (FSDP2 / "
                 "ZeRO-3) trainer whose rank 0 holds it; here there is nothing to check: pass the engine"
             )
-        return _queries(target)
+        return as_queries(target)
     engine, error = None, None
     try:
-        engine = _queries(target) if target is not None else None
+        engine = as_queries(target) if target is not None else None
     except Exception as e:  # noqa: BLE001 - every rank hears of it before anyone waits in a collective
         error = e
     seen = gather.exchange((target is not None, None if error is None else f"{type(error).__name__}: {error}"))
