@@ -248,7 +248,7 @@ class VllmApplier:
         self._layers_unrestored = False
         self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
         self._packing: tuple[Any, str | None] | None = None  # (experts packing list, its expert_packing_problem)
-        self._servable_of: Any = None  # the LoRA manager _servable's answers are about
+        self._servable_of: Any = None  # the (LoRA manager, expert packing list) _servable's answers are about
         self._servable: dict[str, str | None] = {}
         self._refill: Discarded | None = None  # what vLLM's last level-2 sleep discarded, until a sync refilled it
 
@@ -381,11 +381,14 @@ class VllmApplier:
     def _unservable(self, manager: Any, path: str) -> str | None:
         """Why vLLM cannot serve LoRA on ``path`` (phrased per module kind, not per instance), or ``None``. Answered
         once per path and LoRA manager (the engine's layers do not change): a 48-layer MoE asks about ~18,600 expert
-        paths, and a wake from a level-2 sleep or a new trainer asks again."""
-        if self._servable_of is manager and path in self._servable:
-            return self._servable[path]
-        if self._servable_of is not manager:
-            self._servable_of, self._servable = manager, {}
+        paths, and a wake from a level-2 sleep or a new trainer asks again. A new packing list (a patch applied after
+        start) asks anew."""
+        key = (manager, manager.packed_modules_mapping.get("experts"))
+        if self._servable_of is not None and all(a is b for a, b in zip(self._servable_of, key)):
+            if path in self._servable:
+                return self._servable[path]
+        else:
+            self._servable_of, self._servable = key, {}
         why = self._servable[path] = self._why_unservable(manager, path)
         return why
 
