@@ -28,7 +28,7 @@ CELLS = ("alpha = 2r", "alpha/r not a power of two", "rsLoRA", "rank/alpha_patte
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import hwsync
     from hwsync.testing import EngineReference, close_llm, engine_patches, make_llm, make_tiny_moe, on_cpu
-    from hwsync.testing.faults import fp32_fold
+    from hwsync.testing.faults import fold_fp32
     from hwsync.testing.lora_configs import CELLS as ALL
     from hwsync.testing.lora_configs import PROMPTS, _step, make_trainer
     from hwsync.testing.reference import ReferenceMismatch, compare_logprobs
@@ -59,11 +59,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     _step(model, cell, gen, i)
                     want = None
                     for order in ("fp32 once", "vllm order"):  # the right one last: the engine keeps it
-                        if order == "fp32 once":
-                            with fp32_fold():
-                                hwsync.sync(llm, model, strategy="adapter")
-                        else:
-                            hwsync.sync(llm, model, strategy="adapter")
+                        hwsync.sync(llm, model, strategy="adapter", fold=fold_fp32 if order == "fp32 once" else None)
                         got = hwsync.as_engine(llm).logprobs(PROMPTS, 4)
                         want = want or reference.logprobs(model, "adapter", PROMPTS, 4, engine=llm)
                         a = acc[order]

@@ -734,10 +734,10 @@ def _call(channel: Any, body: dict[str, Any]) -> dict[str, Any]:
 def test_malformed_requests_from_a_token_holder(base: Baseline) -> None:
     """A trainer with the token but a broken (or hostile) client: each request gets one error, nothing changes."""
     from hwsync.common.wire import Strategy
-    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.trainer.api import SyncPlan, SyncRequest
 
     before = base.remote.state()
-    plan = SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB))
+    plan = SyncPlan.make(base.remote, base.model, SyncRequest(Strategy.FULL, BUCKET_MB))
     good = json.loads(plan.manifest.to_json())
     good["version"] = before["version"] + 1
     manifest = json.dumps(good)
@@ -941,7 +941,7 @@ def _forge(base: Baseline, kind: str) -> bool:
     from hwsync.common.transport.buckets import _HEAD, TRAILER_BYTES
     from hwsync.common.transport.seal import Sealer
     from hwsync.common.wire import Strategy
-    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.trainer.api import SyncPlan, SyncRequest
 
     engine = hwsync.as_engine(base.llm)
     if kind == "bucket replayed as the next one":
@@ -949,7 +949,7 @@ def _forge(base: Baseline, kind: str) -> bool:
     else:
         evil = lora_trainer(base.path)
         _perturb(evil, 900, base=True)
-    plan = SyncPlan.make(base.remote, evil, SyncOptions(Strategy.FULL, BUCKET_MB))
+    plan = SyncPlan.make(base.remote, evil, SyncRequest(Strategy.FULL, BUCKET_MB))
     version = engine.state()["version"] + 1
     manifest = plan.manifest.with_version(version, None)
     sock, store, spec = _data_plane(b"\7", 5.0)
@@ -1012,11 +1012,11 @@ def test_a_peer_that_never_joins_the_data_plane_is_a_refused_sync(base: Baseline
     """The control channel said "go" but nobody joins the data-plane group (a trainer that died, or a client that
     skips the GPU identity exchange): one SyncError after the link timeout, nothing applied, engine not stale."""
     from hwsync.common.wire import Strategy
-    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.trainer.api import SyncPlan, SyncRequest
 
     engine = hwsync.as_engine(base.llm)
     before = engine.state()
-    plan = SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB))
+    plan = SyncPlan.make(base.remote, base.model, SyncRequest(Strategy.FULL, BUCKET_MB))
     manifest = plan.manifest.with_version(before["version"] + 1, None)
     sock, store, spec = _data_plane(b"\6", 3.0)
     try:
@@ -1125,14 +1125,14 @@ def test_fuzzed_manifests(base: Baseline) -> None:
     one SyncError by ``Manifest.from_json`` or by the engine's validation, or is a valid manifest the engine
     prepares without writing anything."""
     from hwsync.common.wire import Manifest, Strategy
-    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.trainer.api import SyncPlan, SyncRequest
 
     engine = hwsync.as_engine(base.llm)
     lora = lora_trainer(base.path, ATTN)
     _perturb(lora, 1000)
     plans = [
-        SyncPlan.make(base.remote, base.model, SyncOptions(Strategy.FULL, BUCKET_MB)),
-        SyncPlan.make(base.remote, lora, SyncOptions(Strategy.ADAPTER, 0.01)),
+        SyncPlan.make(base.remote, base.model, SyncRequest(Strategy.FULL, BUCKET_MB)),
+        SyncPlan.make(base.remote, lora, SyncRequest(Strategy.ADAPTER, 0.01)),
     ]
     docs = [json.loads(p.manifest.to_json()) for p in plans]
     before = engine.state()

@@ -150,10 +150,10 @@ def _own_data_plane(timeout_s: float) -> tuple[socket.socket, Any, Any]:
 def _engine_receives(llm: Any, model: Any, spec: Any, key: bytes) -> tuple[Any, threading.Thread, list[Any]]:
     """The engine's side of one sync of ``model`` over ``spec`` (data key ``key``), in a thread."""
     from hwsync.common.wire import Strategy
-    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.trainer.api import SyncPlan, SyncRequest
 
     engine = hwsync.as_engine(llm)
-    plan = SyncPlan.make(engine, model, SyncOptions(Strategy.FULL, BUCKET_MB))
+    plan = SyncPlan.make(engine, model, SyncRequest(Strategy.FULL, BUCKET_MB))
     manifest = plan.manifest.with_version(engine.state()["version"] + 1, None)
     thread, result = receive_in_thread(engine, manifest, spec, key, daemon=True)
     return manifest, thread, result
@@ -324,9 +324,9 @@ def test_empty_and_gapped_manifests_are_refused(llm: Any, model: Any) -> None:
     import json
 
     from hwsync.common.wire import Manifest, Strategy
-    from hwsync.trainer.api import SyncOptions, SyncPlan
+    from hwsync.trainer.api import SyncPlan, SyncRequest
 
-    plan = SyncPlan.make(hwsync.as_engine(llm), model, SyncOptions(Strategy.FULL, BUCKET_MB))
+    plan = SyncPlan.make(hwsync.as_engine(llm), model, SyncRequest(Strategy.FULL, BUCKET_MB))
     doc = json.loads(plan.manifest.to_json())
     empty = {**doc, "specs": [], "buckets": []}
     with pytest.raises(SyncError, match="no tensors"):

@@ -70,6 +70,7 @@ PATCHES_MAY_IMPORT = (
     "hwsync.common.errors",
     "hwsync.common.quiet",
     "hwsync.common.config",
+    "hwsync.common.foreign",
     "hwsync.common.npu.ascend_layouts",
 )
 """Patches stay leaves: they fix upstream code and call none of hwsync's sync machinery (a probe's upstream import is
@@ -445,3 +446,33 @@ def test_vllm_serves_middleware_loads_nothing_of_the_trainer() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", f"vllm serve's process loads the trainer side: {out.stdout.strip()}"
+
+
+WRAPPER_MARKS = {"_hwsync_guarded", "_hwsync_closed"}
+"""Marks on the wrappers hwsync installs (its own functions; hwsync.common.foreign says why they are not state)."""
+
+
+def test_state_about_foreign_objects_has_one_home() -> None:
+    """hwsync keeps what it knows about another library's object in one place (:mod:`hwsync.common.foreign`): no
+    module outside it sets an ``_hwsync_*`` attribute or ``__dict__`` key on an object that is not its own (``self``
+    / ``cls``: hwsync's classes and its subclasses of the trainers'), wrapper marks aside."""
+    found = []
+    for file in sorted(PACKAGE.rglob("*.py")):
+        if file.name == "foreign.py" and file.parent.name == "common":
+            continue
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_hwsync_")
+                and node.attr not in WRAPPER_MARKS
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                found.append(f"{file.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value.startswith("_hwsync_")
+                and node.value not in WRAPPER_MARKS
+            ):
+                found.append(f"{file.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not found, "hwsync state on foreign objects outside hwsync.common.foreign.state_of:\n" + "\n".join(found)

@@ -143,16 +143,16 @@ def test_reader_reads_what_extract_reads_and_follows_the_weights(peft_model) -> 
             for n, p in pm.named_parameters():
                 if "lora_" in n:
                     p.add_(0.01 * (step + 1))
-    from hwsync.testing.faults import fp32_fold
+    from hwsync.testing.faults import fold_fp32
 
-    with fp32_fold():  # fold_scaling replaced (a verify fault): the reader folds through the replacement, kept or not
-        other = reader.read(torch.bfloat16)
-        want = [
-            t
-            for n in names
-            for f in [extract_peft_lora(pm).modules[n].folded(torch.bfloat16)]
-            for t in (f.lora_A, f.lora_B)
-        ]
+    # another fold (a verify fault's): the reader folds through it, not through its kept buffers
+    other = reader.read(torch.bfloat16, fold_fp32)
+    want = [
+        t
+        for n in names
+        for f in [extract_peft_lora(pm).modules[n].folded(torch.bfloat16, fold_fp32)]
+        for t in (f.lora_A, f.lora_B)
+    ]
     assert all(torch.equal(g, w) for g, w in zip(other, want))
     layer = next(m for m in pm.modules() if isinstance(m, LoraLayer) and "default" in m.lora_A)
     saved = layer.lora_A.pop("default")

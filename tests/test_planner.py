@@ -16,7 +16,7 @@ import torch
 import hwsync
 from hwsync.common.target import Engine
 from hwsync.common.wire import EngineInfo, Manifest, Strategy
-from hwsync.trainer.api import SyncOptions, SyncPlan, last_plan
+from hwsync.trainer.api import SyncPlan, SyncRequest, last_plan
 
 
 class Recorder(Engine):
@@ -129,7 +129,7 @@ def test_the_steady_plan_is_what_describing_the_engine_again_gives(lora_model: A
     hwsync.sync(engine, lora_model, strategy="adapter")
     steady = last_plan(engine, lora_model)
     assert steady is not None and not steady.payload.includes_base
-    asked = SyncPlan.make(engine, lora_model, SyncOptions(Strategy.ADAPTER))
+    asked = SyncPlan.make(engine, lora_model, SyncRequest(Strategy.ADAPTER))
     assert steady.manifest.digest == asked.manifest.digest
     assert steady.payload.reason == asked.payload.reason
     assert steady.synced().version == engine.version
@@ -157,7 +157,7 @@ def test_options_key_the_plans_and_a_changed_engine_replans(lora_model: Any) -> 
     assert report is not None and report.version == 3 and report.base_tensors > 0
     assert engine.describes == 6
     plan = last_plan(engine, lora_model)
-    assert plan is not None and plan.options == SyncOptions(Strategy.ADAPTER) and plan.synced_version == 3
+    assert plan is not None and plan.options == SyncRequest(Strategy.ADAPTER) and plan.synced_version == 3
 
 
 def test_a_refill_resends_the_plan_that_carried_the_base_without_planning(lora_model: Any) -> None:

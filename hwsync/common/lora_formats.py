@@ -35,7 +35,6 @@ differ in the last bit, which moved served logprobs by up to 0.5 on bf16 GPU eng
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import math
 import re
@@ -46,6 +45,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from hwsync.common import foreign
 from hwsync.common.errors import AdapterFormatError, SyncError
 from hwsync.common.gather import read
 from hwsync.common.trainer_names import strip_peft_name
@@ -156,7 +156,7 @@ class LoraModule:
         """Same ΔW with scaling 1: A cast to ``dtype``, B scaled in vLLM's rounding order (:func:`fold_scaling`, or
         ``fold``: what :mod:`hwsync.verify` computes its expectation with)."""
         dt = dtype or self.lora_B.dtype
-        b = (fold or _fold_as or fold_scaling)(self.lora_B, self.scaling, dt)
+        b = (fold or fold_scaling)(self.lora_B, self.scaling, dt)
         return LoraModule(
             self.name, self.kind, self.lora_A.to(dt), b, float(self.rank), 1.0, False, self.transposed, self.interleaved
         )
@@ -179,23 +179,6 @@ def fold_scaling(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
     if scaling != 1:
         out.mul_(scaling)
     return out
-
-
-_fold_as: FoldFn | None = None
-"""Set by :func:`folding_as`: the fold every sync of this process uses instead of :func:`fold_scaling`."""
-
-
-@contextlib.contextmanager
-def folding_as(fold: FoldFn) -> Iterator[None]:
-    """Syncs (in every thread of this process) inside fold each LoRA scaling with ``fold`` instead of vLLM's rounding
-    order: what a trainer that folds another way would send (``hwsync.testing.faults``' "scaling folded in another
-    order"). The kept fold buffers, which reproduce :func:`fold_scaling` only, are not used meanwhile."""
-    global _fold_as
-    before, _fold_as = _fold_as, fold
-    try:
-        yield
-    finally:
-        _fold_as = before
 
 
 @dataclass
@@ -507,8 +490,8 @@ class PeftLoraReader:
             if self.adapter_name not in layer.lora_A:
                 raise SyncError(f"the trainer's adapter lost module {name} since this sync was planned; sync again")
         mods = self._modules()
-        fold = fold or _fold_as
-        if fold is None and getattr(self, "_views", None) is mods:  # plain parameters, vLLM's rounding order:
+        plain = getattr(self, "_views", None) is mods
+        if fold in (None, fold_scaling) and plain:  # plain parameters, vLLM's rounding order:
             folds = self._folds.get(dtype)  # buffers kept between reads
             if folds is None:
                 folds = self._folds[dtype] = FoldBuffers(mods, dtype)
@@ -534,17 +517,12 @@ class PeftLoraReader:
         return mods
 
 
-_KEPT = "_hwsync_kept_fold_buffer"
-"""Attribute a :class:`FoldBuffers` sets on its kept buffers (:func:`kept_buffer`); views and detached aliases do
-not carry it."""
-
-
 def kept_buffer(t: Tensor) -> bool:
     """Whether ``t`` is one of the kept buffers of a :class:`FoldBuffers` in this process: rewritten in place with the
     adapter's folded values at every read of its plan and never used for anything else, so an engine colocated in
     this process may hold views of it instead of copies
     (:meth:`hwsync.engine.vllm.lora_slots.SlotWriter.materialize`): the adapter is then held once, not twice."""
-    return getattr(t, _KEPT, False) is True
+    return foreign.held(t, "kept fold buffer") is True
 
 
 class FoldBuffers:
@@ -593,7 +571,7 @@ class FoldBuffers:
         if bufs is None:
             bufs = [torch.empty(s.shape, dtype=dt, device=s.device) for s, dt in zip(self._srcs, self._dtypes)]
             for b in bufs:
-                setattr(b, _KEPT, True)
+                foreign.state_of(b)["kept fold buffer"] = True  # views and detached aliases do not carry it
             self._kept, self._key = bufs, addresses(self._srcs + bufs)
         if bufs:
             with torch.no_grad():

@@ -45,6 +45,8 @@ class EngineQueries(abc.ABC):
         self.plans: dict[str, Any] = {}
         """Trainer-side sync plans per model (:mod:`hwsync.trainer.api`): a steady-state sync skips planning, and
         :func:`hwsync.verify` reads what was last synced."""
+        self.checks: dict[str, Any] = {}
+        """What :func:`hwsync.verify` keeps between checks of this handle (its reference payload, the base it read)."""
 
     @abc.abstractmethod
     def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:

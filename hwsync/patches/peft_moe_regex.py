@@ -33,13 +33,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hwsync.common import foreign
 from hwsync.common.errors import AdapterFormatError
 
 from ._base import APPLIES, NOT_NEEDED, Patch, ProbeResult, register
 
 __all__ = ["MARKER", "FusedMoeTarget", "PeftMoeRegexPatch", "fused_moe_targets"]
 
-MARKER = "hwsync_fused_moe"
+MARKER = "fused moe targets"
+"""The name of the record in hwsync's state about the PEFT config (:func:`hwsync.common.foreign.state_of`)."""
 INCLUDE_LINEAR_LAYERS_SHORTHAND = "all-linear"  # PEFT's spelling
 _PROBE_REGEX = r"model\.layers\.0\.self_attn\.q_proj|.*\.experts\.\d+\.(gate_proj|up_proj|down_proj)"
 
@@ -67,12 +69,13 @@ class FusedMoeTarget:
 
 def fused_moe_targets(peft_config: Any) -> list[FusedMoeTarget]:
     """The fused MoE targets recorded on ``peft_config`` by this patch (empty when none / not converted)."""
-    return [FusedMoeTarget(**{**m, "fused_from": tuple(m["fused_from"])}) for m in getattr(peft_config, MARKER, ())]
+    recorded = foreign.held(peft_config, MARKER, ())
+    return [FusedMoeTarget(**{**m, "fused_from": tuple(m["fused_from"])}) for m in recorded]
 
 
 def _record(peft_config: Any, targets: list[FusedMoeTarget]) -> None:
     if targets:
-        setattr(peft_config, MARKER, [asdict(t) for t in targets])
+        foreign.state_of(peft_config)[MARKER] = [asdict(t) for t in targets]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -26,27 +26,27 @@ import functools
 import inspect
 from typing import Any
 
+from hwsync.common import foreign
+
 from ._base import APPLIES, NOT_NEEDED, Patch, ProbeResult, register
 
 __all__ = ["VllmLoraManagerGuardsPatch", "guard", "guard_of", "unguard"]
-
-_GUARD = "_hwsync_lora_guard"
 
 
 def guard(manager: Any, adapter_guard: Any) -> None:
     """Register ``adapter_guard`` (methods ``add_adapter`` and ``load_adapter``, each taking vLLM's bound method and
     the request) for ``manager`` (a worker's ``model_runner.lora_manager``): an instance attribute, gone with it."""
-    manager.__dict__[_GUARD] = adapter_guard
+    foreign.state_of(manager)["adapter guard"] = adapter_guard
 
 
 def guard_of(manager: Any) -> Any:
     """The guard registered for ``manager``, or ``None``."""
-    return getattr(manager, "__dict__", {}).get(_GUARD)
+    return foreign.held(manager, "adapter guard")
 
 
 def unguard(manager: Any) -> None:
     """Forget ``manager``'s guard: vLLM's methods run unchanged for it again."""
-    getattr(manager, "__dict__", {}).pop(_GUARD, None)
+    foreign.forget(manager, "adapter guard")
 
 
 class VllmLoraManagerGuardsPatch(Patch):

@@ -26,23 +26,24 @@ import functools
 import inspect
 from typing import Any
 
+from hwsync.common import foreign
+
 from ._base import APPLIES, NOT_NEEDED, TARGET_MISSING, Patch, ProbeResult, register
 
 __all__ = ["HOOKED", "VllmSleepWatchPatch", "observe", "observer_of"]
 
 HOOKED = ("sleep", "wake_up", "discard")
 """The worker methods an observer sees; it has a method of each name taking the worker's method first."""
-_OBSERVER = "_hwsync_sleep"
 
 
 def observe(worker: Any, observer: Any) -> None:
     """Register ``observer`` for ``worker`` (the inner worker, not its wrapper): an instance attribute, gone with it."""
-    worker.__dict__[_OBSERVER] = observer
+    foreign.state_of(worker)["sleep observer"] = observer
 
 
 def observer_of(worker: Any) -> Any:
     """The observer registered for ``worker``, or ``None``."""
-    return getattr(worker, "__dict__", {}).get(_OBSERVER)
+    return foreign.held(worker, "sleep observer")
 
 
 class VllmSleepWatchPatch(Patch):

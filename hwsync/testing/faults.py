@@ -241,8 +241,7 @@ class FaultInjector:
         elif fault == "scaling folded in another order":
             if not self._orders_differ():
                 return False
-            with fp32_fold():
-                hwsync.sync(self.llm, self.model, strategy=self._strategy())
+            hwsync.sync(self.llm, self.model, strategy=self._strategy(), fold=fold_fp32)
         elif fault == "previous step synced":
             assert previous is not None, "previous step synced needs the previous weights"
             with self._weights(previous):
@@ -279,7 +278,7 @@ class FaultInjector:
         adapter = extract_peft_lora(self.model, active_adapter_name(self.model))
         with torch.no_grad():
             return any(
-                not torch.equal(fold_scaling(m.lora_B, m.scaling, dtype), _fold_fp32(m.lora_B, m.scaling, dtype))
+                not torch.equal(fold_scaling(m.lora_B, m.scaling, dtype), fold_fp32(m.lora_B, m.scaling, dtype))
                 for m in adapter.modules.values()
             )
 
@@ -303,19 +302,10 @@ class FaultInjector:
         self._repair = None
 
 
-def _fold_fp32(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
-    """The other order: ``b · scaling`` in fp32, rounded once to ``dtype``."""
+def fold_fp32(b: Tensor, scaling: float, dtype: torch.dtype) -> Tensor:
+    """The other order (the fault "scaling folded in another order"): ``b · scaling`` in fp32, rounded once to
+    ``dtype``, where vLLM's loading (:func:`hwsync.common.lora_formats.fold_scaling`) casts first."""
     return (b.float() * scaling).to(dtype)
-
-
-@contextlib.contextmanager
-def fp32_fold() -> Iterator[None]:
-    """Syncs inside fold LoRA scalings in fp32 with one rounding (:func:`_fold_fp32`) instead of
-    :func:`hwsync.common.lora_formats.fold_scaling` (the fault "scaling folded in another order")."""
-    from hwsync.common.lora_formats import folding_as
-
-    with folding_as(_fold_fp32):
-        yield
 
 
 def _swap_halves(t: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
 """``hwsync.sync``: the call a trainer makes after each optimizer step.
 
-A sync is planned once per (engine, model, :class:`SyncOptions`) into a :class:`SyncPlan`, from one description
+A sync is planned once per (engine, model, :class:`SyncRequest`) into a :class:`SyncPlan`, from one description
 of the engine (:func:`describe_for`): the strategy chosen (:mod:`hwsync.trainer.strategy`), the payload described
 (:mod:`hwsync.trainer.payload`) and the manifest built (:mod:`hwsync.common.wire`). After a successful sync the engine's
 state is known (:meth:`SyncPlan.after_sync`: a first adapter/hybrid sync leaves the base, so the steady plan sends only
@@ -50,7 +50,7 @@ __all__ = [
     "default_bucket_mb",
     "parse_bucket_mb",
     "BUCKET_ENV",
-    "SyncOptions",
+    "SyncRequest",
     "SyncPlan",
     "SyncedPlan",
     "describe_for",
@@ -88,15 +88,18 @@ def default_bucket_mb(device_type: str = "cpu") -> float:
 
 
 @dataclass(frozen=True)
-class SyncOptions:
+class SyncRequest:
     """What the caller asked of a sync (checked once, by :meth:`parse`); with the model, it keys the trainer's plans
-    on an engine handle."""
+    on an engine handle. (The integrations' configuration is :class:`hwsync.integrations.options.SyncOptions`.)"""
 
     strategy: Strategy = Strategy.AUTO
     bucket_mb: float | None = None
     """``None``: :func:`default_bucket_mb` for the engine's device."""
     lora_name: str | None = None
     lora_int_id: int | None = None
+    fold: FoldFn | None = None
+    """How each LoRA scaling is folded into B; ``None``: vLLM's rounding order
+    (:func:`hwsync.common.lora_formats.fold_scaling`), what the engine's own loading of the adapter holds."""
 
     @classmethod
     def parse(
@@ -105,8 +108,11 @@ class SyncOptions:
         bucket_mb: float | None = None,
         lora_name: str | None = None,
         lora_int_id: int | None = None,
-    ) -> SyncOptions:
-        return cls(Strategy.parse(strategy), parse_bucket_mb(bucket_mb, "bucket_mb"), lora_name, lora_int_id)
+        fold: FoldFn | None = None,
+    ) -> SyncRequest:
+        if fold is not None and not callable(fold):
+            raise OptionError(f"fold must be a function (B, scaling, dtype) -> B * scaling, got {type(fold).__name__}")
+        return cls(Strategy.parse(strategy), parse_bucket_mb(bucket_mb, "bucket_mb"), lora_name, lora_int_id, fold)
 
     def bucket_bytes(self, device_type: str) -> int:
         mb = default_bucket_mb(device_type) if self.bucket_mb is None else self.bucket_mb
@@ -118,7 +124,7 @@ class SyncPlan:
     """What the trainer resolved for one (engine, model, options), from **one** description of the engine
     (:func:`describe_for`); reused while it holds (:meth:`holds`)."""
 
-    options: SyncOptions
+    options: SyncRequest
     signature: tuple[Any, ...]
     info: EngineInfo
     """The engine's description the plan was made from (after a sync: with the state that sync left)."""
@@ -137,7 +143,7 @@ class SyncPlan:
         cls,
         engine: Engine,
         model: nn.Module,
-        options: SyncOptions,
+        options: SyncRequest,
         signature: tuple[Any, ...] | None = None,
         first: EngineInfo | None = None,
     ) -> SyncPlan:
@@ -152,7 +158,7 @@ class SyncPlan:
     def from_description(
         cls,
         model: nn.Module,
-        options: SyncOptions,
+        options: SyncRequest,
         info: EngineInfo,
         lora: TrainerLora | AdapterFormatError | None,
         signature: tuple[Any, ...],
@@ -161,7 +167,9 @@ class SyncPlan:
         choice = choose(options.strategy, lora, info)
         size = options.bucket_bytes(info.device_type)
         trainer_lora = lora if choice.strategy is not Strategy.FULL and isinstance(lora, TrainerLora) else None
-        payload = build_payload(model, choice, trainer_lora, info, gather_bytes=size, readers=readers)
+        payload = build_payload(
+            model, choice, trainer_lora, info, gather_bytes=size, fold=options.fold, readers=readers
+        )
         manifest = Manifest(
             version=info.version + 1,
             strategy=choice.strategy,
@@ -259,9 +267,9 @@ class SyncedPlan:
         return build_payload(model, choice, trainer_lora, fresh, fold=fold)
 
 
-def _plans(engine: Engine, model: nn.Module) -> dict[SyncOptions, SyncPlan]:
+def _plans(engine: Engine, model: nn.Module) -> dict[SyncRequest, SyncPlan]:
     """The trainer's plans for ``model`` on ``engine``'s handle, per options."""
-    plans: dict[SyncOptions, SyncPlan] = engine.plans.setdefault(model_uuid(model), {})
+    plans: dict[SyncRequest, SyncPlan] = engine.plans.setdefault(model_uuid(model), {})
     return plans
 
 
@@ -358,6 +366,7 @@ def sync(
     progress: ProgressFn | None = None,
     lora_name: str | None = None,
     lora_int_id: int | None = None,
+    fold: FoldFn | None = None,
 ) -> SyncReport | None:
     """Make ``target`` serve ``model``'s current weights; return what was sent.
 
@@ -369,13 +378,15 @@ def sync(
     before writing anything; see :mod:`hwsync.engine.receiver` for what an interrupted sync leaves behind.
     ``progress(bucket, num_buckets)`` is called before each bucket is handed over (raising aborts the sync).
     ``lora_name``/``lora_int_id`` install the adapter under a framework's own identity (ms-swift: ``swift_lora``/111)
-    instead of hwsync's default; the report's ``lora_request`` carries it.
+    instead of hwsync's default; the report's ``lora_request`` carries it. ``fold(B, scaling, dtype)`` folds each LoRA
+    scaling into B instead of vLLM's rounding order (:func:`hwsync.common.lora_formats.fold_scaling`; what the
+    engine's own loading holds, so :func:`hwsync.verify` tells another fold apart).
 
     A sharded model is gathered bucket by bucket, collectively: **every rank** calls ``sync`` at the same point,
     ranks with an engine pass it (several ranks may: colocated engines, one per rank or one tensor-parallel engine
     over the ranks), ranks without one pass ``None`` (they take part in the gathers and return ``None``).
     """
-    options = SyncOptions.parse(strategy, bucket_mb, lora_name, lora_int_id)
+    options = SyncRequest.parse(strategy, bucket_mb, lora_name, lora_int_id, fold)
     kind, signature = _sharding(model)
     if kind != "plain":
         return _sync_sharded(target, model, options, version, progress, signature)
@@ -409,7 +420,7 @@ def sync(
 def _prepare(
     engine: Engine,
     model: nn.Module,
-    options: SyncOptions,
+    options: SyncRequest,
     version: int | None,
     signature: tuple[Any, ...],
     *,
@@ -476,7 +487,7 @@ def _finish(
 def _sync_sharded(
     target: Any,
     model: nn.Module,
-    options: SyncOptions,
+    options: SyncRequest,
     version: int | None,
     progress: ProgressFn | None,
     signature: tuple[Any, ...],
@@ -558,7 +569,7 @@ def _sync_sharded(
 def _send_sharded(
     engine: Engine,
     model: nn.Module,
-    options: SyncOptions,
+    options: SyncRequest,
     state: tuple[SyncPlan, Manifest],
     steps: Any,
     progress: ProgressFn | None,

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from hwsync.common import foreign
 from hwsync.common.errors import AdapterFormatError, SyncError, UnsupportedSetupError
 from hwsync.common.lora_formats import NON_GATED_EXPERTS, FoldFn, lora_paths, wire_name
 from hwsync.common.wire import EngineInfo, Strategy, TensorSpec, dtype_from_name
@@ -94,11 +95,9 @@ def active_adapter_name(model: nn.Module) -> str:
 
 def model_uuid(model: nn.Module) -> str:
     """A per-object identity for the trainer model (stable for its lifetime, unlike ``id()`` reuse)."""
-    key = "_hwsync_uuid"
-    value = model.__dict__.get(key)
+    value: str | None = foreign.held(model, "uuid")
     if value is None:
-        value = uuid.uuid4().hex[:12]
-        model.__dict__[key] = value
+        value = foreign.state_of(model)["uuid"] = uuid.uuid4().hex[:12]
     return value
 
 

@@ -535,7 +535,7 @@ def _reference_cache(engine: Any, model: nn.Module) -> dict[Any, Any] | None:
 
     if isinstance(engine, _OnRank0):
         return None
-    caches: dict[str, dict[Any, Any]] = engine.__dict__.setdefault("_hwsync_references", {})
+    caches: dict[str, dict[Any, Any]] = engine.checks.setdefault("references", {})
     return caches.setdefault(model_uuid(model), {})
 
 
@@ -632,7 +632,7 @@ def _base_memo(engine: Any, model: nn.Module, specs: Sequence[TensorSpec]) -> _B
     """The memo of ``model``'s base on ``engine``'s handle; a new one (never read whole) for a new set of tensors."""
     from hwsync.trainer.payload import model_uuid
 
-    memos: dict[str, _BaseMemo] = engine.__dict__.setdefault("_hwsync_verified_base", {})
+    memos: dict[str, _BaseMemo] = engine.checks.setdefault("verified base", {})
     names = tuple(s.name for s in specs)
     memo = memos.get(model_uuid(model))
     if memo is None or memo.names != names:

@@ -96,8 +96,9 @@ class _Pool:
 
 
 def pool_of(owner: dict[str, Any], device: torch.device) -> _Pool:
-    """The owner's (a worker's or a trainer handle's) buffer pool for ``device``, kept across syncs."""
-    pools: dict[str, _Pool] = owner.setdefault("_hwsync_pools", {})
+    """The owner's buffer pool for ``device``, kept across syncs (``owner``: a trainer handle's dict, or hwsync's state
+    about a worker, :func:`hwsync.common.foreign.state_of`)."""
+    pools: dict[str, _Pool] = owner.setdefault("pools", {})
     key = str(device)
     if key not in pools:
         pools[key] = _Pool(device)

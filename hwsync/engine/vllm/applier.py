@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
+from hwsync.common import foreign
 from hwsync.common.config import read
 from hwsync.common.errors import AdapterFormatError, ResolutionError, SyncError
 from hwsync.common.progress import counted, phase
@@ -564,7 +565,7 @@ class VllmApplier:
             [(s.name, tuple(s.shape), s.dtype) for s in manifest.lora_specs], manifest.lora_meta or {}
         )
         if self._slot_writers.get(signature) is not None and any(
-            getattr(a, "_hwsync_signature", None) == signature for a in manager.list_adapters().values()
+            foreign.held(a, "signature") == signature for a in manager.list_adapters().values()
         ):
             return  # a steady rewrite of the installed adapter
         itemsize = self.worker.model_runner.lora_manager.lora_config.lora_dtype.itemsize
@@ -818,7 +819,7 @@ class VllmApplier:
             and replaces == lid
             and lid not in manager.lora_index_to_id
             and _direct_enabled()
-            and getattr(manager.get_adapter(lid), "_hwsync_signature", None) == signature
+            and foreign.held(manager.get_adapter(lid), "signature") == signature
         ):
             # registered but not in a slot (a level-2 wake deactivated it): vLLM's activation rewrites the whole slot
             # from the adapter it holds, then the steady write below brings it to this sync's values
@@ -827,7 +828,7 @@ class VllmApplier:
                 manager.pin_adapter(lid)
         if writer is not None and replaces == lid and lid in manager.lora_index_to_id and _direct_enabled():
             installed = manager.get_adapter(lid)
-            if installed is not None and getattr(installed, "_hwsync_signature", None) == signature:
+            if installed is not None and foreign.held(installed, "signature") == signature:
                 writer.write(manager, installed, tensors)
                 return Loaded(
                     "adapter: rewritten in place"
@@ -874,7 +875,7 @@ class VllmApplier:
             manager.add_adapter(lora)
             with contextlib.suppress(NotImplementedError, AttributeError):
                 manager.pin_adapter(lid)
-        lora._hwsync_signature = signature
+        foreign.state_of(lora)["signature"] = signature
         how = "built by vLLM"
         if writer is not None:
             how = "built from vLLM's traced layout"
@@ -898,7 +899,7 @@ class VllmApplier:
     def slot_writer_of(self, installed: Any) -> Any:
         """The :class:`~hwsync.engine.vllm.lora_slots.SlotWriter` that installed and rewrites ``installed`` (``None``:
         vLLM's own path built it)."""
-        signature = getattr(installed, "_hwsync_signature", None)
+        signature = foreign.held(installed, "signature")
         return self._slot_writers.get(signature) if isinstance(signature, str) else None
 
     def _device(self) -> Any:

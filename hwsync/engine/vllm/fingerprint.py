@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.common import foreign
 from hwsync.common.fingerprint import deviation, differing, differing_each, dot, probe
 
 __all__ = ["compare", "fingerprints"]
@@ -73,7 +74,7 @@ def _base_plan(w: Any, applier: Any, specs_in: list[Any]) -> tuple[Any, Any, set
 
     specs = [TensorSpec(n, tuple(s), dtype_from_name(d), "base") for n, s, d in specs_in]
     key = "base:" + json.dumps(specs_in)
-    cache = w.__dict__.setdefault("_hwsync_fp_plans", {})
+    cache = foreign.state_of(w).setdefault("fingerprint_plans", {})
     model = model_of(w)
     cached = cache.get(key)
     if cached is None:
@@ -270,7 +271,7 @@ def _writer(
     if live is not None and set(live.keys) == set(keys):
         return live
     key = json.dumps([keys, shapes, meta, lid], sort_keys=True, default=str)
-    cache = w.__dict__.setdefault("_hwsync_fp_writers", {})
+    cache = foreign.state_of(w).setdefault("fingerprint_writers", {})
     writer = cache.get(key)
     if writer is None:
         build = applier.adapter_builder(meta, lid)

@@ -10,12 +10,14 @@ parallel), through ``collective_rpc``; their buckets arrive over the data plane.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
+from hwsync.common import foreign
 from hwsync.common.capabilities import check_vllm_supported
 from hwsync.common.errors import SyncError, decode_error
 from hwsync.common.target import Engine, Generating, ProgressFn
@@ -183,10 +185,9 @@ class LocalEngine(Engine, Generating):
 def local_engine(llm: Any) -> LocalEngine:
     """The one handle on an in-process ``vllm.LLM``, made at the first call and kept on it: ``hwsync.sync``,
     ``hwsync.generate`` and ``hwsync.serve`` of one engine share its lock."""
-    kept = getattr(llm, "__dict__", None)
-    handle = kept.get("_hwsync_engine") if kept is not None else None
+    handle: LocalEngine | None = foreign.held(llm, "engine")
     if handle is None:
         handle = LocalEngine(llm)  # refuses what is not an in-process engine
-        if kept is not None:
-            kept["_hwsync_engine"] = handle
+        with contextlib.suppress(TypeError):  # an object without a __dict__ keeps no handle
+            foreign.state_of(llm)["engine"] = handle
     return handle

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.common import foreign
 from hwsync.common.errors import BackendUnavailableError
 from hwsync.common.replay import Replay, addresses, common_device, copy_all
 from hwsync.engine.vllm.compat import check_adapter
@@ -386,7 +387,7 @@ class SlotWriter:
             manager._create_merged_loras_inplace(lm)
         except Exception as e:  # noqa: BLE001 - any surprise in vLLM's pipeline: keep its own path
             return f"vLLM's adapter construction could not be traced ({type(e).__name__}: {e})"
-        lm._hwsync_code_ranges = (keys, starts, sizes)
+        foreign.state_of(lm)["code_ranges"] = (keys, starts, sizes)
         if getattr(lm, "modules_to_save", None):
             return "adapter carries full modules (modules_to_save)"
         gathers = []
@@ -789,5 +790,5 @@ def _meta(t: Tensor) -> Tensor:
 
 def _code_ranges(lm: Any) -> tuple[list[str], list[int], list[int]]:
     """The manifest keys the template's codes stand for, with their ranges in the concatenation."""
-    ranges: tuple[list[str], list[int], list[int]] = lm._hwsync_code_ranges
+    ranges: tuple[list[str], list[int], list[int]] = foreign.state_of(lm)["code_ranges"]
     return ranges

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hwsync.common import foreign
 from hwsync.common.wire import Manifest
 from hwsync.engine.receiver import Receiver
 from hwsync.engine.vllm.sleep import AWAKE_NOT_NEEDED, check_awake
@@ -80,11 +81,10 @@ def receiver_of(worker: Any) -> Receiver:
     from hwsync.engine.vllm.applier import VllmApplier
 
     w = unwrap_worker(worker)
-    rec = w.__dict__.get("_hwsync_receiver")
+    rec: Receiver | None = foreign.held(w, "receiver")
     if rec is None:
         applier = VllmApplier(w)
-        rec = Receiver(applier)
-        w.__dict__["_hwsync_receiver"] = rec
+        rec = foreign.state_of(w)["receiver"] = Receiver(applier)
         model = served_model(w)
         if model is not None:
             _BY_MODEL[model] = weakref.ref(w)
@@ -257,23 +257,23 @@ def _link(worker: Any, spec: Mapping[str, Any], link_rank: int, secret: bytes) -
     from hwsync.common.transport.base import LinkSpec
 
     w = unwrap_worker(worker)
-    held = w.__dict__.get("_hwsync_link")
+    held = foreign.held(w, "link")
     if held is not None and held[0] == spec["prefix"]:
         return held[1], held[2]
     if held is not None:
         held[1].close()
-        w.__dict__.pop("_hwsync_link", None)
+        foreign.forget(w, "link")
     ls = LinkSpec(**spec)
     import torch.distributed as dist
 
     store = dist.TCPStore(ls.host, ls.port, is_master=False, timeout=datetime.timedelta(seconds=ls.timeout_s))
     link = open_link(store, ls, link_rank, _device(worker), secret)
-    w.__dict__["_hwsync_link"] = (ls.prefix, link, store)
+    foreign.state_of(w)["link"] = (ls.prefix, link, store)
     return link, store
 
 
 def close_link(worker: Any) -> None:
-    held = unwrap_worker(worker).__dict__.pop("_hwsync_link", None)
+    held = foreign.forget(unwrap_worker(worker), "link")
     if held is not None:
         held[1].close()
 
@@ -309,7 +309,7 @@ def receive_remote(
 
     t1 = time.perf_counter()
     buckets = receive_buckets(
-        m, link, pool_of(unwrap_worker(worker).__dict__, link.device), Sealer(secret), abort_reason
+        m, link, pool_of(foreign.state_of(unwrap_worker(worker)), link.device), Sealer(secret), abort_reason
     )
     try:
         result = receiver_of(worker).receive(m, buckets)

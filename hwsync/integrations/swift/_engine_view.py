@@ -13,6 +13,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from hwsync.common import foreign
+
 __all__ = ["LLMEngineView"]
 
 _ids = itertools.count()
@@ -27,10 +29,9 @@ class LLMEngineView:
     @classmethod
     def of(cls, engine: Any) -> LLMEngineView:
         """The one view of ``engine`` (so :func:`hwsync.as_engine` hands every caller the same handle and lock)."""
-        view = engine.__dict__.get("_hwsync_view")
+        view: LLMEngineView | None = foreign.held(engine, "view")
         if view is None:
-            view = cls(engine)
-            engine.__dict__["_hwsync_view"] = view
+            view = foreign.state_of(engine)["view"] = cls(engine)
         return view
 
     def collective_rpc(
