@@ -45,6 +45,13 @@ def held(obj: Any, name: str, default: Any = None) -> Any:
 
 
 def forget(obj: Any, name: str) -> Any:
-    """Remove ``name`` from ``obj``'s state; its value, or ``None`` where there was none."""
-    state = getattr(obj, "__dict__", {}).get(KEY)
-    return None if state is None else state.pop(name, None)
+    """Remove ``name`` from ``obj``'s state (and the state itself once empty: a released object carries nothing of
+    hwsync's); its value, or ``None`` where there was none."""
+    attrs = getattr(obj, "__dict__", {})
+    state = attrs.get(KEY)
+    if state is None:
+        return None
+    value = state.pop(name, None)
+    if not state:
+        del attrs[KEY]
+    return value
