@@ -638,7 +638,7 @@ def test_nothing_listens_on_the_wildcard(base: Baseline) -> None:
 
     if shutil.which("ss") is None:
         pytest.skip("ss (iproute2) is not installed")
-    store = base.remote._rendezvous_store()
+    store = base.remote.plane.store()
     ports = {base.server.port: "sync server", store.port: "trainer's rendezvous store"}
     listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout.split("\n")
     for port, what in ports.items():
@@ -867,7 +867,7 @@ def test_third_process_on_the_data_plane(base: Baseline, mode: str) -> None:
     overwrites them, or joins the group itself. The sync goes through or fails cleanly; nothing it sends is
     applied."""
     remote = hwsync.connect(base.server.address, TOKEN, timeout_s=15)
-    store = remote._rendezvous_store()
+    store = remote.plane.store()
     proc = subprocess.Popen(
         [sys.executable, "-c", INTRUDER, remote.data_host, str(store.port), "20", mode],
         stdout=subprocess.PIPE,
@@ -883,7 +883,7 @@ def test_third_process_on_the_data_plane(base: Baseline, mode: str) -> None:
         except HwsyncError:
             refused = True
         record("third process on the data plane", refused=refused, half=half_applied(base.llm, base.sig), attack=False)
-        remote._drop_link()  # form the group again: the intruder gets another go at the rendezvous
+        remote.plane.drop()  # form the group again: the intruder gets another go at the rendezvous
     out = proc.communicate(timeout=60)[0]
     assert "STOLE" not in out, out  # it never got into the group
     remote.close()
@@ -1243,7 +1243,7 @@ def test_data_plane_listens_only_during_a_sync(base: Baseline, monkeypatch: pyte
     for seed in (1, 2):
         m = lora_trainer(base.path)
         _perturb(m, 1200 + seed, base=True)
-        base.remote._drop_link()  # a fresh group each time (where groups are kept between syncs, too)
+        base.remote.plane.drop()  # a fresh group each time (where groups are kept between syncs, too)
         hwsync.sync(base.remote, m, strategy="full", bucket_mb=BUCKET_MB)
         left = _listening_ports() - between
         assert during and not left, f"data-plane listeners left after the sync: {sorted(left)}"
@@ -1256,7 +1256,7 @@ def test_data_plane_listens_only_during_a_sync(base: Baseline, monkeypatch: pyte
         during.clear()
     monkeypatch.undo()
     base.restore()
-    store = base.remote._rendezvous_store().port
+    store = base.remote.plane.store().port
     for port, what in ((base.server.port, "sync server"), (store, "rendezvous store")):
         fds = _open_fds()
         assert _flood(port, 600) == 600

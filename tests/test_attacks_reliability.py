@@ -271,16 +271,16 @@ def test_nan_weights_poison_reused_kv_blocks(
 def test_one_deadline_per_sync(llm: Any, server: Any, model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine stalls before joining the data plane: the trainer's ``sync`` with ``timeout_s=5`` returns within
     its 5 s (it took one timeout for the data plane, then another for the reply: ~2x)."""
-    from hwsync.engine.vllm import worker
+    from hwsync.common.transport.plane import ReceivingEnd
 
-    original = worker._link
+    original = ReceivingEnd.join
     release = threading.Event()
 
     def stalled(*args: Any, **kwargs: Any) -> Any:
         release.wait(30)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(worker, "_link", stalled)
+    monkeypatch.setattr(ReceivingEnd, "join", stalled)
     handle = hwsync.connect(server.address, TOKEN, timeout_s=5)
     t0 = time.monotonic()
     with pytest.raises(HwsyncError):

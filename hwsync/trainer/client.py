@@ -12,7 +12,6 @@ engine), and every bucket is sealed with a fresh per-sync key (:mod:`hwsync.comm
 
 from __future__ import annotations
 
-import datetime
 import logging
 import secrets
 import select
@@ -22,7 +21,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from hwsync.common.backend import open_link
@@ -37,9 +35,9 @@ from hwsync.common.protocol import (
     split_address,
 )
 from hwsync.common.target import Engine, EngineQueries, ProgressFn
-from hwsync.common.transport.base import Link, LinkSpec
-from hwsync.common.transport.buckets import bucket_lists, pool_of, send_buckets
-from hwsync.common.transport.seal import Sealer
+from hwsync.common.transport.base import LinkSpec
+from hwsync.common.transport.buckets import bucket_lists
+from hwsync.common.transport.plane import SendingEnd
 from hwsync.common.wire import EngineInfo, Manifest
 
 __all__ = ["RemoteEngine", "connect"]
@@ -255,11 +253,10 @@ class RemoteEngine(_RemoteQueries, Engine):
             for conn in self.conns:
                 conn.label = f"engine {conn.address}: "
         self.data_host = data_host or self.conns[0].local_host
-        self._store: Any = None
-        self._link: tuple[bytes, Link] | None = None
+        self.plane = SendingEnd(self.data_host, self.timeout_s, open_link)
+        """The trainer's end of the data plane (:mod:`hwsync.common.transport.plane`)."""
         self._workers: list[int] | None = None
         self._device_type = "cpu"
-        self._owner: dict[str, Any] = {}
         self.last_timings: dict[str, float] = {}
         """Milliseconds of the last sync's phases: ``go`` (validated by every engine), ``stream`` (the buckets sent),
         ``reply`` (waiting for the engines' results), and the engine's own ``engine validate`` / ``engine receive``."""
@@ -270,32 +267,11 @@ class RemoteEngine(_RemoteQueries, Engine):
             c.call("shutdown", {})
 
     def close(self) -> None:
-        self._drop_link()
+        self.plane.close()
         for c in self.conns:
             c._drop()
 
     # -- the sync -------------------------------------------------------------------------------------------------
-    def _rendezvous_store(self) -> Any:
-        if self._store is None:
-            family = socket.AF_INET6 if ":" in self.data_host else socket.AF_INET
-            sock = socket.create_server((self.data_host, 0), family=family, backlog=128)
-            self._store_sock = sock  # keep the listening socket (and its fd) alive with the store
-            self._store = dist.TCPStore(
-                self.data_host,
-                sock.getsockname()[1],
-                is_master=True,
-                wait_for_workers=False,
-                master_listen_fd=sock.fileno(),
-                use_libuv=True,
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-            )
-        return self._store
-
-    def _drop_link(self) -> None:
-        if self._link is not None:
-            self._link[1].close()
-            self._link = None
-
     def _device(self, info_device_type: str) -> torch.device:
         if info_device_type == "cpu":
             return torch.device("cpu")
@@ -313,9 +289,8 @@ class RemoteEngine(_RemoteQueries, Engine):
             assert self._workers is not None
             t0 = time.perf_counter()
             deadline = time.monotonic() + self.timeout_s  # one deadline for the whole call, every wait inside it
-            store = self._rendezvous_store()
-            held = self._link[0] if self._link is not None else secrets.token_bytes(32)
-            fresh = secrets.token_bytes(32)
+            store = self.plane.store()
+            held, fresh = self.plane.group_ids()
             data_key = secrets.token_bytes(32)
             world = 1 + sum(self._workers)
             firsts = [1 + sum(self._workers[:k]) for k in range(len(self.conns))]
@@ -346,45 +321,28 @@ class RemoteEngine(_RemoteQueries, Engine):
                     {"reason": str(refusal)[:500]},
                     deadline=deadline,
                 )
-                self._drop_link()
+                self.plane.drop()
                 raise refusal
             reuse = all(go.get("reuse") for _, go in answers)  # every engine still holds this trainer's group
             if several:
                 self._verdict(self.conns, "commit", {"reuse": reuse}, wait=False)
-            if not reuse:
-                self._drop_link()
             group_id = held if reuse else fresh
             spec = LinkSpec(
                 self.data_host, store.port, group_prefix(group_id), world, max(deadline - time.monotonic(), 0.01)
             )
+            device = self._device(self._device_type)
             try:
-                link = (
-                    self._link[1]
-                    if self._link is not None
-                    else open_link(store, spec, 0, self._device(self._device_type), data_key)
-                )
-                self._link = (group_id, link)
-                # the reason is in the store before the ABORT reaches any engine worker: every worker reports it
-                send_buckets(
-                    manifest,
-                    bucket_lists(manifest, produce, progress),
-                    link,
-                    pool_of(self._owner, link.device),
-                    Sealer(data_key),
-                    on_abort=lambda e: publish_abort(store, spec, e),
-                )
-            except BaseException as e:
-                publish_abort(store, spec, e)  # a failure before the stream (e.g. joining the link) too
+                self.plane.stream(manifest, bucket_lists(manifest, produce, progress), spec, group_id, device, data_key)
+            except BaseException as e:  # the plane published why and sent ABORT: the engines answer with it
                 results = self._collect(deadline)
-                self._drop_link()
+                self.plane.drop()
                 if isinstance(results, BaseException):
                     raise SyncError(str(results)) from e
                 raise
             t_sent = time.perf_counter()
             results = self._collect(deadline)
             t_end = time.perf_counter()
-            if isinstance(results, BaseException) or not getattr(link, "persistent", False):
-                self._drop_link()  # the engines closed their ends of the group (gloo's after every sync)
+            self.plane.done(ok=not isinstance(results, BaseException))
             if isinstance(results, BaseException):
                 raise results
             summary: dict[str, Any] = results[0]
@@ -440,13 +398,3 @@ def connect(
     this process reaches the first engine from).
     """
     return RemoteEngine(address, token, timeout_s=timeout_s, data_host=data_host)
-
-
-def publish_abort(store: Any, spec: LinkSpec, error: BaseException) -> None:
-    """Why the trainer aborted, where the engine workers look for it (first reason wins)."""
-    try:
-        key = spec.prefix + "abort"
-        if not store.check([key]):
-            store.set(key, f"{type(error).__name__}: {error}"[:2000])
-    except Exception:  # noqa: BLE001 - the reason is a courtesy; the abort itself is what counts
-        pass

@@ -96,8 +96,8 @@ class _Pool:
 
 
 def pool_of(owner: dict[str, Any], device: torch.device) -> _Pool:
-    """The owner's buffer pool for ``device``, kept across syncs (``owner``: a trainer handle's dict, or hwsync's state
-    about a worker, :func:`hwsync.common.foreign.state_of`)."""
+    """The owner's buffer pool for ``device``, kept across syncs (``owner``: the dict an end of the data plane keeps,
+    :mod:`hwsync.common.transport.plane`)."""
     pools: dict[str, _Pool] = owner.setdefault("pools", {})
     key = str(device)
     if key not in pools:

@@ -8,7 +8,6 @@ the worker itself (one :class:`~hwsync.engine.receiver.Receiver` per worker).
 
 from __future__ import annotations
 
-import datetime
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,6 +17,7 @@ import torch
 from torch import Tensor
 
 from hwsync.common import foreign
+from hwsync.common.transport.plane import ReceivingEnd
 from hwsync.common.wire import Manifest
 from hwsync.engine.receiver import Receiver
 from hwsync.engine.vllm.sleep import AWAKE_NOT_NEEDED, check_awake
@@ -251,31 +251,15 @@ def _device(worker: Any) -> torch.device:
     return torch.device(dev) if dev is not None else torch.device("cpu")
 
 
-def _link(worker: Any, spec: Mapping[str, Any], link_rank: int, secret: bytes) -> Any:
-    """The worker's end of a data-plane group (kept while its prefix is the same; one live group per worker)."""
+def data_plane(worker: Any) -> ReceivingEnd:
+    """The worker's end of the data plane (:mod:`hwsync.common.transport.plane`), kept with the worker."""
     from hwsync.common.backend import open_link
-    from hwsync.common.transport.base import LinkSpec
 
     w = unwrap_worker(worker)
-    held = foreign.held(w, "link")
-    if held is not None and held[0] == spec["prefix"]:
-        return held[1], held[2]
-    if held is not None:
-        held[1].close()
-        foreign.forget(w, "link")
-    ls = LinkSpec(**spec)
-    import torch.distributed as dist
-
-    store = dist.TCPStore(ls.host, ls.port, is_master=False, timeout=datetime.timedelta(seconds=ls.timeout_s))
-    link = open_link(store, ls, link_rank, _device(worker), secret)
-    foreign.state_of(w)["link"] = (ls.prefix, link, store)
-    return link, store
-
-
-def close_link(worker: Any) -> None:
-    held = foreign.forget(unwrap_worker(worker), "link")
-    if held is not None:
-        held[1].close()
+    end: ReceivingEnd | None = foreign.held(w, "data plane")
+    if end is None:
+        end = foreign.state_of(w)["data plane"] = ReceivingEnd(open_link)
+    return end
 
 
 def receive_remote(
@@ -283,43 +267,18 @@ def receive_remote(
 ) -> dict[str, Any]:
     """Server mode: join the trainer's data-plane group (rank ``first_rank`` + this worker's rank) and receive the
     buckets it broadcasts, each authenticated with ``secret`` before it reaches a loader."""
-    from hwsync.common.transport.buckets import pool_of, receive_buckets
-    from hwsync.common.transport.seal import Sealer
-
     t0 = time.perf_counter()
     m = _manifest(manifest)
-    try:
-        link, store = _link(worker, spec, first_rank + rank(worker), secret)
-    except Exception as e:  # noqa: BLE001 - a peer that never joins (or joins wrong) is a refused sync, not a crash
-        from hwsync.common.errors import SyncError
-
-        raise SyncError(
-            f"could not join the trainer's data-plane group ({type(e).__name__}: {str(e)[:300]}); "
-            "nothing was applied. Check that the trainer reaches the engine's data host/port and "
-            "runs the same hwsync version"
-        ) from e
-
-    def abort_reason() -> str:
-        try:
-            if store.check([abort_key]):
-                return store.get(abort_key).decode(errors="replace")[:2000]
-        except Exception:  # noqa: BLE001 - the reason is a courtesy; the abort itself is what counts
-            return ""
-        return ""
-
+    end = data_plane(worker)
+    end.join(spec, first_rank + rank(worker), _device(worker), secret)
     t1 = time.perf_counter()
-    buckets = receive_buckets(
-        m, link, pool_of(foreign.state_of(unwrap_worker(worker)), link.device), Sealer(secret), abort_reason
-    )
     try:
-        result = receiver_of(worker).receive(m, buckets)
+        result = receiver_of(worker).receive(m, end.buckets(m, secret, abort_key))
     except BaseException:
-        close_link(worker)  # the group may be mid-collective or out of step: the next sync forms a fresh one
+        end.done(ok=False)
         raise
     t2 = time.perf_counter()
-    kept = bool(getattr(link, "persistent", False))
-    if not kept:
-        close_link(worker)  # CPU: no listener outlives the sync (hwsync.common.cpu.framed.FramedLink)
+    kept = end.done(ok=True)
     timings = {
         "worker join": (t1 - t0) * 1e3,
         "worker receive+apply": (t2 - t1) * 1e3,
