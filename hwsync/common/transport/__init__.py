@@ -9,7 +9,8 @@ flat byte buffers by broadcast. Each backend owns the link for its device (``Bac
 | cuda | NCCL process group          | ``hwsync.common.cuda.link`` |
 | npu  | HCCL process group          | ``hwsync.common.npu.link`` |
 
-Everything above the link (buckets, packing, abort, authentication) is shared and lives in this package.
+Everything above the link is shared and lives in this package: both ends of a sync's group
+(:mod:`~hwsync.common.transport.plane`: rendezvous, link lifetime, abort), buckets, packing and seals.
 """
 
 from __future__ import annotations
