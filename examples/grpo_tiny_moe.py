@@ -113,13 +113,13 @@ def _gated_delta_net(model: Path) -> bool:
     return "linear_attention" in (json.loads((Path(model) / "config.json").read_text()).get("layer_types") or ())
 
 
-def engine_args(model: Path) -> list[str]:
+def engine_args(model: Path, more: dict[str, Any] | None = None) -> list[str]:
     """The vLLM engine, as `swift rlhf` (colocate) and `swift rollout` (server) both take it. On a GPU the engine may
     claim half of it, or HWSYNC_EXAMPLE_GPU_UTIL of it (`ci/gpu.sh -j` runs several jobs side by side on one GPU), and
     its KV cache is a fixed 256 MiB: vLLM then skips its profiling-based sizing, whose check fails when another process
     on the GPU frees memory while this engine starts. A Qwen3.5 engine on a GPU gets vLLM's Triton/FLA GDN prefill
     kernel (its default on Hopper imports FlashInfer: :func:`hwsync.testing.portable_kernel_args`)."""
-    kwargs: dict[str, Any] = {"num_gpu_blocks_override": 64}
+    kwargs: dict[str, Any] = {"num_gpu_blocks_override": 64, **(more or {})}
     if _has_gpu():
         kwargs["kv_cache_memory_bytes"] = 256 << 20
         if _gated_delta_net(model):
@@ -162,12 +162,14 @@ def swift_args(
     plugin: bool = True,
     server_port: int | None = None,
     extra: list[str] | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
 ) -> list[str]:
     """The ``swift rlhf`` command line of the main job (``plugin=False``: the same run without hwsync;
-    ``server_port``: rollouts from the ``swift rollout`` server on that port instead of a colocated engine)."""
+    ``server_port``: rollouts from the ``swift rollout`` server on that port instead of a colocated engine;
+    ``engine_kwargs``: more vLLM engine arguments for the colocated engine, in its ``--vllm_engine_kwargs``)."""
     plugins = [str(REWARD_PLUGIN)] + ([str(plugin_path())] if plugin else [])
     if server_port is None:
-        vllm = ["--vllm_mode", "colocate", "--vllm_enable_lora", "true", *engine_args(model)]
+        vllm = ["--vllm_mode", "colocate", "--vllm_enable_lora", "true", *engine_args(model, engine_kwargs)]
     else:
         vllm = [
             "--vllm_mode",
@@ -567,6 +569,12 @@ def main(argv: list[str] | None = None) -> int:
         default="qwen3_moe",
         help="the tiny model: qwen3_moe (default) or qwen3_5_moe (Gated-DeltaNet + attention layers)",
     )
+    parser.add_argument(
+        "--vllm-weight-transfer",
+        action="store_true",
+        help="colocated: the engine selects hwsync as vLLM's weight-transfer backend (--vllm_engine_kwargs "
+        '\'{"weight_transfer_config": {"backend": "hwsync"}}\'): syncs go through vLLM\'s own protocol',
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where model, data and outputs go (default: tmp)")
     opts = parser.parse_args(argv)
     if opts.family == "qwen3_5_moe" and not _has_gpu() and importlib.util.find_spec("torchvision") is None:
@@ -595,7 +603,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     port = free_port() if opts.server else None
     result = run_job(
-        swift_args(model, data, out, steps=opts.steps, gspo=opts.gspo, server_port=port, extra=extra),
+        swift_args(
+            model,
+            data,
+            out,
+            steps=opts.steps,
+            gspo=opts.gspo,
+            server_port=port,
+            extra=extra,
+            engine_kwargs={"weight_transfer_config": {"backend": "hwsync"}} if opts.vllm_weight_transfer else None,
+        ),
         out,
         env=server_env(opts.engines) if opts.server else None,
         rollout=rollout_args(model, port, opts.engines) if opts.server else None,

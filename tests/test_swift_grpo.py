@@ -24,10 +24,16 @@ STEPS = 3
 
 
 def run_main_job(
-    tmp_path: Path, model: Path, *, gspo: bool = False, server: bool = False, engines: int = 1
+    tmp_path: Path,
+    model: Path,
+    *,
+    gspo: bool = False,
+    server: bool = False,
+    engines: int = 1,
+    engine_kwargs: dict | None = None,
 ) -> job.JobResult:
     """The README job (``server``: ``swift rollout`` + ``swift rlhf --vllm_mode server``, two processes;
-    ``engines``: swift rollout's ``--vllm_data_parallel_size``)."""
+    ``engines``: swift rollout's ``--vllm_data_parallel_size``; ``engine_kwargs``: more colocated engine arguments)."""
     data = job.write_dataset(tmp_path / "arith.jsonl")
     out = tmp_path / ("gspo" if gspo else "grpo")
     env = {"HWSYNC_STRATEGY": "auto"}
@@ -35,7 +41,7 @@ def run_main_job(
     if server:
         env.update(job.server_env(engines))
     result = job.run_job(
-        job.swift_args(model, data, out, steps=STEPS, gspo=gspo, server_port=port),
+        job.swift_args(model, data, out, steps=STEPS, gspo=gspo, server_port=port, engine_kwargs=engine_kwargs),
         out,
         env=env,
         rollout=job.rollout_args(model, port, engines) if server else None,
@@ -98,6 +104,17 @@ def assert_lora_trained(result: job.JobResult) -> None:
 
 def test_grpo_colocate(tmp_path, tiny_qwen3_moe_dir):
     check_main_job(run_main_job(tmp_path, tiny_qwen3_moe_dir))
+
+
+def test_grpo_colocate_through_vllms_weight_transfer_api(tmp_path, tiny_qwen3_moe_dir):
+    """The README job with one more engine argument, ``--vllm_engine_kwargs '{"weight_transfer_config": {"backend":
+    "hwsync"}}'``: the plugin's every sync goes through vLLM's own weight-transfer protocol (hwsync as the registered
+    backend), with everything the job promises."""
+    pytest.importorskip("vllm.distributed.weight_transfer")
+    wt = {"weight_transfer_config": {"backend": "hwsync"}}
+    result = run_main_job(tmp_path, tiny_qwen3_moe_dir, engine_kwargs=wt)
+    check_main_job(result)
+    assert {s["path"] for s in result.syncs} == {"vLLM weight-transfer API (backend hwsync)"}, result.syncs
 
 
 # ms-swift's own `--deepspeed zero3` turns fp16 on; this one follows the run's dtype ("auto"), every parameter

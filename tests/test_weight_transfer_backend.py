@@ -225,6 +225,56 @@ def test_lora_reset_patch_held_only_while_the_backend_is_used(llm: Any, engine: 
     assert report.lora_request.lora_int_id in _adapters(llm)
 
 
+def test_the_config_line_is_all_it_takes(llm: Any, tiny_qwen3_moe_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that selected hwsync's backend is synced through vLLM's protocol by ``hwsync.sync(llm, model)``
+    itself: ``as_engine`` hands out the one transfer handle of that engine, no wrapping by the user."""
+    handle = hwsync.as_engine(llm)
+    assert isinstance(handle, hwsync.TransferBackendEngine) and hwsync.as_engine(llm) is handle
+    model = lora_trainer(tiny_qwen3_moe_dir, ATTN, EXPERTS)
+    calls = _spy(llm, monkeypatch)
+    perturb(model, 5)
+    report = hwsync.sync(llm, model, strategy="hybrid")
+    assert "weight-transfer API" in report.path and calls == [
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]
+    assert llm.get_weight_version() == str(report.version)
+    assert_serves(llm, model, PROMPTS, atol=ATOL, max_tokens=4)
+
+
+def test_ms_swifts_bare_engine_syncs_through_vllms_protocol(llm: Any, tiny_qwen3_moe_dir: Path) -> None:
+    """ms-swift's colocated engine is a bare ``LLMEngine`` (no ``vllm.LLM`` verbs): what the plugin syncs
+    (``as_engine(LLMEngineView.of(engine))``) runs the verbs as ``LLM``'s methods do, through the engine's
+    ``collective_rpc``, and sets vLLM's weight version (``--vllm_engine_kwargs '{"weight_transfer_config": ...}'``)."""
+    from hwsync.integrations.swift._engine_view import LLMEngineView
+
+    engine = llm.llm_engine
+    view = LLMEngineView.of(engine)
+    handle = hwsync.as_engine(view)
+    assert isinstance(handle, hwsync.TransferBackendEngine) and hwsync.as_engine(view) is handle
+    verbs: list[str] = []
+    real = engine.collective_rpc
+
+    def spied(method: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(method, str):
+            verbs.append(method)
+        return real(method, *args, **kwargs)
+
+    engine.collective_rpc = spied
+    try:
+        model = lora_trainer(tiny_qwen3_moe_dir, ATTN)
+        perturb(model, 6)
+        report = hwsync.sync(view, model, strategy="adapter")
+    finally:
+        del engine.collective_rpc
+    assert "weight-transfer API" in report.path
+    assert verbs == ["start_weight_update", "update_weights", "finish_weight_update"], verbs
+    assert engine.get_weight_version() == str(report.version)
+    assert report.lora_request.lora_int_id in _adapters(llm)
+    assert_serves(llm, model, PROMPTS, atol=ATOL, max_tokens=4)
+
+
 def test_absent_api_is_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 

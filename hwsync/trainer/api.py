@@ -610,11 +610,16 @@ def as_queries(target: Any) -> EngineQueries:
 
 def as_engine(target: Any) -> Engine:
     """The handle for ``target``: an :class:`Engine` as is; an in-process ``vllm.LLM`` (or an object with its
-    ``llm_engine`` / ``collective_rpc`` surface) wrapped once, the handle cached on it."""
+    ``llm_engine`` / ``collective_rpc`` surface) wrapped once, the handle cached on it -- through vLLM's weight-transfer
+    protocol where the engine selected hwsync's backend (``weight_transfer_config={"backend": "hwsync"}``)."""
     if isinstance(target, Engine):
         return target
     if hasattr(target, "llm_engine") and hasattr(target, "collective_rpc"):
         from hwsync.engine.vllm.local import local_engine
+        from hwsync.trainer.transfer_backend import selects_hwsync, transfer_engine
+
+        if selects_hwsync(target):
+            return transfer_engine(target)
 
         return local_engine(target)
     raise SyncError(

@@ -3,11 +3,16 @@
 An engine built with ``LLM(..., weight_transfer_config={"backend": "hwsync"})`` takes weights through vLLM's own
 protocol (``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``);
 this handle is what ``hwsync.sync`` drives it with, so planning, strategies (full / adapter / hybrid) and reports are
-hwsync's own::
+hwsync's own. The config line is all it takes: :func:`hwsync.as_engine` hands out this handle for such an engine
+(:func:`transfer_engine`), so ``hwsync.sync(llm, model)``, the ms-swift plugin (``--vllm_engine_kwargs
+'{"weight_transfer_config": {"backend": "hwsync"}}'``) and every other caller of ``as_engine`` sync through vLLM's
+protocol::
 
     llm = LLM(model, weight_transfer_config={"backend": "hwsync"}, enable_lora=True)   # in-process worker
-    engine = hwsync.TransferBackendEngine(llm)
-    hwsync.sync(engine, model, strategy="hybrid")   # after each optimizer step
+    hwsync.sync(llm, model, strategy="hybrid")   # after each optimizer step
+
+The verbs are the ``vllm.LLM`` methods where the engine object has them, else what those methods run
+(``llm_engine.collective_rpc(verb)``, ``set_weight_version``): ms-swift's colocated engine is a bare ``LLMEngine``.
 
 One ``update_weights`` carries one whole hwsync sync: its manifest (JSON) and its buckets (this process's tensors,
 by reference) in the backend's ``update_info`` (see :mod:`hwsync.engine.vllm.weight_transfer` for what rides where and
@@ -17,18 +22,20 @@ through the colocated handle (:func:`hwsync.as_engine`), as they do for ``hwsync
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
 
+from hwsync.common import foreign
 from hwsync.common.errors import SyncError, UnsupportedSetupError
 from hwsync.common.target import Engine, Generating, ProgressFn
 from hwsync.common.transport.buckets import bucket_lists
 from hwsync.common.wire import EngineInfo, Manifest
 
-__all__ = ["BACKEND", "TransferBackendEngine", "check_weight_transfer_api"]
+__all__ = ["BACKEND", "TransferBackendEngine", "check_weight_transfer_api", "selects_hwsync", "transfer_engine"]
 
 BACKEND = "hwsync"
 PROTOCOL = 1
@@ -53,6 +60,19 @@ def check_weight_transfer_api() -> None:
         )
 
 
+def selects_hwsync(llm: Any) -> bool:
+    """Whether the in-process engine ``llm`` was built with ``weight_transfer_config={"backend": "hwsync"}``."""
+    config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "weight_transfer_config", None)
+    return getattr(config, "backend", None) == BACKEND
+
+
+def transfer_engine(llm: Any) -> TransferBackendEngine:
+    """The one :class:`TransferBackendEngine` of ``llm`` (made at the first call, kept on it): what
+    :func:`hwsync.as_engine` hands out for an engine that selected hwsync's backend."""
+    handle: TransferBackendEngine | None = foreign.held(llm, "transfer engine")
+    return handle if handle is not None else TransferBackendEngine(llm)
+
+
 class TransferBackendEngine(Engine, Generating):
     """hwsync's :class:`~hwsync.common.target.Engine` over vLLM's weight-transfer protocol, for an in-process
     ``vllm.LLM`` built with ``weight_transfer_config={"backend": "hwsync"}``."""
@@ -62,10 +82,10 @@ class TransferBackendEngine(Engine, Generating):
     def __init__(self, llm: Any) -> None:
         check_weight_transfer_api()
         super().__init__()
-        from hwsync.trainer.api import as_engine
+        from hwsync.engine.vllm.local import local_engine
 
         self.llm = llm
-        self.inner = as_engine(llm)
+        self.inner = local_engine(llm)
         self.lock = self.inner.lock  # one lock per engine: syncs and generation through either handle serialize
         config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "weight_transfer_config", None)
         backend = getattr(config, "backend", None)
@@ -78,7 +98,29 @@ class TransferBackendEngine(Engine, Generating):
         # hwsync's receiver on every worker, registered under the model vLLM handed the backend
         # (hwsync.engine.vllm.worker.worker_of_model): what the backend reaches it by, from init_transfer_engine on
         self.inner.state()
-        llm.init_weight_transfer_engine({"init_info": {"protocol": PROTOCOL}})
+        self._verb("init_weight_transfer_engine", {"init_info": {"protocol": PROTOCOL}})
+        with contextlib.suppress(TypeError):  # an object without a __dict__ keeps no handle
+            foreign.state_of(llm)["transfer engine"] = self
+
+    def _verb(self, name: str, request: dict[str, Any] | None = None) -> None:
+        """vLLM's weight-transfer verb ``name``: the ``vllm.LLM`` method where the engine object has it, else what
+        that method runs (vLLM 0.30-0.32 ``LLM``: ``llm_engine.collective_rpc(name)`` with the
+        request's one field as keyword)."""
+        method = getattr(self.llm, name, None)
+        if callable(method):
+            method(*(() if request is None else (request,)))
+        else:
+            self.llm.llm_engine.collective_rpc(name, kwargs=dict(request or {}))
+
+    def _finish(self, version: int) -> None:
+        method = getattr(self.llm, "finish_weight_update", None)
+        if callable(method):
+            method(weight_version=str(version))
+            return
+        self.llm.llm_engine.collective_rpc("finish_weight_update")
+        setter = getattr(self.llm.llm_engine, "set_weight_version", None)
+        if callable(setter):
+            setter(str(version))
 
     def describe(self, lora_paths: Sequence[str] = (), base: Mapping[str, Sequence[int]] | None = None) -> EngineInfo:
         return self.inner.describe(lora_paths, base)
@@ -106,12 +148,13 @@ class TransferBackendEngine(Engine, Generating):
     def _through_vllm(
         self, manifest: Manifest, produce: Callable[[], Iterator[Tensor]], progress: ProgressFn | None
     ) -> dict[str, Any]:
-        self.llm.start_weight_update()
-        self.llm.update_weights(
-            {"update_info": {"manifest": manifest.to_json(), "buckets": bucket_lists(manifest, produce, progress)}}
+        self._verb("start_weight_update")
+        self._verb(
+            "update_weights",
+            {"update_info": {"manifest": manifest.to_json(), "buckets": bucket_lists(manifest, produce, progress)}},
         )
         try:
-            self.llm.finish_weight_update(weight_version=str(manifest.version))
+            self._finish(manifest.version)
         except BaseException as e:
             # the weights are written and the receiver counted the sync, but vLLM's session did not close: the engine
             # must not serve them until a sync completes (no prefix-cache reset follows a raising receive)
@@ -121,7 +164,7 @@ class TransferBackendEngine(Engine, Generating):
                 f"sync v{manifest.version} wrote the weights but vLLM's finish_weight_update raised "
                 f"{type(e).__name__}: {e}"
             )
-            self.inner.rpc_all(worker.mark_stale, reason)  # type: ignore[attr-defined]
+            self.inner.rpc_all(worker.mark_stale, reason)
             raise
         return {"version": manifest.version, "path": "vLLM weight-transfer API (backend hwsync)"}
 
@@ -135,7 +178,7 @@ class TransferBackendEngine(Engine, Generating):
 
     def fingerprints(self, request: dict[str, Any]) -> Any:
         """What :func:`hwsync.verify` reads, from the colocated handle."""
-        return self.inner.fingerprints(request)  # type: ignore[attr-defined]
+        return self.inner.fingerprints(request)
 
     def compare(self, request: dict[str, Any]) -> Any:
-        return self.inner.compare(request)  # type: ignore[attr-defined]
+        return self.inner.compare(request)
