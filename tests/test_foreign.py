@@ -50,3 +50,19 @@ def test_an_object_without_a_dict_is_refused_not_silently_skipped() -> None:
     with pytest.raises(TypeError):
         foreign.state_of(Slotted())
     assert foreign.held(Slotted(), "x", "default") == "default"
+
+
+def test_a_copied_model_is_another_model() -> None:
+    """The trainer's per-model identity (plans are cached under it) does not travel with a copy of the model: a
+    reference model deep-copied from a synced policy must not reuse the policy's plans."""
+    import copy
+
+    from hwsync.trainer.payload import model_uuid
+
+    model = nn.Linear(4, 4)
+    first = model_uuid(model)
+    assert model_uuid(model) == first
+    clone = copy.deepcopy(model)
+    assert model_uuid(clone) != first and model_uuid(model) == first
+    shallow = copy.copy(model)  # shares the original's state dict object: the original keeps its identity
+    assert model_uuid(shallow) != first and model_uuid(model) == first

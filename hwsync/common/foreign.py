@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KEY", "forget", "held", "state_of"]
+__all__ = ["KEY", "forget", "held", "state_of", "unshare"]
 
 KEY = "__hwsync__"
 """The one attribute hwsync adds to an object it does not own."""
@@ -35,6 +35,14 @@ def state_of(obj: Any) -> dict[str, Any]:
     state = attrs.get(KEY)
     if state is None:
         state = attrs[KEY] = {}
+    return state
+
+
+def unshare(obj: Any) -> dict[str, Any]:
+    """``obj``'s state as a dict of its own: a shallow copy of an object (``copy.copy``) shares its original's, and a
+    write meant for the copy would reach the original."""
+    attrs = vars(obj)
+    state = attrs[KEY] = dict(attrs.get(KEY) or {})
     return state
 
 

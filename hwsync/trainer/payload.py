@@ -94,11 +94,13 @@ def active_adapter_name(model: nn.Module) -> str:
 
 
 def model_uuid(model: nn.Module) -> str:
-    """A per-object identity for the trainer model (stable for its lifetime, unlike ``id()`` reuse)."""
-    value: str | None = foreign.held(model, "uuid")
-    if value is None:
-        value = foreign.state_of(model)["uuid"] = uuid.uuid4().hex[:12]
-    return value
+    """A per-object identity for the trainer model (stable for its lifetime, unlike ``id()`` reuse). Kept with the
+    ``id()`` it was made for: a copy of the model (``copy.deepcopy``, as a reference model is often made) carries the
+    record along but is another model, with plans of its own."""
+    held: tuple[int, str] | None = foreign.held(model, "uuid")
+    if held is None or held[0] != id(model):
+        held = foreign.unshare(model)["uuid"] = (id(model), uuid.uuid4().hex[:12])
+    return held[1]
 
 
 def merged_names(model: nn.Module) -> list[str]:
