@@ -169,9 +169,7 @@ class TransferBackendEngine(Engine, Generating):
         return {"version": manifest.version, "path": "vLLM weight-transfer API (backend hwsync)"}
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
-        from hwsync.trainer.api import generate
-
-        return generate(self.inner, prompts, sampling_params, **kwargs)
+        return self.inner.generate(prompts, sampling_params, **kwargs)
 
     def logprobs(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
         return self.inner.logprobs(prompts, max_tokens)
