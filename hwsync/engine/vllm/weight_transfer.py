@@ -161,8 +161,8 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
         if worker is None:
             raise SyncError(
                 "hwsync weight transfer: no hwsync receiver serves this engine's model yet. Drive the engine with "
-                "hwsync.TransferBackendEngine(llm), which attaches hwsync's receiver to every worker before vLLM's "
-                "init_weight_transfer_engine (or call the worker extension's hwsync_state first)"
+                "hwsync.sync(llm, model) (its handle, hwsync.as_engine(llm), attaches hwsync's receiver to every "
+                "worker before vLLM's init_weight_transfer_engine), or call the worker extension's hwsync_state first"
             )
         return worker
 
