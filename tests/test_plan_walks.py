@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from hwsync.common import foreign
 from hwsync.common.gather import parameters
 from hwsync.engine.vllm.lora_slots import _index_view
 
@@ -215,7 +216,8 @@ def test_slot_blocks_reproduce_vllms_moe_set_lora(three_d: bool) -> None:
         start += n
     live = _moe_lora_layer(cls, 2, e, max_r, h, i, three_d)
     manager = SimpleNamespace(lora_index_to_id=[7, 111], modules={"m.experts": live})
-    lm = SimpleNamespace(loras={"m.experts": as_lora(codes)}, _hwsync_code_ranges=(keys, starts, sizes))
+    lm = SimpleNamespace(loras={"m.experts": as_lora(codes)})
+    foreign.state_of(lm)["code_ranges"] = (keys, starts, sizes)  # what the trace records about vLLM's adapter
     blocks = SlotWriter._trace_blocks(manager, lm, ["m.experts"], slot, torch.device("cpu"))
     assert not isinstance(blocks, str), blocks
     assert all(torch.count_nonzero(t) == 0 for v in (live.w13_lora_a_stacked, live.w2_lora_b_stacked) for t in v)
