@@ -60,10 +60,15 @@ def check_weight_transfer_api() -> None:
         )
 
 
+def _backend_of(llm: Any) -> Any:
+    """The weight-transfer backend the in-process engine ``llm`` was built with (``None``: none)."""
+    config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "weight_transfer_config", None)
+    return getattr(config, "backend", None)
+
+
 def selects_hwsync(llm: Any) -> bool:
     """Whether the in-process engine ``llm`` was built with ``weight_transfer_config={"backend": "hwsync"}``."""
-    config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "weight_transfer_config", None)
-    return getattr(config, "backend", None) == BACKEND
+    return _backend_of(llm) == BACKEND
 
 
 def transfer_engine(llm: Any) -> TransferBackendEngine:
@@ -87,8 +92,7 @@ class TransferBackendEngine(Engine, Generating):
         self.llm = llm
         self.inner = local_engine(llm)
         self.lock = self.inner.lock  # one lock per engine: syncs and generation through either handle serialize
-        config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "weight_transfer_config", None)
-        backend = getattr(config, "backend", None)
+        backend = _backend_of(llm)
         if backend != BACKEND:
             raise UnsupportedSetupError(
                 f"this engine's weight transfer backend is {backend!r}, not 'hwsync': build it with "
