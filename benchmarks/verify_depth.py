@@ -19,7 +19,9 @@ exactness rows), then one prefill of the same token ids through both, traced lay
 fp32 runs set ``TRITON_F32_DEFAULT=ieee`` (vLLM's fused-MoE Triton ``tl.dot`` takes Triton's fp32 default, TF32
 otherwise) and turn torch's TF32 off, so both sides compute in IEEE fp32. ``--train-steps N`` first trains the random
 model N SGD steps of next-token prediction on local text (this repository's docs, the bench's tokenizer), giving
-its routers margins a random model lacks. Prints one table; exits non-zero only when a child fails.
+its routers margins a random model lacks; the engine keeps the untrained policy meanwhile, so each row also says
+what :func:`hwsync.verify.check` concludes on an engine serving another policy (logprobs alone: its content checks
+would catch it exactly) beside its verdict once synced. Prints one table; exits non-zero only when a child fails.
 """
 from __future__ import annotations
 
@@ -135,7 +137,7 @@ def _train(model: Any, steps: int, device: str) -> float:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import hwsync
-    from hwsync.trainer.verify import agreement, numerics_spread, rounding_unit
+    from hwsync.trainer.verify import agreement, check, numerics_spread, rounding_unit
 
     dtype = getattr(torch, args.dtype)
     if dtype == torch.float32:
@@ -146,9 +148,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     model = bs._trainer(path, "full", 0, dtype)
     model.name_or_path = str(path)
     device = "cuda" if bs._on_gpu() else "cpu"
-    loss = _train(model, args.train_steps, device) if args.train_steps else None
     llm = bs._engine(path, dtype, 0, lora=False)
+    loss, other = None, None
+    if args.train_steps:  # the engine keeps the policy before training: verify must call that another policy
+        hwsync.sync(llm, model, strategy="full")
+        loss = _train(model, args.train_steps, device)
+        other = _verdict(check(llm, model, PROMPTS, max_tokens=16, content=False))
     hwsync.sync(llm, model, strategy="full")
+    healthy = _verdict(check(llm, model, PROMPTS, max_tokens=16))
     experts = bs.SHAPES[args.shapes]["num_experts"]
     k = bs.SHAPES[args.shapes]["num_experts_per_tok"]
     a = agreement(llm, model, PROMPTS, max_tokens=16)
@@ -185,7 +192,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 ratio=a.mean_abs_diff / spread.mean_abs if spread and spread.mean_abs else None,
                 layer0_rel=first.get("rel_median"), last_rel=last.get("rel_median"), growth_per_layer=growth,
                 route_differ_first=first.get("route_differ"), route_differ_last=last.get("route_differ"),
-                layers=layers)
+                verify=healthy, other_policy=other, layers=layers)
+
+
+def _verdict(report: Any) -> dict[str, Any]:
+    """What hwsync's check concluded: passed or not, decisive or weak, and the logprob line it gave."""
+    logprobs = next((c for c in report.checks if c.name == "logprobs"), None)
+    return {"ok": report.ok, "failed": [c.name for c in report.failed], "weak": bool(report.weak),
+            "logprobs": logprobs.detail if logprobs else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,16 +234,24 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(json.loads(got[0]))
             r = rows[-1]
             print(f"{dtype} x {depth}: mean |Δ| {r['mean_abs']:.3g}, spread {r['spread_mean']}, layer-0 rel "
-                  f"{r['layer0_rel']}, last {r['last_rel']}, growth/layer {r['growth_per_layer']}", flush=True)
-    print("\n| dtype | layers | trained | mean \\|Δ logprob\\| | numerics spread | gap / spread | residual rel. err. "
-          "layer 0 | layer L-2 | growth per layer | top-k differs, layer 0 | last layer |")
-    print("|" + "|".join("---" for _ in range(11)) + "|")
+                  f"{r['layer0_rel']}, last {r['last_rel']}, growth/layer {r['growth_per_layer']}; verify synced "
+                  f"{r['verify']}, on the untrained policy {r['other_policy']}", flush=True)
+    print("\n| dtype | layers | trained (loss) | mean \\|Δ logprob\\| | numerics spread | gap / spread | residual rel. "
+          "err. layer 0 | layer L-2 | growth per layer | top-k differs, layer 0 | last layer | verify, synced | "
+          "verify, engine on the untrained policy |")
+    print("|" + "|".join("---" for _ in range(13)) + "|")
     for r in rows:
         def f(x: Any) -> str:
             return "-" if x is None else f"{x:.3g}"
-        print(f"| {r['dtype']} | {r['depth']} | {r['train_steps'] or '-'} | {f(r['mean_abs'])} | {f(r['spread_mean'])} | "
+
+        def v(x: dict[str, Any] | None) -> str:
+            return "-" if not x else ("passed" + (" (weak evidence)" if x["weak"] else "") if x["ok"]
+                                      else "failed: " + ", ".join(x["failed"]))
+        trained = f"{r['train_steps']} ({f(r['train_loss'])})" if r["train_steps"] else "-"
+        print(f"| {r['dtype']} | {r['depth']} | {trained} | {f(r['mean_abs'])} | {f(r['spread_mean'])} | "
               f"{f(r['ratio'])} | {f(r['layer0_rel'])} | {f(r['last_rel'])} | {f(r['growth_per_layer'])} | "
-              f"{f(r['route_differ_first'])} | {f(r['route_differ_last'])} |")
+              f"{f(r['route_differ_first'])} | {f(r['route_differ_last'])} | {v(r.get('verify'))} | "
+              f"{v(r.get('other_policy'))} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     return 1 if failed else 0

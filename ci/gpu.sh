@@ -27,7 +27,7 @@ export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 [ -n "${OUT:-}" ] && export HWSYNC_TEST_LOG="${HWSYNC_TEST_LOG:-$OUT/failed-modules.log}"
 PY="${PYTHON:-python3}"
 
-PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 multigpu-server bench verify qwen35 trl trl-b depth campaign48 sleep sleep-bench)
+PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 multigpu-server bench verify qwen35 trl trl-b depth campaign48 sleep sleep-bench sleep-e2e trained-depth transfer48)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -68,6 +68,9 @@ declare -A ABOUT=(
     [depth]="the guard at 4 and 12 layers (issue 38, one H200): benchmarks/bench_step.py --shapes qwen3-30b-a3b, adapter r8, r32 and full, 20 steps each (\$OUT/step-depth-*.json)"
     [campaign48]="the fault campaign at 48 layers for full and hybrid (issue 38, one H200): benchmarks/verify_table.py --shapes qwen3-30b-a3b --layers 48 (\$OUT/verify48.json)"
     [sleep]="sleep mode at 48 layers (issue 40, one H200, ~10 min): benchmarks/bench_step.py --sleep 2,1,0 (adapter r8, 6 steps a level, every refill's report), then adapter r32 with --sleep 1, bf16 LoRA and SGD (20 steps: what fits one H200, L14) (\$OUT/sleep-*.json)"
+    [sleep-e2e]="the main jobs with vLLM sleep level 2 (issue 40): examples/grpo_tiny_moe.py --sleep-level 2 (ms-swift --sleep_level 2), then examples/trl_grpo_tiny_moe.py --sleep-mode (TRL vllm_enable_sleep_mode=True; needs trl 1.16 on PYTHONPATH, HWSYNC_TRL_PATH)"
+    [trained-depth]="benchmarks/verify_depth.py at 12 and 24 layers of Qwen3-30B-A3B shapes, bf16, a checkpoint trained 200 steps (issue 38: verify's verdict on a trained model at depth, and on an engine left on the untrained policy) (\$OUT/depth-trained.json)"
+    [transfer48]="benchmarks/bench_transfer.py at 48 layers, rank 32 (issue 42): hwsync through vLLM's weight-transfer verbs vs hwsync direct vs vLLM's ipc backend, full and adapter (\$OUT/transfer48.json)"
     [sleep-bench]="benchmarks/bench_sleep.py at 48 layers, rank 8 (issue 40): level-2 wake + refill vs vLLM's level-1 wake and reload, per strategy, exactness checksums (\$OUT/sleep-bench.json)"
 )
 
@@ -121,7 +124,11 @@ run_part() {
             else
                 run_modules "${MODULES[multigpu-z3]}" -k zero3 || rc=$?
             fi ;;
-        depth|campaign48|sleep|sleep-bench)  # real-size shapes: a fixed KV budget, half the GPU for the engine
+        sleep-e2e)
+            "$PY" examples/grpo_tiny_moe.py --steps 4 --sleep-level 2 --workdir "${TMPDIR:-/tmp}/hwsync-sleep-swift" || rc=$?
+            PYTHONPATH="${HWSYNC_TRL_PATH:+$HWSYNC_TRL_PATH:}${PYTHONPATH:-}" "$PY" examples/trl_grpo_tiny_moe.py --sleep-mode \
+                --workdir "${TMPDIR:-/tmp}/hwsync-sleep-trl" || rc=$? ;;
+        depth|campaign48|sleep|sleep-bench|trained-depth|transfer48)  # real-size shapes: a fixed KV budget, half the GPU for the engine
             # 2 GiB of KV: 1,300 blocks at Qwen3-30B-A3B shapes (vLLM's block override wins over BENCH_KV_BYTES; the
             # sync bench's default, 10,000 blocks, is ~15 GB at 48 layers)
             export BENCH_KV_BYTES=${BENCH_KV_BYTES:-2147483648} BENCH_GPU_MEM=${BENCH_GPU_MEM:-0.5} \
@@ -140,6 +147,10 @@ run_part() {
                     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$PY" benchmarks/bench_step.py --shapes qwen3-30b-a3b \
                         --layers 48 --runs adapter:32 --steps 20 --sleep 1 --lora-dtype bfloat16 --optimizer sgd \
                         ${OUT:+--json "$OUT/sleep-r32.json"} || rc=$? ;;
+                trained-depth) "$PY" benchmarks/verify_depth.py --shapes qwen3-30b-a3b --layers 12,24 --dtypes bfloat16 \
+                    --train-steps 200 ${OUT:+--json "$OUT/depth-trained.json"} || rc=$? ;;
+                transfer48) "$PY" benchmarks/bench_transfer.py --shapes qwen3-30b-a3b --layers 48 --rank 32 \
+                    ${OUT:+--json "$OUT/transfer48.json"} || rc=$? ;;
                 sleep-bench) "$PY" benchmarks/bench_sleep.py --shapes qwen3-30b-a3b --layers 48 --rank 8 --repeats 2 \
                     ${OUT:+--json "$OUT/sleep-bench.json"} || rc=$? ;;
             esac ;;

@@ -61,6 +61,7 @@ DURATIONS = {
     "test_bench_step.py": 134,
     "test_trl_zero3.py": 140,
     "test_bench_sync.py": 104,
+    "test_bench_transfer.py": 60,
     "test_trl_grpo.py": 130,
     "test_qlora.py": 112,
     "test_sync_server.py": 101,

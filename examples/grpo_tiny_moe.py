@@ -5,6 +5,7 @@
     python examples/grpo_tiny_moe.py --family qwen3_5_moe   # on a tiny Qwen3.5-MoE (GDN + attention layers)
     python examples/grpo_tiny_moe.py --server        # vLLM in a `swift rollout` process, trainer in another
     python examples/grpo_tiny_moe.py --server --engines 2   # swift rollout --vllm_data_parallel_size 2
+    python examples/grpo_tiny_moe.py --sleep-level 2 # CUDA: vLLM discards its weights while training, hwsync refills
     python examples/grpo_tiny_moe.py --steps 8 -- --learning_rate 5e-3   # anything after -- goes to swift
 
 Everything is made on the spot in ``--workdir``: a random tiny Qwen3-MoE checkpoint (``--family qwen3_5_moe``: a
@@ -362,7 +363,7 @@ class JobResult:
     def summary(self) -> str:
         return next((r["text"] for r in self.records if r.get("event") == "summary"), "(no hwsync summary)")
 
-    def checks(self, steps: int, steps_per_generation: int = 1) -> dict[str, bool]:
+    def checks(self, steps: int, steps_per_generation: int = 1, sleep_level: int = 0) -> dict[str, bool]:
         """What the job promises, each as one boolean. Every sync must pass all of ``hwsync.verify``'s checks (exact
         content checks + the platform's logprob gate); on vLLM's CPU build in fp32 the engine also computes like
         transformers, so there engine and trainer must agree within ATOL outright (on a GPU no engine does: TF32
@@ -384,6 +385,8 @@ class JobResult:
                 (s.get("policy_shift") or 0.0) > 100 * ATOL for s in self.syncs
             ),
         }
+        if sleep_level == 2:
+            checks.update([refill_check(self.syncs)])
         if strict:
             checks[f"CPU fp32: engine == trainer after every sync (max |Δ logprob| <= {ATOL:g})"] = bool(
                 verified
@@ -392,6 +395,17 @@ class JobResult:
                 v is not None and v <= ATOL for v in rollout
             )
         return checks
+
+
+def refill_check(syncs: list[dict[str, Any]]) -> tuple[str, bool]:
+    """Sleep level 2: vLLM discards the engine's weights after each rollout, so every sync after the first must be
+    hwsync's refill (its report's path says so) -- a sync that was not would have left the engine empty."""
+    refills = sum("refilled after" in (s.get("path") or "") for s in syncs)
+    return (
+        f"vLLM slept at level 2 after every rollout and each later sync refilled the engine ({refills} of "
+        f"{len(syncs)} syncs)",
+        len(syncs) > 1 and refills >= len(syncs) - 1,
+    )
 
 
 def run_job(
@@ -575,8 +589,21 @@ def main(argv: list[str] | None = None) -> int:
         help="colocated: the engine selects hwsync as vLLM's weight-transfer backend (--vllm_engine_kwargs "
         '\'{"weight_transfer_config": {"backend": "hwsync"}}\'): syncs go through vLLM\'s own protocol',
     )
+    parser.add_argument(
+        "--sleep-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="colocated, CUDA: ms-swift's --sleep_level (1: vLLM offloads its weights to host memory while the trainer "
+        "trains; 2: it discards them and hwsync refills them at the next sync)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where model, data and outputs go (default: tmp)")
     opts = parser.parse_args(argv)
+    if opts.sleep_level and (opts.server or not _has_gpu()):
+        raise SystemExit(
+            "--sleep-level needs a colocated engine on a CUDA GPU: vLLM's CPU build has no sleep mode, and ms-swift "
+            "turns --sleep_level off in server mode"
+        )
     if opts.family == "qwen3_5_moe" and not _has_gpu() and importlib.util.find_spec("torchvision") is None:
         raise SystemExit(
             "--family qwen3_5_moe on vLLM's CPU build needs torchvision: vLLM 0.32's Qwen3.5 module "
@@ -610,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=opts.steps,
             gspo=opts.gspo,
             server_port=port,
-            extra=extra,
+            extra=[*(["--sleep_level", str(opts.sleep_level)] if opts.sleep_level else []), *extra],
             engine_kwargs={"weight_transfer_config": {"backend": "hwsync"}} if opts.vllm_weight_transfer else None,
         ),
         out,
@@ -625,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         f"time: {result.wall_s + prep_s:.0f} s (fixture + dataset {prep_s:.0f} s, swift rlhf {result.wall_s:.0f} s); "
         f"peak RSS {result.peak_rss_gb:.2f} GB"
     )
-    checks = result.checks(opts.steps, GSPO_STEPS_PER_GENERATION if opts.gspo else 1)
+    checks = result.checks(opts.steps, GSPO_STEPS_PER_GENERATION if opts.gspo else 1, opts.sleep_level)
     for name, ok in checks.items():
         print(f"  [{'ok' if ok else 'FAILED'}] {name}")
     if result.returncode != 0:

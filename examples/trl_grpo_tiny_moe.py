@@ -4,6 +4,7 @@
     python examples/trl_grpo_tiny_moe.py --gspo          # GSPO: importance_sampling_level="sequence"
     python examples/trl_grpo_tiny_moe.py --server        # vLLM in a `trl vllm-serve` process, the trainer here
     python examples/trl_grpo_tiny_moe.py --steps 8       # more steps
+    python examples/trl_grpo_tiny_moe.py --sleep-mode    # CUDA: vllm_enable_sleep_mode=True (vLLM sleep level 2)
 
 The same job as the ms-swift main job (``grpo_tiny_moe.py``), with TRL's ``GRPOTrainer``: a random tiny Qwen3-MoE
 made on the spot (:func:`hwsync.testing.make_tiny_moe`), the arithmetic dataset, LoRA on attention
@@ -36,7 +37,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from grpo_tiny_moe import ATOL, CPU_ENV, free_port, prepare  # noqa: E402  (the ms-swift job's model and data)
+from grpo_tiny_moe import ATOL, CPU_ENV, free_port, prepare, refill_check  # noqa: E402  (the ms-swift job's model and data)
 
 GSPO_STEPS_PER_GENERATION = 2
 LORA = {
@@ -267,7 +268,9 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def checks(recs: list[dict[str, Any]], trainer: Any, steps: int, steps_per_generation: int = 1) -> dict[str, bool]:
+def checks(
+    recs: list[dict[str, Any]], trainer: Any, steps: int, steps_per_generation: int = 1, sleep_mode: bool = False
+) -> dict[str, bool]:
     """What the job promises, each as one boolean (the ms-swift main job's checks, plus the trained LoRA): every sync
     passes all of ``hwsync.verify``'s checks; on vLLM's CPU build in fp32 engine and trainer also agree within ATOL
     outright (on a GPU no engine does: TF32 fused MoE, bf16 LoRA -- the platform's gate stops a broken run there)."""
@@ -290,6 +293,8 @@ def checks(recs: list[dict[str, Any]], trainer: Any, steps: int, steps_per_gener
         and any("self_attn" in n for n in lora_b)
         and _all_nonzero(list(lora_b.values())),
     }
+    if sleep_mode:
+        out.update([refill_check(syncs)])
     if not has_gpu():
         out[f"CPU fp32: engine == trainer after every sync (max |Δ logprob| <= {ATOL:g})"] = bool(syncs) and all(
             (s.get("verify_max_abs_dlogp") or 1.0) <= ATOL for s in syncs
@@ -313,8 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
     parser.add_argument("--gspo", action="store_true", help='GSPO: importance_sampling_level="sequence"')
     parser.add_argument("--server", action="store_true", help="vLLM in a `trl vllm-serve` process (server mode)")
+    parser.add_argument(
+        "--sleep-mode",
+        action="store_true",
+        help="colocated, CUDA: vllm_enable_sleep_mode=True (TRL sleeps vLLM at level 2 after each rollout: its weights "
+        "are discarded and hwsync refills them at the next sync)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where model, data and outputs go (default: tmp)")
     opts = parser.parse_args(argv)
+    if opts.sleep_mode and (opts.server or not has_gpu()):
+        raise SystemExit("--sleep-mode needs a colocated engine on a CUDA GPU: vLLM's CPU build has no sleep mode")
     if not has_gpu():
         for key, value in {**CPU_ENV, "CUDA_VISIBLE_DEVICES": ""}.items():
             os.environ.setdefault(key, value)
@@ -342,12 +355,13 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             os.environ.update(HWSYNC_SERVER=f"127.0.0.1:{free_port()}", HWSYNC_TOKEN=secrets.token_hex(16))
             stack.enter_context(vllm_server(model, port, workdir / "vllm-serve.log", {}))
-        trainer = train(model, data, out, steps=opts.steps, gspo=opts.gspo, server_port=port)
+        overrides = {"vllm_enable_sleep_mode": True} if opts.sleep_mode else {}
+        trainer = train(model, data, out, steps=opts.steps, gspo=opts.gspo, server_port=port, **overrides)
     recs = records(metrics)
     print()
     print(next((r["text"] for r in recs if r.get("event") == "summary"), "(no hwsync summary)"))
     print(f"\ntime: {time.perf_counter() - t0:.0f} s")
-    results = checks(recs, trainer, opts.steps, GSPO_STEPS_PER_GENERATION if opts.gspo else 1)
+    results = checks(recs, trainer, opts.steps, GSPO_STEPS_PER_GENERATION if opts.gspo else 1, opts.sleep_mode)
     for name, ok in results.items():
         print(f"  [{'ok' if ok else 'FAILED'}] {name}")
     return 0 if all(results.values()) else 1
