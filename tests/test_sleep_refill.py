@@ -23,6 +23,7 @@ from hwsync.testing import close_llm, make_llm, require_vllm
 from hwsync.testing.sleep import stand_in_sleep, worker_of
 from hwsync.testing.trainer import fail_at, lora_trainer, perturb
 from hwsync.trainer.api import _plans, as_engine
+from hwsync.trainer.verify import KV_ASLEEP, check
 
 pytestmark = pytest.mark.vllm
 
@@ -259,3 +260,32 @@ def test_a_refill_says_which_derived_tensors_send_layers_through_vllms_reload() 
     )
     untouched = Discarded("vLLM's level-2 sleep", frozenset(), frozenset({"model.layers.9.mlp.experts.packed[0]"}))
     assert VllmApplier._refill_direct(applier, plan, untouched, direct) == (direct, "")  # type: ignore[arg-type]
+
+
+def test_a_sleep_before_hwsync_attached_is_adopted(tiny_qwen3_moe_dir: Path) -> None:
+    """ms-swift (``--sleep_level 2``) and TRL (sleep mode) put the engine to sleep right after building it, before
+    hwsync has seen it: what that sleep discarded is unknown, so the first sync is refused while the weights sleep
+    and, once they are woken, carries the base (adapter strategy included) -- the engine then serves the trainer
+    exactly instead of the garbage the sleep left."""
+    llm, _stand_in = _engine(tiny_qwen3_moe_dir, remap=False)
+    try:
+        model = lora_trainer(tiny_qwen3_moe_dir, ATTN, lora_dropout=0.0)
+        perturb(model, 7)
+        llm.sleep(level=2)
+        with pytest.raises(EngineAsleepError, match="asleep"):
+            hwsync.sync(llm, model, strategy="adapter")
+        llm.wake_up(tags=["weights"])
+        report = hwsync.sync(llm, model, strategy="adapter")
+        assert report.base_tensors > 0 and "refill" in report.path, report.path
+        params = _params(llm)
+        assert all(torch.isfinite(t).all() for t in params.values() if t.is_floating_point())
+        # the KV cache still sleeps, so vLLM's scheduler is paused: a generation would wait forever. hwsync refuses
+        # one, and its check runs the exact content checks and leaves the logprobs to the rollout
+        with pytest.raises(EngineAsleepError, match="scheduler"):
+            _logprobs(llm)
+        partial = check(llm, model, PROMPTS)
+        assert partial.ok and partial.skipped == (KV_ASLEEP,), partial.message()
+        llm.wake_up(tags=["kv_cache"])
+        hwsync.verify(llm, model, PROMPTS)  # content exact and logprobs within the gate
+    finally:
+        close_llm(llm)

@@ -53,6 +53,8 @@ class TrainerSync:
         """The model's numerics spread (:class:`hwsync.verify.Spread`) from the last logprob check: a rollout gap is
         decisive only beyond it and the gate (``None``: the gate alone)."""
         self.checks = 0
+        self.logprobs_owed = False
+        """A due logprob check found vLLM's KV cache asleep (sleep mode): the next check runs it."""
         self.weak = 0
         """Checks and rollouts whose logprob gap was beyond the gate but within the model's numerics: logged."""
         self._probe_ref: list[torch.Tensor] | None = None
@@ -64,7 +66,7 @@ class TrainerSync:
         check it when due. Returns the :class:`~hwsync.trainer.report.SyncReport` (``None`` on such ranks) and the
         numbers for the trainer's logs (``hwsync/sync_ms``, ``hwsync/sync_mb``, ``hwsync/verify_*_abs_dlogp``)."""
         from hwsync.trainer.api import sync as hwsync_sync
-        from hwsync.trainer.verify import check, trainer_gate
+        from hwsync.trainer.verify import KV_ASLEEP, check, trainer_gate
 
         opts = self.options
         grad_mode = torch.is_grad_enabled()
@@ -89,7 +91,7 @@ class TrainerSync:
             t0 = time.perf_counter()
             self.checks += 1
             every = opts.verify_logprobs_every
-            with_logprobs = self.checks == 1 or bool(every and (self.checks - 1) % every == 0)
+            with_logprobs = self.checks == 1 or self.logprobs_owed or bool(every and (self.checks - 1) % every == 0)
             # exact content checks every time: the adapter whole, the base in turns (BASE_ROUNDS); at the first
             # check and every N-th, the base whole and the check prompts' logprobs (+ the model's numerics spread):
             # the step's rollouts carry the logprob evidence in between. One prompt per engine call (vLLM 0.32's
@@ -106,7 +108,10 @@ class TrainerSync:
                 spread=with_logprobs or None,
             )
             if with_logprobs:
-                self.spread = verdict.spread
+                if KV_ASLEEP in verdict.skipped:  # vLLM's KV cache slept through the sync: the next check tries again
+                    self.logprobs_owed = True
+                else:
+                    self.logprobs_owed, self.spread = False, verdict.spread
                 shift = self.policy_shift(model)
             verify_s = time.perf_counter() - t0
             a: Any = verdict.agreement

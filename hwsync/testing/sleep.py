@@ -11,7 +11,9 @@ do to the engine what the CUDA build's sleep does to its weights pool, so hwsync
   the same virtual addresses, so an in-place write through an address learnt before the sleep would land where no
   kernel reads; then vLLM's part: the saved parameters and buffers copied back.
 
-Level 1 changes nothing (vLLM copies the weights back exactly). Not simulated: vLLM's punica metadata (rewritten by
+Like vLLM's GPU worker, the first sleep gives the worker a sleep-mode backend (``_sleep_mode_backend``, whose
+``state()`` is ``SUSPENDED`` until the weights wake): how hwsync tells a worker that slept before it attached. Level 1
+changes nothing (vLLM copies the weights back exactly). Not simulated: vLLM's punica metadata (rewritten by
 vLLM at every step), the KV cache (vLLM resets the prefix cache on sleep).
 """
 
@@ -50,6 +52,10 @@ class StandInSleep:
 
     def _model(self) -> torch.nn.Module:
         return self.worker.model_runner.get_model()
+
+    def state(self) -> str:
+        """vLLM's sleep-mode backend state (``SleepModeBackend.state``): the stand-in is the worker's backend."""
+        return "SUSPENDED" if self._asleep else "RUNNING"
 
     @torch.no_grad()
     def discard(self) -> None:
@@ -105,6 +111,7 @@ def stand_in_sleep(llm: Any, *, remap: bool = False) -> StandInSleep:
 
     def _sleep(level: int = 1, **kwargs: Any) -> Any:
         result = sleep(level=level, **kwargs)
+        worker.__dict__["_sleep_mode_backend"] = stand_in  # vLLM's GPU worker makes its backend at the first sleep
         if level >= 2:
             stand_in.discard()
         return result

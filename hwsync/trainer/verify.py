@@ -416,6 +416,11 @@ class VerifyReport:
 
 
 _SYNC_AGAIN = "run hwsync.sync(engine, model) again before generating"
+KV_ASLEEP = (
+    "logprobs: part of the engine sleeps, so vLLM's scheduler is paused (sleep mode: ms-swift and TRL wake the KV "
+    "cache after the sync); a trainer integration checks the rollout's own logprobs instead"
+)
+"""Why a check ran no logprobs while vLLM's KV cache slept (the content checks still ran)."""
 _HINT = (
     "the engine does not compute what the trainer computes: check the sync strategy, the hwsync patches "
     "(`hwsync doctor`) and dtypes; if the content checks pass, the engine's kernels diverge from the trainer "
@@ -1011,6 +1016,9 @@ def _check_one(
     explicit = gate is not None or bool(_env_gate())
     g = gate or trainer_gate(info.device_type, info.dtype, model)
     if not logprobs:  # asked for content alone (not a check that could not run: nothing in `skipped`)
+        return VerifyReport(tuple(checks), Agreement(0.0, "", 0, ()), g, tuple(skipped))
+    if engine.state().get("asleep"):  # vLLM's scheduler waits for the KV cache (ms-swift and TRL wake it after the sync)
+        skipped.append(KV_ASLEEP)
         return VerifyReport(tuple(checks), Agreement(0.0, "", 0, ()), g, tuple(skipped))
     a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4, batch=batch)
     # the spread costs a few trainer forwards: measured where it can change the verdict (the gap beyond the gate),

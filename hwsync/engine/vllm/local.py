@@ -68,7 +68,11 @@ class LocalEngine(Engine, Generating):
         return EngineInfo.from_dict(self.rpc(worker.describe, list(lora_paths), _shapes(base)))
 
     def state(self) -> dict[str, Any]:
-        return self.rpc(worker.state)
+        """The receiver's state, and what of the engine sleeps (``asleep``: vLLM's sleep tags; while any is left its
+        scheduler is paused and nothing generates)."""
+        from hwsync.engine.vllm.sleep import engine_asleep
+
+        return {**self.rpc(worker.state), "asleep": list(engine_asleep(self.llm))}
 
     def prepare(self, manifest: Manifest) -> None:
         """Validate ``manifest`` on every worker (nothing is written)."""
@@ -166,8 +170,11 @@ class LocalEngine(Engine, Generating):
             )
 
     def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        from hwsync.engine.vllm.sleep import check_engine_awake
+
         with self.lock:
             self.check_servable()
+            check_engine_awake(self.llm, "generating")
             kwargs.setdefault("lora_request", self.lora_request)
             kwargs.setdefault("use_tqdm", False)
             return self.llm.generate(prompts, sampling_params, **kwargs)

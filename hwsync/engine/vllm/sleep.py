@@ -25,7 +25,11 @@ On a level-2 sleep the watch
 * on wake compares the addresses: where all survived, the refill writes in place as before; where any moved, every
   in-place plan is dropped and the refill takes the first-sync path (vLLM's reload, vLLM's adapter activation).
 
-While the weights are asleep (any level) nothing that reads or writes them may run: :func:`check_awake`.
+While the weights are asleep (any level) nothing that reads or writes them may run: :func:`check_awake`; while the KV
+cache sleeps (integrations wake ``weights`` for the sync and ``kv_cache`` only after it) vLLM pauses the engine's
+scheduler, so nothing may generate: :func:`check_engine_awake`. A worker vLLM slept before hwsync attached to it (ms-swift and TRL sleep the engine right
+after building it) is adopted by the watch: what that sleep discarded is unknown, so its weights count as discarded
+and the first sync carries the base.
 """
 
 from __future__ import annotations
@@ -42,7 +46,16 @@ from torch import Tensor
 from hwsync.common.errors import EngineAsleepError
 from hwsync.patches.vllm_sleep_watch import observe, observer_of
 
-__all__ = ["Discarded", "SleepWatch", "check_awake", "device_tensors", "watch"]
+__all__ = [
+    "Discarded",
+    "SleepWatch",
+    "check_awake",
+    "check_engine_awake",
+    "device_tensors",
+    "engine_asleep",
+    "pool_asleep",
+    "watch",
+]
 
 logger = logging.getLogger("hwsync.vllm")
 
@@ -186,6 +199,20 @@ class SleepWatch:
         """A sync carried the base after the discard: nothing of it is pending any more."""
         self.discarded = None
 
+    def adopt(self) -> None:
+        """A worker vLLM slept before this watch existed: what that sleep discarded is unknown, so its weights count
+        as discarded (the next sync refills the base); asleep while vLLM's pool still holds them unmapped."""
+        asleep = pool_asleep()
+        if self.worker.__dict__.get("_sleep_mode_backend") is None and not asleep:
+            return  # never slept (vLLM makes the backend at the first sleep)
+        self._lose("vLLM slept the engine before hwsync attached (what that sleep discarded is unknown)")
+        if "weights" in asleep:
+            self.asleep = "vLLM sleep before hwsync attached"
+        else:  # already woken: its addresses are the ones now
+            assert self.discarded is not None
+            self.discarded.woke = True
+            self._on_wake(self.discarded)
+
 
 def watch(worker: Any, on_discard: Callable[[Discarded], None], on_wake: Callable[[Discarded], None]) -> SleepWatch:
     """The worker's :class:`SleepWatch` (one per worker), registered as its sleep observer, holding the patch that
@@ -198,6 +225,7 @@ def watch(worker: Any, on_discard: Callable[[Discarded], None], on_wake: Callabl
         return held
     w = SleepWatch(worker, on_discard, on_wake)
     observe(worker, w)
+    w.adopt()
     release, why = patches.hold("vllm_sleep_watch", worker)
     w.observed = release is not None
     if not w.observed:
@@ -216,6 +244,8 @@ def check_awake(worker: Any, what: str) -> None:
     backend = worker.__dict__.get("_sleep_mode_backend")  # vLLM's GPU worker, before hwsync watched it
     if asleep is None and backend is not None and getattr(backend, "state", lambda: "RUNNING")() != "RUNNING":
         asleep = f"vLLM's sleep-mode backend is {backend.state()}"
+    if asleep is None and "weights" in pool_asleep():
+        asleep = "vLLM's sleep-mode pool holds the weights unmapped"
     # Limitation L11 (docs/limitations.md): an asleep engine refuses weight work
     if asleep is not None:
         raise EngineAsleepError(
@@ -223,3 +253,40 @@ def check_awake(worker: Any, what: str) -> None:
             "was read or written. Wake it first (llm.wake_up(), or wake_up(tags=['weights']) before the sync), "
             "then sync: after a level-2 sleep the next hwsync.sync refills the weights"
         )
+
+
+def engine_asleep(llm: Any) -> tuple[str, ...]:
+    """What of an in-process engine sleeps (its executor's ``sleeping_tags``, plus ``scheduling`` where its scheduler is
+    paused otherwise): vLLM resumes scheduling only once every tag is awake, so while this is not empty a generation
+    would wait forever. ms-swift and TRL wake the weights for the sync and the KV cache only after it."""
+    engine = getattr(llm, "llm_engine", None)
+    tags = sorted(getattr(getattr(engine, "model_executor", None), "sleeping_tags", None) or ())
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)  # in-process: vLLM's EngineCore
+    paused = getattr(core, "is_scheduler_paused", None)
+    if not tags and callable(paused) and paused():
+        tags = ["scheduling"]
+    return tuple(tags)
+
+
+def check_engine_awake(llm: Any, what: str) -> None:
+    """Refuse ``what`` (a generation) while the engine sleeps in part: it would wait forever (:func:`engine_asleep`)."""
+    asleep = engine_asleep(llm)
+    if asleep:
+        raise EngineAsleepError(
+            f"{what} refused: vLLM pauses this engine's scheduler while {', '.join(asleep)} sleep(s) (sleep mode; "
+            "ms-swift and TRL wake the weights for the sync and the KV cache only after it): a request would wait "
+            "forever. Wake it first: llm.wake_up() (or wake_up(tags=['kv_cache']) after the weights)"
+        )
+
+def pool_asleep() -> frozenset[str]:
+    """The tags (``weights``, ``kv_cache``, ...) of vLLM's sleep-mode pool unmapped now, read from vLLM's
+    ``CuMemAllocator`` in this process without making one: empty where sleep mode is not in use (or on a build
+    without it: vLLM's CPU build)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:  # no CUDA build of vLLM's allocator here: no pool, nothing asleep
+        return frozenset()
+    pool = getattr(CuMemAllocator, "instance", None)
+    if pool is None:
+        return frozenset()
+    return frozenset(d.tag for d in list(pool.pointer_to_data.values()) if getattr(d, "is_asleep", False))

@@ -58,6 +58,9 @@ class HwsyncGeneration:
         llm = getattr(trl_generation, "llm", None)
         if llm is not None and not isinstance(llm, ServedLLM):
             trl_generation.llm = ServedLLM(llm, sync)
+        # TRL 1.16's generate() re-pushes the weights itself after a level-2 sleep (``self.sync_weights()`` when
+        # ``_llm_weights_sleeping``): that call is hwsync's sync too, never TRL's merge-and-load_weights
+        trl_generation.__dict__["sync_weights"] = self.sync_weights
 
     @property
     def engine(self) -> Any:
@@ -77,6 +80,8 @@ class HwsyncGeneration:
                 torch.cuda.empty_cache()
             self.engine.wake_up(tags=["weights"])
         self._sync()
+        if "_llm_weights_sleeping" in vars(inner):  # TRL's own record that the weights need pushing: they are pushed
+            inner._llm_weights_sleeping = False
 
     def serve_adapter(self, name: str | None) -> None:
         """Server mode: generate with the adapter vLLM's server serves under ``name`` (``None``: the base model)."""
