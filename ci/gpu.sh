@@ -27,7 +27,10 @@ export HWSYNC_MODULE_TIMEOUT="${HWSYNC_MODULE_TIMEOUT:-500}"
 [ -n "${OUT:-}" ] && export HWSYNC_TEST_LOG="${HWSYNC_TEST_LOG:-$OUT/failed-modules.log}"
 PY="${PYTHON:-python3}"
 # HWSYNC_STACKS_EVERY=N: every Python process of the part dumps its threads' stacks every N s (what a hang waits on)
-[ -n "${HWSYNC_STACKS_EVERY:-}" ] && export PYTHONPATH="$(cd "$(dirname "$0")" && pwd)/stacks${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${HWSYNC_STACKS_EVERY:-}" ]; then
+    stacks="$(cd "$(dirname "$0")" && pwd)/stacks"
+    export PYTHONPATH="$stacks${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 multigpu-server bench verify qwen35 trl trl-b depth campaign48 sleep sleep-bench sleep-e2e trained-depth transfer48)
 declare -A MODULES=(
