@@ -1017,7 +1017,7 @@ def _check_one(
     g = gate or trainer_gate(info.device_type, info.dtype, model)
     if not logprobs:  # asked for content alone (not a check that could not run: nothing in `skipped`)
         return VerifyReport(tuple(checks), Agreement(0.0, "", 0, ()), g, tuple(skipped))
-    if engine.state().get("asleep"):  # vLLM's scheduler waits for the KV cache (ms-swift and TRL wake it after the sync)
+    if engine.state().get("asleep"):  # vLLM's scheduler waits for the KV cache (ms-swift, TRL: woken after the sync)
         skipped.append(KV_ASLEEP)
         return VerifyReport(tuple(checks), Agreement(0.0, "", 0, ()), g, tuple(skipped))
     a = agreement(engine, model, prompt_token_ids, max_tokens=max_tokens, tie=2 * atol if atol else 2e-4, batch=batch)

@@ -27,9 +27,9 @@ On a level-2 sleep the watch
 
 While the weights are asleep (any level) nothing that reads or writes them may run: :func:`check_awake`; while the KV
 cache sleeps (integrations wake ``weights`` for the sync and ``kv_cache`` only after it) vLLM pauses the engine's
-scheduler, so nothing may generate: :func:`check_engine_awake`. A worker vLLM slept before hwsync attached to it (ms-swift and TRL sleep the engine right
-after building it) is adopted by the watch: what that sleep discarded is unknown, so its weights count as discarded
-and the first sync carries the base.
+scheduler, so nothing may generate: :func:`check_engine_awake`. A worker vLLM slept before hwsync attached to it
+(ms-swift and TRL sleep the engine right after building it) is adopted by the watch: what that sleep discarded is
+unknown, so its weights count as discarded and the first sync carries the base.
 """
 
 from __future__ import annotations
