@@ -278,6 +278,7 @@ def check_engine_awake(llm: Any, what: str) -> None:
             "forever. Wake it first: llm.wake_up() (or wake_up(tags=['kv_cache']) after the weights)"
         )
 
+
 def pool_asleep() -> frozenset[str]:
     """The tags (``weights``, ``kv_cache``, ...) of vLLM's sleep-mode pool unmapped now, read from vLLM's
     ``CuMemAllocator`` in this process without making one: empty where sleep mode is not in use (or on a build
