@@ -18,7 +18,8 @@ median of ``--syncs``, each after an "optimizer step" that changes every weight 
 through hwsync's two paths only: vLLM's backends have no adapter sync. Exactness: after its first sync each path's
 engine serves the same untouched trainer, so its check-prompt logprobs must equal hwsync direct's bit for bit
 (full: vLLM's repeat spread is 0 without LoRA); the backend and direct paths are also compared on one state (base
-checksums, LoRA slot checksums). vLLM's ``nccl`` backend needs a second GPU (NCCL refuses one device twice): not run
+and LoRA slot checksums equal; logprobs equal for full, reported for adapter: vLLM's LoRA kernels on a GPU repeat
+only within their own spread). vLLM's ``nccl`` backend needs a second GPU (NCCL refuses one device twice): not run
 on one. The table gives each path's ratio to hwsync direct. Exits 1 when a path is not exact.
 """
 from __future__ import annotations
@@ -167,8 +168,10 @@ def _child(args: argparse.Namespace) -> int:
 
 def _exact(rows: list[dict[str, Any]]) -> list[str]:
     """What was not exact: backend vs direct on one state, every full path's first logprobs vs hwsync's."""
+    # one state: the weights must be equal; the logprobs too where no LoRA kernel runs (vLLM's LoRA shrink kernel
+    # splits K with fp32 atomics on a GPU, so an adapter's logprobs repeat only within its own spread: reported)
     bad = [f"{r['path']} {r['strategy']}" for r in rows if r.get("equal_to_direct") is False
-           or (r.get("Δ_vs_direct") or 0.0) > 0.0]
+           or (r["strategy"] == "full" and (r.get("Δ_vs_direct") or 0.0) > 0.0)]
     ref = next((r["first_logprobs"] for r in rows if r.get("first_logprobs") and r["path"] == "backend"), None)
     for r in rows:
         if r.get("first_logprobs") and ref is not None:

@@ -90,8 +90,15 @@ def run_bench_model(args: argparse.Namespace) -> dict[str, Any]:
         info = as_engine(llm).describe()
         res.update(dtype=info.dtype, device=info.device_type, engine=info.engine, seconds=time.time() - t0)
         results.append(res)
+        print(f"{strategy}: " + json.dumps(res, default=str)[:3000], flush=True)  # kept if a later strategy fails
+        # the engine handle's plans and verify's caches hold this trainer's tensors: at 48 layers the next trainer
+        # fits beside the engine only once they are gone
+        as_engine(llm).plans.clear()
+        as_engine(llm).checks.clear()
         del model
         gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
     return {"device": "cuda" if gpu else "cpu", "vllm": vllm.__version__, "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(0) if gpu else None, "steps": args.steps, "runs": results,
             "model": f"{args.shapes} x {args.layers} layers, LoRA r{args.rank}"}
