@@ -289,3 +289,37 @@ def test_a_sleep_before_hwsync_attached_is_adopted(tiny_qwen3_moe_dir: Path) -> 
         hwsync.verify(llm, model, PROMPTS)  # content exact and logprobs within the gate
     finally:
         close_llm(llm)
+
+
+def test_trls_own_repush_after_a_level2_sleep_is_hwsyncs_sync() -> None:
+    """TRL 1.16's ``generate()`` re-pushes the weights itself while they slept (``self.sync_weights()`` when
+    ``_llm_weights_sleeping``, its merge-and-``load_weights``): with hwsync's generation that call is hwsync's sync
+    (weights woken first), and TRL's flag is cleared, so the next generate pushes nothing."""
+    from hwsync.integrations.trl._generation import HwsyncGeneration
+
+    calls: list[str] = []
+
+    class Engine:  # the colocated vllm.LLM, as far as the wake goes
+        def wake_up(self, tags: list[str] | None = None) -> None:
+            calls.append(f"wake {tags}")
+
+    class TrlGeneration:  # TRL's VLLMGeneration as its generate() reaches sync_weights
+        mode, enable_sleep_mode = "colocate", True
+
+        def __init__(self) -> None:
+            self.llm = Engine()
+            self._llm_weights_sleeping = True
+
+        def sync_weights(self) -> None:
+            calls.append("TRL's own sync")
+
+        def generate(self) -> str:
+            if self._llm_weights_sleeping:
+                self.sync_weights()
+            return "completions"
+
+    inner = TrlGeneration()
+    HwsyncGeneration(inner, lambda: calls.append("hwsync sync"))
+    assert inner.generate() == "completions"
+    assert calls == ["wake ['weights']", "hwsync sync"] and inner._llm_weights_sleeping is False
+    assert inner.generate() == "completions" and len(calls) == 2
