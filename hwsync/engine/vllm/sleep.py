@@ -203,7 +203,7 @@ class SleepWatch:
         """A worker vLLM slept before this watch existed: what that sleep discarded is unknown, so its weights count
         as discarded (the next sync refills the base); asleep while vLLM's pool still holds them unmapped."""
         asleep = pool_asleep()
-        if self.worker.__dict__.get("_sleep_mode_backend") is None and not asleep:
+        if getattr(self.worker, "__dict__", {}).get("_sleep_mode_backend") is None and not asleep:
             return  # never slept (vLLM makes the backend at the first sleep)
         self._lose("vLLM slept the engine before hwsync attached (what that sleep discarded is unknown)")
         if "weights" in asleep:
