@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,31 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen3_5_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen3.5-MoE text checkpoint (GDN + attention layers, MTP weights; fp32, seed 0)."""
     return make_tiny_moe(tmp_path_factory.mktemp("tiny_qwen3_5_moe"), "qwen3_5_moe")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def run_script() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run a repository script (``benchmarks/...``) in a fresh interpreter from the repository root; the test fails
+    with the output's tail unless it exits 0. Returns the finished process (its stdout for further checks)."""
+
+    def run(
+        script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 900
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / script), *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        return proc
+
+    return run
 
 
 def _on_ci() -> bool:

@@ -9,32 +9,19 @@ experts -- no semantic difference between vLLM's and transformers' Qwen3-MoE for
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from hwsync.testing import on_cpu
 
 pytestmark = pytest.mark.vllm
-ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(script: str, *args: str, timeout: int = 900) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-
-
-def test_bench_step_runs_the_guard_without_false_alarms(tmp_path: Path) -> None:
+def test_bench_step_runs_the_guard_without_false_alarms(tmp_path: Path, run_script: Any) -> None:
     out = tmp_path / "step.json"
-    _run("bench_step.py", "--runs", "adapter:8,full", "--steps", "3", "--strict", "--json", str(out))
+    run_script("benchmarks/bench_step.py", "--runs", "adapter:8,full", "--steps", "3", "--strict", "--json", str(out))
     rows = json.loads(out.read_text())
     assert [r["run"] for r in rows] == ["adapter r8", "full"]
     for r in rows:
@@ -47,9 +34,9 @@ def test_bench_step_runs_the_guard_without_false_alarms(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not on_cpu(), reason="CPU fp32: vLLM's CPU build computes like transformers")
-def test_engine_and_trainer_compute_the_same_model_layer_by_layer(tmp_path: Path) -> None:
+def test_engine_and_trainer_compute_the_same_model_layer_by_layer(tmp_path: Path, run_script: Any) -> None:
     out = tmp_path / "depth.json"
-    _run("verify_depth.py", "--layers", "2,4", "--dtypes", "float32", "--json", str(out))
+    run_script("benchmarks/verify_depth.py", "--layers", "2,4", "--dtypes", "float32", "--json", str(out))
     rows = json.loads(out.read_text())
     assert [r["depth"] for r in rows] == [2, 4]
     for r in rows:

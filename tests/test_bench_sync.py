@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,37 +18,19 @@ from hwsync.testing import require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def test_bench_sync_is_exact_colocated_and_served(tmp_path: Path) -> None:
+def test_bench_sync_is_exact_colocated_and_served(tmp_path: Path, run_script: Any) -> None:
     require_vllm()
     from hwsync.testing import on_cpu
 
     out = tmp_path / "bench.json"
     server = on_cpu() or torch.cuda.device_count() >= 2  # one GPU: the served engine would share the trainer's GPU
     env = dict(os.environ) if on_cpu() else {**os.environ, "BENCH_KV_BYTES": str(256 << 20), "BENCH_GPU_BLOCKS": "64"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_sync.py"),
-            "--layers",
-            "2",
-            "--syncs",
-            "2",
-            "--warmup",
-            "1",
-            *(["--server"] if server else []),
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    run_script(
+        "benchmarks/bench_sync.py",
+        *("--layers", "2", "--syncs", "2", "--warmup", "1", *(["--server"] if server else []), "--json", str(out)),
         env=env,
     )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     tables = json.loads(out.read_text())
     assert [r["strategy"] for r in tables["colocate"]] == ["full", "adapter", "hybrid"]
     assert [r["strategy"] for r in tables.get("server", [])] == (["full", "adapter", "hybrid"] if server else [])

@@ -6,9 +6,8 @@ its exit status. vLLM's ipc backend needs CUDA (the GPU job runs it); timings ar
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,33 +15,15 @@ from hwsync.testing import on_cpu, require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def test_bench_transfer_backend_and_direct_leave_the_same_engine(tmp_path: Path) -> None:
+def test_bench_transfer_backend_and_direct_leave_the_same_engine(tmp_path: Path, run_script: Any) -> None:
     require_vllm()
     if not on_cpu():
         pytest.skip("the GPU job runs the benchmark at the real size (ci/gpu.sh transfer48)")
     out = tmp_path / "transfer.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_transfer.py"),
-            "--layers",
-            "2",
-            "--syncs",
-            "2",
-            "--warmup",
-            "1",
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    proc = run_script(
+        "benchmarks/bench_transfer.py", "--layers", "2", "--syncs", "2", "--warmup", "1", "--json", str(out)
     )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = json.loads(out.read_text())
     assert [(r["path"], r["strategy"]) for r in rows] == [
         ("backend", "full"),

@@ -54,6 +54,7 @@ __all__ = [
     "device_tensors",
     "engine_asleep",
     "pool_asleep",
+    "sleep_backend",
     "watch",
 ]
 
@@ -203,8 +204,8 @@ class SleepWatch:
         """A worker vLLM slept before this watch existed: what that sleep discarded is unknown, so its weights count
         as discarded (the next sync refills the base); asleep while vLLM's pool still holds them unmapped."""
         asleep = pool_asleep()
-        if getattr(self.worker, "__dict__", {}).get("_sleep_mode_backend") is None and not asleep:
-            return  # never slept (vLLM makes the backend at the first sleep)
+        if sleep_backend(self.worker) is None and not asleep:
+            return  # never slept
         self._lose("vLLM slept the engine before hwsync attached (what that sleep discarded is unknown)")
         if "weights" in asleep:
             self.asleep = "vLLM sleep before hwsync attached"
@@ -241,7 +242,7 @@ def check_awake(worker: Any, what: str) -> None:
     """Refuse ``what`` (a worker function that reads or writes weights) while the weights are not resident."""
     w = observer_of(worker)
     asleep = w.asleep if isinstance(w, SleepWatch) else None
-    backend = worker.__dict__.get("_sleep_mode_backend")  # vLLM's GPU worker, before hwsync watched it
+    backend = sleep_backend(worker)  # vLLM's GPU worker, before hwsync watched it
     if asleep is None and backend is not None and getattr(backend, "state", lambda: "RUNNING")() != "RUNNING":
         asleep = f"vLLM's sleep-mode backend is {backend.state()}"
     if asleep is None and "weights" in pool_asleep():
@@ -253,6 +254,12 @@ def check_awake(worker: Any, what: str) -> None:
             "was read or written. Wake it first (llm.wake_up(), or wake_up(tags=['weights']) before the sync), "
             "then sync: after a level-2 sleep the next hwsync.sync refills the weights"
         )
+
+
+def sleep_backend(worker: Any) -> Any:
+    """vLLM's GPU worker's sleep-mode backend (``_sleep_mode_backend``), made at the worker's first sleep: ``None``
+    where it never slept (or a worker without one)."""
+    return getattr(worker, "__dict__", {}).get("_sleep_mode_backend")
 
 
 def engine_asleep(llm: Any) -> tuple[str, ...]:
