@@ -32,7 +32,7 @@ if [ -n "${HWSYNC_STACKS_EVERY:-}" ]; then
     export PYTHONPATH="$stacks${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 multigpu-server bench verify qwen35 trl trl-b depth campaign48 sleep sleep-bench sleep-e2e trained-depth transfer48)
+PARTS=(unit-a unit-b suite-a suite-b exact lora-configs server swift swift-b qlora families multigpu multigpu-z3 multigpu-server bench verify qwen35 trl trl-b depth campaign48 sleep sleep-bench sleep-bench35 sleep-e2e trained-depth transfer48)
 declare -A MODULES=(
     [suite-a]="tests/test_fixtures.py tests/test_names_vllm.py tests/test_patches_vllm_ascend.py tests/test_vllm_version.py"
     [suite-b]="tests/test_sync_strategies.py tests/test_sync_faults.py"
@@ -77,6 +77,7 @@ declare -A ABOUT=(
     [trained-depth]="benchmarks/verify_depth.py at 12 and 24 layers of Qwen3-30B-A3B shapes, bf16, a checkpoint trained 200 steps (issue 38: verify's verdict on a trained model at depth, and on an engine left on the untrained policy) (\$OUT/depth-trained.json)"
     [transfer48]="benchmarks/bench_transfer.py at 48 layers, rank 32 (issue 42): hwsync through vLLM's weight-transfer verbs vs hwsync direct vs vLLM's ipc backend, full and adapter (\$OUT/transfer48.json)"
     [sleep-bench]="benchmarks/bench_sleep.py at 48 layers, rank 8 (issue 40): level-2 wake + refill vs vLLM's level-1 wake and reload, per strategy, exactness checksums (\$OUT/sleep-bench.json)"
+    [sleep-bench35]="benchmarks/bench_sleep.py at Qwen3.5-MoE shapes, 24 layers, rank 8 (issue 40): the refill's exactness after a level-2 wake with Gated-DeltaNet state, full / adapter / hybrid (\$OUT/sleep-bench35.json)"
 )
 
 unit_modules() {  # $1 = a|b: that half (by name) of the test modules no other part names, space-separated
@@ -133,7 +134,7 @@ run_part() {
             "$PY" examples/grpo_tiny_moe.py --steps 4 --sleep-level 2 --workdir "${TMPDIR:-/tmp}/hwsync-sleep-swift" || rc=$?
             PYTHONPATH="${HWSYNC_TRL_PATH:+$HWSYNC_TRL_PATH:}${PYTHONPATH:-}" "$PY" examples/trl_grpo_tiny_moe.py --sleep-mode \
                 --workdir "${TMPDIR:-/tmp}/hwsync-sleep-trl" || rc=$? ;;
-        depth|campaign48|sleep|sleep-bench|trained-depth|transfer48)  # real-size shapes: a fixed KV budget, half the GPU for the engine
+        depth|campaign48|sleep|sleep-bench|sleep-bench35|trained-depth|transfer48)  # real-size shapes: a fixed KV budget, half the GPU for the engine
             # 2 GiB of KV: 1,300 blocks at Qwen3-30B-A3B shapes (vLLM's block override wins over BENCH_KV_BYTES; the
             # sync bench's default, 10,000 blocks, is ~15 GB at 48 layers)
             export BENCH_KV_BYTES=${BENCH_KV_BYTES:-2147483648} BENCH_GPU_MEM=${BENCH_GPU_MEM:-0.5} \
@@ -157,7 +158,9 @@ run_part() {
                 transfer48) "$PY" benchmarks/bench_transfer.py --shapes qwen3-30b-a3b --layers 48 --rank 32 \
                     ${OUT:+--json "$OUT/transfer48.json"} || rc=$? ;;
                 sleep-bench) "$PY" benchmarks/bench_sleep.py --shapes qwen3-30b-a3b --layers 48 --rank 8 --repeats 2 \
-                    ${OUT:+--json "$OUT/sleep-bench.json"} || rc=$? ;;
+                    --strategies full,adapter ${OUT:+--json "$OUT/sleep-bench.json"} || rc=$? ;;
+                sleep-bench35) "$PY" benchmarks/bench_sleep.py --shapes qwen3.5-moe --layers 24 --rank 8 --repeats 1 \
+                    --strategies full,adapter,hybrid ${OUT:+--json "$OUT/sleep-bench35.json"} || rc=$? ;;
             esac ;;
         bench)
             local server=()
