@@ -8,7 +8,8 @@ by default (the model and engine of ``benchmarks/bench_sync.py``, imported from 
 * **level 2**: sleep(2), the training step, wake (fresh memory), hwsync's refill (base + adapter: the first sync after
   the wake), exactness of the refill: every base parameter and every LoRA slot of the engine checksummed against
   the same engine before the sleep, with the same trainer weights (bench_sync checks that state against vLLM's own
-  loading), and the logprobs of the check prompts equal;
+  loading), and the logprobs of the check prompts within the engine's own repeat spread (two runs before the
+  sleep: vLLM's MoE-LoRA kernels are not bit-reproducible at 48 layers);
 * **vLLM's reload path**: ``reload_weights`` of the same base weights (what a framework without hwsync runs after a
   level-2 wake).
 
@@ -135,9 +136,12 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
     for level in (1, 2):
         parts: dict[str, list[float]] = {"sleep": [], "train": [], "wake": [], "sync": []}
         mem, exact, how = [], [], ""
+        same_state, lp_delta, lp_spread = [], [], []
         for s in range(args.repeats):
             before = _state(llm, runner, lid()) if level == 2 else None
             out_before = _logprobs(llm, as_engine(llm).lora_request) if level == 2 else None
+            if level == 2:  # vLLM's own repeat spread: its MoE-LoRA kernels are not bit-reproducible at depth
+                lp_spread.append(_delta(out_before, _logprobs(llm, as_engine(llm).lora_request)))
             parts["sleep"].append(_timed(lambda: llm.sleep(level=level))[0])
             t, used = _timed(lambda: _train_step(model, args.batch, args.seq))
             parts["train"].append(t)
@@ -151,14 +155,25 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
             if level == 2:  # the same trainer weights as before the sleep: everything must be back, bit for bit
                 after = _state(llm, runner, lid())
                 out_after = _logprobs(llm, as_engine(llm).lora_request)
-                exact.append(after == before and _delta(out_before, out_after) == 0.0)
+                same_state.append(after == before)
+                lp_delta.append(_delta(out_before, out_after))
+                if after != before:
+                    differ = [k for k in before["base"] if before["base"][k] != after["base"].get(k)]
+                    differ += [k for k in before["slots"] if before["slots"][k] != after["slots"].get(k)]
+                    print(f"bench_sleep: {strategy}: {len(differ)} tensors differ after the refill, e.g. {differ[:4]}",
+                          file=sys.stderr)
+                # exact: every base parameter and LoRA slot bit-equal; the logprobs within vLLM's own repeat spread
+                exact.append(after == before and lp_delta[-1] <= lp_spread[-1])
                 assert "full refill" in report.reason, report.reason
                 _step(model, 400 + s)
                 hwsync.sync(llm, model, strategy=strategy)  # the step's own sync (steady again)
         med = {k: statistics.median(v) for k, v in parts.items()}
         rows.append(dict(strategy=strategy, sleep=f"level {level}", sleep_s=med["sleep"], train_s=med["train"],
                          wake_s=med["wake"], sync_s=med["sync"], step_s=sum(med.values()), train_mem_gb=max(mem),
-                         path=how, exact=all(exact) if exact else ""))
+                         path=how, exact=all(exact) if exact else "",
+                         state_bit_equal=all(same_state) if same_state else "",
+                         logprob_delta=max(lp_delta) if lp_delta else "",
+                         logprob_repeat_spread=max(lp_spread) if lp_spread else ""))
     # vLLM's reload path of the same base weights (what runs after a level-2 wake without hwsync)
     # merged one tensor at a time, as bench_sync's reload row: a list of every merged expert block (an adapter
     # trainer's 60 GB) does not fit beside the engine
@@ -186,7 +201,9 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         step_l1_vs_none=l1["step_s"] / none["step_s"] if none["step_s"] else None,
                         step_l2_vs_none=l2["step_s"] / none["step_s"] if none["step_s"] else None,
                         train_mem_gb_none=none["train_mem_gb"], train_mem_gb_l1=l1["train_mem_gb"],
-                        train_mem_gb_l2=l2["train_mem_gb"], exact=l2["exact"]))
+                        train_mem_gb_l2=l2["train_mem_gb"], state_bit_equal=l2.get("state_bit_equal", ""),
+                        logprob_delta=l2.get("logprob_delta", ""),
+                        logprob_repeat_spread=l2.get("logprob_repeat_spread", ""), exact=l2["exact"]))
     return out
 
 
@@ -253,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             path = _checkpoint(Path(tmp), args.shapes, args.layers)
             rows += phase(path, strategies[0], args, dtype)
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # one column set: the level-2 rows carry exactness
+    rows = [{k: r.get(k, "") for k in keys} for r in rows]
     table = ratios(rows)
     _print(f"sleep modes, {args.shapes} x {args.layers} layers, LoRA r{args.rank}", rows)
     _print("level-2 wake + refill against the baselines of this run", table)
