@@ -238,7 +238,7 @@ def test_lora_on_non_gated_experts_is_still_refused_as_vllm_lora() -> None:
     adapter = extract_peft_lora(_peft_toy(False))
     assert adapter.modules[f"{EXPERTS}.up_proj"].kind is LoraKind.EXPERTS_OTHER
     with pytest.raises(AdapterFormatError, match="only knows gate_up_proj/down_proj"):
-        to_vllm_lora(adapter, moe_format="3d")
+        to_vllm_lora(adapter, layout="3d")
 
 
 def test_experts_prefix_of_a_lora_wrapped_moe_built_under_another_prefix() -> None:
@@ -320,7 +320,7 @@ def test_llama4_expert_lora_is_reoriented_for_vllm(tmp_path) -> None:
         linear_gu = peft_delta["gate_up_proj"][x].T  # [2I, H]
         want[f"{x}.gate_proj"], want[f"{x}.up_proj"] = linear_gu[:i], linear_gu[i:]
         want[f"{x}.down_proj"] = peft_delta["down_proj"][x].T  # [H, I]
-    sent, _ = to_vllm_lora(adapter, moe_format="2d")  # scaling folded into B
+    sent, _ = to_vllm_lora(adapter, layout="2d")  # scaling folded into B
     got = per_expert(sent, f"base_model.model.{owner}", dict.fromkeys(("gate_proj", "up_proj", "down_proj"), 1.0))
     assert got.keys() == want.keys()
     for k in want:

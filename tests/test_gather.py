@@ -94,7 +94,7 @@ def info(**kw: Any) -> Any:
         lora_dtype="float32",
         max_lora_rank=16,
         moe_lora=True,
-        moe_format="3d",
+        lora_layout="3d",
     )
     base.update(kw)
     return EngineInfo(**base)

@@ -230,7 +230,7 @@ def test_saved_state_dict_equals_peft_delta(peft_model) -> None:
 @pytest.mark.parametrize("moe_format", ["2d", "3d"])
 def test_vllm_round_trip_equals_peft_delta(peft_model, moe_format: str) -> None:
     _, pm = peft_model
-    tensors, config = to_vllm_lora(extract_peft_lora(pm), moe_format=moe_format)
+    tensors, config = to_vllm_lora(extract_peft_lora(pm), layout=moe_format)
     assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in tensors)
     assert len({t.data_ptr() for t in tensors.values()}) == len(tensors)  # safetensors-safe: no shared storage
     assert config["lora_alpha"] == config["r"] and config["rank_pattern"] == config["alpha_pattern"]
@@ -244,8 +244,8 @@ def test_moe_key_names_match_vllm_conventions() -> None:
     e, h, i = model.config.num_experts, model.config.hidden_size, model.config.moe_intermediate_size
     pm = get_peft_model(model, lora(**CONFIGS["both_patterns"]))
     ad = extract_peft_lora(pm)
-    t2, _ = to_vllm_lora(ad, moe_format="2d")
-    t3, c3 = to_vllm_lora(ad, moe_format="3d")
+    t2, _ = to_vllm_lora(ad, layout="2d")
+    t3, c3 = to_vllm_lora(ad, layout="3d")
     p = "base_model.model.model.layers.1.mlp.experts"
     assert t2[f"{p}.3.gate_proj.lora_A.weight"].shape == (4, h)
     assert t2[f"{p}.3.up_proj.lora_B.weight"].shape == (i, 4)
@@ -269,11 +269,11 @@ def test_bf16_conversions_fold_scale_once() -> None:
     assert ad.modules["model.layers.0.mlp.experts.down_proj"].lora_B.dtype == torch.bfloat16
     want = {k: v.float() for k, v in ad.delta_weights().items()}  # exact ΔW of the bf16 factors
     for fmt in ("2d", "3d"):
-        tensors, config = to_vllm_lora(ad, moe_format=fmt)
+        tensors, config = to_vllm_lora(ad, layout=fmt)
         assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
         # folded B = bf16(scale · B): one rounding, so ΔW agrees to bf16 resolution
         assert_same_deltas(from_vllm_lora(tensors, config).delta_weights(), want, 2e-2)
-    t32, c32 = to_vllm_lora(ad, moe_format="3d", dtype=torch.float32)
+    t32, c32 = to_vllm_lora(ad, layout="3d", dtype=torch.float32)
     assert_same_deltas(from_vllm_lora(t32, c32).delta_weights(), want, 1e-6)
 
 
@@ -297,7 +297,7 @@ def _random_per_expert_adapter(e: int = 3, h: int = 16, i: int = 8) -> LoraAdapt
 def test_per_expert_2d_adapter_to_3d_is_exact() -> None:
     ad = _random_per_expert_adapter()
     per = {k: v for k, v in ad.delta_weights().items()}
-    t3, c3 = to_vllm_lora(ad, moe_format="3d")
+    t3, c3 = to_vllm_lora(ad, layout="3d")
     back = from_vllm_lora(t3, c3)
     gu = back.modules["model.layers.0.mlp.experts.gate_up_proj"]
     assert gu.rank == 5  # block-diagonal [A_gate; A_up]: rank 2 + 3
@@ -307,7 +307,7 @@ def test_per_expert_2d_adapter_to_3d_is_exact() -> None:
         torch.testing.assert_close(dgu[x], torch.cat([per[p + "gate_proj.weight"], per[p + "up_proj.weight"]]))
         torch.testing.assert_close(ddn[x], per[p + "down_proj.weight"])
     # 2-D passes per-expert modules through, with their different ranks announced in rank_pattern
-    t2, c2 = to_vllm_lora(ad, moe_format="2d")
+    t2, c2 = to_vllm_lora(ad, layout="2d")
     assert c2["r"] == 4 and set(c2["rank_pattern"].values()) == {2, 3}
     assert_same_deltas(from_vllm_lora(t2, c2).delta_weights(), back.delta_weights(), 1e-5)
 
@@ -395,7 +395,7 @@ def test_bad_inputs_are_refused() -> None:
         }
         to_vllm_lora(LoraAdapter(renamed, 8, 16.0), packed_modules_mapping={"qkv_proj": ["q_proj", "k_proj", "v_proj"]})
     with pytest.raises(AdapterFormatError, match="moe_format"):
-        to_vllm_lora(extract_peft_lora(pm), moe_format="4d")  # type: ignore[arg-type]
+        to_vllm_lora(extract_peft_lora(pm), layout="4d")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -428,7 +428,7 @@ def test_vllm_reads_2d_keys_to_peft_delta(vllm_lora, cfg_name: str) -> None:
     v = vllm_lora
     pm = get_peft_model(tiny_model(), lora(**CONFIGS[cfg_name]))
     want = peft_deltas(pm)
-    tensors, config = to_vllm_lora(extract_peft_lora(pm), moe_format="2d")
+    tensors, config = to_vllm_lora(extract_peft_lora(pm), layout="2d")
     lm = _vllm_model(v, tensors, config)
     for layer in range(2):
         owner = f"model.layers.{layer}.mlp.experts"
@@ -453,7 +453,7 @@ def test_vllm_reads_3d_keys_to_peft_delta(vllm_lora, ep_rank: int) -> None:
     v = vllm_lora
     pm = get_peft_model(tiny_model(), lora(**CONFIGS["both_patterns"]))
     want = peft_deltas(pm)
-    tensors, config = to_vllm_lora(extract_peft_lora(pm), moe_format="3d")
+    tensors, config = to_vllm_lora(extract_peft_lora(pm), layout="3d")
     lm = _vllm_model(v, tensors, config)
     for w in lm.loras.values():
         w.optimize()  # as _create_merged_loras_inplace does before the MoE conversions

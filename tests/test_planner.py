@@ -43,7 +43,7 @@ class Recorder(Engine):
             lora_dtype="float32",
             max_lora_rank=16,
             moe_lora=True,
-            moe_format="3d",
+            lora_layout="3d",
             version=self.version,
             base_key=self.base_key,
             stale=self.refill is not None,

@@ -40,7 +40,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from hwsync.common import foreign
 from hwsync.common.errors import AdapterFormatError, SyncError
 from hwsync.common.gather import read
+from hwsync.common.lora_layout import LoraLayout
 from hwsync.common.trainer_names import strip_peft_name
 
 __all__ = [
@@ -801,34 +802,39 @@ def _rank_patterns(ranks: Mapping[str, int], r: int) -> dict[str, int]:
 def to_vllm_lora(
     adapter: LoraAdapter,
     *,
-    moe_format: Literal["2d", "3d"] = "2d",
+    layout: LoraLayout | str | None = None,
     packed_modules_mapping: Mapping[str, Sequence[str]] | None = None,
-    expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
     dtype: torch.dtype | None = None,
     copy: bool = True,
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Tensors with the keys vLLM's ``LoRAModel.from_lora_tensors`` / ``from_local_checkpoint`` expect + config.
 
-    ``moe_format="2d"`` writes per-expert keys (``FusedMoEWithLoRA``, e.g. Qwen3-MoE); ``"3d"`` writes PEFT's
-    ParamWrapper keys (``FusedMoE3DWithLoRA``; a 2-D model loads them only with ``enable_mixed_moe_lora_format``
-    and ``is_3d_lora_weight=True``). ``packed_modules_mapping`` (the vLLM model's) rejects LoRA on a packed owner
-    (e.g. ``qkv_proj``), which vLLM would not split. ``expert_proj_names`` are the checkpoint's per-expert names
-    (Mixtral: ``("w1", "w3", "w2")``). With ``copy`` every tensor is a new contiguous buffer (``safetensors``-safe);
-    without, tensors are views where the layout allows (in-memory hand-over: per-expert slices cost nothing).
+    ``layout`` (:class:`hwsync.common.lora_layout.LoraLayout`, or its expert format ``"2d"`` / ``"3d"``; default
+    per expert) is how the engine holds LoRA: ``"2d"`` writes per-expert keys (``FusedMoEWithLoRA``, e.g.
+    Qwen3-MoE) named by its ``expert_names``; ``"3d"`` writes PEFT's ParamWrapper keys (``FusedMoE3DWithLoRA``; a
+    2-D model loads them only with ``enable_mixed_moe_lora_format`` and ``is_3d_lora_weight=True``); its row orders
+    reorder the B of the modules the engine's loader reorders. ``packed_modules_mapping`` (the vLLM model's) rejects
+    LoRA on a packed owner (e.g. ``qkv_proj``), which vLLM would not split. With ``copy`` every tensor is a new
+    contiguous buffer (``safetensors``-safe); without, tensors are views where the layout allows (in-memory
+    hand-over: per-expert slices cost nothing).
     """
-    if moe_format not in ("2d", "3d"):
-        raise AdapterFormatError(f"moe_format must be '2d' or '3d', got {moe_format!r}")
+    layout = LoraLayout.of(layout)
     owners = set(packed_modules_mapping or {})
-    mods = adapter.modules if moe_format == "2d" else _group_experts(adapter.modules)
+    mods = _group_experts(adapter.modules) if layout.stacked else adapter.modules
     tensors: dict[str, Tensor] = {}
     ranks: dict[str, int] = {}
     leaves: set[str] = set()
     targets: set[str] = set()
-    gate_n, up_n, down_n = expert_proj_names
+    gate_n, up_n, down_n = layout.expert_names
 
     def put(module: str, a: Tensor, b: Tensor, pattern_name: str | None = None, rank: int | None = None) -> None:
+        rows = layout.rows_of(module)
+        if rows is not None and not b.is_meta:  # a new tensor already: no clone needed
+            b = b.index_select(0, rows.to(b.device))
+        elif copy:
+            b = b.clone(memory_format=torch.contiguous_format)
         tensors[f"{_PREFIX}{module}.lora_A.weight"] = a.clone(memory_format=torch.contiguous_format) if copy else a
-        tensors[f"{_PREFIX}{module}.lora_B.weight"] = b.clone(memory_format=torch.contiguous_format) if copy else b
+        tensors[f"{_PREFIX}{module}.lora_B.weight"] = b
         ranks[pattern_name or module] = int(a.shape[0]) if rank is None else rank
 
     for name, mod in mods.items():
@@ -851,11 +857,12 @@ def to_vllm_lora(
             put(module, f.lora_A, f.lora_B)
             leaves.add(leaf)
             continue
-        if f.interleaved and moe_format == "2d":
-            raise AdapterFormatError(f"{name}: experts with interleaved gate/up rows (GPT-OSS) need moe_format='3d'")
+        why = layout.refusal(name, f.interleaved)
+        if why is not None:
+            raise AdapterFormatError(why)
         owner = f.module
         e = f.num_experts
-        if moe_format == "3d":
+        if layout.stacked:
             a = f.lora_A.reshape(e * f.rank, -1)  # expert-major rows
             b = f.lora_B.permute(1, 2, 0).reshape(f.lora_B.shape[1], f.rank * e)  # column k·E + e
             if f.kind is LoraKind.EXPERTS_GATE_UP:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from hwsync.common.errors import OptionError, SyncError
+from hwsync.common.lora_layout import PER_EXPERT, LoraLayout
 
 __all__ = [
     "ALIGN",
@@ -451,6 +452,8 @@ class Manifest:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, LoraLayout):
+        return value.to_wire()
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -474,7 +477,9 @@ class EngineInfo:
     lora_reason: str = ""
     moe_lora: bool = False
     moe_lora_reason: str = ""
-    moe_format: str = "2d"
+    lora_layout: LoraLayout = PER_EXPERT
+    """How the engine holds LoRA (:mod:`hwsync.common.lora_layout`): computed by the engine, taken by the trainer's
+    plan and the converter."""
     packed_modules_mapping: Mapping[str, Sequence[str]] = field(default_factory=dict)
     lora_modules: Sequence[str] = ()
     unservable: Mapping[str, str] = field(default_factory=dict)
@@ -495,6 +500,9 @@ class EngineInfo:
     @property
     def torch_dtype(self) -> torch.dtype:
         return dtype_from_name(self.dtype)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_layout", LoraLayout.of(self.lora_layout))  # its wire form, or "2d" / "3d"
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}

@@ -232,7 +232,7 @@ def _read_lora(model: nn.Module, info: EngineInfo) -> TrainerLora:
     vllm_tensors = (
         to_vllm_lora(
             dataclasses.replace(adapter, modules=served),
-            moe_format="3d" if info.moe_format == "3d" else "2d",
+            layout=info.lora_layout,
             packed_modules_mapping=info.packed_modules_mapping or None,
             copy=False,
         )[0]

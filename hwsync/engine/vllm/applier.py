@@ -27,7 +27,7 @@ import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -35,6 +35,7 @@ from torch import Tensor
 from hwsync.common import foreign
 from hwsync.common.config import read
 from hwsync.common.errors import AdapterFormatError, ResolutionError, SyncError
+from hwsync.common.lora_layout import PER_EXPERT, LoraLayout
 from hwsync.common.progress import counted, phase
 from hwsync.common.wire import Manifest, TensorSpec, dtype_name
 from hwsync.engine.receiver import Loaded, NothingWritten
@@ -61,12 +62,6 @@ def model_of(worker: Any) -> torch.nn.Module:
 def lora_manager_of(worker: Any) -> Any:
     wm = getattr(worker.model_runner, "lora_manager", None)
     return None if wm is None else wm._adapter_manager
-
-
-def moe_format(manager: Any) -> Literal["2d", "3d"]:
-    """How ``manager`` (vLLM's LoRA model manager) holds expert LoRA: per expert (``"2d"``, ``FusedMoEWithLoRA``) or
-    stacked (``"3d"``, PEFT's fused-expert format); read from vLLM in this one place."""
-    return "3d" if getattr(manager, "_is_3d_moe_model", False) else "2d"
 
 
 class _QuietReload(logging.Filter):
@@ -247,7 +242,7 @@ class VllmApplier:
         # a failed reload whose restoration failed too left layers holding placeholders (``meta``) instead of their
         # kernel tensors: until one vLLM reload has run to the end, nothing is written in place (see _recover)
         self._layers_unrestored = False
-        self._row_orders: dict[str, Tensor] = {}  # LoRA module -> row order the model's loader gives its base weight
+        self._layout: LoraLayout | None = None  # how this engine holds LoRA (lora_layout): read once, row orders added
         self._packing: tuple[Any, str | None] | None = None  # (experts packing list, its expert_packing_problem)
         self._servable_of: Any = None  # the (LoRA manager, expert packing list) _servable's answers are about
         self._servable: dict[str, str | None] = {}
@@ -288,7 +283,7 @@ class VllmApplier:
         info.update(
             lora_dtype=dtype_name(lora_dtype),
             max_lora_rank=int(lc.max_lora_rank),
-            moe_format=moe_format(manager),
+            lora_layout=self.lora_layout,
             packed_modules_mapping=packed,
             lora_modules=sorted(manager.modules),
             unservable={p: why for p in lora_paths if (why := self._unservable(manager, p)) is not None},
@@ -413,10 +408,21 @@ class VllmApplier:
         return None
 
     @property
+    def lora_layout(self) -> LoraLayout:
+        """How this engine holds LoRA (:mod:`hwsync.common.lora_layout`): the expert format read from vLLM's LoRA
+        manager once, with the row orders learned so far (:meth:`_learn_row_orders`)."""
+        if self._layout is None:
+            manager = lora_manager_of(self.worker)
+            if manager is None:
+                return PER_EXPERT  # no LoRA served: nothing to read yet
+            self._layout = LoraLayout.of_vllm(manager)
+        return self._layout
+
+    @property
     def lora_row_orders(self) -> dict[str, Tensor]:
         """LoRA module (trainer path) -> the row order this engine's loader gives its base weight, applied to the
-        module's B on every adapter install (:meth:`_learn_row_orders`; empty for most models)."""
-        return dict(self._row_orders)
+        module's B on every adapter install (the layout's; empty for most models)."""
+        return dict(self.lora_layout.row_orders)
 
     # -- validation -----------------------------------------------------------------------------------------------
     def validate(self, manifest: Manifest) -> LoadPlan:
@@ -496,21 +502,9 @@ class VllmApplier:
 
         manager = lora_manager_of(self.worker)
         packed = {k: list(v) for k, v in manager.packed_modules_mapping.items() if k != "experts"}
-        out, config = to_vllm_lora(
-            from_wire(tensors, meta),
-            moe_format=moe_format(manager),
-            packed_modules_mapping=packed or None,
-            copy=False,
+        return to_vllm_lora(
+            from_wire(tensors, meta), layout=self.lora_layout, packed_modules_mapping=packed or None, copy=False
         )
-        for key, t in out.items():  # rows the model's loader reorders in the base weight (_learn_row_orders)
-            perm = (
-                self._row_orders.get(key.removeprefix("base_model.model.").removesuffix(".lora_B.weight"))
-                if key.endswith(".lora_B.weight")
-                else None
-            )
-            if perm is not None and not t.is_meta:
-                out[key] = t.index_select(0, perm.to(t.device))
-        return out, config
 
     def _validate_lora(self, manifest: Manifest) -> None:
         manager = lora_manager_of(self.worker)
@@ -596,7 +590,7 @@ class VllmApplier:
         (:meth:`to_vllm_format`), so the engine serves the trainer's ΔW; anything else is refused here."""
         from hwsync.engine.vllm.dry_run import row_orders
 
-        todo = [sp for sp in specs if sp.name.removesuffix(".weight") not in self._row_orders]
+        todo = [sp for sp in specs if sp.name.removesuffix(".weight") not in self.lora_layout.row_orders]
         if not todo:
             return
         found = row_orders(model_of(self.worker), todo, names_plan)
@@ -608,7 +602,7 @@ class VllmApplier:
                 "but serves their LoRA untransformed: the engine would not serve the trainer's policy. Adapt other "
                 'modules, or sync these merged (strategy="full")'
             )
-        self._row_orders.update(
+        self._layout = self.lora_layout.with_row_orders(
             {n.removesuffix(".weight"): perm for n, perm in found.items() if not isinstance(perm, str)}
         )
 
