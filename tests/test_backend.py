@@ -171,6 +171,31 @@ def test_per_device_policy_comes_from_the_backend(monkeypatch: pytest.MonkeyPatc
     assert default_bucket_mb("cpu") == 32
 
 
+def test_verify_gates_come_from_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verify's logprob gate is the device's policy too: a new backend brings its measured gates, a dtype it has
+    none for gets the loosest gate, and the built-in devices keep theirs."""
+    from hwsync.common.gate import LOOSEST, Gate
+    from hwsync.trainer.verify import GATES, gate_for
+
+    monkeypatch.delenv("HWSYNC_VERIFY_GATE", raising=False)
+    measured = Gate(mean_abs=0.2, p90_abs=0.6, mean_prob=0.02)
+
+    class GatedBackend(CpuBackend):
+        name = "gated-test"
+        device_type = "meta"
+        verify_gates = {"bfloat16": measured}
+
+    assert gate_for("meta", "bfloat16") == LOOSEST
+    register_backend(GatedBackend)
+    try:
+        assert gate_for("meta", "bfloat16") == GATES[("meta", "bfloat16")] == measured
+        assert gate_for("meta", "float32") == LOOSEST
+    finally:
+        unregister_backend("gated-test")
+    assert ("meta", "bfloat16") not in GATES
+    assert GATES[("cpu", "float32")].max_abs is not None and ("cuda", "bfloat16") in GATES
+
+
 def test_register_backend_rejects_non_backends() -> None:
     with pytest.raises(BackendUnavailableError, match="not a hwsync.Backend subclass"):
         register_backend(object)  # type: ignore[arg-type]

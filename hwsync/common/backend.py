@@ -13,7 +13,7 @@ import abc
 import contextlib
 import importlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -23,6 +23,7 @@ from torch import Tensor
 
 from hwsync.common.config import raw
 from hwsync.common.errors import BackendUnavailableError
+from hwsync.common.gate import Gate
 
 if TYPE_CHECKING:
     from hwsync.common.transport.base import Link, LinkSpec
@@ -72,6 +73,9 @@ class Backend(abc.ABC):
     traces_in_float64: ClassVar[bool] = False
     """Whether LoRA slot layouts are traced on this device (float64 probes): cheap on GPUs; elsewhere (the CPU, NPUs
     without general float64) the trace runs on the host."""
+    verify_gates: ClassVar[Mapping[str, Gate]] = {}
+    """Engine dtype -> verify's logprob gate measured on this device (:mod:`hwsync.common.gate`, docs/verify.md); a
+    dtype without one gets the loosest gate."""
 
     @abc.abstractmethod
     def is_available(self) -> bool:

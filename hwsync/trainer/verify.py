@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hwsync.common.errors import OptionError, SyncError, UnsupportedSetupError, VerifyError
+from hwsync.common.gate import LOOSEST, Gate
 from hwsync.common.target import EngineQueries
 from hwsync.common.wire import TensorSpec, dtype_name
 from hwsync.engine.vllm.outputs import engine_logprobs  # the engine half of the pair, re-exported
@@ -270,39 +271,34 @@ def numerics_spread(
 # ---------------------------------------------------------------------------------------------------------------
 # the verdict: exact content checks + a statistical logprob gate per (device, dtype)
 # ---------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Gate:
-    """Limits of the logprob gate (engine vs trainer over prompt + greedy tokens). ``max_abs`` is ``None`` except
-    where the platform computes like the trainer (vLLM's CPU build in fp32)."""
+class _Gates(Mapping[tuple[str, str], Gate]):
+    """(device type, dtype) -> gate, read from each device's backend (:attr:`hwsync.common.backend.Backend.
+    verify_gates`: measured per platform, docs/verify.md), so a new device brings its own."""
 
-    mean_abs: float
-    """Mean |Δ logprob|."""
-    p90_abs: float
-    """90th percentile of |Δ logprob|."""
-    mean_prob: float
-    """Mean |Δ probability| (verl watches <= 0.01)."""
-    max_abs: float | None = None
+    def _all(self) -> dict[tuple[str, str], Gate]:
+        from hwsync.common.backend import known_backends
+
+        out: dict[tuple[str, str], Gate] = {}
+        for backend in known_backends().values():
+            for dtype, gate in backend.verify_gates.items():
+                out.setdefault((backend.device_type, dtype), gate)
+        return out
+
+    def __getitem__(self, key: tuple[str, str]) -> Gate:
+        return self._all()[key]
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
 
 
-GATES: dict[tuple[str, str], Gate] = {
-    # vLLM's CPU build, fp32: computes like the trainer (healthy: mean 2.4e-6, max 6.7e-6 over 60 syncs)
-    ("cpu", "float32"): Gate(mean_abs=1e-4, p90_abs=2e-4, mean_prob=1e-4, max_abs=2e-3),
-    # bf16 engine vs fp32 trainer: bf16 rounding, near-tie expert-routing flips and the greedy paths they change
-    # (CPU healthy max over 60 syncs: mean 0.32, p90 0.40, mean |Δp| 0.029, max 6.2)
-    ("cpu", "bfloat16"): Gate(mean_abs=0.5, p90_abs=0.8, mean_prob=0.05),
-    # CUDA fp32: the fused-MoE Triton matmuls run in TF32. Measured on an H100 (vLLM 0.32, 20 healthy full syncs,
-    # benchmarks/verify_table.py): healthy max mean 0.017, p90 0.0079, mean |Δp| 0.0012; the faults the gate sees
-    # start at mean 0.56
-    ("cuda", "float32"): Gate(mean_abs=0.1, p90_abs=0.3, mean_prob=0.02),
-    # CUDA bf16, H100, 60 healthy syncs (full/adapter/hybrid): mean <= 0.26, mean |Δp| <= 0.013, but p90 of one
-    # 36-token sample reached 0.98 once (a routing flip early in a greedy continuation moves every later token): p90
-    # is a loose backstop here, mean and mean |Δp| carry the gate; faults it sees start at mean 0.64, |Δp| 0.047
-    ("cuda", "bfloat16"): Gate(mean_abs=0.5, p90_abs=2.0, mean_prob=0.05),
-}
-"""Per (device type, dtype). The exact content checks carry the fine-grained detection everywhere; this gate catches
-what fingerprints cannot see (a kernel fed the right tensor in the wrong layout, an unreadable module) and gross
-numeric faults. Override per call with ``gate=`` or process-wide with ``HWSYNC_VERIFY_GATE=mean,p90,prob[,max]``."""
-_LOOSEST = Gate(mean_abs=0.5, p90_abs=2.0, mean_prob=0.05)
+GATES: Mapping[tuple[str, str], Gate] = _Gates()
+"""Per (device type, dtype), from the device backends. The exact content checks carry the fine-grained detection
+everywhere; this gate catches what fingerprints cannot see (a kernel fed the right tensor in the wrong layout, an
+unreadable module) and gross numeric faults. Override per call with ``gate=`` or process-wide with
+``HWSYNC_VERIFY_GATE=mean,p90,prob[,max]``."""
 
 
 def parse_gate(text: str, var: str = "HWSYNC_VERIFY_GATE") -> Gate:
@@ -340,7 +336,7 @@ def gate_for(device_type: str, dtype: str, recurrent: bool = False) -> Gate:
         dev,
         "float32" if dtype in ("float32", "fp32") else "bfloat16" if dtype in ("bfloat16", "float16") else dtype,
     )
-    gate = GATES.get(key, _LOOSEST)
+    gate = GATES.get(key, LOOSEST)
     if recurrent and key[1] == "bfloat16" and gate.mean_abs < RECURRENT_16BIT.mean_abs:
         return RECURRENT_16BIT
     return gate
