@@ -94,7 +94,10 @@ class LoraLayout:
         """Why this layout cannot hold expert LoRA ``module`` (``None``: it can). Per-expert keys split the fused
         gate/up rows in two halves; interleaved rows (GPT-OSS) are only held stacked."""
         if interleaved and not self.stacked:
-            return f"{module}: experts with interleaved gate/up rows (GPT-OSS) need moe_format='3d'"
+            return (
+                f"{module}: experts with interleaved gate/up rows (GPT-OSS) are served only by an engine that holds "
+                'expert LoRA stacked (3-D); this one holds it per expert: sync merged weights (strategy="full")'
+            )
         return None
 
 
