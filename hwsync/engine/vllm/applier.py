@@ -283,7 +283,7 @@ class VllmApplier:
         info.update(
             lora_dtype=dtype_name(lora_dtype),
             max_lora_rank=int(lc.max_lora_rank),
-            lora_layout=self.lora_layout,
+            lora_layout=self.lora_layout.to_wire(),  # what travels: the row orders stay here
             packed_modules_mapping=packed,
             lora_modules=sorted(manager.modules),
             unservable={p: why for p in lora_paths if (why := self._unservable(manager, p)) is not None},
