@@ -13,8 +13,11 @@ by default (the model and engine of ``benchmarks/bench_sync.py``, imported from 
 * **vLLM's reload path**: ``reload_weights`` of the same base weights (what a framework without hwsync runs after a
   level-2 wake).
 
-Per phase: seconds of each part, the step time (sleep + train + wake + sync) and the device memory in use during
-the training step (``total - free`` after it: what the trainer has). The table gives ratios against the baselines
+Per phase: seconds of each part, the step time (sleep + train + wake + sync), the device memory in use during
+the training step (``total - free`` after it: what the trainer has) and the largest rollout each level leaves room
+for: the KV budget (without sleep the KV cache stays resident through the training step and can grow by what the step
+leaves free; with sleep it is discarded while the trainer trains and can take all the awake engine and trainer do not
+hold), in tokens and in sequences of ``--rollout-len`` tokens (an upper bound: generation's activations share it). The table gives ratios against the baselines
 of the same run (level-1 wake, vLLM's reload, no sleep). ``--json OUT`` writes every row.
 
     python benchmarks/bench_sleep.py --shapes qwen3-30b-a3b --layers 48 --rank 32 --json OUT
@@ -76,6 +79,38 @@ def _train_step(model: Any, batch: int, seq: int) -> float:
     return (total - free) / 1e9
 
 
+def _kv_cache(llm: Any, runner: Any) -> tuple[int, float]:
+    """The engine's KV cache: its bytes (every storage its layers' caches view, once) and bytes per token slot."""
+    storages: dict[int, int] = {}
+    todo = list(getattr(runner, "kv_caches", None) or [])
+    while todo:
+        t = todo.pop()
+        if isinstance(t, (list, tuple)):
+            todo.extend(t)
+        elif isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    cache = llm.llm_engine.vllm_config.cache_config
+    slots = max(1, int(cache.num_gpu_blocks or 0) * int(cache.block_size))
+    total = sum(storages.values())
+    return total, total / slots
+
+
+def _in_use() -> float:
+    """Device memory in use (GB) once the trainer's allocator returned what it only caches."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 1e9
+
+
+def _rollout(kv_budget: float, per_token: float, seq: int) -> dict[str, Any]:
+    """The largest rollout a KV budget (GB) holds: tokens, and sequences of ``seq`` tokens (an upper bound: vLLM's
+    activations during generation come out of the same memory)."""
+    tokens = int(max(0.0, kv_budget) * 1e9 / max(per_token, 1.0))
+    return dict(kv_budget_gb=kv_budget, rollout_tokens=tokens, rollout_seqs=tokens // seq)
+
+
 def _state(llm: Any, runner: Any, lid: int | None) -> dict[str, Any]:
     return {"base": _base_sums(runner), "slots": _slot_sums(llm, lid) if lid is not None else {}}
 
@@ -107,6 +142,12 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
         req = as_engine(llm).lora_request
         return None if req is None else req.lora_int_id
 
+    # the largest rollout each level leaves room for (issue 40): without sleep the KV cache stays resident through
+    # the training step, so it can grow by what the step leaves free; with sleep it is discarded while the trainer
+    # trains, so it can take everything the awake engine and trainer do not hold
+    total_gb = torch.cuda.mem_get_info()[1] / 1e9
+    kv_bytes, per_token = _kv_cache(llm, runner)
+    kv_gb = kv_bytes / 1e9
     # no sleep (where the training step fits beside the resident engine: that it may not is why sleep mode exists)
     steady, train, mem = [], [], []
     fits = True
@@ -127,7 +168,8 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
     if fits:
         rows.append(dict(strategy=strategy, sleep="none", sleep_s=0.0, train_s=statistics.median(train), wake_s=0.0,
                          sync_s=statistics.median(steady), step_s=statistics.median(train) + statistics.median(steady),
-                         train_mem_gb=max(mem), path="steady", exact=""))
+                         train_mem_gb=max(mem), path="steady", exact="",
+                         **_rollout(kv_gb + total_gb - max(mem), per_token, args.rollout_len)))
     else:
         rows.append(dict(strategy=strategy, sleep="none", sleep_s=0.0, train_s=None, wake_s=0.0, sync_s=None,
                          step_s=None, train_mem_gb=None, path="does not fit: the training step runs out of memory "
@@ -136,7 +178,7 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
     for level in (1, 2):
         parts: dict[str, list[float]] = {"sleep": [], "train": [], "wake": [], "sync": []}
         mem, exact, how = [], [], ""
-        same_state, lp_delta, lp_spread = [], [], []
+        same_state, lp_delta, lp_spread, awake = [], [], [], []
         for s in range(args.repeats):
             before = _state(llm, runner, lid()) if level == 2 else None
             out_before = _logprobs(llm, as_engine(llm).lora_request) if level == 2 else None
@@ -151,6 +193,7 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
                 _step(model, 300 + s)
             t, report = _timed(lambda: hwsync.sync(llm, model, strategy=strategy))
             parts["sync"].append(t)
+            awake.append(_in_use())  # trainer + engine awake, before any generation
             how = report.path
             if level == 2:  # the same trainer weights as before the sleep: everything must be back, bit for bit
                 after = _state(llm, runner, lid())
@@ -173,7 +216,8 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
                          path=how, exact=all(exact) if exact else "",
                          state_bit_equal=all(same_state) if same_state else "",
                          logprob_delta=max(lp_delta) if lp_delta else "",
-                         logprob_repeat_spread=max(lp_spread) if lp_spread else ""))
+                         logprob_repeat_spread=max(lp_spread) if lp_spread else "",
+                         **_rollout(total_gb - (max(awake) - kv_gb), per_token, args.rollout_len)))
     # vLLM's reload path of the same base weights (what runs after a level-2 wake without hwsync)
     # merged one tensor at a time, as bench_sync's reload row: a list of every merged expert block (an adapter
     # trainer's 60 GB) does not fit beside the engine
@@ -203,7 +247,9 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         train_mem_gb_none=none["train_mem_gb"], train_mem_gb_l1=l1["train_mem_gb"],
                         train_mem_gb_l2=l2["train_mem_gb"], state_bit_equal=l2.get("state_bit_equal", ""),
                         logprob_delta=l2.get("logprob_delta", ""),
-                        logprob_repeat_spread=l2.get("logprob_repeat_spread", ""), exact=l2["exact"]))
+                        logprob_repeat_spread=l2.get("logprob_repeat_spread", ""),
+                        rollout_seqs_none=none.get("rollout_seqs", ""), rollout_seqs_l1=l1.get("rollout_seqs", ""),
+                        rollout_seqs_l2=l2.get("rollout_seqs", ""), exact=l2["exact"]))
     return out
 
 
@@ -217,6 +263,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="syncs before measuring (first and second sync)")
     ap.add_argument("--batch", type=int, default=4, help="training step: sequences")
     ap.add_argument("--seq", type=int, default=512, help="training step: tokens per sequence")
+    ap.add_argument("--rollout-len", type=int, default=1024, help="tokens per rollout sequence (the batch column)")
     ap.add_argument("--json", help="write the rows and ratios here")
     args = ap.parse_args(argv)
     bad = [s for s in args.strategies.split(",") if s not in ("full", "adapter", "hybrid")]

@@ -41,3 +41,23 @@ def test_refuses_without_cuda(tmp_path: Path) -> None:
     )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "no sleep mode" in run.stderr and not out.exists()
+
+
+def test_kv_cache_and_rollout_budget_arithmetic() -> None:
+    """The KV cache is counted once per storage (layers may view one buffer), per token slot of vLLM's blocks, and a
+    KV budget becomes tokens and whole sequences, never negative."""
+    import types
+
+    from bench_sleep import _kv_cache, _rollout
+
+    shared = torch.zeros(4, 16, dtype=torch.bfloat16)  # 128 bytes, viewed by two layers
+    own = torch.zeros(64, dtype=torch.float32)  # 256 bytes
+    runner = types.SimpleNamespace(kv_caches=[shared[:2], (shared[2:], own)])
+    llm = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(
+            vllm_config=types.SimpleNamespace(cache_config=types.SimpleNamespace(num_gpu_blocks=2, block_size=16))
+        )
+    )
+    assert _kv_cache(llm, runner) == (384, 12.0)
+    assert _rollout(1.2e-6, 12.0, 25) == dict(kv_budget_gb=1.2e-6, rollout_tokens=100, rollout_seqs=4)
+    assert _rollout(-3.0, 12.0, 25)["rollout_tokens"] == 0
