@@ -170,13 +170,16 @@ def serve_command(model: Path, port: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, port: int, log: Path, env: dict[str, str], timeout_s: float = 900) -> Iterator[None]:
-    """``trl vllm-serve``'s server running and answering ``/health`` for the duration of the block (then stopped)."""
+def vllm_server(
+    model: Path, port: int, log: Path, env: dict[str, str], timeout_s: float = 900, command: list[str] | None = None
+) -> Iterator[None]:
+    """``trl vllm-serve``'s server (or ``command``) running and answering ``/health`` for the duration of the block
+    (then stopped)."""
     import signal
 
     with log.open("w") as out:  # TRL's vllm-serve sets VLLM_SERVER_DEV_MODE=1 for its weight routes; so do we
         proc = subprocess.Popen(
-            serve_command(model, port),
+            command or serve_command(model, port),
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env},

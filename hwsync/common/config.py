@@ -121,6 +121,14 @@ VARIABLES: dict[str, Variable] = {
         Variable(
             "HWSYNC_TOKEN", "", _text, "server mode: the shared secret (`hwsync token` makes one)", "integrations"
         ),
+        Variable(
+            "HWSYNC_VLLM_WEIGHT_ROUTES",
+            "closed",
+            _text,
+            "`vllm serve` with hwsync's middleware: `closed` refuses vLLM's own unauthenticated weight routes (403); "
+            "`open` leaves them to vLLM",
+            "engine",
+        ),
     )
 }
 

@@ -16,12 +16,30 @@ from typing import Any
 from hwsync.common.errors import OptionError
 from hwsync.engine.served import GENERATION_ROUTES, ServedEngine
 
-__all__ = ["MIDDLEWARE", "EXTENSION", "SyncMiddleware", "serve_args"]
+__all__ = ["MIDDLEWARE", "EXTENSION", "WEIGHT_ROUTES", "SyncMiddleware", "serve_args"]
 
 logger = logging.getLogger("hwsync.server")
 
 MIDDLEWARE = "hwsync.server.vllm_api.SyncMiddleware"
 EXTENSION = "hwsync.vllm.HwsyncWorkerExtension"
+
+WEIGHT_ROUTES = (
+    "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/update_weight_version",
+    "/weight_checker",
+    "/collective_rpc",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
+"""vLLM's routes that write the engine's weights, adapters or weight version behind hwsync (dev mode's weight
+transfer, checker reset and ``collective_rpc``; runtime LoRA loading): unauthenticated, and a second writer would
+leave hwsync's version, stale flag and checks describing weights the engine no longer holds. Closed while hwsync's
+server serves the engine (``HWSYNC_VLLM_WEIGHT_ROUTES=open`` leaves them to vLLM)."""
 
 
 def serve_args(max_lora_rank: int = 8) -> list[str]:
@@ -43,27 +61,36 @@ def serve_args(max_lora_rank: int = 8) -> list[str]:
 
 class SyncMiddleware:
     """ASGI middleware (``vllm serve --middleware hwsync.server.vllm_api.SyncMiddleware``): starts hwsync's sync
-    server with the app (``HWSYNC_SERVER`` / ``HWSYNC_TOKEN``), and holds generation while a sync runs or after
-    one failed half-way."""
+    server with the app (``HWSYNC_SERVER`` / ``HWSYNC_TOKEN``), holds generation while a sync runs or after one
+    failed half-way, and closes vLLM's own weight routes (:data:`WEIGHT_ROUTES`) while hwsync serves the engine."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
         self.engine: ServedEngine | None = None
         self.server: Any = None
         self._lock = threading.Lock()
+        self.routes_closed = _routes_closed()
 
     async def __call__(self, scope: Mapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] in ("lifespan", "http") and self.server is None:
             self._start(scope["app"])  # at startup (or the first request where the server runs no lifespan)
-        if (
-            scope["type"] == "http"
-            and self.engine is not None
-            and str(scope.get("path", "")).startswith(GENERATION_ROUTES)
-        ):
-            refused = self.engine.refusal()
-            if refused is not None:
-                await _reply(send, *refused)
+        if scope["type"] == "http" and self.engine is not None:
+            path = str(scope.get("path", ""))
+            route = path.rstrip("/")
+            if self.routes_closed and route in WEIGHT_ROUTES:
+                await _reply(
+                    send,
+                    403,
+                    f"{route} is closed: hwsync serves this engine's weights (HWSYNC_SERVER), and vLLM's weight "
+                    "routes are unauthenticated and would write behind hwsync's version and checks. Sync through "
+                    "hwsync.connect(...) with the token, or start the server with HWSYNC_VLLM_WEIGHT_ROUTES=open",
+                )
                 return
+            if path.startswith(GENERATION_ROUTES):
+                refused = self.engine.refusal()
+                if refused is not None:
+                    await _reply(send, *refused)
+                    return
         await self.app(scope, receive, send)
 
     def _start(self, app: Any) -> None:
@@ -88,6 +115,15 @@ class SyncMiddleware:
             )
             self.server = serve(self.engine, address, token)
             logger.info("hwsync: serving weight syncs into this vLLM server's engine on %s", self.server.address)
+
+
+def _routes_closed() -> bool:
+    from hwsync.common.config import read
+
+    value = str(read("HWSYNC_VLLM_WEIGHT_ROUTES")).lower()
+    if value not in ("closed", "open"):
+        raise OptionError(f"HWSYNC_VLLM_WEIGHT_ROUTES={value!r}: expected 'closed' (the default) or 'open'")
+    return value == "closed"
 
 
 async def _reply(send: Any, status: int, message: str) -> None:
