@@ -92,6 +92,10 @@ def config(
     import torch
     from trl import GRPOConfig
 
+    # TRL's colocated engine rendezvouses through MASTER_PORT, which accelerate sets to 29500 when unset: taken when
+    # two jobs run side by side (two TRL test modules at once in CI did collide), so this process gets its own
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
     gpu = has_gpu()
     kwargs: dict[str, Any] = dict(
         output_dir=str(output_dir),
