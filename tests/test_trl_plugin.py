@@ -1,13 +1,12 @@
 """hwsync.trl without an engine: the options (the ms-swift plugin's), the engine settings it asks TRL for, what it
-refuses before any engine is built, the scoped patch, and the vLLM-server middleware's guard of generation.
+refuses before any engine is built, the scoped patch, and the vLLM server's flags (the middleware itself:
+tests/test_vllm_serve_middleware.py, which needs no TRL).
 
 Needs TRL 1.16 (its own venv: ``ci/run-trl.sh``); elsewhere the module skips, saying why.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -142,60 +141,3 @@ def test_serve_args_are_vllm_serve_flags():
     assert args[args.index("--max-lora-rank") + 1] == "16" and "--enable-lora" in args
     assert args[args.index("--worker-extension-cls") + 1] == "hwsync.vllm.HwsyncWorkerExtension"
     assert args[args.index("--middleware") + 1] == "hwsync.server.vllm_api.SyncMiddleware"
-
-
-# ------------------------------------------------------------------------------------------------------ middleware
-def _call(middleware: Any, path: str) -> tuple[int, dict[str, Any] | None]:
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request"}
-
-    asyncio.run(middleware({"type": "http", "path": path, "app": None}, receive, send))
-    if not sent:
-        return 200, None
-    return sent[0]["status"], json.loads(sent[1]["body"])
-
-
-def test_middleware_holds_generation_while_syncing_and_refuses_it_while_stale():
-    """vllm serve's generation routes: 503 during a sync (TRL's client retries), 409 with the reason after a sync
-    failed half-way (the engine stale), through once a complete sync landed; other routes always pass."""
-    import threading
-
-    from hwsync.server.vllm_api import ServedEngine, SyncMiddleware
-
-    passed: list[str] = []
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        passed.append(scope["path"])
-
-    mw = SyncMiddleware(app)
-    engine = ServedEngine.__new__(ServedEngine)
-    engine.syncing, engine.stale_reason = threading.Event(), None
-    mw.engine, mw.server = engine, object()
-    assert _call(mw, "/v1/completions") == (200, None)
-    engine.syncing.set()
-    status, body = _call(mw, "/v1/completions")
-    assert status == 503 and "in progress" in body["error"]["message"]
-    assert _call(mw, "/health") == (200, None)  # not a generation route
-    engine.syncing.clear()
-    engine.stale_reason = "RuntimeError: optimizer blew up"
-    status, body = _call(mw, "/v1/chat/completions")
-    assert status == 409 and "optimizer blew up" in body["error"]["message"] and "stale" in body["error"]["message"]
-    engine.stale_reason = None
-    assert _call(mw, "/inference/v1/generate") == (200, None)
-    assert passed == ["/v1/completions", "/health", "/inference/v1/generate"]
-
-
-def test_middleware_without_server_address_fails_at_startup(monkeypatch):
-    from hwsync.common.errors import OptionError
-    from hwsync.server.vllm_api import SyncMiddleware
-
-    monkeypatch.delenv("HWSYNC_SERVER", raising=False)
-    monkeypatch.delenv("HWSYNC_TOKEN", raising=False)
-    mw = SyncMiddleware(None)
-    with pytest.raises(OptionError, match="HWSYNC_SERVER and HWSYNC_TOKEN.*vLLM server"):
-        mw._start(SimpleNamespace(state=SimpleNamespace()))

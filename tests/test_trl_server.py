@@ -10,18 +10,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_trl_grpo import ROOT, check_job, run_job  # noqa: E402  (skips without TRL 1.16)
+from test_vllm_serve_middleware import post  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "examples"))
 import trl_grpo_tiny_moe as job  # noqa: E402
@@ -35,19 +33,8 @@ def test_grpo_server(tmp_path):
     check_job(*run_job(tmp_path, "--server"), mode="server")
 
 
-def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
 def _completion(port: int, model: str) -> tuple[int, dict]:
-    return _post(port, "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0.0})
+    return post(port, "/v1/completions", {"model": model, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0.0})
 
 
 def test_a_failed_sync_stops_generation_until_a_complete_one(tmp_path, monkeypatch):
@@ -89,7 +76,7 @@ def test_a_failed_sync_stops_generation_until_a_complete_one(tmp_path, monkeypat
             assert engine.state()["stale"]
             assert status == 409 and "stale" in body["error"]["message"], (status, body)
             assert (
-                _post(
+                post(
                     port, "/v1/chat/completions", {"model": "hwsync", "messages": [{"role": "user", "content": "1+1"}]}
                 )[0]
                 == 409

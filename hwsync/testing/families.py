@@ -639,11 +639,11 @@ def _row_orders_of(worker: Any) -> dict[str, Any]:
     from hwsync.engine.vllm.worker import receiver_of
 
     applier: Any = receiver_of(worker).applier  # the VllmApplier behind the receiver's Applier interface
-    return applier.lora_row_orders
+    return dict(applier.lora_layout.row_orders)
 
 
 def _engine_row_orders(llm: Any) -> dict[str, Any]:
-    """The LoRA B row orders the engine's hwsync receiver applies (see ``VllmApplier.lora_row_orders``)."""
+    """The LoRA B row orders the engine's hwsync receiver applies (the engine's ``LoraLayout.row_orders``)."""
     from hwsync.engine.vllm.worker import answered
 
     status, value = llm.collective_rpc(answered, args=(True, _row_orders_of))[0]

@@ -278,7 +278,7 @@ def write_adapter(
     ``drop(key)`` removes tensors (the modules a hybrid sync merges instead). ``moe_format="2d"`` rewrites fused
     expert LoRA per expert (:func:`peft_moe_lora_to_2d`) for engines without ``enable_mixed_moe_lora_format``.
     ``rows`` (module path -> row index): B rows reordered as the engine's loader reorders that module's base weight
-    (what hwsync delivers for Llama 4's q/k, :meth:`hwsync.engine.vllm.applier.VllmApplier.lora_row_orders`).
+    (what hwsync delivers for Llama 4's q/k, :attr:`hwsync.common.lora_layout.LoraLayout.row_orders`).
     """
     from safetensors.torch import load_file, save_file
 

@@ -418,12 +418,6 @@ class VllmApplier:
             self._layout = LoraLayout.of_vllm(manager)
         return self._layout
 
-    @property
-    def lora_row_orders(self) -> dict[str, Tensor]:
-        """LoRA module (trainer path) -> the row order this engine's loader gives its base weight, applied to the
-        module's B on every adapter install (the layout's; empty for most models)."""
-        return dict(self.lora_layout.row_orders)
-
     # -- validation -----------------------------------------------------------------------------------------------
     def validate(self, manifest: Manifest) -> LoadPlan:
         plan = LoadPlan()
