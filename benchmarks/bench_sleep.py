@@ -10,6 +10,8 @@ by default (the model and engine of ``benchmarks/bench_sync.py``, imported from 
   the same engine before the sleep, with the same trainer weights (bench_sync checks that state against vLLM's own
   loading), and the logprobs of the check prompts within the engine's own repeat spread (two runs before the
   sleep: vLLM's MoE-LoRA kernels are not bit-reproducible at 48 layers);
+* **the driver's floor** under the level-2 wake: while the engine sleeps, the time to get the same bytes of fresh
+  device memory from the driver, in one allocation and in the engine's pieces (one per weight storage);
 * **vLLM's reload path**: ``reload_weights`` of the same base weights (what a framework without hwsync runs after a
   level-2 wake).
 
@@ -111,6 +113,21 @@ def _rollout(kv_budget: float, per_token: float, seq: int) -> dict[str, Any]:
     return dict(kv_budget_gb=kv_budget, rollout_tokens=tokens, rollout_seqs=tokens // seq)
 
 
+def _fresh_memory(sizes: list[int]) -> float:
+    """Seconds the driver takes to hand out fresh device memory of ``sizes`` (bytes; one allocation each, torch's
+    cache emptied first, so every one is a new cudaMalloc): the floor under any wake that re-acquires as much memory,
+    vLLM's level-2 wake included (it maps new physical memory for every weight allocation it discarded)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    held = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    del held
+    torch.cuda.empty_cache()
+    return seconds
+
+
 def _state(llm: Any, runner: Any, lid: int | None) -> dict[str, Any]:
     return {"base": _base_sums(runner), "slots": _slot_sums(llm, lid) if lid is not None else {}}
 
@@ -148,6 +165,9 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
     total_gb = torch.cuda.mem_get_info()[1] / 1e9
     kv_bytes, per_token = _kv_cache(llm, runner)
     kv_gb = kv_bytes / 1e9
+    # what a level-2 wake must map again: the engine's weights, one allocation per parameter storage (vLLM's pool)
+    weight_sizes = list({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                         for p in runner.model.parameters()}.values())
     # no sleep (where the training step fits beside the resident engine: that it may not is why sleep mode exists)
     steady, train, mem = [], [], []
     fits = True
@@ -178,7 +198,7 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
     for level in (1, 2):
         parts: dict[str, list[float]] = {"sleep": [], "train": [], "wake": [], "sync": []}
         mem, exact, how = [], [], ""
-        same_state, lp_delta, lp_spread, awake = [], [], [], []
+        same_state, lp_delta, lp_spread, awake, floor_one, floor_pieces = [], [], [], [], [], []
         for s in range(args.repeats):
             before = _state(llm, runner, lid()) if level == 2 else None
             out_before = _logprobs(llm, as_engine(llm).lora_request) if level == 2 else None
@@ -188,6 +208,9 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
             t, used = _timed(lambda: _train_step(model, args.batch, args.seq))
             parts["train"].append(t)
             mem.append(used)
+            if level == 2:  # the driver's floor for the wake: the same bytes in one allocation, and in vLLM's pieces
+                floor_one.append(_fresh_memory([sum(weight_sizes)]))
+                floor_pieces.append(_fresh_memory(weight_sizes))
             parts["wake"].append(_timed(lambda: llm.wake_up())[0])
             if level == 1:
                 _step(model, 300 + s)
@@ -217,6 +240,9 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
                          state_bit_equal=all(same_state) if same_state else "",
                          logprob_delta=max(lp_delta) if lp_delta else "",
                          logprob_repeat_spread=max(lp_spread) if lp_spread else "",
+                         fresh_memory_one_s=statistics.median(floor_one) if floor_one else "",
+                         fresh_memory_pieces_s=statistics.median(floor_pieces) if floor_pieces else "",
+                         weights_gb=sum(weight_sizes) / 1e9,
                          **_rollout(total_gb - (max(awake) - kv_gb), per_token, args.rollout_len)))
     # vLLM's reload path of the same base weights (what runs after a level-2 wake without hwsync)
     # merged one tensor at a time, as bench_sync's reload row: a list of every merged expert block (an adapter
@@ -248,9 +274,16 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         train_mem_gb_l2=l2["train_mem_gb"], state_bit_equal=l2.get("state_bit_equal", ""),
                         logprob_delta=l2.get("logprob_delta", ""),
                         logprob_repeat_spread=l2.get("logprob_repeat_spread", ""),
+                        wake2_ms=l2["wake_s"] * 1e3,
+                        fresh_memory_ms=_ms(l2.get("fresh_memory_one_s")),
+                        fresh_memory_pieces_ms=_ms(l2.get("fresh_memory_pieces_s")),
                         rollout_seqs_none=none.get("rollout_seqs", ""), rollout_seqs_l1=l1.get("rollout_seqs", ""),
                         rollout_seqs_l2=l2.get("rollout_seqs", ""), exact=l2["exact"]))
     return out
+
+
+def _ms(seconds: Any) -> Any:
+    return seconds * 1e3 if isinstance(seconds, (int, float)) else ""
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
