@@ -228,10 +228,12 @@ def train(
     hwsync: bool = True,
     trainer_cls: type | None = None,
     callbacks: list[Any] | None = None,
+    vllm_weight_transfer: bool = False,
     **overrides: Any,
 ) -> Any:
     """Build and run the TRL trainer (``hwsync=False``: TRL's own ``GRPOTrainer``, its own sync, with the same
-    engine settings; ``trainer_cls``: a subclass of hwsync's); returns it."""
+    engine settings; ``trainer_cls``: a subclass of hwsync's; ``vllm_weight_transfer``: the colocated engine selects
+    hwsync as vLLM's weight-transfer backend, so every sync goes through vLLM's own protocol); returns it."""
     from peft import LoraConfig
 
     args = config(output_dir, steps=steps, gspo=gspo, server_port=server_port, **overrides)
@@ -247,7 +249,10 @@ def train(
         from hwsync.trl import GRPOTrainer
 
         cls = trainer_cls or GRPOTrainer
-        trainer = cls(**common, engine_kwargs=engine_kwargs() if server_port is None else None)
+        engine = engine_kwargs() if server_port is None else None
+        if engine is not None and vllm_weight_transfer:
+            engine["weight_transfer_config"] = {"backend": "hwsync"}
+        trainer = cls(**common, engine_kwargs=engine)
     elif server_port is None:
         trainer = stock_trainer(common, engine_kwargs())
     else:
@@ -339,8 +344,19 @@ def main(argv: list[str] | None = None) -> int:
         help="colocated, CUDA: vllm_enable_sleep_mode=True (TRL sleeps vLLM at level 2 after each rollout: its weights "
         "are discarded and hwsync refills them at the next sync)",
     )
+    parser.add_argument(
+        "--vllm-weight-transfer",
+        action="store_true",
+        help="colocated: the engine selects hwsync as vLLM's weight-transfer backend (engine_kwargs="
+        '{"weight_transfer_config": {"backend": "hwsync"}}): syncs go through vLLM\'s own protocol',
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where model, data and outputs go (default: tmp)")
     opts = parser.parse_args(argv)
+    if opts.vllm_weight_transfer and opts.server:
+        raise SystemExit(
+            "--vllm-weight-transfer is for a colocated engine: a `trl vllm-serve` engine syncs through "
+            "hwsync's authenticated server (docs/weight-transfer.md)"
+        )
     if opts.sleep_mode and (opts.server or not has_gpu()):
         raise SystemExit("--sleep-mode needs a colocated engine on a CUDA GPU: vLLM's CPU build has no sleep mode")
     if not has_gpu():
@@ -371,7 +387,16 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.update(HWSYNC_SERVER=f"127.0.0.1:{free_port()}", HWSYNC_TOKEN=secrets.token_hex(16))
             stack.enter_context(vllm_server(model, port, workdir / "vllm-serve.log", {}))
         overrides = {"vllm_enable_sleep_mode": True} if opts.sleep_mode else {}
-        trainer = train(model, data, out, steps=opts.steps, gspo=opts.gspo, server_port=port, **overrides)
+        trainer = train(
+            model,
+            data,
+            out,
+            steps=opts.steps,
+            gspo=opts.gspo,
+            server_port=port,
+            vllm_weight_transfer=opts.vllm_weight_transfer,
+            **overrides,
+        )
     recs = records(metrics)
     print()
     print(next((r["text"] for r in recs if r.get("event") == "summary"), "(no hwsync summary)"))

@@ -103,3 +103,14 @@ def test_grpo_colocate(tmp_path):
 
 def test_gspo_colocate(tmp_path):
     check_job(*run_job(tmp_path, "--gspo"), steps_per_generation=2)
+
+
+def test_grpo_colocate_through_vllms_weight_transfer_api(tmp_path):
+    """The TRL job with one more engine argument, ``engine_kwargs={"weight_transfer_config": {"backend": "hwsync"}}``
+    (``--vllm-weight-transfer``): TRL's colocated engine selects hwsync as vLLM's weight-transfer backend and every
+    sync of ``hwsync.trl.GRPOTrainer`` goes through vLLM's own protocol, with everything the job promises."""
+    pytest.importorskip("vllm.distributed.weight_transfer")
+    records, out = run_job(tmp_path, "--vllm-weight-transfer")
+    check_job(records, out)
+    syncs = [r for r in records if r["event"] == "sync"]
+    assert {s["path"] for s in syncs} == {"vLLM weight-transfer API (backend hwsync)"}, syncs
