@@ -12,8 +12,9 @@ by default (the model and engine of ``benchmarks/bench_sync.py``, imported from 
   the sleep), and must be equal only without LoRA (vLLM's MoE-LoRA kernels are not bit-reproducible at 48 layers);
 * **the driver's floor** under the level-2 wake: while the engine sleeps, the time to get the same bytes of fresh
   device memory from the driver, in one allocation and in the engine's pieces (one per weight storage), and one full
-  ``gc.collect()`` (vLLM's wake_up starts with one); ``benchmarks/bench_wake_floor.py`` takes the wake apart without
-  a model;
+  ``gc.collect()`` (vLLM's wake_up starts with one); the level-2 wake itself taken apart (``_wake_probe``: the
+  worker's ``wake_up``, the allocator's, its ``create_and_map`` calls and host copies); ``benchmarks/bench_wake_floor.py``
+  does the same without a model;
 * **vLLM's reload path**: ``reload_weights`` of the same base weights (what a framework without hwsync runs after a
   level-2 wake).
 
@@ -32,6 +33,7 @@ arguments; the refill logic itself is tested on CPU by tests/test_sleep_refill.p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -113,6 +115,62 @@ def _rollout(kv_budget: float, per_token: float, seq: int) -> dict[str, Any]:
     activations during generation come out of the same memory)."""
     tokens = int(max(0.0, kv_budget) * 1e9 / max(per_token, 1.0))
     return dict(kv_budget_gb=kv_budget, rollout_tokens=tokens, rollout_seqs=tokens // seq)
+
+
+@contextlib.contextmanager
+def _wake_probe() -> Any:
+    """Time the layers of one wake (benchmark only; every wrapper removed on exit): the worker's ``wake_up`` (vLLM's
+    GPU worker: the sleep backend's resume, saved buffers copied back, a device sync), CuMemAllocator's ``wake_up``
+    (a gc.collect, an empty_cache, then per allocation ``create_and_map`` and, for offloaded ones, a host copy back),
+    and inside it every ``create_and_map`` and ``cudaMemcpy`` (calls and bytes). ``llm.wake_up()`` minus the worker's
+    is the engine's dispatch and hwsync's sleep watch (its address check)."""
+    from vllm.device_allocator import cumem
+    from vllm.v1.worker.gpu_worker import Worker
+
+    acc: dict[str, float] = {k: 0.0 for k in ("worker_s", "allocator_s", "map_s", "map_n", "map_gb", "copy_s",
+                                              "copy_n", "copy_gb")}
+    saved = [(cumem, "create_and_map", cumem.create_and_map), (cumem.CuMemAllocator, "wake_up",
+             cumem.CuMemAllocator.wake_up), (Worker, "wake_up", Worker.wake_up)]
+    memcpy = cumem.libcudart.cudaMemcpy if cumem.libcudart is not None else None
+
+    def timed(key: str, fn: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                torch.cuda.synchronize()
+                acc[key] += time.perf_counter() - t0
+        return run
+
+    def mapped(handle: Any) -> None:
+        t0 = time.perf_counter()
+        saved[0][2](handle)
+        acc["map_s"] += time.perf_counter() - t0
+        acc["map_n"] += 1
+        acc["map_gb"] += handle[1] / 1e9
+
+    def copied(dst: Any, src: Any, n: int) -> Any:
+        t0 = time.perf_counter()
+        out = memcpy(dst, src, n)
+        acc["copy_s"] += time.perf_counter() - t0
+        acc["copy_n"] += 1
+        acc["copy_gb"] += n / 1e9
+        return out
+
+    cumem.create_and_map = mapped
+    cumem.CuMemAllocator.wake_up = timed("allocator_s", saved[1][2])
+    Worker.wake_up = timed("worker_s", saved[2][2])
+    if memcpy is not None:
+        cumem.libcudart.cudaMemcpy = copied
+    try:
+        yield acc
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+        if memcpy is not None:
+            cumem.libcudart.cudaMemcpy = memcpy
 
 
 def _fresh_memory(sizes: list[int]) -> float:
@@ -201,6 +259,7 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
         parts: dict[str, list[float]] = {"sleep": [], "train": [], "wake": [], "sync": []}
         mem, exact, how = [], [], ""
         same_state, lp_delta, lp_spread, awake, floor_one, floor_pieces, gc_s = [], [], [], [], [], [], []
+        probes: list[dict[str, float]] = []
         for s in range(args.repeats):
             before = _state(llm, runner, lid()) if level == 2 else None
             out_before = _logprobs(llm, as_engine(llm).lora_request) if level == 2 else None
@@ -214,7 +273,12 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
                 floor_one.append(_fresh_memory([sum(weight_sizes)]))
                 floor_pieces.append(_fresh_memory(weight_sizes))
                 gc_s.append(_timed(gc.collect)[0])  # what vLLM's wake_up does first
-            parts["wake"].append(_timed(lambda: llm.wake_up())[0])
+            if level == 2:
+                with _wake_probe() as probe:
+                    parts["wake"].append(_timed(lambda: llm.wake_up())[0])
+                probes.append(probe)
+            else:
+                parts["wake"].append(_timed(lambda: llm.wake_up())[0])
             if level == 1:
                 _step(model, 300 + s)
             t, report = _timed(lambda: hwsync.sync(llm, model, strategy=strategy))
@@ -250,6 +314,7 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
                          fresh_memory_pieces_s=statistics.median(floor_pieces) if floor_pieces else "",
                          weights_gb=sum(weight_sizes) / 1e9,
                          gc_collect_s=statistics.median(gc_s) if gc_s else "",
+                         **{f"wake_{k}": statistics.median(p[k] for p in probes) for k in (probes[0] if probes else ())},
                          gc_objects=len(gc.get_objects()) + gc.get_freeze_count(),
                          **_rollout(total_gb - (max(awake) - kv_gb), per_token, args.rollout_len)))
     # vLLM's reload path of the same base weights (what runs after a level-2 wake without hwsync)
@@ -284,6 +349,10 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         logprob_repeat_spread=l2.get("logprob_repeat_spread", ""),
                         wake2_ms=l2["wake_s"] * 1e3,
                         gc_collect_ms=_ms(l2.get("gc_collect_s")),
+                        wake_worker_ms=_ms(l2.get("wake_worker_s")),
+                        wake_allocator_ms=_ms(l2.get("wake_allocator_s")),
+                        wake_map_ms=_ms(l2.get("wake_map_s")),
+                        wake_copy_ms=_ms(l2.get("wake_copy_s")),
                         fresh_memory_ms=_ms(l2.get("fresh_memory_one_s")),
                         fresh_memory_pieces_ms=_ms(l2.get("fresh_memory_pieces_s")),
                         rollout_seqs_none=none.get("rollout_seqs", ""), rollout_seqs_l1=l1.get("rollout_seqs", ""),

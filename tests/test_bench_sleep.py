@@ -61,3 +61,17 @@ def test_kv_cache_and_rollout_budget_arithmetic() -> None:
     assert _kv_cache(llm, runner) == (384, 12.0)
     assert _rollout(1.2e-6, 12.0, 25) == dict(kv_budget_gb=1.2e-6, rollout_tokens=100, rollout_seqs=4)
     assert _rollout(-3.0, 12.0, 25)["rollout_tokens"] == 0
+
+
+def test_wake_probe_leaves_vllm_as_it_was() -> None:
+    """The wake probe wraps vLLM's wake functions only while it is entered, and puts back exactly what was there."""
+    pytest.importorskip("vllm")
+    from bench_sleep import _wake_probe
+    from vllm.device_allocator import cumem
+    from vllm.v1.worker.gpu_worker import Worker
+
+    before = (cumem.create_and_map, cumem.CuMemAllocator.wake_up, Worker.wake_up)
+    with _wake_probe() as acc:
+        assert (cumem.create_and_map, cumem.CuMemAllocator.wake_up, Worker.wake_up) != before
+        assert set(acc) >= {"worker_s", "allocator_s", "map_s", "map_n", "copy_s"}
+    assert (cumem.create_and_map, cumem.CuMemAllocator.wake_up, Worker.wake_up) == before
