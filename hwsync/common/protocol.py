@@ -11,7 +11,8 @@ not encrypted: run it on the network your collectives use anyway.)
 * Handshake, the server proving first: server hello (salt, nonce), client nonce, the server's proof over both nonces,
   then the client's; the client sends nothing derived from the token to a peer that has not proven it knows it. The
   whole handshake has one deadline (:data:`HANDSHAKE_TIMEOUT_S`), however slowly the bytes trickle in. An
-  authenticated connection then gets one frame, ``welcome`` or ``busy`` (every trainer slot held).
+  authenticated connection then gets one frame, ``welcome`` or ``busy`` (every trainer slot held); the welcome names
+  the server's :data:`WIRE` and hwsync version, and a client of another wire refuses it before any request.
 * Frames: ``[4-byte length][32-byte MAC][JSON body]``, ``MAC = HMAC(session_key, direction, sequence, body)``. The
   MAC is checked before the body is even parsed, sequence numbers make replays and reorderings fail, a frame larger
   than :data:`MAX_FRAME` is refused before it is read, and one whose first byte arrived must be complete within
@@ -40,6 +41,7 @@ from hwsync.common.errors import EngineBusyError, SyncError
 from hwsync.common.tokens import MIN_TOKEN_CHARS, check_token, new_token
 
 __all__ = [
+    "WIRE",
     "Channel",
     "DEFAULT_TIMEOUT_S",
     "FRAME_TIMEOUT_S",
@@ -76,6 +78,21 @@ _SALT_BYTES = 16
 _HELLO = b"HWS2"  # server hello of this protocol (the first one, before the server proved first, was HWSY)
 _BUSY = b"HWSB"  # server hello when every handshake slot is taken (a flood): retry shortly
 _CLIENT = b"HWC2"
+
+WIRE = 2
+"""The shape of every JSON form that crosses the control channel (:mod:`hwsync.common.wire`: manifest, engine
+description, state). Bumped whenever one changes (2: the engine describes its LoRA layout, ``EngineInfo.lora_layout``,
+not ``moe_format``), so a trainer and an engine of different hwsync releases refuse each other at the handshake with
+both versions named, instead of misreading a field."""
+
+
+def welcome() -> dict[str, Any]:
+    """The server's first frame to an authenticated client that got a slot."""
+    from hwsync.common.version import __version__
+
+    return {"welcome": True, "wire": WIRE, "hwsync": __version__}
+
+
 _SCRYPT = {"n": 1 << 14, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}  # ~16 MiB and tens of ms per guess
 
 
@@ -331,6 +348,15 @@ def client_handshake(sock: socket.socket, token: str, address: str, timeout_s: f
         raise EngineBusyError(f"the engine at {address} is busy: {str(first['busy'])[:300]}")
     if first.get("welcome") is not True:
         raise SyncError(f"the engine at {address} answered the handshake with {str(first)[:80]}")
+    if first.get("wire") != WIRE:
+        from hwsync.common.version import __version__
+
+        channel.close()
+        raise SyncError(
+            f"the engine at {address} runs hwsync {str(first.get('hwsync', 'of an earlier wire'))[:40]} (wire "
+            f"{str(first.get('wire', 1))[:10]}), this trainer hwsync {__version__} (wire {WIRE}): both sides must run "
+            "the same hwsync release; install this one where the engine runs"
+        )
     return channel
 
 

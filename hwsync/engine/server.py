@@ -35,6 +35,7 @@ from hwsync.common.protocol import (
     server_handshake,
     split_address,
     stretch,
+    welcome,
 )
 from hwsync.common.target import EngineQueries, Generating
 from hwsync.common.transport.base import LinkSpec
@@ -234,7 +235,7 @@ class SyncServer:
             channel.close()
             return
         try:
-            channel.send({"welcome": True})
+            channel.send(welcome())
             while not self._stop.is_set():
                 try:
                     msg = channel.recv(wait=self.idle_s)
