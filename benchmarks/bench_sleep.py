@@ -317,6 +317,19 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
                          **{f"wake_{k}": statistics.median(p[k] for p in probes) for k in (probes[0] if probes else ())},
                          gc_objects=len(gc.get_objects()) + gc.get_freeze_count(),
                          **_rollout(total_gb - (max(awake) - kv_gb), per_token, args.rollout_len)))
+    if args.profile_refill:  # one more level-2 cycle, not measured: the host side of its refill under cProfile
+        import cProfile
+        import io
+        import pstats
+
+        llm.sleep(level=2)
+        llm.wake_up()
+        prof = cProfile.Profile()
+        t, _ = _timed(lambda: prof.runcall(hwsync.sync, llm, model, strategy=strategy))
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+        print(f"bench_sleep: {strategy}: one level-2 refill under cProfile ({t * 1e3:.1f} ms)\n{text.getvalue()}",
+              file=sys.stderr)
     # vLLM's reload path of the same base weights (what runs after a level-2 wake without hwsync)
     # merged one tensor at a time, as bench_sync's reload row: a list of every merged expert block (an adapter
     # trainer's 60 GB) does not fit beside the engine
@@ -375,6 +388,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=4, help="training step: sequences")
     ap.add_argument("--seq", type=int, default=512, help="training step: tokens per sequence")
     ap.add_argument("--rollout-len", type=int, default=1024, help="tokens per rollout sequence (the batch column)")
+    ap.add_argument("--profile-refill", action="store_true",
+                    help="print the host-side profile (cProfile, top 30 cumulative) of the last level-2 refill")
     ap.add_argument("--json", help="write the rows and ratios here")
     args = ap.parse_args(argv)
     bad = [s for s in args.strategies.split(",") if s not in ("full", "adapter", "hybrid")]

@@ -158,7 +158,7 @@ run_part() {
                 transfer48) "$PY" benchmarks/bench_transfer.py --shapes qwen3-30b-a3b --layers 48 --rank 32 \
                     ${OUT:+--json "$OUT/transfer48.json"} || rc=$? ;;
                 sleep-bench) "$PY" benchmarks/bench_sleep.py --shapes qwen3-30b-a3b --layers 48 --rank 8 --repeats 2 \
-                    --strategies full,adapter ${OUT:+--json "$OUT/sleep-bench.json"} || rc=$? ;;
+                    --strategies full,adapter --profile-refill ${OUT:+--json "$OUT/sleep-bench.json"} || rc=$? ;;
                 sleep-bench35) "$PY" benchmarks/bench_sleep.py --shapes qwen3.5-moe --layers 24 --rank 8 --repeats 1 \
                     --strategies full,adapter,hybrid ${OUT:+--json "$OUT/sleep-bench35.json"} || rc=$? ;;
             esac ;;
