@@ -39,6 +39,7 @@ from typing import Any
 from hwsync.common.config import read
 from hwsync.common.errors import EngineBusyError, SyncError
 from hwsync.common.tokens import MIN_TOKEN_CHARS, check_token, new_token
+from hwsync.common.version import __version__
 
 __all__ = [
     "WIRE",
@@ -79,6 +80,8 @@ _HELLO = b"HWS2"  # server hello of this protocol (the first one, before the ser
 _BUSY = b"HWSB"  # server hello when every handshake slot is taken (a flood): retry shortly
 _CLIENT = b"HWC2"
 
+_SCRYPT = {"n": 1 << 14, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}  # ~16 MiB and tens of ms per guess
+
 WIRE = 2
 """The shape of every JSON form that crosses the control channel (:mod:`hwsync.common.wire`: manifest, engine
 description, state). Bumped whenever one changes (2: the engine describes its LoRA layout, ``EngineInfo.lora_layout``,
@@ -88,12 +91,7 @@ both versions named, instead of misreading a field."""
 
 def welcome() -> dict[str, Any]:
     """The server's first frame to an authenticated client that got a slot."""
-    from hwsync.common.version import __version__
-
     return {"welcome": True, "wire": WIRE, "hwsync": __version__}
-
-
-_SCRYPT = {"n": 1 << 14, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}  # ~16 MiB and tens of ms per guess
 
 
 class IdleTimeout(TimeoutError):
@@ -349,8 +347,6 @@ def client_handshake(sock: socket.socket, token: str, address: str, timeout_s: f
     if first.get("welcome") is not True:
         raise SyncError(f"the engine at {address} answered the handshake with {str(first)[:80]}")
     if first.get("wire") != WIRE:
-        from hwsync.common.version import __version__
-
         channel.close()
         raise SyncError(
             f"the engine at {address} runs hwsync {str(first.get('hwsync', 'of an earlier wire'))[:40]} (wire "
