@@ -61,6 +61,7 @@ from bench_sync import (  # noqa: E402 - the benchmark's model and engine live t
     _sync_device,
     _trainer,
 )
+from bench_wake_floor import fresh_memory  # noqa: E402 - the floor's one home
 
 
 def _timed(fn: Any) -> tuple[float, Any]:
@@ -173,21 +174,6 @@ def _wake_probe() -> Any:
             cumem.libcudart.cudaMemcpy = memcpy
 
 
-def _fresh_memory(sizes: list[int]) -> float:
-    """Seconds the driver takes to hand out fresh device memory of ``sizes`` (bytes; one allocation each, torch's
-    cache emptied first, so every one is a new cudaMalloc): the floor under any wake that re-acquires as much memory,
-    vLLM's level-2 wake included (it maps new physical memory for every weight allocation it discarded)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    t0 = time.perf_counter()
-    held = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    del held
-    torch.cuda.empty_cache()
-    return seconds
-
-
 def _state(llm: Any, runner: Any, lid: int | None) -> dict[str, Any]:
     return {"base": _base_sums(runner), "slots": _slot_sums(llm, lid) if lid is not None else {}}
 
@@ -270,15 +256,13 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
             parts["train"].append(t)
             mem.append(used)
             if level == 2:  # the driver's floor for the wake: the same bytes in one allocation, and in vLLM's pieces
-                floor_one.append(_fresh_memory([sum(weight_sizes)]))
-                floor_pieces.append(_fresh_memory(weight_sizes))
+                floor_one.append(fresh_memory([sum(weight_sizes)]))
+                floor_pieces.append(fresh_memory(weight_sizes))
                 gc_s.append(_timed(gc.collect)[0])  # what vLLM's wake_up does first
-            if level == 2:
-                with _wake_probe() as probe:
-                    parts["wake"].append(_timed(lambda: llm.wake_up())[0])
-                probes.append(probe)
-            else:
+            with _wake_probe() if level == 2 else contextlib.nullcontext() as probe:  # level 2: taken apart
                 parts["wake"].append(_timed(lambda: llm.wake_up())[0])
+            if probe is not None:
+                probes.append(probe)
             if level == 1:
                 _step(model, 300 + s)
             t, report = _timed(lambda: hwsync.sync(llm, model, strategy=strategy))
@@ -315,7 +299,6 @@ def phase(path: Path, strategy: str, args: argparse.Namespace, dtype: torch.dtyp
                          weights_gb=sum(weight_sizes) / 1e9,
                          gc_collect_s=statistics.median(gc_s) if gc_s else "",
                          **{f"wake_{k}": statistics.median(p[k] for p in probes) for k in (probes[0] if probes else ())},
-                         gc_objects=len(gc.get_objects()) + gc.get_freeze_count(),
                          **_rollout(total_gb - (max(awake) - kv_gb), per_token, args.rollout_len)))
     if args.profile_refill:  # one more level-2 cycle, not measured: the host side of its refill under cProfile
         import cProfile
@@ -389,7 +372,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=512, help="training step: tokens per sequence")
     ap.add_argument("--rollout-len", type=int, default=1024, help="tokens per rollout sequence (the batch column)")
     ap.add_argument("--profile-refill", action="store_true",
-                    help="print the host-side profile (cProfile, top 30 cumulative) of the last level-2 refill")
+                    help="after the measured cycles, one more level-2 cycle: its refill's host side under cProfile "
+                    "(top 30 cumulative), on stderr")
     ap.add_argument("--json", help="write the rows and ratios here")
     args = ap.parse_args(argv)
     bad = [s for s in args.strategies.split(",") if s not in ("full", "adapter", "hybrid")]

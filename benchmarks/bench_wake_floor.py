@@ -39,6 +39,20 @@ def pieces(layers: int) -> list[int]:
     return [2 * n for _ in range(layers) for n in per_layer]
 
 
+def fresh_memory(sizes: list[int]) -> float:
+    """Seconds the driver takes to hand out fresh device memory of ``sizes`` (bytes; one allocation each, torch's
+    cache emptied first, so every one is a new cudaMalloc): the floor under any wake that re-acquires as much memory,
+    vLLM's level-2 wake included (it maps new physical memory for every weight allocation it discarded). Used by
+    ``bench_sleep.py`` too, while its engine sleeps."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held: list[torch.Tensor] = []
+    seconds = _timed(lambda: held.extend(torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes))
+    del held
+    torch.cuda.empty_cache()
+    return seconds
+
+
 def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -76,14 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         with ThreadPoolExecutor(threads) as pool:
             return _timed(lambda: list(pool.map(create_and_map, handles)))
 
-    def fresh(chunks: list[int]) -> float:
-        torch.cuda.empty_cache()
-        out: list[torch.Tensor] = []
-        t = _timed(lambda: out.extend(torch.empty(n, dtype=torch.uint8, device="cuda") for n in chunks))
-        del out
-        torch.cuda.empty_cache()
-        return t
-
     for _ in range(args.repeats):
         rows["vLLM sleep (discard)"].append(_timed(lambda: allocator.sleep(offload_tags=())))
         rows["vLLM wake_up"].append(_timed(allocator.wake_up))
@@ -91,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         rows["empty_cache (its second)"].append(_timed(torch.accelerator.empty_cache))
         rows["create_and_map, 1 thread"].append(remap(1))
         rows["create_and_map, 8 threads"].append(remap(8))
-        rows["cudaMalloc, same pieces"].append(fresh(sizes))
-        rows["cudaMalloc, one piece"].append(fresh([sum(sizes)]))
+        rows["cudaMalloc, same pieces"].append(fresh_memory(sizes))
+        rows["cudaMalloc, one piece"].append(fresh_memory([sum(sizes)]))
     base = statistics.median(rows["vLLM wake_up"])
     print(f"\n## re-acquiring {gb:.1f} GB in {len(sizes)} pieces ({args.layers} layers), median of {args.repeats}")
     print("| path | ms | GB/s | x vLLM wake_up |\n|---|---|---|---|")

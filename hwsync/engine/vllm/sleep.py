@@ -73,7 +73,8 @@ LOGITS_MAPPING = "sharded_to_full_mapping_gpu"
 
 
 Location = tuple[torch.nn.Module, str, str, "int | None"]
-"""Where a module holds a tensor: ``(module, "param" | "attr", name, index in a tuple / list attribute or None)``."""
+"""Where a module holds a tensor: ``(module, "param" | "buffer" | "attr", name, index in a tuple / list attribute or
+None)``."""
 
 
 def device_tensors(model: torch.nn.Module) -> Iterator[tuple[str, str, Tensor]]:
@@ -122,6 +123,8 @@ def _read(where: Location) -> Tensor | None:
     module, how, name, index = where
     if how == "param":
         value: Any = module._parameters.get(name)
+    elif how == "buffer":
+        value = module._buffers.get(name)
     else:
         value = vars(module).get(name)
         if index is not None:
@@ -213,7 +216,7 @@ class SleepWatch:
             d = self.discarded
             if d is not None and not d.woke:
                 # each tensor read again where the sleep found it (~1 ms at 48 layers; a walk of every module's
-                # attributes took 20-24 ms): a new object, address, shape or strides there is a move
+                # attributes took 15-24 ms): a new object, address, shape or strides there is a move
                 now = {name: _read(at) for name, at in d.where.items()}
                 d.moved = tuple(sorted(n for n, t in now.items() if t is None or _address(t) != d.addresses.get(n)))
                 d.woke = True
