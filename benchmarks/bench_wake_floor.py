@@ -48,7 +48,7 @@ def fresh_memory(sizes: list[int]) -> float:
     torch.cuda.empty_cache()
     held: list[torch.Tensor] = []
     seconds = _timed(lambda: held.extend(torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes))
-    del held
+    held.clear()
     torch.cuda.empty_cache()
     return seconds
 
